@@ -1,0 +1,100 @@
+"""Model flavours and sizes (HOLA_SPEC section 5).
+
+A flavour is the token mixer of every block: ``hola`` (score eviction), ``hola_recency`` (the paper's
+HOLA+recency control), ``gdn`` (cache off) and ``transformer`` (Transformer++: RoPE, SwiGLU, RMSNorm,
+document-causal SDPA). A size fixes the widths. ``model_args(flavour, size, vocab_size=...)`` is the only
+way the rest of the system builds a :class:`ModelArgs`, so a TOML names a flavour and a size instead of
+repeating numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+FLAVOURS = ("hola", "hola_recency", "gdn", "transformer")
+SIZES = ("debug", "340M", "1.3B", "7B")
+EVICT_BY_FLAVOUR = {"hola": "score", "hola_recency": "recency", "gdn": "none"}
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Every number a model needs. Built by :func:`model_args`; fields are documented where they are used."""
+
+    flavour: str
+    size: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    mlp_hidden: int
+    tie_embeddings: bool
+    norm_eps: float = 1e-6
+    # Recurrent flavours (hola, hola_recency, gdn).
+    conv_size: int = 4
+    window: int = 64
+    block: int = 256
+    use_gate: bool = False
+    # Transformer++.
+    rope_theta: float = 10_000.0
+    max_seq_len: int = 2048
+
+    @property
+    def evict(self) -> str:
+        """The ``evict`` argument of ``hola_attention`` for this flavour (``none`` for GDN)."""
+        if self.flavour == "transformer":
+            raise ValueError("model.flavour: transformer has no HOLA layer")
+        return EVICT_BY_FLAVOUR[self.flavour]
+
+    @property
+    def is_recurrent(self) -> bool:
+        return self.flavour != "transformer"
+
+
+# Widths per size, shared by the three recurrent flavours. MLP hidden sizes follow fla's GDN recipe
+# (2/3 * 4 * dim rounded up to a multiple of 256), which with 4 x 256 heads gives 341.6M at 340M.
+_RECURRENT_SIZES = {
+    "debug": dict(dim=128, n_layers=2, n_heads=2, head_dim=64, mlp_hidden=512, tie_embeddings=True,
+                  window=8, block=32),
+    "340M": dict(dim=1024, n_layers=24, n_heads=4, head_dim=256, mlp_hidden=2816, tie_embeddings=True),
+    "1.3B": dict(dim=2048, n_layers=24, n_heads=8, head_dim=256, mlp_hidden=5632, tie_embeddings=True),
+    "7B": dict(dim=4096, n_layers=32, n_heads=16, head_dim=256, mlp_hidden=11008, tie_embeddings=False),
+}
+
+# Transformer++ uses heads of 128 (debug: 2 x 64), the same widths otherwise.
+_TRANSFORMER_HEADS = {"debug": (2, 64), "340M": (8, 128), "1.3B": (16, 128), "7B": (32, 128)}
+
+
+def model_args(flavour: str, size: str, *, vocab_size: int, window: int | None = None, block: int | None = None,
+               max_seq_len: int | None = None) -> ModelArgs:
+    """The :class:`ModelArgs` of ``flavour`` at ``size``.
+
+    ``vocab_size`` comes from the tokenizer. ``window`` and ``block`` override the HOLA cache size and block
+    length (recurrent flavours); ``max_seq_len`` is the Transformer++ RoPE table length.
+    """
+    if flavour not in FLAVOURS:
+        raise ValueError(f"model.flavour: unknown flavour {flavour!r}; expected one of {', '.join(FLAVOURS)}")
+    if size not in SIZES:
+        raise ValueError(f"model.size: unknown size {size!r}; expected one of {', '.join(SIZES)}")
+    if not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ValueError(f"model.vocab_size: must be a positive integer, got {vocab_size!r}")
+    fields = dict(_RECURRENT_SIZES[size])
+    if flavour == "transformer":
+        fields["n_heads"], fields["head_dim"] = _TRANSFORMER_HEADS[size]
+    if window is not None:
+        if window < 0:
+            raise ValueError(f"model.window: must be >= 0, got {window}")
+        fields["window"] = window
+    if block is not None:
+        if block <= 0:
+            raise ValueError(f"model.block: must be >= 1, got {block}")
+        fields["block"] = block
+    if max_seq_len is not None:
+        fields["max_seq_len"] = max_seq_len
+    return ModelArgs(flavour=flavour, size=size, vocab_size=vocab_size, **fields)
+
+
+def replace(args: ModelArgs, **changes) -> ModelArgs:
+    """A copy of ``args`` with ``changes`` (for tests and tiny models); unknown fields raise ``TypeError``."""
+    return dataclasses.replace(args, **changes)

@@ -1,0 +1,135 @@
+"""``hola_attention``: the functional core of the HOLA layer (HOLA_SPEC section 2).
+
+Shape legend: B batch, T tokens, H heads, D head dim, N sequences (B, or documents with ``cu_seqlens``).
+
+Math (per sequence and head; ``qh, kh`` are l2-normalised q, k; ``s = D^-1/2``):
+    e_t = v_t - alpha_t S_{t-1}^T kh_t,   S_t = alpha_t S_{t-1} + beta_t kh_t e_t^T,   o_state_t = s S_t^T qh_t
+    m_t = beta_t ||e_t||  (detached)
+    o_cache_t = softmax over [P_b | causal tokens of block b | sink] of  qc_t . kc_j / sqrt(D)  times v_j
+    o_t = o_state_t + sigmoid(gate_h) o_cache_t
+with ``alpha = exp(g)``, ``qc = RMSNorm_{gamma_q}(q)``, ``kc = RMSNorm_{gamma_k}(k)``, blocks of ``block``
+tokens aligned to each document start, and ``P_b`` the ``window`` earlier positions of the document with the
+largest m (``evict="score"``) or the ``window`` positions just before the block (``evict="recency"``).
+``evict="none"`` is plain Gated DeltaNet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hola_titan.kernels.hola_cache import HolaCache
+from hola_titan.kernels.hola_reference import hola_attention_reference
+
+EVICT_MODES = ("score", "recency", "none")
+BACKENDS = ("auto", "reference", "sdpa", "triton")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   gamma_q: torch.Tensor | None, gamma_k: torch.Tensor | None, sink: torch.Tensor | None,
+                   gate: torch.Tensor | None, *, window: int = 64, block: int = 256, evict: str = "score",
+                   cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                   output_final_state: bool = False, initial_cache: HolaCache | None = None,
+                   output_final_cache: bool = False, backend: str = "auto"):
+    """HOLA attention over ``[B, T, H, D]`` inputs.
+
+    Args:
+        q, k, v: ``[B, T, H, D]`` after the short convolution, before any norm.
+        g: ``[B, T, H]`` log-decay (``alpha = exp(g)``). beta: ``[B, T, H]`` write strength in (0, 1).
+        gamma_q, gamma_k: ``[D]`` RMSNorm weights of the cache path. sink, gate: ``[H]`` sink logit and gate
+            (``lambda = sigmoid(gate)``). All four may be ``None`` when ``evict == "none"``.
+        window: persistent cache size W >= 0. block: block length C >= 1.
+        evict: ``"score"`` (HOLA), ``"recency"`` (HOLA+recency) or ``"none"`` (GDN).
+        cu_seqlens: ``[N + 1]`` int32/int64 document boundaries of a packed row (only with B == 1).
+        initial_state: ``[N, H, D, D]`` state to start from (N = B without ``cu_seqlens``).
+        output_final_state: return the final state ``[N, H, D, D]`` (float32, float64 for float64 inputs).
+        initial_cache / output_final_cache: a :class:`HolaCache` to continue from / to return.
+        backend: ``"auto"``, ``"reference"``, ``"sdpa"`` or ``"triton"``.
+
+    Returns:
+        ``(o, final_state)``, or ``(o, final_state, final_cache)`` when ``output_final_cache`` is set;
+        ``o`` is ``[B, T, H, D]`` in the input dtype, before the output norm.
+    """
+    _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
+              cu_seqlens=cu_seqlens, initial_state=initial_state, initial_cache=initial_cache,
+              output_final_cache=output_final_cache, backend=backend)
+    chosen = resolve_backend(backend, q.device)
+    if chosen != "reference":
+        raise ValueError(f"backend: {chosen!r} is not available in this build; use 'reference'")
+    o, final_state, final_cache = hola_attention_reference(
+        q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
+        cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
+        initial_cache=initial_cache, output_final_cache=output_final_cache)
+    if output_final_cache:
+        return o, final_state, final_cache
+    return o, final_state
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend ``"auto"`` stands for on ``device``: the Triton kernels on CUDA once they exist."""
+    if backend != "auto":
+        return backend
+    return "reference"
+
+
+def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, cu_seqlens, initial_state,
+              initial_cache, output_final_cache, backend) -> None:
+    if evict not in EVICT_MODES:
+        raise ValueError(f"evict: unknown mode {evict!r}; expected one of {EVICT_MODES}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: unknown backend {backend!r}; expected one of {BACKENDS}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window: must be an integer >= 0, got {window!r}")
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ValueError(f"block: must be an integer >= 1, got {block!r}")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected [B, T, H, D], got shape {list(q.shape)}")
+    bsz, seq_len, h, d = q.shape
+    if seq_len == 0:
+        raise ValueError("q: sequence length must be >= 1")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q: unsupported dtype {q.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != q.shape:
+            raise ValueError(f"{name}: shape {list(x.shape)} differs from q's {list(q.shape)}")
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {x.dtype} differs from q's {q.dtype}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (bsz, seq_len, h):
+            raise ValueError(f"{name}: expected shape {[bsz, seq_len, h]}, got {list(x.shape)}")
+        if x.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name}: unsupported dtype {x.dtype}")
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.device != q.device:
+            raise ValueError(f"{name}: on {x.device}, q on {q.device}")
+    if evict != "none":
+        for name, x, size in (("gamma_q", gamma_q, d), ("gamma_k", gamma_k, d), ("sink", sink, h), ("gate", gate, h)):
+            if x is None:
+                raise ValueError(f"{name}: required when evict is {evict!r}")
+            if x.shape != (size,):
+                raise ValueError(f"{name}: expected shape [{size}], got {list(x.shape)}")
+    num_seqs = bsz
+    if cu_seqlens is not None:
+        if bsz != 1:
+            raise ValueError(f"cu_seqlens: requires batch size 1, got B = {bsz}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1] with N >= 1, got {list(cu_seqlens.shape)}")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens: must be int32 or int64, got {cu_seqlens.dtype}")
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != seq_len:
+            raise ValueError(f"cu_seqlens: must start at 0 and end at T = {seq_len}, got {cu[0]} ... {cu[-1]}")
+        if any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError("cu_seqlens: must be non-decreasing (monotone)")
+        num_seqs = len(cu) - 1
+    if initial_state is not None:
+        if initial_state.shape != (num_seqs, h, d, d):
+            raise ValueError(f"initial_state: expected shape {[num_seqs, h, d, d]}, got {list(initial_state.shape)}")
+    if evict == "none":
+        if initial_cache is not None:
+            raise ValueError("initial_cache: GDN (evict='none') has no cache")
+    elif initial_cache is not None:
+        if not isinstance(initial_cache, HolaCache):
+            raise ValueError(f"initial_cache: expected a HolaCache, got {type(initial_cache).__name__}")
+        initial_cache.check_matches(num_seqs=num_seqs, num_heads=h, head_dim=d, window=window, block=block,
+                                    evict=evict)
