@@ -1,0 +1,303 @@
+"""The language model: HOLA, HOLA+recency, GDN and Transformer++ from one block structure (HOLA_SPEC 1, 5).
+
+``HolaTitanLM(args)`` allocates only (no random draws), so it can be built on the meta device, sharded,
+materialised with ``to_empty`` and then initialised by ``init_weights``. Blocks live in an ``nn.ModuleDict``
+keyed by layer index, so fully qualified names are stable at every parallel layout, e.g.
+``layers.3.attn.q_proj.weight``. Model code never touches ``torch.distributed``.
+
+Shape legend: B batch, T tokens, V vocabulary, H heads, D head dim. Packed rows (``cu_seqlens`` over the
+flattened B*T stream, every row starting a document) reset the recurrent state, the HOLA cache, the short
+convolutions and the Transformer++ attention at each document start (HOLA_SPEC 2b).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hola_titan.kernels.hola_cache import HolaCache
+from hola_titan.models.args import ModelArgs
+from hola_titan.models.layers import (FeedForward, RMSNorm, ShortConvolution, apply_rope, document_ids,
+                                      document_positions)
+from hola_titan.ops import hola_attention
+
+INIT_STD = 0.02
+
+
+@dataclass
+class RecurrentLayerCache:
+    """Decoding state of one HOLA/GDN layer: conv tails ``[B, K-1, H*D]``, state ``[B, H, D, D]``, HOLA cache."""
+
+    conv_q: torch.Tensor | None = None
+    conv_k: torch.Tensor | None = None
+    conv_v: torch.Tensor | None = None
+    state: torch.Tensor | None = None
+    hola: HolaCache | None = None
+
+
+@dataclass
+class AttentionLayerCache:
+    """Decoding state of one Transformer++ layer: keys and values ``[B, t, H, D]`` so far (grows with t)."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+
+@dataclass
+class ModelCache:
+    """Per-layer decoding state plus the number of tokens seen. Updated in place by ``HolaTitanLM.forward``."""
+
+    layers: dict[str, RecurrentLayerCache | AttentionLayerCache] = field(default_factory=dict)
+    seen: int = 0
+
+    def nbytes(self) -> int:
+        total = 0
+        for layer in self.layers.values():
+            for value in vars(layer).values():
+                if isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+                elif isinstance(value, HolaCache):
+                    total += value.nbytes()
+        return total
+
+
+class GatedDeltaMixer(nn.Module):
+    """The HOLA token mixer (``evict`` score or recency) or plain Gated DeltaNet (``evict`` none)."""
+
+    def __init__(self, args: ModelArgs, *, backend: str = "auto"):
+        super().__init__()
+        dim, h, d = args.dim, args.n_heads, args.head_dim
+        self.num_heads, self.head_dim = h, d
+        self.evict, self.window, self.block = args.evict, args.window, args.block
+        self.backend = backend
+        self.q_proj = nn.Linear(dim, h * d, bias=False)
+        self.k_proj = nn.Linear(dim, h * d, bias=False)
+        self.v_proj = nn.Linear(dim, h * d, bias=False)
+        self.q_conv = ShortConvolution(h * d, args.conv_size)
+        self.k_conv = ShortConvolution(h * d, args.conv_size)
+        self.v_conv = ShortConvolution(h * d, args.conv_size)
+        self.a_proj = nn.Linear(dim, h, bias=False)
+        self.b_proj = nn.Linear(dim, h, bias=False)
+        self.A_log = nn.Parameter(torch.empty(h))
+        self.dt_bias = nn.Parameter(torch.empty(h))
+        if self.evict != "none":
+            self.gamma_q = nn.Parameter(torch.empty(d))
+            self.gamma_k = nn.Parameter(torch.empty(d))
+            self.sink = nn.Parameter(torch.empty(h))
+            self.gate = nn.Parameter(torch.empty(h))
+        self.g_proj = nn.Linear(dim, h * d, bias=False) if args.use_gate else None
+        self.o_norm = RMSNorm(d, args.norm_eps)
+        self.o_proj = nn.Linear(h * d, dim, bias=False)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj):
+            if lin is not None:
+                nn.init.normal_(lin.weight, std=std)
+        nn.init.normal_(self.o_proj.weight, std=out_std)
+        for conv in (self.q_conv, self.k_conv, self.v_conv):
+            conv.init_weights()
+        self.o_norm.init_weights()
+        with torch.no_grad():
+            # Mamba-2 / GDN: A ~ U(1, 16), dt = exp(U(log 1e-3, log 1e-1)), dt_bias = softplus^-1(dt).
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            if self.evict != "none":
+                self.gamma_q.fill_(1.0)
+                self.gamma_k.fill_(1.0)
+                self.sink.fill_(0.0)
+                self.gate.fill_(-4.0)
+
+    def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None,
+                cache: RecurrentLayerCache | None) -> torch.Tensor:
+        """x ``[B, T, dim]`` (B = 1 with ``cu_seqlens``); ``positions`` in-document positions ``[B, T]``."""
+        bsz, seq_len, _ = x.shape
+        h, d = self.num_heads, self.head_dim
+        continuing = cache is not None and cache.state is not None
+        conv_args = dict(positions=None if continuing else positions)
+        q, tail_q = self.q_conv(self.q_proj(x), tail=cache.conv_q if continuing else None, **conv_args)
+        k, tail_k = self.k_conv(self.k_proj(x), tail=cache.conv_k if continuing else None, **conv_args)
+        v, tail_v = self.v_conv(self.v_proj(x), tail=cache.conv_v if continuing else None, **conv_args)
+        q, k, v = (t.view(bsz, seq_len, h, d) for t in (q, k, v))
+        gate_dtype = torch.promote_types(x.dtype, torch.float32)  # gates in at least float32
+        beta = torch.sigmoid(self.b_proj(x).to(gate_dtype))
+        g = -self.A_log.to(gate_dtype).exp() * F.softplus(self.a_proj(x).to(gate_dtype) + self.dt_bias.to(gate_dtype))
+        cache_params = (None, None, None, None)
+        if self.evict != "none":
+            cache_params = (self.gamma_q, self.gamma_k, self.sink, self.gate)
+        want_cache = cache is not None and self.evict != "none"
+        result = hola_attention(
+            q, k, v, g, beta, *cache_params, window=self.window, block=self.block, evict=self.evict,
+            cu_seqlens=cu_seqlens, initial_state=cache.state if continuing else None,
+            output_final_state=cache is not None, initial_cache=cache.hola if want_cache and continuing else None,
+            output_final_cache=want_cache, backend=self.backend)
+        o = result[0]
+        if cache is not None:
+            cache.conv_q, cache.conv_k, cache.conv_v, cache.state = tail_q, tail_k, tail_v, result[1]
+            cache.hola = result[2] if want_cache else None
+        o = self.o_norm(o)
+        if self.g_proj is not None:
+            o = o * F.silu(self.g_proj(x).view(bsz, seq_len, h, d))
+        return self.o_proj(o.reshape(bsz, seq_len, h * d))
+
+
+class Attention(nn.Module):
+    """Transformer++ attention: RoPE, SDPA, causal within each document."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, d = args.n_heads, args.head_dim
+        self.num_heads, self.head_dim, self.rope_theta = h, d, args.rope_theta
+        self.q_proj = nn.Linear(args.dim, h * d, bias=False)
+        self.k_proj = nn.Linear(args.dim, h * d, bias=False)
+        self.v_proj = nn.Linear(args.dim, h * d, bias=False)
+        self.o_proj = nn.Linear(h * d, args.dim, bias=False)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for lin in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.normal_(lin.weight, std=std)
+        nn.init.normal_(self.o_proj.weight, std=out_std)
+
+    def forward(self, x: torch.Tensor, *, doc_ids: torch.Tensor | None, positions: torch.Tensor,
+                cache: AttentionLayerCache | None) -> torch.Tensor:
+        """x ``[B, T, dim]``; ``doc_ids`` ``[B, T]`` (None: each row is one document); ``positions`` ``[B, T]``."""
+        bsz, seq_len, _ = x.shape
+        h, d = self.num_heads, self.head_dim
+        q = apply_rope(self.q_proj(x).view(bsz, seq_len, h, d), positions, self.rope_theta)
+        k = apply_rope(self.k_proj(x).view(bsz, seq_len, h, d), positions, self.rope_theta)
+        v = self.v_proj(x).view(bsz, seq_len, h, d)
+        if cache is not None:
+            if cache.k is not None:
+                k = torch.cat([cache.k, k], dim=1)
+                v = torch.cat([cache.v, v], dim=1)
+            cache.k, cache.v = k, v
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        past = k.shape[2] - seq_len
+        if doc_ids is None and past == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            qi = torch.arange(seq_len, device=x.device)[:, None] + past
+            kj = torch.arange(k.shape[2], device=x.device)[None, :]
+            mask = (kj <= qi)[None]
+            if doc_ids is not None:
+                mask = mask & (doc_ids[:, :, None] == doc_ids[:, None, :])
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        return self.o_proj(o.transpose(1, 2).reshape(bsz, seq_len, h * d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, args: ModelArgs, *, backend: str):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn = GatedDeltaMixer(args, backend=backend) if args.is_recurrent else Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.mlp_hidden)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attn.init_weights(std, out_std)
+        self.feed_forward.init_weights(std, out_std)
+
+    def forward(self, x: torch.Tensor, **mixer_kwargs) -> torch.Tensor:
+        x = x + self.attn(self.attention_norm(x), **mixer_kwargs)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class HolaTitanLM(nn.Module):
+    """Decoder-only language model of any flavour (see the module docstring)."""
+
+    def __init__(self, args: ModelArgs, *, backend: str = "auto"):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, backend=backend) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        # Tied embeddings reuse ``tok_embeddings.weight`` in ``forward``: one parameter, so that ``to_empty``
+        # and sharding cannot untie it.
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def init_weights(self) -> None:
+        """Draw every parameter from the global RNG (call after ``to_empty``); then check all are finite."""
+        out_std = INIT_STD / math.sqrt(2 * self.args.n_layers)
+        with torch.no_grad():
+            nn.init.normal_(self.tok_embeddings.weight, std=INIT_STD)
+            for block in self.layers.values():
+                block.init_weights(INIT_STD, out_std)
+            self.norm.init_weights()
+            if self.output is not None:
+                nn.init.normal_(self.output.weight, std=INIT_STD)
+        self.check_finite()
+
+    def check_finite(self) -> None:
+        """Raise ``ValueError`` naming the first parameter that holds NaN or inf."""
+        for name, param in self.named_parameters():
+            if param.device.type == "meta":
+                continue
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if not torch.isfinite(local).all():
+                raise ValueError(f"parameter {name} holds NaN or inf after initialisation")
+
+    def output_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def hidden_states(self, tokens: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                      cache: ModelCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states ``[B, T, dim]`` for token ids ``[B, T]``."""
+        bsz, seq_len = tokens.shape
+        if cache is not None and cu_seqlens is not None:
+            raise ValueError("cu_seqlens: decoding with a cache takes unpacked rows")
+        h = self.tok_embeddings(tokens)
+        if self.args.is_recurrent:
+            if cu_seqlens is not None:
+                # Packed rows become one stream of documents: the recurrent op takes B = 1 with cu_seqlens.
+                h = h.reshape(1, bsz * seq_len, -1)
+            positions = (document_positions(bsz, seq_len, cu_seqlens, tokens.device).reshape(1, -1)
+                         if cu_seqlens is not None else None)
+            for name, block in self.layers.items():
+                layer_cache = None
+                if cache is not None:
+                    layer_cache = cache.layers.setdefault(name, RecurrentLayerCache())
+                h = block(h, cu_seqlens=cu_seqlens, positions=positions, cache=layer_cache)
+            h = h.reshape(bsz, seq_len, -1)
+        else:
+            doc_ids = document_ids(bsz, seq_len, cu_seqlens, tokens.device) if cu_seqlens is not None else None
+            positions = document_positions(bsz, seq_len, cu_seqlens, tokens.device)
+            if cache is not None:
+                positions = positions + cache.seen
+            for name, block in self.layers.items():
+                layer_cache = cache.layers.setdefault(name, AttentionLayerCache()) if cache is not None else None
+                h = block(h, doc_ids=doc_ids, positions=positions, cache=layer_cache)
+        if cache is not None:
+            cache.seen += seq_len
+        return self.norm(h)
+
+    def forward(self, tokens: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                cache: ModelCache | None = None) -> torch.Tensor:
+        """Logits ``[B, T, V]``. With ``cache``, continues from it and updates it in place (decoding)."""
+        h = self.hidden_states(tokens, cu_seqlens=cu_seqlens, cache=cache)
+        return F.linear(h, self.output_weight())
+
+    def no_weight_decay_names(self) -> set[str]:
+        """Parameters excluded from weight decay: the GDN decay parameters (as fla does)."""
+        return {name for name, _ in self.named_parameters() if name.endswith(("A_log", "dt_bias"))}
+
+
+def build_model(args: ModelArgs, *, device: torch.device | str = "meta", backend: str = "auto") -> HolaTitanLM:
+    """Allocate ``HolaTitanLM`` on ``device``; on a real device the weights are also initialised."""
+    with torch.device(device):
+        model = HolaTitanLM(args, backend=backend)
+    if torch.device(device).type != "meta":
+        model.init_weights()
+    return model
+
+
+def num_params(model: nn.Module) -> int:
+    """Number of parameters (shared parameters counted once; works on the meta device)."""
+    return sum(p.numel() for p in model.parameters())

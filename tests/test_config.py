@@ -1,0 +1,268 @@
+"""The typed config: precedence, every error path (naming its key), the resolved-config round trip, train_configs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from hola_titan.config import (
+    SECTIONS,
+    ConfigError,
+    JobConfig,
+    field_docs,
+    load_toml,
+    parse_config,
+    resolve_degrees,
+    to_dict,
+    validate,
+    write_resolved,
+)
+
+TRAIN_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "train_configs").glob("*.toml"))
+
+
+def _toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _raises(key: str, argv: list[str], *, match: str | None = None) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        parse_config(argv)
+    assert info.value.key == key and str(info.value).startswith(f"{key}: "), str(info.value)
+    assert "\n" not in str(info.value)
+    if match is not None:
+        assert match in str(info.value), str(info.value)
+    return info.value
+
+
+def _invalid(key: str, argv: list[str], *, world_size: int = 1, match: str | None = None) -> None:
+    config = parse_config(argv)
+    with pytest.raises(ConfigError) as info:
+        validate(config, world_size=world_size)
+    assert info.value.key == key and str(info.value).startswith(f"{key}: "), str(info.value)
+    assert "\n" not in str(info.value)
+    if match is not None:
+        assert match in str(info.value), str(info.value)
+
+
+# ---- schema ------------------------------------------------------------------------------------------------------
+
+
+def test_every_field_has_a_docstring():
+    keys = {f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    docs = field_docs()
+    assert keys <= docs.keys(), sorted(keys - docs.keys())
+    assert all(docs[k] for k in keys)
+
+
+def test_optional_fields_default_to_none():
+    # None is written by leaving the key out, which only round-trips when the default is None.
+    for section, table in to_dict(JobConfig()).items():
+        for name, f in zip(table, dataclasses.fields(SECTIONS[section])):
+            if "None" in str(f.type):
+                assert table[name] is None, f"{section}.{name}"
+
+
+# ---- precedence --------------------------------------------------------------------------------------------------
+
+
+def test_defaults():
+    config = parse_config([])
+    assert config == JobConfig()
+    assert config.model.flavour == "hola" and config.model.size == "debug"
+    assert config.model.tokenizer_path == "bundled" and config.data.dataset == "bundled"
+    assert config.optimizer.betas == (0.9, 0.95) and config.float8.filter_fqns == ["output"]
+    assert config.dry_run is False
+
+
+def test_precedence_defaults_toml_cli(tmp_path):
+    path = _toml(tmp_path, "[training]\nsteps = 7\nseq_len = 512\n[optimizer]\nlr = 1e-3\n")
+    config = parse_config(["--job.config_file", path, "--training.steps", "9"])
+    assert config.job.config_file == path
+    assert config.training.steps == 9  # CLI over TOML
+    assert config.training.seq_len == 512 and config.optimizer.lr == 1e-3  # TOML over defaults
+    assert config.training.local_batch_size == JobConfig().training.local_batch_size  # defaults
+    # The config file is read first wherever it appears on the line.
+    assert parse_config(["--training.steps=9", f"--job.config_file={path}"]).training.steps == 9
+
+
+def test_cli_forms():
+    config = parse_config([
+        "--training.seq_len=64", "--compile.enable", "--compile.fullgraph", "false", "--optimizer.betas", "0.8,0.9",
+        "--float8.filter_fqns", "output,lm_head", "--model.window", "16", "--training.global_batch_size", "-1",
+        "--data.streaming", "no", "--dry-run", "--optimizer.fused=true", "--training.deterministic",
+    ])
+    assert config.training.seq_len == 64
+    assert config.compile.enable is True and config.compile.fullgraph is False
+    assert config.optimizer.betas == (0.8, 0.9) and config.float8.filter_fqns == ["output", "lm_head"]
+    assert config.model.window == 16 and config.training.global_batch_size == -1
+    assert config.data.streaming is False and config.optimizer.fused is True and config.training.deterministic
+    assert config.dry_run is True
+    assert parse_config(["--model.window", "16", "--model.window", "none"]).model.window is None
+    assert parse_config(["--float8.filter_fqns", ""]).float8.filter_fqns == []
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    assert "--training.seq_len" in capsys.readouterr().out
+
+
+# ---- errors ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, key, match", [
+    (["--foo.bar", "1"], "foo.bar", "unknown config section"),
+    (["--training.foo", "1"], "training.foo", "unknown key"),
+    (["--training.seq_len", "abc"], "training.seq_len", "expected int, got 'abc'"),
+    (["--training.seq_len", "2.5"], "training.seq_len", "expected int"),
+    (["--optimizer.lr", "fast"], "optimizer.lr", "expected float"),
+    (["--optimizer.lr", "nan"], "optimizer.lr", "finite"),
+    (["--compile.enable", "maybe"], "compile.enable", "expected bool"),
+    (["--optimizer.betas", "0.9"], "optimizer.betas", "2 values"),
+    (["--model.flavour", "mamba"], "model.flavour", "expected one of"),
+    (["--training.device", "tpu"], "training.device", "expected one of"),
+    (["--training.steps", "-5"], "training.steps", ">= 1"),
+    (["--training.seq_len", "0"], "training.seq_len", ">= 1"),
+    (["--training.global_batch_size", "0"], "training.global_batch_size", ">= 1 or -1"),
+    (["--parallelism.data_parallel_shard_degree", "-2"], "parallelism.data_parallel_shard_degree", ">= 1 or -1"),
+    (["--optimizer.lr", "0"], "optimizer.lr", "> 0"),
+    (["--optimizer.betas", "0.9,1.0"], "optimizer.betas", "[0, 1)"),
+    (["--lr_scheduler.min_lr_factor", "1.5"], "lr_scheduler.min_lr_factor", "<= 1"),
+    (["--activation_checkpoint.selective_ac_option", "0"], "activation_checkpoint.selective_ac_option", "'op'"),
+    (["--training.steps"], "training.steps", "missing value"),
+    (["--job.config_file", "/nonexistent/job.toml"], "job.config_file", "no such file"),
+    (["stray"], "stray", "unknown argument"),
+    (["--dryrun"], "--dryrun", "unknown argument"),
+])
+def test_cli_errors(argv, key, match):
+    _raises(key, argv, match=match)
+
+
+@pytest.mark.parametrize("text, key, match", [
+    ("[foo]\nbar = 1\n", "foo", "unknown config section"),
+    ("steps = 1\n", "steps", "unknown config section"),
+    ("[training]\nfoo = 1\n", "training.foo", "unknown key"),
+    ("[training]\nseq_len = 'abc'\n", "training.seq_len", "expected int, got 'abc'"),
+    ("[training]\nsteps = 1e4\n", "training.steps", "expected int"),
+    ("[compile]\nenable = 1\n", "compile.enable", "expected bool"),
+    ("[model]\nwindow = true\n", "model.window", "expected int"),
+    ("[model]\nsize = '13B'\n", "model.size", "expected one of"),
+    ("[optimizer]\nbetas = [0.9, 'x']\n", "optimizer.betas", "expected float"),
+    ("[float8]\nfilter_fqns = 'output'\n", "float8.filter_fqns", "expected list of str"),
+    ("[training]\nsteps = -3\n", "training.steps", ">= 1"),
+    ("[training\nsteps = 3\n", "job.config_file", "cannot parse TOML"),
+    ("[training]\nsteps = \n", "job.config_file", "cannot parse TOML"),
+])
+def test_toml_errors(tmp_path, text, key, match):
+    path = _toml(tmp_path, text)
+    error = _raises(key, ["--job.config_file", path], match=match)
+    # Type errors name the file; bounds are checked after the command line is merged, so they cannot.
+    assert key == "job.config_file" or match.startswith(">=") or path in str(error)
+
+
+def test_toml_folder_is_an_error(tmp_path):
+    _raises("job.config_file", ["--job.config_file", str(tmp_path)], match="folder")
+
+
+# ---- cross-field checks ------------------------------------------------------------------------------------------
+
+
+def test_resolve_degrees_fills_shard_and_accumulates():
+    config = parse_config(["--training.local_batch_size", "4", "--training.global_batch_size", "64",
+                           "--parallelism.tensor_parallel_degree", "2"])
+    degrees = resolve_degrees(config.parallelism, config.training, world_size=8)
+    assert (degrees.dp_shard, degrees.dp, degrees.tp, degrees.grad_accum_steps) == (4, 4, 2, 4)
+    degrees = resolve_degrees(config.parallelism, parse_config([]).training, world_size=8)
+    assert degrees.global_batch_size == 8 * 4 and degrees.grad_accum_steps == 1
+
+
+@pytest.mark.parametrize("argv, world_size, key, match", [
+    (["--parallelism.data_parallel_shard_degree", "2"], 4, "parallelism.data_parallel_shard_degree", "world size is 4"),
+    (["--parallelism.tensor_parallel_degree", "3"], 4, "parallelism.data_parallel_shard_degree", "cannot fill"),
+    (["--parallelism.tensor_parallel_degree", "4"], 4, "parallelism.tensor_parallel_degree", "2 heads"),
+    (["--training.seq_len", "100"], 1, "training.seq_len", "block 32"),
+    (["--training.seq_len", "64", "--parallelism.context_parallel_degree", "4"], 4, "training.seq_len", "128"),
+    (["--model.block", "48", "--training.seq_len", "256"], 1, "training.seq_len", "block 48"),
+    (["--model.flavour", "transformer", "--parallelism.context_parallel_degree", "2"], 2, "data.varlen", "false"),
+    (["--training.global_batch_size", "12"], 2, "training.global_batch_size", "multiple"),
+    (["--float8.enable"], 1, "float8.enable", "cuda"),
+])
+def test_validate_errors(argv, world_size, key, match):
+    _invalid(key, ["--training.seq_len", "256", *argv], world_size=world_size, match=match)
+
+
+def test_validate_accepts_cross_field_layouts():
+    validate(parse_config(["--model.flavour", "transformer", "--parallelism.context_parallel_degree", "2",
+                           "--data.varlen", "false", "--training.seq_len", "256"]), world_size=2)
+    validate(parse_config(["--float8.enable", "--training.device", "cuda", "--training.seq_len", "256"]),
+             world_size=1)
+    validate(parse_config(["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.context_parallel_degree",
+                           "2", "--training.seq_len", "256", "--training.global_batch_size", "64"]), world_size=8)
+
+
+def test_validate_checks_programmatic_configs():
+    config = parse_config(["--training.seq_len", "256"])
+    config.training.steps = -1
+    with pytest.raises(ConfigError, match="^training.steps: "):
+        validate(config, world_size=1)
+    config.training.steps = "ten"
+    with pytest.raises(ConfigError, match="^training.steps: expected int, got 'ten'"):
+        validate(config, world_size=1)
+
+
+# ---- resolved config ---------------------------------------------------------------------------------------------
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = parse_config([
+        "--job.config_file", str(TRAIN_CONFIGS[0]), "--job.description", 'quote " backslash \\ tab \t é',
+        "--model.window", "16", "--optimizer.lr", "1.5e-4", "--optimizer.eps", "1e-12",
+        "--float8.filter_fqns", "output,head", "--training.global_batch_size", "64", "--optimizer.fused", "false",
+    ])
+    path = write_resolved(config, tmp_path / "run")
+    assert path == tmp_path / "run" / "config.toml"
+    assert load_toml(path) == config
+    assert load_toml(write_resolved(JobConfig(), tmp_path / "defaults")) == JobConfig()
+    assert "None" not in path.read_text()
+
+
+def test_to_dict_covers_every_key():
+    table = to_dict(JobConfig())
+    assert list(table) == list(SECTIONS) and "dry_run" not in table
+    assert table["optimizer"]["betas"] == [0.9, 0.95] and table["model"]["window"] is None
+
+
+# ---- train_configs -----------------------------------------------------------------------------------------------
+
+
+def test_train_configs_exist():
+    names = {p.name for p in TRAIN_CONFIGS}
+    assert {"debug_model.toml", "hola_340M.toml", "hola_recency_340M.toml", "gdn_340M.toml", "transformer_340M.toml",
+            "hola_1.3B.toml", "hola_7B.toml"} <= names
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_train_config_parses_and_validates(path, world_size, tmp_path):
+    assert path.read_text().startswith("# ")
+    config = parse_config(["--job.config_file", str(path)])
+    validate(config, world_size=world_size)
+    assert load_toml(write_resolved(config, tmp_path)) == config
+
+
+def test_340M_configs_differ_only_in_flavour():
+    configs = {p.name: to_dict(load_toml(p)) for p in TRAIN_CONFIGS if p.name.endswith("_340M.toml")}
+    assert len(configs) == 4
+    for table in configs.values():
+        table["model"].pop("flavour")
+        table.pop("job")
+    first = next(iter(configs.values()))
+    assert all(table == first for table in configs.values())
+    hola = load_toml(TRAIN_CONFIGS[0].parent / "hola_340M.toml")
+    degrees = resolve_degrees(hola.parallelism, hola.training, world_size=8)
+    assert degrees.global_batch_size * hola.training.seq_len == 256 * 2048
