@@ -1,0 +1,296 @@
+"""Data loaders over one global, deterministic stream of packed rows, sharded by data-parallel rank.
+
+Global order. Rows ``0, 1, 2, ...`` are cut from the token stream as described in ``packing`` (row ``j`` = stream
+positions ``[j*T, j*T + T]``). The stream, hence every row, depends only on the dataset, the tokenizer, and (for
+finite data with ``shuffle``) the seed; not on the number of ranks.
+
+Sharding. With ``dp_world_size = W`` and ``local_batch_size = b``, the ``i``-th batch of data-parallel rank ``r``
+holds the global rows ``i*W*b + r*b .. i*W*b + r*b + b - 1``: global batch ``i`` is rows ``[i*W*b, (i+1)*W*b)``,
+split in rank order, so the ranks of one step together see exactly the rows that one process with batch ``W*b``
+would see. Context- and tensor-parallel ranks of one data-parallel group pass the same ``dp_rank`` and read the
+same rows.
+
+State and resume. :meth:`PackedDataLoader.state_dict` counts the *global* rows consumed (``(i+1)*W*b`` after a rank
+has received its ``i``-th batch; the same on every rank), so a checkpoint resumes at any data-parallel degree or
+batch size at the same global row: a run that continues at ``W = 1`` after ``W = 2`` consumed ``2*b*i`` rows goes
+on at row ``2*b*i``. The state also holds ``seq_len``, the seed and ``shuffle`` (a mismatch on load is an error, because
+rows would mean something else) and, for streamed hub data, the ``(epoch, doc, offset)`` of the next row start so that
+resuming skips documents instead of re-tokenising them. The object follows the ``state_dict()`` /
+``load_state_dict()`` protocol of torchdata's ``StatefulDataLoader`` and of ``torch.distributed.checkpoint``'s
+``Stateful``; all work happens in the calling process (there are no worker processes), which makes resume exact.
+The state changes when a batch is handed out, so a state saved after receiving ``k`` batches resumes with batch
+``k``; iterating the loader again also continues from there.
+
+Training loaders (:func:`build_dataloader`) are endless: finite data repeats epoch after epoch (reshuffled per
+epoch when ``shuffle``). Validation loaders (:func:`build_validation_dataloader`) read the first epoch of the
+held-out data in stored order and yield the same batches every time they are iterated.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from hola_titan.data.packing import Batch, pack_rows
+from hola_titan.data.sources import Source, TxtDocuments, hub_documents, read_documents, resolve_source
+from hola_titan.data.token_stream import InMemoryTokenStream, StreamingTokenStream, tokenize_documents
+from hola_titan.data.tokenizer import Tokenizer
+
+TokenStream = InMemoryTokenStream | StreamingTokenStream
+
+_STATE_VERSION = 1
+_TOKEN_CACHE: collections.OrderedDict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
+_TOKEN_CACHE_SIZE = 4
+"""Tokenised finite datasets kept per process (loaders over the same data and tokenizer share one)."""
+
+
+class PackedDataLoader:
+    """Yields :class:`~hola_titan.data.packing.Batch` dicts for one data-parallel rank (module docstring).
+
+    Build it with :func:`build_dataloader` or :func:`build_validation_dataloader`.
+
+    Args:
+        stream: the global token stream.
+        seq_len: tokens per row ``T``.
+        local_batch_size: rows per batch on this rank ``b``.
+        dp_rank, dp_world_size: data-parallel rank ``r`` and degree ``W``.
+        eos_id: document separator id.
+        varlen: emit document boundaries (``cu_seqlens``, ignored cross-document labels).
+        seed: recorded in the state (it decides the document order of shuffled data).
+        num_batches: None: endless and stateful (training); an int: every iteration yields the same first
+            ``num_batches`` batches (validation).
+    """
+
+    def __init__(self, stream: TokenStream, *, seq_len: int, local_batch_size: int, dp_rank: int,
+                 dp_world_size: int, eos_id: int, varlen: bool, seed: int, num_batches: int | None = None) -> None:
+        self.stream = stream
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.eos_id = eos_id
+        self.varlen = varlen
+        self.seed = seed
+        self.num_batches = num_batches
+        self.shuffle = bool(getattr(stream, "shuffle", False))
+        self.global_rows_consumed = 0
+        self._resume_point: dict[str, int] = {}
+
+    @property
+    def global_batch_rows(self) -> int:
+        """Rows of one global batch, ``dp_world_size * local_batch_size``."""
+        return self.dp_world_size * self.local_batch_size
+
+    def __len__(self) -> int:
+        if self.num_batches is None:
+            raise TypeError("a training loader is endless and has no length")
+        return self.num_batches
+
+    def _batch_at(self, first_global_row: int) -> Batch:
+        """The local batch whose global batch starts at ``first_global_row``."""
+        first = first_global_row + self.dp_rank * self.local_batch_size
+        seq_len = self.seq_len
+        window = self.stream.window(first * seq_len, self.local_batch_size * seq_len + 1)
+        rows = np.lib.stride_tricks.sliding_window_view(window, seq_len + 1)[::seq_len]
+        return pack_rows(rows, eos_id=self.eos_id, varlen=self.varlen)
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self.num_batches is not None:
+            if isinstance(self.stream, StreamingTokenStream):
+                self.stream.restore(0, {"epoch": 0, "doc": 0, "offset": 0})
+            for index in range(self.num_batches):
+                # Stop on every rank at the first global batch that does not fit (streamed data may be shorter).
+                if not self.stream.available((index + 1) * self.global_batch_rows * self.seq_len + 1):
+                    return
+                yield self._batch_at(index * self.global_batch_rows)
+            return
+        while True:
+            batch = self._batch_at(self.global_rows_consumed)
+            self.global_rows_consumed += self.global_batch_rows
+            # Streams that only move forward read up to the next global batch here, on every rank, so that the
+            # state names a position that any data-parallel degree can resume from.
+            self._resume_point = self.stream.resume_point(self.global_rows_consumed * self.seq_len)
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """``global_rows_consumed`` (plus checks and the streaming position); identical on every rank."""
+        return {
+            "version": _STATE_VERSION,
+            "global_rows_consumed": self.global_rows_consumed,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            **{f"stream_{key}": value for key, value in self._resume_point.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue after the rows a saved state had consumed; any ``dp_world_size`` or batch size.
+
+        Raises:
+            ValueError: the state was saved with another ``seq_len``, seed or shuffle setting, or is not a loader
+                state.
+        """
+        if "global_rows_consumed" not in state_dict:
+            raise ValueError(f"not a PackedDataLoader state (keys: {sorted(state_dict)})")
+        for key in ("seq_len", "seed", "shuffle"):
+            if state_dict.get(key) != getattr(self, key):
+                raise ValueError(f"data loader state was saved with {key}={state_dict.get(key)}, this loader has "
+                                 f"{key}={getattr(self, key)}")
+        rows = int(state_dict["global_rows_consumed"])
+        point = {key[len("stream_"):]: int(value) for key, value in state_dict.items() if key.startswith("stream_")}
+        if isinstance(self.stream, StreamingTokenStream):
+            if not point:
+                if rows > 0:
+                    raise ValueError("data loader state has no streaming position (it was saved from finite data)")
+                point = {"epoch": 0, "doc": 0, "offset": 0}
+            self.stream.restore(rows * self.seq_len, point)
+        self.global_rows_consumed = rows
+        self._resume_point = point
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Builders
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_args(*, tokenizer: Tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
+                dp_world_size: int) -> None:
+    if not isinstance(tokenizer, Tokenizer):
+        raise ValueError(f"tokenizer must be a hola_titan.data.Tokenizer (see load_tokenizer), got "
+                         f"{type(tokenizer).__name__}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if local_batch_size < 1:
+        raise ValueError(f"local_batch_size must be >= 1, got {local_batch_size}")
+    if dp_world_size < 1:
+        raise ValueError(f"dp_world_size must be >= 1, got {dp_world_size}")
+    if not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_world_size}), got {dp_rank}")
+
+
+def _tokenized(source: Source, tokenizer: Tokenizer, *, streaming: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenise a finite source once per process (cached by files, fields and tokenizer)."""
+    if source.kind == "hub":
+        key: tuple[Any, ...] = (source.kind, source.dataset, source.dataset_config, source.split,
+                                source.text_field)
+        documents = hub_documents(source, streaming=streaming)
+    else:
+        key = source.cache_key()
+        documents = read_documents(source)
+    key = (*key, tokenizer.fingerprint)
+    if key not in _TOKEN_CACHE:
+        _TOKEN_CACHE[key] = tokenize_documents(documents, tokenizer)
+        if len(_TOKEN_CACHE) > _TOKEN_CACHE_SIZE:
+            _TOKEN_CACHE.popitem(last=False)
+    _TOKEN_CACHE.move_to_end(key)
+    return _TOKEN_CACHE[key]
+
+
+def _build_stream(source: Source, tokenizer: Tokenizer, *, streaming: bool | None, shuffle: bool, seed: int,
+                  epochs: int | None) -> TokenStream:
+    stream_hub = source.kind == "hub" and (streaming is None or streaming)
+    if stream_hub:
+        def open_documents(skip: int) -> Iterator[str]:
+            return hub_documents(source, streaming=True, skip=skip)
+        return StreamingTokenStream(open_documents, tokenizer, epochs=epochs)
+    tokens, offsets = _tokenized(source, tokenizer, streaming=False)
+    return InMemoryTokenStream(tokens, offsets, shuffle=shuffle, seed=seed, epochs=epochs)
+
+
+def build_dataloader(
+    *,
+    dataset: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+    varlen: bool = True,
+    seed: int = 0,
+    shuffle: bool = True,
+    split: str = "train",
+    text_field: str = "text",
+    dataset_config: str | None = None,
+    streaming: bool | None = None,
+    txt_documents: TxtDocuments = "paragraph",
+) -> PackedDataLoader:
+    """Endless, resumable training loader for one data-parallel rank (module docstring).
+
+    Args:
+        dataset: ``"bundled"``, a local file/folder/glob, or a hub name (``hola_titan.data.sources``).
+        tokenizer: from :func:`~hola_titan.data.tokenizer.load_tokenizer`.
+        seq_len: tokens per row ``T``.
+        local_batch_size: rows per batch on this rank.
+        dp_rank, dp_world_size: data-parallel rank and degree (not the context- or tensor-parallel ones).
+        varlen: document boundaries in each batch (``cu_seqlens``, ignored cross-document labels); see
+            ``hola_titan.data.packing``.
+        seed: document order of each epoch when ``shuffle``.
+        shuffle: reshuffle the documents of finite data every epoch; streamed hub data is always read in order.
+        split: ``train``/``validation`` for ``bundled``; the hub split; a sub-folder name for local folders.
+        text_field: column or JSON key holding the text (not used for ``bundled`` and ``.txt``).
+        dataset_config: hub configuration (subset) name.
+        streaming: hub data only: stream (True, also when None) or download the split and hold it in memory
+            (False; then it is shuffled like local data). Bundled and local data are always held in memory.
+        txt_documents: ``.txt`` files: ``paragraph`` (blank-line separated blocks) or ``file``.
+    """
+    _check_args(tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
+                dp_world_size=dp_world_size)
+    source = resolve_source(dataset, split=split, text_field=text_field, dataset_config=dataset_config,
+                            txt_documents=txt_documents)
+    stream = _build_stream(source, tokenizer, streaming=streaming, shuffle=shuffle, seed=seed, epochs=None)
+    return PackedDataLoader(stream, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
+                            dp_world_size=dp_world_size, eos_id=tokenizer.eos_id, varlen=varlen, seed=seed)
+
+
+def build_validation_dataloader(
+    *,
+    dataset: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+    varlen: bool = True,
+    split: str = "validation",
+    text_field: str = "text",
+    dataset_config: str | None = None,
+    streaming: bool | None = None,
+    txt_documents: TxtDocuments = "paragraph",
+    max_batches: int | None = None,
+) -> PackedDataLoader:
+    """Loader over fixed held-out rows: the first epoch of ``split`` in stored order, the same every iteration.
+
+    It yields ``min(max_batches, full global batches in one epoch)`` batches (``max_batches`` is required for
+    streamed hub data, whose length is unknown); every rank yields the same number. Other arguments as in
+    :func:`build_dataloader`.
+
+    Raises:
+        ValueError: the split is too small for one global batch, or ``max_batches`` is missing for streamed data.
+    """
+    _check_args(tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
+                dp_world_size=dp_world_size)
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"max_batches must be >= 1 or None, got {max_batches}")
+    source = resolve_source(dataset, split=split, text_field=text_field, dataset_config=dataset_config,
+                            txt_documents=txt_documents)
+    stream = _build_stream(source, tokenizer, streaming=streaming, shuffle=False, seed=0, epochs=1)
+    global_rows = dp_world_size * local_batch_size
+    if isinstance(stream, InMemoryTokenStream):
+        # Row j needs stream positions up to j*T + T, inside the single epoch.
+        available_rows = (stream.epoch_len - 1) // seq_len
+        num_batches = available_rows // global_rows
+        if num_batches == 0:
+            raise ValueError(f"validation data {dataset!r} split {split!r} has {stream.epoch_len} tokens, fewer "
+                             f"than one global batch of {global_rows} rows x {seq_len} tokens")
+        if max_batches is not None:
+            num_batches = min(num_batches, max_batches)
+    elif max_batches is None:
+        raise ValueError(f"validation on streamed data {dataset!r} needs max_batches")
+    else:
+        num_batches = max_batches
+    return PackedDataLoader(stream, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
+                            dp_world_size=dp_world_size, eos_id=tokenizer.eos_id, varlen=varlen, seed=0,
+                            num_batches=num_batches)

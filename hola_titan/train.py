@@ -1,0 +1,343 @@
+"""The training entry point: ``python -m hola_titan.train --job.config_file FILE [--section.key value ...]``.
+
+One process or many (``torchrun``; gloo on CPU, NCCL on GPU). The step:
+
+1. read ``grad_accum_steps`` micro-batches of this rank (data-parallel ranks read different rows of one global
+   stream; context- and tensor-parallel ranks of a group read the same rows);
+2. count the valid targets of the whole global batch (all-reduced), so the loss is the mean over every valid
+   target of the global batch at any layout and any accumulation, exactly as one process would compute it;
+3. forward and backward every micro-batch, scaled so that FSDP's gradient averaging gives that mean;
+4. clip the global gradient norm, skip or stop on a non-finite loss or norm, step AdamW and the schedule.
+
+Weights are initialised once from ``training.seed`` on the CPU, identically at every layout, then moved to
+the device and sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hola_titan.config import (ConfigError, JobConfig, parse_config, resolve_degrees, to_toml, validate,
+                               write_resolved)
+from hola_titan.flops import datasheet_tflops, flops_per_token, measured_matmul_tflops
+from hola_titan.metrics import MetricsLogger, peak_memory_gib, setup_logging
+from hola_titan.models.args import model_args
+from hola_titan.models.model import HolaTitanLM, num_params
+from hola_titan.parallelisms.parallel_dims import ParallelDims, mesh_rank_and_size, submesh
+from hola_titan.parallelisms.parallelize import parallelize_model
+
+logger = logging.getLogger("hola_titan")
+IGNORE_INDEX = -100
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient norm became NaN or inf and ``training.skip_nan_inf`` is off."""
+
+
+@dataclass
+class TrainState:
+    """Counters that a checkpoint restores along with the model, optimizer, schedule and data position."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_factor: float) -> float:
+    """Multiplier of the peak learning rate after ``step`` optimizer steps: linear warmup, then decay."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if decay_type == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if decay_type == "linear":
+        return 1.0 - (1.0 - min_lr_factor) * progress
+    return min_lr_factor + (1.0 - min_lr_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("training.device", "cuda requested but no CUDA device is available")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def build_model_args(config: JobConfig, vocab_size: int):
+    return model_args(config.model.flavour, config.model.size, vocab_size=vocab_size, window=config.model.window,
+                      block=config.model.block, max_seq_len=config.training.seq_len)
+
+
+class Trainer:
+    """Owns the model, optimizer, schedule, data and counters of one run (see the module docstring)."""
+
+    def __init__(self, config: JobConfig):
+        from hola_titan.data import build_dataloader, build_validation_dataloader, load_tokenizer
+
+        self.config = config
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank = int(os.environ.get("RANK", 0))
+        validate(config, world_size=self.world_size)
+        self.degrees = resolve_degrees(config.parallelism, config.training, world_size=self.world_size)
+        self.device = resolve_device(config.training.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.dims = ParallelDims(dp_replicate=self.degrees.dp_replicate, dp_shard=self.degrees.dp_shard,
+                                 cp=self.degrees.cp, tp=self.degrees.tp, world_size=self.world_size)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.dump = Path(config.job.dump_folder)
+        if config.training.deterministic:
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path)
+        self.model_args = build_model_args(config, self.tokenizer.vocab_size)
+        torch.manual_seed(config.training.seed)
+        # The full model is initialised once on the CPU from the seed, identically at every layout, and then
+        # moved and sharded: random DTensor initialisation is not available on CPU meshes.
+        model = HolaTitanLM(self.model_args, backend=config.model.attention_backend)
+        model.init_weights()
+        self.num_params = num_params(model)
+        model.to(self.device)
+        self.model = parallelize_model(
+            model, dims=self.dims, mesh=self.mesh, device=self.device, ac_mode=config.activation_checkpoint.mode,
+            selective_ac_option=config.activation_checkpoint.selective_ac_option,
+            compile_enable=config.compile.enable, compile_fullgraph=config.compile.fullgraph,
+            float8_enable=config.float8.enable, param_dtype=config.training.mixed_precision_param,
+            reduce_dtype=config.training.mixed_precision_reduce, cpu_offload=config.parallelism.fsdp_cpu_offload)
+        # Without FSDP a GPU run gets bf16 compute from autocast; FSDP's policy does it otherwise.
+        self.autocast = (self.device.type == "cuda" and self.mesh is None
+                         and config.training.mixed_precision_param == "bfloat16")
+        self.optimizer = self._build_optimizer()
+        schedule = dict(warmup_steps=config.lr_scheduler.warmup_steps, total_steps=config.training.steps,
+                        decay_type=config.lr_scheduler.decay_type, min_lr_factor=config.lr_scheduler.min_lr_factor)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                              lambda step: lr_lambda(step, **schedule))
+        self.dp_rank, self.dp_size = mesh_rank_and_size(self.mesh, "dp")
+        data = config.data
+        common = dict(dataset=data.dataset, tokenizer=self.tokenizer, seq_len=config.training.seq_len,
+                      local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
+                      dp_world_size=self.dp_size, varlen=data.varlen, text_field=data.text_field,
+                      dataset_config=data.dataset_config, streaming=data.streaming)
+        self.dataloader = build_dataloader(split=data.split, seed=config.training.seed, **common)
+        self.val_loader_args = None
+        if config.validation.enable:
+            # The held-out split of the training data, or another dataset's validation split.
+            self.val_loader_args = dict(common, dataset=config.validation.dataset or data.dataset,
+                                        split="validation", max_batches=config.validation.steps)
+        self._build_val = build_validation_dataloader
+        self.state = TrainState()
+        self.flops = flops_per_token(self.model_args, config.training.seq_len)
+        self.peak_tflops = measured_matmul_tflops(self.device)
+        self.datasheet_tflops = datasheet_tflops(self.device)
+        self.metrics = MetricsLogger(self.dump, enabled=self.rank == 0, tensorboard=config.metrics.enable_tensorboard,
+                                     tb_folder=config.metrics.save_tb_folder)
+        if self.rank == 0:
+            write_resolved(config, self.dump)
+        self.checkpointer = None
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        opt = self.config.optimizer
+        if opt.name != "AdamW":
+            raise ConfigError("optimizer.name", f"unknown optimizer {opt.name!r}; expected AdamW")
+        no_decay = self.model.no_weight_decay_names() if hasattr(self.model, "no_weight_decay_names") else set()
+        decay, plain = [], []
+        for name, param in self.model.named_parameters():
+            (plain if _strip_wrappers(name) in no_decay else decay).append(param)
+        groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+        fused = opt.fused if opt.fused is not None else self.device.type == "cuda"
+        return torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, fused=fused,
+                                 foreach=None if fused else True)
+
+    # ------------------------------------------------------------------ the step
+
+    def _all_reduce_sum(self, value: torch.Tensor, mesh_dim: str = "dp_cp") -> torch.Tensor:
+        group_mesh = submesh(self.mesh, mesh_dim)
+        if group_mesh is not None and group_mesh.size() > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group_mesh.get_group())
+        return value
+
+    def _loss_sum(self, batch: dict) -> torch.Tensor:
+        tokens = batch["input_ids"].to(self.device, non_blocking=True)
+        labels = batch["labels"].to(self.device, non_blocking=True)
+        cu_seqlens = batch.get("cu_seqlens")
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.to(self.device, non_blocking=True)
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        with ctx:
+            logits = self.model(tokens, cu_seqlens=cu_seqlens)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+
+    def train_step(self, micro_batches: list[dict]) -> dict:
+        """One optimizer step over this rank's micro-batches; returns the reduced metrics of the step."""
+        local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
+        counts = self._all_reduce_sum(torch.tensor([float(local_targets)], dtype=torch.float64, device=self.device))
+        global_targets = max(float(counts.item()), 1.0)
+        # FSDP averages gradients over its ranks; scale so that the average is the global-batch mean.
+        grad_scale = self.dims.dp * self.dims.cp / global_targets if self.mesh is not None else 1.0 / global_targets
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for batch in micro_batches:
+            loss_sum = self._loss_sum(batch)
+            (loss_sum * grad_scale).backward()
+            loss_total += loss_sum.detach().double()
+        loss = float(self._all_reduce_sum(loss_total.reshape(1)).item()) / global_targets
+        grad_norm = self._clip_grad_norm()
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+        elif self.config.training.skip_nan_inf:
+            self.state.skipped_steps += 1
+            logger.warning("step %d: loss %s, grad norm %s: step skipped (training.skip_nan_inf)",
+                           self.state.step + 1, loss, grad_norm)
+        else:
+            raise NonFiniteLossError(
+                f"training: loss {loss} / grad norm {grad_norm} at step {self.state.step + 1} is not finite; stopped "
+                "before the optimizer step, nothing was written for this step (set training.skip_nan_inf = true "
+                "to skip such steps)")
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.lr_scheduler.step()
+        self.state.step += 1
+        self.state.tokens_seen += self.degrees.global_batch_size * self.config.training.seq_len
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "global_targets": global_targets}
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if hasattr(total, "full_tensor"):
+            total = total.full_tensor()
+        if self.config.training.max_norm > 0 and torch.isfinite(total):
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.training.max_norm, total)
+        return float(total.item())
+
+    # ------------------------------------------------------------------ validation
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        self.model.eval()
+        loader = self._build_val(**self.val_loader_args)
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in loader:
+            loss_sum[0] += self._loss_sum(batch).double()
+            loss_sum[1] += float((batch["labels"] != IGNORE_INDEX).sum())
+        self._all_reduce_sum(loss_sum)
+        self.model.train()
+        val_loss = float(loss_sum[0] / loss_sum[1].clamp(min=1))
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> list[dict]:
+        """Train to ``training.steps``; returns the logged rows (also written to ``metrics.jsonl``)."""
+        config = self.config
+        if self.checkpointer is not None:
+            self.checkpointer.load()
+        rows = []
+        data_iter = iter(self.dataloader)
+        self.model.train()
+        window_start, window_tokens = time.perf_counter(), 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        while self.state.step < config.training.steps:
+            micro = [next(data_iter) for _ in range(self.degrees.grad_accum_steps)]
+            result = self.train_step(micro)
+            window_tokens += self.degrees.global_batch_size * config.training.seq_len
+            step = self.state.step
+            if step % config.metrics.log_freq == 0 or step == config.training.steps or step == 1:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                elapsed = time.perf_counter() - window_start
+                tps_device = window_tokens / elapsed / self.world_size
+                row = {"step": step, "loss": result["loss"], "grad_norm": result["grad_norm"],
+                       "lr": result["lr"], "tokens_per_s": tps_device * self.world_size,
+                       "tokens_per_s_per_device": tps_device,
+                       "mfu": self.flops["total"] * tps_device / (self.peak_tflops * 1e12),
+                       "mfu_datasheet": (self.flops["total"] * tps_device / (self.datasheet_tflops * 1e12)
+                                         if self.datasheet_tflops else None),
+                       "memory_gib": peak_memory_gib(self.device), "tokens_seen": self.state.tokens_seen}
+                rows.append(row)
+                self.metrics.log(row)
+                window_start, window_tokens = time.perf_counter(), 0
+            if config.validation.enable and (step % config.validation.freq == 0 or step == config.training.steps):
+                row = {"step": step, **self.validate()}
+                rows.append(row)
+                self.metrics.log(row)
+            if self.checkpointer is not None:
+                self.checkpointer.maybe_save(step, final=step == config.training.steps)
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.metrics.close()
+        return rows
+
+
+def _strip_wrappers(name: str) -> str:
+    """A parameter name without the prefixes that checkpoint and compile wrappers insert."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def dry_run(config: JobConfig) -> None:
+    """Print the resolved config, parameter count and training FLOPs per token; allocate no weights."""
+    from hola_titan.data import load_tokenizer
+
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    validate(config, world_size=world_size)
+    tokenizer = load_tokenizer(config.model.tokenizer_path)
+    args = build_model_args(config, tokenizer.vocab_size)
+    with torch.device("meta"):
+        model = HolaTitanLM(args)
+    flops = flops_per_token(args, config.training.seq_len)
+    print(to_toml(config))
+    print(f"model: {args.flavour} {args.size}, {num_params(model):,} parameters, vocab {args.vocab_size}")
+    parts = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in flops.items() if k != "total")
+    print(f"training FLOPs per token: {flops['total'] / 1e9:.3f} GFLOP ({parts}) at seq_len {config.training.seq_len}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    rank = int(os.environ.get("RANK", 0))
+    setup_logging(rank)
+    try:
+        config = parse_config(argv)
+        if config.dry_run:
+            if rank == 0:
+                dry_run(config)
+            return 0
+        trainer = Trainer(config)
+        trainer.train()
+    except (ConfigError, NonFiniteLossError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Apply parallelism to a ``HolaTitanLM`` built on the meta device, in one fixed order.
+
+Order (each step needs the previous one's modules): float8 swap -> context parallel -> tensor parallel ->
+activation checkpointing -> per-block ``torch.compile`` -> FSDP2 (blocks, then root). The model code never
+sees ``torch.distributed``; everything distributed happens here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from hola_titan.parallelisms.parallel_dims import Meshes, ParallelDims, submesh
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parallelize_model(model: nn.Module, *, dims: ParallelDims, mesh: Meshes | None, device: torch.device,
+                      ac_mode: str, selective_ac_option: str, compile_enable: bool, compile_fullgraph: bool,
+                      float8_enable: bool, param_dtype: str, reduce_dtype: str, cpu_offload: bool) -> nn.Module:
+    """Apply the configured parallelisms in place and return the model (see the module docstring)."""
+    if float8_enable:
+        raise ValueError("float8.enable: float8 training is not available yet")
+    if dims.cp > 1:
+        raise ValueError("parallelism.context_parallel_degree: context parallelism is not available yet")
+    if dims.tp > 1:
+        raise ValueError("parallelism.tensor_parallel_degree: tensor parallelism is not available yet")
+    if ac_mode != "none":
+        apply_activation_checkpointing(model, mode=ac_mode, selective_option=selective_ac_option)
+    if compile_enable:
+        apply_compile(model, fullgraph=compile_fullgraph)
+    if mesh is not None and (dims.fsdp_enabled or dims.hsdp_enabled):
+        # On CPU, compute stays float32 whatever the config says: bf16 matmuls there are slow and inexact.
+        compute = _DTYPES[param_dtype] if device.type == "cuda" else torch.float32
+        apply_fsdp(model, mesh=_fsdp_mesh(mesh, dims), param_dtype=compute, reduce_dtype=_DTYPES[reduce_dtype],
+                   cpu_offload=cpu_offload)
+    return model
+
+
+def _fsdp_mesh(mesh: Meshes, dims: ParallelDims) -> DeviceMesh:
+    """The mesh FSDP shards over: ``dp_shard_cp``, or ``[dp_replicate, dp_shard]`` for HSDP."""
+    if dims.hsdp_enabled:
+        if dims.cp > 1:
+            raise ValueError("parallelism: HSDP together with context parallelism is not available yet")
+        if dims.dp_shard == 1:  # replicate only: DDP-like, FSDP2 with a 1-D replicate mesh
+            return mesh.named["dp_replicate"]
+        return mesh.world["dp_replicate", "dp_shard"]
+    return mesh.named["dp_shard_cp"]
+
+
+def apply_activation_checkpointing(model: nn.Module, *, mode: str, selective_option: str) -> None:
+    """Wrap blocks in activation checkpointing: every block (``full``) or every N-th (``selective`` with N)."""
+    every = 1
+    if mode == "selective":
+        if not selective_option.isdigit():
+            raise ValueError("activation_checkpoint.selective_ac_option: op-level selective checkpointing is not "
+                             "available yet; use a positive integer N (every N-th block)")
+        every = int(selective_option)
+        if every < 1:
+            raise ValueError("activation_checkpoint.selective_ac_option: N must be >= 1")
+    for index, (name, block) in enumerate(list(model.layers.items())):
+        if index % every == 0:
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module, *, fullgraph: bool) -> None:
+    """Compile every block separately (repeated blocks share one compiled graph)."""
+    for name, block in list(model.layers.items()):
+        model.layers[name] = torch.compile(block, fullgraph=fullgraph)
+
+
+def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               cpu_offload: bool) -> None:
+    """FSDP2 on every block, then on the root (embeddings, final norm and head stay with the root, so a tied
+    output head and the embedding are one parameter in one unit)."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kwargs = dict(mesh=mesh, mp_policy=policy)
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    blocks = list(model.layers.values())
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed again right away by the root's backward: keep them gathered.
+        fully_shard(block, reshard_after_forward=index < len(blocks) - 1, **kwargs)
+    fully_shard(model, **kwargs)

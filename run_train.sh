@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Launch training with torchrun, in torchtitan's manner. Environment variables:
+#   CONFIG_FILE   TOML config (default ./train_configs/debug_model.toml)
+#   NGPU          processes per node (default: the number of GPUs, or 1 on a machine without GPUs, where the
+#                 processes train on the CPU with gloo)
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node rendezvous (defaults 1, 0, localhost, 29500)
+#   LOG_RANK      local ranks whose output is shown (default 0; e.g. 0,1), same as --local-ranks-filter
+#   MAX_RESTARTS  torchrun --max-restarts (default 0)
+# Arguments are passed on as config overrides (--section.key value) or flags (--dry-run).
+#
+# Multi-node example (2 nodes x 8 GPUs), on node 0 and node 1 respectively:
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 CONFIG_FILE=train_configs/hola_1.3B.toml ./run_train.sh
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 CONFIG_FILE=train_configs/hola_1.3B.toml ./run_train.sh
+set -euo pipefail
+cd "$(dirname "$0")"
+CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-29500}
+LOG_RANK=${LOG_RANK:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+PYTHON=${PYTHON:-}
+if [ -z "$PYTHON" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+overrides=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --local-ranks-filter) LOG_RANK=$2; shift 2 ;;
+    --local-ranks-filter=*) LOG_RANK=${1#*=}; shift ;;
+    *) overrides+=("$1"); shift ;;
+  esac
+done
+if [ -z "${NGPU:-}" ]; then
+  NGPU=$("$PYTHON" -c 'import torch; print(max(1, torch.cuda.device_count()))')
+fi
+if [ "$NNODES" -gt 1 ]; then
+  rdzv=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+else
+  rdzv=(--nnodes 1 --rdzv_backend c10d --rdzv_endpoint "localhost:0")
+fi
+export PYTHONUNBUFFERED=1
+exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${rdzv[@]}" --max-restarts "$MAX_RESTARTS" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  -m hola_titan.train --job.config_file "$CONFIG_FILE" "${overrides[@]}"

@@ -1,0 +1,200 @@
+"""The trainer end to end on CPU: the debug run, metrics files, torchrun parity, dry-run, FLOPs, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from hola_titan.config import parse_config
+from hola_titan.flops import flops_per_token, matmul_params, mean_visible_keys
+from hola_titan.models.args import model_args, replace
+from hola_titan.models.model import build_model
+from hola_titan.train import Trainer, lr_lambda, main
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
+# Small enough for CI: 128 tokens x 4 rows per step.
+FAST = ["--training.seq_len", "128", "--training.local_batch_size", "4", "--validation.steps", "1"]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["HOLA_TITAN_CACHE"] = env.get("HOLA_TITAN_CACHE", str(ROOT / ".pytest_cache" / "hola_titan"))
+    return env
+
+
+def _rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_debug_run_loss_falls_and_writes_metrics(tmp_path):
+    config = parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), "--training.steps", "50",
+                           "--metrics.log_freq", "10", "--validation.freq", "50", *FAST])
+    Trainer(config).train()
+    rows = _rows(tmp_path)
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 10, 20, 30, 40, 50]
+    for row in train_rows:
+        for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "memory_gib"):
+            assert key in row and row[key] is not None, key
+        assert math.isfinite(row["loss"]) and row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 1.0  # 9.0 at init; well below after 50 steps
+    val = [r for r in rows if "val_loss" in r]
+    assert len(val) == 1 and val[0]["step"] == 50 and val[0]["val_ppl"] == pytest.approx(math.exp(val[0]["val_loss"]))
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
+    resolved = (tmp_path / "config.toml").read_text()
+    assert "seq_len = 128" in resolved
+
+
+def _torchrun_losses(tmp_path: Path, nproc: int, extra: list[str]) -> list[float]:
+    env = _env() | {"NGPU": str(nproc), "CONFIG_FILE": DEBUG, "LOG_RANK": "0", "PYTHON": sys.executable}
+    result = subprocess.run([str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp_path), "--training.steps", "4",
+                             "--metrics.log_freq", "1", "--validation.enable", "false", *FAST, *extra],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [r["loss"] for r in _rows(tmp_path)]
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_match_one_process(tmp_path):
+    """Same global batch (8 rows): one process with 2 accumulation steps of 4 rows vs two FSDP ranks of 4."""
+    one = _torchrun_losses(tmp_path / "one", 1, ["--training.global_batch_size", "8"])
+    two = _torchrun_losses(tmp_path / "two", 2, ["--training.global_batch_size", "8"])
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (one, two)
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    base = ["--job.config_file", DEBUG, "--training.steps", "3", "--metrics.log_freq", "1",
+            "--validation.enable", "false", "--training.seq_len", "128"]
+    big = Trainer(parse_config([*base, "--job.dump_folder", str(tmp_path / "a"), "--training.local_batch_size", "8"]))
+    acc = Trainer(parse_config([*base, "--job.dump_folder", str(tmp_path / "b"), "--training.local_batch_size", "4",
+                                "--training.global_batch_size", "8"]))
+    assert acc.degrees.grad_accum_steps == 2
+    la = [r["loss"] for r in big.train()]
+    lb = [r["loss"] for r in acc.train()]
+    assert la == pytest.approx(lb, rel=1e-5, abs=1e-5)
+
+
+def _write_tokenizer(folder: Path, vocab_size: int) -> Path:
+    vocab = {"<|endoftext|>": 0, **{f"t{i}": i for i in range(1, vocab_size)}}
+    tok = HFTokenizer(WordLevel(vocab, unk_token="t1"))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.mark.parametrize("flavour,expected", [("gdn", 341_597_376), ("hola", 341_609_856),
+                                              ("hola_recency", 341_609_856), ("transformer", 341_099_520)])
+def test_dry_run_340M(tmp_path, capsys, flavour, expected):
+    tok = _write_tokenizer(tmp_path / "tok32k", 32000)
+    code = main(["--job.config_file", str(ROOT / "train_configs" / f"{flavour}_340M.toml"), "--dry-run",
+                 "--model.tokenizer_path", str(tok), "--training.device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"{expected:,} parameters" in out
+    assert "training FLOPs per token" in out and 'flavour = "' + flavour + '"' in out
+    if flavour == "gdn":
+        assert abs(expected - 341.6e6) / 341.6e6 < 0.005
+
+
+def test_flop_formula_matches_counted_matmuls():
+    """The dense and attention parts of the formula against a FLOP count of one forward of tiny models."""
+    seq_len = 48
+    for flavour in ("gdn", "transformer"):
+        args = replace(model_args(flavour, "debug", vocab_size=97), n_layers=2, dim=32, mlp_hidden=64, head_dim=16)
+        model = build_model(args, device="cpu")
+        tokens = torch.randint(0, 97, (2, seq_len))
+        # The math SDPA backend runs attention as bmm calls, which the counter sees.
+        with FlopCounterMode(display=False) as counter, sdpa_kernel([SDPBackend.MATH]):
+            model(tokens)
+        counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+        dense = counts.get("aten.mm", 0) + counts.get("aten.addmm", 0)
+        assert dense == 2 * matmul_params(args) * tokens.numel()
+        formula = flops_per_token(args, seq_len)
+        assert formula["dense"] == 3 * 2 * matmul_params(args)
+        if flavour == "transformer":
+            # SDPA counts the full T x T square; the formula counts the causal (T + 1) / 2 keys per query.
+            causal = counts["aten.bmm"] * (seq_len + 1) / (2 * seq_len)
+            assert formula["attention"] == pytest.approx(3 * causal / tokens.numel(), rel=1e-9)
+
+
+def test_mean_visible_keys_counts_cache_and_block():
+    # block 4, window 3: positions 0-3 see t+1 keys; from the second block on, min(3, done) cache rows.
+    expected = [1, 2, 3, 4] + [3 + 1, 3 + 2, 3 + 3, 3 + 4]
+    assert mean_visible_keys(8, window=3, block=4) == pytest.approx(sum(expected) / 8)
+    assert mean_visible_keys(5, window=None, block=None) == pytest.approx(3.0)
+
+
+def test_lr_schedule_warmup_and_cosine_floor():
+    kw = dict(warmup_steps=10, total_steps=110, decay_type="cosine", min_lr_factor=0.1)
+    assert lr_lambda(0, **kw) == pytest.approx(1 / 11)
+    assert lr_lambda(10, **kw) == pytest.approx(1.0)
+    assert lr_lambda(60, **kw) == pytest.approx(0.55)
+    assert lr_lambda(110, **kw) == pytest.approx(0.1)
+    assert lr_lambda(500, **kw) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("argv,key", [
+    (["--training.seq_len", "abc"], "training.seq_len"),
+    (["--training.bogus", "1"], "training.bogus"),
+    (["--parallelism.tensor_parallel_degree", "4"], "parallelism"),
+    (["--training.seq_len", "100"], "training.seq_len"),
+])
+def test_config_errors_exit_with_one_line(tmp_path, argv, key):
+    result = subprocess.run([sys.executable, "-m", "hola_titan.train", "--job.config_file", DEBUG,
+                             "--job.dump_folder", str(tmp_path / "run"), *argv],
+                            env=_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and key in lines[0], result.stderr
+    assert not (tmp_path / "run").exists(), "the run folder must not be created before the config is valid"
+
+
+def _poison_after(trainer: Trainer, step: int) -> None:
+    original = trainer._loss_sum
+
+    def loss_sum(batch):
+        value = original(batch)
+        return value * float("nan") if trainer.state.step + 1 >= step else value
+
+    trainer._loss_sum = loss_sum
+
+
+def test_nan_loss_stops_with_clear_message(tmp_path):
+    config = parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), "--training.steps", "5",
+                           "--metrics.log_freq", "1", "--validation.enable", "false", *FAST])
+    trainer = Trainer(config)
+    _poison_after(trainer, 3)
+    with pytest.raises(RuntimeError, match="step 3 is not finite"):
+        trainer.train()
+    assert trainer.state.step == 2
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2]  # the failed step logged nothing
+
+
+def test_nan_loss_skipped_when_allowed(tmp_path):
+    config = parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), "--training.steps", "4",
+                           "--metrics.log_freq", "1", "--validation.enable", "false", "--training.skip_nan_inf",
+                           *FAST])
+    trainer = Trainer(config)
+    params_before = [p.detach().clone() for p in trainer.model.parameters()]
+    _poison_after(trainer, 3)
+    trainer.train()
+    assert trainer.state.step == 4 and trainer.state.skipped_steps == 2
+    changed = [not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), params_before)]
+    assert any(changed)  # steps 1 and 2 updated the weights
+    for p in trainer.model.parameters():
+        assert torch.isfinite(p).all()
