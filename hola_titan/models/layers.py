@@ -85,7 +85,8 @@ class ShortConvolution(nn.Module):
                 keep = positions >= shift
                 if continues is not None and tail is not None:
                     keep = keep | continues
-                term = term * keep[..., None].to(x.dtype)
+                # where, not a product: a NaN in another document must not leak through 0 * NaN.
+                term = torch.where(keep[..., None], term, torch.zeros((), dtype=x.dtype, device=x.device))
             y = y + term
         return F.silu(y), xp[:, -(k - 1):]
 

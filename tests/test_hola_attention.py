@@ -1,0 +1,694 @@
+"""``hola_attention`` (HOLA_SPEC sections 1, 2 and 4) on CPU: the reference backend against the token-by-token
+oracle and against independent formulations (fla-core's GDN recurrence, PyTorch SDPA), chunked and packed
+layouts, the selection semantics, input validation and NaN isolation.
+
+Tolerances. Every comparison uses the max-abs error divided by the max-abs of the expected tensor
+(``assert_close_scaled``). The two sides sum the same products in a different order (chunked WY solve vs.
+one token at a time, batched rows vs. one row), so the rounding error scales with the tensor's magnitude,
+not with each element: an element-wise relative bound would fail on entries that happen to be near zero,
+and a bare absolute bound would be meaningless for gradients whose scale is far from 1. Bounds: 1e-10 in
+float64 (unit roundoff 1.1e-16, so this leaves ~6 orders of magnitude for error growth over tens of tokens
+and a triangular solve), 1e-5 in float32 (unit roundoff 6e-8: ~100x headroom), 1e-6 for packed vs. separate
+in float32 (same kernel, only the batching differs; STYLE item 10).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hola_titan import HolaCache, hola_attention
+from hola_titan.kernels.hola_naive import naive_hola_attention
+
+INPUTS = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate")
+CACHE_PARAMS = ("gamma_q", "gamma_k", "sink", "gate")
+TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
+CACHE_FIELDS = ("scores", "positions", "k", "v", "buf_scores", "buf_k", "buf_v", "seen")
+EPS = 1e-6  # HOLA_SPEC section 2: l2norm and RMSNorm epsilon
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+TOL_PACKED_FP32 = 1e-6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """These shapes are tiny: intra-op threads only add synchronisation, which on a busy 2-core machine stalls
+    every op (measured: ~100x slower per call with 2 threads than with 1 while another process runs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+def make_inputs(batch: int, seq_len: int, heads: int, dim: int, *, dtype=torch.float64, seed: int = 0,
+                num_states: int | None = None, requires_grad: bool = False,
+                ties: bool = False) -> dict[str, torch.Tensor]:
+    """Random inputs of ``hola_attention``; with ``num_states`` also an ``initial_state`` [N, H, D, D].
+
+    ``ties``: beta is exactly 0 on two tokens of every three, so their scores m = beta * ||e|| are all exactly
+    0 and selection must break the ties by position.
+
+    Decays are moderate (alpha mostly in 0.5..1) so that the state carries information over many tokens,
+    gate and sink are O(1) so that the cache path is a sizeable part of the output, gammas differ from 1 so
+    that a missing or misplaced RMSNorm weight shows.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    x = {
+        "q": randn(batch, seq_len, heads, dim),
+        "k": randn(batch, seq_len, heads, dim),
+        "v": randn(batch, seq_len, heads, dim),
+        "g": -F.softplus(randn(batch, seq_len, heads)) * 0.5,
+        "beta": torch.sigmoid(randn(batch, seq_len, heads)),
+        "gamma_q": 1.0 + 0.3 * randn(dim),
+        "gamma_k": 1.0 + 0.3 * randn(dim),
+        "sink": randn(heads),
+        "gate": randn(heads),
+    }
+    if ties:
+        keep = torch.arange(seq_len) % 3 == 0
+        x["beta"] = torch.where(keep[None, :, None], x["beta"], 0.0)
+    if num_states is not None:
+        x["initial_state"] = 0.3 * randn(num_states, heads, dim, dim)
+    x = {name: t.to(dtype) for name, t in x.items()}
+    if requires_grad:
+        x = {name: t.requires_grad_() for name, t in x.items()}
+    return x
+
+
+def call(fn, x: dict, *, evict: str, **kwargs):
+    """``fn(q, ..., gate, **kwargs)`` with the cache parameters dropped for ``evict="none"``."""
+    args = [None if (evict == "none" and name in CACHE_PARAMS) else x[name] for name in INPUTS]
+    kwargs.setdefault("initial_state", x.get("initial_state"))
+    out = fn(*args, evict=evict, **kwargs)
+    return out if len(out) == 3 else (*out, None)
+
+
+def run_ref(x, **kwargs):
+    return call(hola_attention, x, backend="reference", output_final_state=True, output_final_cache=True, **kwargs)
+
+
+def run_naive(x, **kwargs):
+    return call(naive_hola_attention, x, output_final_state=True, output_final_cache=True, **kwargs)
+
+
+def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    """``max|actual - expected| <= tol * max|expected|`` (see the module docstring for why)."""
+    assert actual.shape == expected.shape, f"{what}: shape {list(actual.shape)} vs {list(expected.shape)}"
+    a, e = actual.detach().double(), expected.detach().double()
+    scale = e.abs().max().item() if e.numel() else 0.0
+    err = (a - e).abs().max().item() if e.numel() else 0.0
+    assert err <= tol * max(scale, 1e-300), f"{what}: max abs error {err:.3e} > {tol:g} x scale {scale:.3e}"
+
+
+def assert_scores_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    """Scores hold -inf in empty slots: those must match exactly, the finite ones within ``tol``."""
+    assert torch.equal(torch.isneginf(actual), torch.isneginf(expected)), f"{what}: empty slots differ"
+    assert not torch.isnan(actual).any(), f"{what}: NaN"
+    finite = torch.isfinite(expected)
+    assert_close_scaled(actual[finite], expected[finite], tol, what)
+
+
+def assert_cache_close(actual: HolaCache, expected: HolaCache, tol: float, what: str = "cache") -> None:
+    assert actual is not None and expected is not None, f"{what}: missing"
+    meta = lambda c: (c.window, c.block, c.evict)  # noqa: E731
+    assert meta(actual) == meta(expected), f"{what}: metadata {meta(actual)} vs {meta(expected)}"
+    assert torch.equal(actual.seen, expected.seen), f"{what}.seen: {actual.seen} vs {expected.seen}"
+    assert torch.equal(actual.positions, expected.positions), (
+        f"{what}.positions:\n{actual.positions}\nvs\n{expected.positions}")
+    assert_scores_close(actual.scores, expected.scores, tol, f"{what}.scores")
+    assert_scores_close(actual.buf_scores, expected.buf_scores, tol, f"{what}.buf_scores")
+    for name in ("k", "v", "buf_k", "buf_v"):
+        assert_close_scaled(getattr(actual, name), getattr(expected, name), tol, f"{what}.{name}")
+
+
+def weighted_loss(o: torch.Tensor, state: torch.Tensor | None, seed: int = 123) -> torch.Tensor:
+    """A random weighted sum of the output (and final state): gradients differ per element."""
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum()
+    if state is not None:
+        loss = loss + (state * torch.randn(state.shape, generator=gen, dtype=torch.float64).to(state.dtype)).sum()
+    return loss
+
+
+def grad_names(x: dict, evict: str) -> list[str]:
+    return [n for n in x if x[n] is not None and x[n].requires_grad and not (evict == "none" and n in CACHE_PARAMS)]
+
+
+def grads(loss: torch.Tensor, x: dict, names: list[str], **kwargs) -> dict[str, torch.Tensor]:
+    values = torch.autograd.grad(loss, [x[n] for n in names], allow_unused=True, **kwargs)
+    return dict(zip(names, values))
+
+
+def assert_grads_close(actual: dict, expected: dict, tol: float, what: str = "grad") -> None:
+    for name in expected:
+        assert (actual[name] is None) == (expected[name] is None), f"{what} {name}: reached on only one side"
+        if expected[name] is not None:
+            assert_close_scaled(actual[name], expected[name], tol, f"{what} {name}")
+
+
+def rms_norm(x, weight):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
+
+
+def l2norm(x):
+    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + EPS)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference == token-by-token oracle: forward, final state, final cache, every gradient
+# ----------------------------------------------------------------------------------------------------------------
+
+# (id, batch, seq_len, heads, dim, block, window, cu_seqlens, with initial_state[, tied scores])
+ORACLE_CASES = [
+    ("T13_not_block_multiple", 2, 13, 3, 16, 4, 3, None, True),
+    ("T_lt_block", 2, 5, 3, 16, 8, 3, None, False),
+    ("window_gt_prefix", 1, 11, 3, 16, 4, 20, None, False),
+    ("window0", 2, 10, 3, 16, 4, 0, None, False),
+    ("D48", 1, 9, 3, 48, 4, 2, None, True),
+    ("block1", 1, 7, 3, 16, 1, 2, None, False),
+    # documents of length 1, exactly one block (4), spanning several blocks
+    ("packed_len1_oneblock_multiblock", 1, 23, 3, 16, 4, 3, [0, 1, 5, 6, 15, 23], True),
+    ("packed_D48_window_gt_doc", 1, 14, 3, 48, 4, 6, [0, 9, 10, 14], False),
+    # longer than the reference's 64-token state chunk, odd lengths
+    ("T75_multichunk", 1, 75, 3, 16, 16, 5, None, True),
+    ("packed_over_chunk", 1, 100, 3, 16, 8, 4, [0, 1, 70, 72, 100], False),
+    ("tied_scores", 2, 19, 3, 16, 4, 5, None, False, True),
+    ("packed_tied_scores", 1, 30, 3, 16, 4, 4, [0, 2, 14, 30], True, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("evict", ["score", "recency", "none"])
+@pytest.mark.parametrize("case", ORACLE_CASES, ids=[c[0] for c in ORACLE_CASES])
+def test_reference_matches_naive_oracle(case, evict, dtype):
+    _, batch, seq_len, heads, dim, block, window, cu, with_state, *ties = case
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    num_seqs = batch if cu is None else len(cu) - 1
+    x = make_inputs(batch, seq_len, heads, dim, dtype=dtype, seed=seq_len * 7 + dim,
+                    num_states=num_seqs if with_state else None, requires_grad=True, ties=bool(ties))
+    kw = dict(evict=evict, window=window, block=block, cu_seqlens=cu_seqlens)
+    o_ref, s_ref, c_ref = run_ref(x, **kw)
+    o_nv, s_nv, c_nv = run_naive(x, **kw)
+    tol = TOL[dtype]
+
+    assert o_ref.dtype == dtype and o_ref.shape == x["q"].shape
+    assert s_ref.dtype == dtype and s_ref.shape == (num_seqs, heads, dim, dim)
+    assert torch.isfinite(o_ref).all() and torch.isfinite(s_ref).all()
+    assert_close_scaled(o_ref, o_nv, tol, "o")
+    assert_close_scaled(s_ref, s_nv, tol, "final_state")
+    if evict == "none":
+        assert c_ref is None and c_nv is None
+    else:
+        assert_cache_close(c_ref, c_nv, tol)
+
+    names = grad_names(x, evict)
+    g_ref = grads(weighted_loss(o_ref, s_ref), x, names)
+    g_nv = grads(weighted_loss(o_nv, s_nv), x, names)
+    for name in names:
+        assert g_ref[name] is not None, f"no gradient reaches {name}"
+        assert torch.isfinite(g_ref[name]).all(), f"grad {name} not finite"
+    if evict != "none":
+        for name in CACHE_PARAMS:
+            assert g_ref[name].abs().max() > 0, f"grad {name} is zero: the cache path is not differentiated"
+    assert_grads_close(g_ref, g_nv, tol)
+
+
+# (id, batch, prefix cu or prefix length, continuation cu or length, block, window)
+CONTINUATION_CASES = [
+    ("rows_inside_block", 2, 6, 9, 4, 3),
+    ("rows_on_block_boundary", 2, 8, 7, 4, 3),
+    ("rows_window_gt_prefix", 2, 5, 6, 4, 8),
+    ("packed", 1, [0, 5, 7, 16], [0, 3, 9, 10], 4, 3),
+    ("packed_len1", 1, [0, 1, 4, 12], [0, 1, 2, 9], 4, 2),
+]
+
+
+@pytest.mark.parametrize("evict", ["score", "recency"])
+@pytest.mark.parametrize("case", CONTINUATION_CASES, ids=[c[0] for c in CONTINUATION_CASES])
+def test_reference_matches_naive_with_initial_state_and_cache(case, evict):
+    """The prefix is run by the reference (so the initial cache is the reference's own); reference and oracle then
+    continue from the same state and cache. Gradients are compared for the continuation inputs and, through
+    the state and the cached k/v, for the prefix inputs."""
+    _, batch, prefix, cont, block, window = case
+    dtype, tol = torch.float64, TOL[torch.float64]
+    packed = isinstance(prefix, list)
+    cu_p = torch.tensor(prefix) if packed else None
+    cu_c = torch.tensor(cont) if packed else None
+    len_p = prefix[-1] if packed else prefix
+    len_c = cont[-1] if packed else cont
+    xp = make_inputs(batch, len_p, 3, 16, dtype=dtype, seed=1, requires_grad=True)
+    xc = make_inputs(batch, len_c, 3, 16, dtype=dtype, seed=2, requires_grad=True)
+    for name in CACHE_PARAMS:  # one set of parameters for the whole sequence
+        xc[name] = xp[name]
+    kw = dict(evict=evict, window=window, block=block)
+    _, state, cache = run_ref(xp, cu_seqlens=cu_p, **kw)
+    assert cache.num_seqs == state.shape[0] == (len(prefix) - 1 if packed else batch)
+    o_ref, s_ref, c_ref = run_ref(xc, cu_seqlens=cu_c, initial_state=state, initial_cache=cache, **kw)
+    o_nv, s_nv, c_nv = run_naive(xc, cu_seqlens=cu_c, initial_state=state, initial_cache=cache, **kw)
+    assert_close_scaled(o_ref, o_nv, tol, "o")
+    assert_close_scaled(s_ref, s_nv, tol, "final_state")
+    assert_cache_close(c_ref, c_nv, tol)
+
+    leaves = {**{f"prefix.{n}": t for n, t in xp.items()}, **{f"cont.{n}": t for n, t in xc.items()
+                                                                if n in TOKEN_INPUTS}}
+    names = list(leaves)
+    g_ref = grads(weighted_loss(o_ref, s_ref), leaves, names, retain_graph=True)
+    g_nv = grads(weighted_loss(o_nv, s_nv), leaves, names)
+    for name in ("prefix.k", "prefix.v", "prefix.gamma_k"):
+        assert g_ref[name] is not None and g_ref[name].abs().max() > 0, f"no gradient reaches {name}"
+    assert_grads_close(g_ref, g_nv, tol)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# evict="none" is Gated DeltaNet: fla-core's recurrent reference on l2-normalised q, k
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
+@pytest.mark.parametrize("layout", ["rows", "packed"])
+def test_evict_none_matches_fla_naive_recurrent_gdn(layout, with_state):
+    try:
+        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    except Exception as exc:  # fla-core is a declared dependency; skip only if it cannot be imported at all
+        pytest.skip(f"fla.ops.gated_delta_rule.naive cannot be imported: {exc!r}")
+    dtype, tol = torch.float32, TOL[torch.float32]
+    heads, dim = 3, 32
+    if layout == "rows":
+        batch, seq_len, cu = 2, 75, None
+        spans = [(b, 0, seq_len) for b in range(batch)]
+    else:
+        batch, seq_len, cu = 1, 90, [0, 1, 70, 90]
+        spans = [(0, a, b) for a, b in zip(cu, cu[1:])]
+    x = make_inputs(batch, seq_len, heads, dim, dtype=dtype, seed=5, num_states=len(spans) if with_state else None)
+    o, state, _ = call(hola_attention, x, evict="none", backend="reference", output_final_state=True,
+                       cu_seqlens=None if cu is None else torch.tensor(cu))
+    for n, (b, start, end) in enumerate(spans):
+        part = {name: x[name][b:b + 1, start:end] for name in TOKEN_INPUTS}
+        init = x["initial_state"][n:n + 1] if with_state else None
+        # fla's signature is (q, k, v, beta, g, ...): beta before g. It neither l2-normalises nor scales by default.
+        o_fla, s_fla = naive_recurrent_gated_delta_rule(
+            l2norm(part["q"]), l2norm(part["k"]), part["v"], part["beta"], part["g"], scale=dim ** -0.5,
+            initial_state=init, output_final_state=True)
+        assert_close_scaled(o[b:b + 1, start:end], o_fla, tol, f"o of sequence {n}")
+        assert_close_scaled(state[n:n + 1], s_fla, tol, f"final_state of sequence {n}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The cache path alone is causal softmax attention with a zero-valued sink key
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("window", [0, 4], ids=["window0", "window4_empty_prefix"])
+@pytest.mark.parametrize("block", [11, 16], ids=["block_eq_T", "block_gt_T"])
+@pytest.mark.parametrize("evict", ["score", "recency"])
+def test_cache_path_is_sdpa_with_sink(evict, block, window):
+    """With one block covering the whole sequence the persistent cache is empty, so every query reads exactly
+    [causal tokens | sink]: SDPA over RMSNorm'd q, k plus one zero key/value whose logit is the sink."""
+    dtype, tol = torch.float64, TOL[torch.float64]
+    batch, seq_len, heads, dim = 2, 11, 3, 16
+    x = make_inputs(batch, seq_len, heads, dim, dtype=dtype, seed=11)
+    kw = dict(window=window, block=block, backend="reference")
+    o, _ = hola_attention(*(x[n] for n in INPUTS), evict=evict, **kw)
+    o_none, _ = hola_attention(*(x[n] for n in TOKEN_INPUTS), None, None, None, None, evict="none", **kw)
+    o_cache = (o - o_none) / torch.sigmoid(x["gate"])[:, None]
+
+    qc = rms_norm(x["q"], x["gamma_q"]).transpose(1, 2)  # [B, H, T, D]
+    kc = rms_norm(x["k"], x["gamma_k"]).transpose(1, 2)
+    v = x["v"].transpose(1, 2)
+    zero = torch.zeros(batch, heads, 1, dim, dtype=dtype)
+    keys, values = torch.cat([zero, kc], dim=2), torch.cat([zero, v], dim=2)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    bias = torch.zeros(heads, seq_len, seq_len + 1, dtype=dtype)
+    bias[:, :, 0] = x["sink"][:, None]  # q . 0 = 0, so the bias is the whole logit of the sink
+    bias[:, :, 1:] = torch.zeros(seq_len, seq_len, dtype=dtype).masked_fill(~causal, float("-inf"))
+    expected = F.scaled_dot_product_attention(qc, keys, values, attn_mask=bias[None]).transpose(1, 2)
+    assert_close_scaled(o_cache, expected, tol, "o_cache")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Chunked (chained through initial_state / initial_cache) equals one call
+# ----------------------------------------------------------------------------------------------------------------
+
+def _run_chained(x, bounds, *, evict, window, block, cu_per_call=None):
+    outs, state, cache = [], None, None
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        piece = {n: (x[n][:, a:b] if n in TOKEN_INPUTS else x[n]) for n in INPUTS}
+        cu = None if cu_per_call is None else torch.tensor(cu_per_call[i])
+        o, state, cache = call(hola_attention, piece, evict=evict, window=window, block=block, cu_seqlens=cu,
+                               backend="reference", initial_state=state, output_final_state=True,
+                               initial_cache=cache, output_final_cache=True)
+        outs.append(o)
+    return torch.cat(outs, dim=1), state, cache
+
+
+@pytest.mark.parametrize("evict", ["score", "recency", "none"])
+@pytest.mark.parametrize("splits", [(6,), (8,), (3, 8), (1, 2, 13)],
+                         ids=["inside_block", "on_block_boundary", "three_calls", "single_token_calls"])
+def test_chunked_calls_equal_one_call(splits, evict):
+    dtype, tol = torch.float64, TOL[torch.float64]
+    batch, seq_len, block, window = 2, 14, 4, 3
+    x = make_inputs(batch, seq_len, 3, 16, dtype=dtype, seed=3, requires_grad=True)
+    kw = dict(evict=evict, window=window, block=block)
+    o_whole, s_whole, c_whole = run_ref(x, **kw)
+    o_chain, s_chain, c_chain = _run_chained(x, [0, *splits, seq_len], **kw)
+    assert_close_scaled(o_chain, o_whole, tol, "o")
+    assert_close_scaled(s_chain, s_whole, tol, "final_state")
+    if evict != "none":
+        assert_cache_close(c_chain, c_whole, tol)
+    names = grad_names(x, evict)
+    assert_grads_close(grads(weighted_loss(o_chain, s_chain), x, names),
+                       grads(weighted_loss(o_whole, s_whole), x, names), tol)
+
+
+@pytest.mark.parametrize("evict", ["score", "recency"])
+def test_chunked_packed_calls_equal_one_packed_call(evict):
+    """Two packed calls continue two documents (lengths 5 + 6 and 6 + 3) through a cache of 2 sequences."""
+    dtype, tol = torch.float64, TOL[torch.float64]
+    x1 = make_inputs(1, 11, 3, 16, dtype=dtype, seed=4)
+    x2 = make_inputs(1, 9, 3, 16, dtype=dtype, seed=5)
+    for name in CACHE_PARAMS:
+        x2[name] = x1[name]
+    kw = dict(evict=evict, window=3, block=4)
+    _, state, cache = run_ref(x1, cu_seqlens=torch.tensor([0, 5, 11]), **kw)
+    o2, s2, c2 = run_ref(x2, cu_seqlens=torch.tensor([0, 6, 9]), initial_state=state, initial_cache=cache, **kw)
+    # The same two documents in one packed call: doc 0 = x1[0:5] + x2[0:6], doc 1 = x1[5:11] + x2[6:9].
+    whole = {n: (torch.cat([x1[n][:, 0:5], x2[n][:, 0:6], x1[n][:, 5:11], x2[n][:, 6:9]], dim=1)
+                 if n in TOKEN_INPUTS else x1[n]) for n in INPUTS}
+    o_w, s_w, c_w = run_ref(whole, cu_seqlens=torch.tensor([0, 11, 20]), **kw)
+    assert_close_scaled(o2, torch.cat([o_w[:, 5:11], o_w[:, 17:20]], dim=1), tol, "o of the second call")
+    assert_close_scaled(s2, s_w, tol, "final_state")
+    assert_cache_close(c2, c_w, tol)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packed equals separate
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("evict", ["score", "recency", "none"])
+def test_packed_equals_documents_run_separately(evict):
+    dtype, tol = torch.float32, TOL_PACKED_FP32
+    cu = [0, 1, 5, 6, 15, 23, 40, 41]
+    x = make_inputs(1, cu[-1], 3, 16, dtype=dtype, seed=6, num_states=len(cu) - 1, requires_grad=True)
+    kw = dict(evict=evict, window=3, block=4)
+    o_p, s_p, c_p = run_ref(x, cu_seqlens=torch.tensor(cu), **kw)
+    names = grad_names(x, evict)
+    g_p = grads(weighted_loss(o_p, s_p), x, names)
+
+    o_parts, s_parts = [], []
+    for n, (a, b) in enumerate(zip(cu, cu[1:])):
+        doc = {name: (x[name][:, a:b] if name in TOKEN_INPUTS else x[name]) for name in INPUTS}
+        doc["initial_state"] = x["initial_state"][n:n + 1]
+        o_d, s_d, c_d = run_ref(doc, **kw)
+        assert_close_scaled(o_d, o_p[:, a:b], tol, f"o of document {n}")
+        assert_close_scaled(s_d, s_p[n:n + 1], tol, f"final_state of document {n}")
+        if evict != "none":
+            assert_cache_close(c_d, c_p.select(torch.tensor([n])), tol, f"cache of document {n}")
+        o_parts.append(o_d)
+        s_parts.append(s_d)
+    # The packed loss evaluated on the separate runs' outputs and states gives the same gradients.
+    g_s = grads(weighted_loss(torch.cat(o_parts, dim=1), torch.cat(s_parts)), x, names)
+    assert_grads_close(g_s, g_p, tol)
+
+
+@pytest.mark.parametrize("evict", ["score", "recency", "none"])
+def test_batch_rows_equal_packed_rows(evict):
+    """B rows without cu_seqlens are the same sequences as one packed row with cu_seqlens = [0, T, 2T, ...]."""
+    batch, seq_len = 3, 10
+    x = make_inputs(batch, seq_len, 3, 16, dtype=torch.float32, seed=7)
+    kw = dict(evict=evict, window=3, block=4)
+    o_b, s_b, c_b = run_ref(x, **kw)
+    packed = {n: (x[n].reshape(1, batch * seq_len, *x[n].shape[2:]) if n in TOKEN_INPUTS else x[n]) for n in INPUTS}
+    o_p, s_p, c_p = run_ref(packed, cu_seqlens=torch.arange(0, batch * seq_len + 1, seq_len), **kw)
+    assert_close_scaled(o_p.view_as(o_b), o_b, TOL_PACKED_FP32, "o")
+    assert_close_scaled(s_p, s_b, TOL_PACKED_FP32, "final_state")
+    if evict != "none":
+        assert_cache_close(c_p, c_b, TOL_PACKED_FP32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Selection semantics
+# ----------------------------------------------------------------------------------------------------------------
+
+def _surprise_sequence(seq_len, heads, dim, far_positions, dtype=torch.float64):
+    """Tiny beta and small values everywhere except a few far-back tokens with beta ~ 1 and values of norm ~30."""
+    gen = torch.Generator().manual_seed(8)
+    x = make_inputs(1, seq_len, heads, dim, dtype=dtype, seed=8)
+    x["beta"] = torch.full((1, seq_len, heads), 1e-3, dtype=dtype)
+    x["v"] = 0.1 * x["v"]
+    x["g"] = torch.full((1, seq_len, heads), math.log(0.9), dtype=dtype)
+    for pos in far_positions:
+        x["beta"][0, pos] = 0.99
+        direction = torch.randn(heads, dim, generator=gen, dtype=torch.float64).to(dtype)
+        x["v"][0, pos] = 30.0 * direction / direction.norm(dim=-1, keepdim=True)
+    return x
+
+
+def test_score_eviction_keeps_high_surprise_tokens_and_recency_keeps_the_last_window():
+    heads, dim, block, window, seq_len = 2, 16, 8, 3, 37  # 4 full blocks; the current block starts at 32
+    far = [2, 9, 17]  # all before the recency window 29..31
+    x = _surprise_sequence(seq_len, heads, dim, far)
+    for fn in (run_ref, run_naive):
+        _, _, cache = fn(x, evict="score", window=window, block=block)
+        for h in range(heads):
+            assert sorted(cache.positions[0, h].tolist()) == far, (fn.__name__, cache.positions[0, h])
+            # selection order: score descending
+            scores = cache.scores[0, h]
+            assert (scores[:-1] >= scores[1:]).all()
+            assert scores.min() > 10 * cache.buf_scores[0, h, :seq_len % block].max()
+        _, _, cache = fn(x, evict="recency", window=window, block=block)
+        for h in range(heads):
+            assert cache.positions[0, h].tolist() == [31, 30, 29], (fn.__name__, cache.positions[0, h])
+        assert int(cache.seen[0]) == seq_len
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "tied_scores"])
+@pytest.mark.parametrize("evict", ["score", "recency"])
+@pytest.mark.parametrize("cu", [None, [0, 3, 20, 33]], ids=["row", "packed"])
+def test_final_cache_is_a_valid_top_window_of_its_own_scores(cu, evict, ties):
+    """After every prefix length (row layout; packed: the whole row), the persistent cache holds the top-w of the
+    scores of all earlier blocks in selection order (larger score first, then lower position), or the w
+    positions just before the current block, latest first.
+
+    Scores come from a run with a window as long as the sequence, whose cache then holds every earlier token
+    (the state path, hence every score, does not depend on the window)."""
+    seq_len, block, window, heads = 33, 4, 3, 2
+    x = make_inputs(1, seq_len, heads, 16, dtype=torch.float32, seed=9, ties=ties)
+    cu_t = None if cu is None else torch.tensor(cu)
+    docs = [(0, seq_len)] if cu is None else list(zip(cu, cu[1:]))
+    _, _, all_cache = run_ref(x, evict="score", window=seq_len, block=block, cu_seqlens=cu_t)
+    known = [[{int(p): float(s) for p, s in zip(all_cache.positions[n, h], all_cache.scores[n, h]) if p >= 0}
+              for h in range(heads)] for n in range(len(docs))]
+    if ties:
+        zeros = [sum(s == 0.0 for s in known[n][0].values()) for n in range(len(docs))]
+        assert max(zeros) >= 2 * window, f"the tie case has no ties: {zeros}"
+    prefixes = range(1, seq_len + 1) if cu is None else [seq_len]
+    for prefix in prefixes:
+        part = {n: (x[n][:, :prefix] if n in TOKEN_INPUTS else x[n]) for n in INPUTS}
+        _, _, cache = run_ref(part, evict=evict, window=window, block=block, cu_seqlens=cu_t)
+        for n, (a, b) in enumerate(docs):
+            full = (min(b, a + prefix) - a) // block * block  # positions before the current block
+            for h in range(heads):
+                scores = known[n][h]
+                assert set(range(full)) <= set(scores), "the wide-window run must hold every earlier token"
+                if evict == "score":
+                    expected = sorted(range(full), key=lambda p: (-scores[p], p))[:window]
+                else:
+                    expected = list(range(full - 1, -1, -1))[:window]
+                got = [int(p) for p in cache.positions[n, h] if p >= 0]
+                assert got == expected, f"prefix {prefix} sequence {n} head {h}: {got} vs {expected}"
+                for p, s in zip(cache.positions[n, h], cache.scores[n, h]):
+                    if p >= 0:
+                        assert float(s) == pytest.approx(scores[int(p)], rel=1e-6, abs=0)
+
+
+@pytest.mark.parametrize("evict", ["score", "recency"])
+def test_cached_scores_are_detached(evict):
+    """HOLA_SPEC 1.4: m is detached (selection is discrete and parameter-free). The cache's k and v do carry
+    gradients (section 2: so that gradients reach gamma_k however the cache was built); its scores must not."""
+    x = make_inputs(1, 10, 2, 8, dtype=torch.float32, seed=15, requires_grad=True)
+    _, _, cache = run_ref(x, evict=evict, window=2, block=4)
+    assert cache.k.requires_grad and cache.v.requires_grad, "cached k/v must stay differentiable"
+    for name in ("scores", "buf_scores"):
+        tensor = getattr(cache, name)
+        assert not tensor.requires_grad and tensor.grad_fn is None, (
+            f"final_cache.{name} is attached to the autograd graph (grad_fn={tensor.grad_fn})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Contract: return values, dtypes
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_return_values_and_dtypes(dtype):
+    x = make_inputs(2, 6, 2, 8, dtype=dtype, seed=10)
+    args = [x[n] for n in INPUTS]
+    out = hola_attention(*args, window=2, block=4, backend="reference")
+    assert len(out) == 2 and out[1] is None and out[0].dtype == dtype and out[0].shape == x["q"].shape
+    o, state, cache = hola_attention(*args, window=2, block=4, backend="reference", output_final_state=True,
+                                     output_final_cache=True)
+    assert state.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert state.shape == (2, 2, 8, 8)
+    assert isinstance(cache, HolaCache) and cache.num_seqs == 2 and cache.num_heads == 2 and cache.head_dim == 8
+    assert cache.seen.tolist() == [6, 6]
+    assert cache.scores.dtype in (torch.float32, torch.float64), "scores in at least fp32"
+    # 'auto' is the reference on CPU
+    o_auto, _ = hola_attention(*args, window=2, block=4)
+    assert torch.equal(o_auto, o)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input raises ValueError naming the argument
+# ----------------------------------------------------------------------------------------------------------------
+
+B_, T_, H_, D_ = 2, 6, 2, 8
+
+
+def _valid_call():
+    x = make_inputs(B_, T_, H_, D_, dtype=torch.float32, seed=12)
+    args = {n: x[n] for n in INPUTS}
+    return args, dict(window=2, block=4, evict="score", backend="reference")
+
+
+def _cache(num_seqs=B_, heads=H_, dim=D_, window=2, block=4, evict="score"):
+    return HolaCache.empty(num_seqs, heads, dim, window=window, block=block, evict=evict, dtype=torch.float32,
+                           device="cpu")
+
+
+def _packed(args, kw, cu=(0, 5, 12)):
+    for n in TOKEN_INPUTS:
+        args[n] = args[n].reshape(1, B_ * T_, *args[n].shape[2:])
+    kw["cu_seqlens"] = torch.tensor(cu)
+
+
+def _set(**changes):
+    def mutate(args, kw):
+        for name, value in changes.items():
+            (args if name in INPUTS else kw)[name] = value(args, kw) if callable(value) else value
+    return mutate
+
+
+BAD_INPUTS = [
+    ("q", _set(q=lambda a, k: a["q"][0])),  # 3-D
+    ("q", _set(q=lambda a, k: a["q"].to(torch.int64))),
+    ("k", _set(k=lambda a, k: a["k"][:, :-1])),
+    ("v", _set(v=lambda a, k: a["v"][..., :-1])),
+    ("k", _set(k=lambda a, k: a["k"].double())),
+    ("v", _set(v=lambda a, k: a["v"].double())),
+    ("g", _set(g=lambda a, k: a["g"][..., None])),
+    ("g", _set(g=lambda a, k: a["g"][:, :-1])),
+    ("beta", _set(beta=lambda a, k: a["beta"][..., :-1])),
+    ("g", _set(g=lambda a, k: a["g"].to(torch.int32))),
+    ("gamma_q", _set(gamma_q=lambda a, k: a["gamma_q"][:-1])),
+    ("gamma_k", _set(gamma_k=lambda a, k: a["gamma_k"][None])),
+    ("sink", _set(sink=lambda a, k: torch.zeros(H_ + 1))),
+    ("gate", _set(gate=lambda a, k: torch.zeros(1, H_))),
+    ("gamma_q", _set(gamma_q=None)),
+    ("gamma_k", _set(gamma_k=None)),
+    ("sink", _set(sink=None)),
+    ("gate", _set(gate=None)),
+    ("gate", _set(gate=None, evict="recency")),
+    ("sink", _set(sink=None, evict="recency")),
+    ("cu_seqlens", _set(cu_seqlens=torch.tensor([0, 3, 6]))),  # B > 1
+    ("cu_seqlens", lambda a, k: _packed(a, k, cu=(0, 7, 5, 12))),  # non-monotone
+    ("cu_seqlens", lambda a, k: _packed(a, k, cu=(0, 5, 11))),  # does not end at T
+    ("cu_seqlens", lambda a, k: _packed(a, k, cu=(1, 5, 12))),  # does not start at 0
+    ("cu_seqlens", lambda a, k: (_packed(a, k), k.update(cu_seqlens=k["cu_seqlens"].float()))),
+    ("cu_seqlens", lambda a, k: (_packed(a, k), k.update(cu_seqlens=k["cu_seqlens"][None]))),
+    ("window", _set(window=-1)),
+    ("window", _set(window=2.0)),
+    ("block", _set(block=0)),
+    ("block", _set(block=-4)),
+    ("evict", _set(evict="lru")),
+    ("evict", _set(evict="Score")),
+    ("backend", _set(backend="cuda")),
+    ("initial_state", _set(initial_state=torch.zeros(B_, H_, D_, D_ + 1))),
+    ("initial_state", _set(initial_state=torch.zeros(B_ + 1, H_, D_, D_))),
+    ("initial_state", lambda a, k: (_packed(a, k), k.update(initial_state=torch.zeros(B_ + 1, H_, D_, D_)))),
+    ("initial_cache", _set(initial_cache=lambda a, k: _cache(window=3))),
+    ("initial_cache", _set(initial_cache=lambda a, k: _cache(block=8))),
+    ("initial_cache", _set(initial_cache=lambda a, k: _cache(evict="recency"))),
+    ("initial_cache", _set(initial_cache=lambda a, k: _cache(heads=H_ + 1))),
+    ("initial_cache", _set(initial_cache=lambda a, k: _cache(dim=D_ * 2))),
+    ("initial_cache", _set(initial_cache=lambda a, k: _cache(num_seqs=B_ + 1))),
+    ("initial_cache", lambda a, k: (_packed(a, k, cu=(0, 4, 7, 12)), k.update(initial_cache=_cache(num_seqs=2)))),
+    ("initial_cache", _set(initial_cache={"scores": None})),
+    ("initial_cache", _set(initial_cache=lambda a, k: _cache(evict="none"), evict="none")),
+]
+
+
+@pytest.mark.parametrize("name,mutate", BAD_INPUTS, ids=[f"{i:02d}_{n}" for i, (n, _) in enumerate(BAD_INPUTS)])
+def test_bad_input_raises_value_error_naming_the_argument(name, mutate):
+    args, kw = _valid_call()
+    hola_attention(*args.values(), **kw)  # the unmodified call is valid
+    mutate(args, kw)
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}\b"):
+        hola_attention(*args.values(), **kw)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Finite in, finite out; a NaN in one document stays in that document
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("evict", ["score", "recency", "none"])
+def test_extreme_finite_inputs_give_finite_outputs_and_gradients(evict):
+    dtype = torch.float32
+    cu = [0, 1, 9, 30, 100]  # a 70-token document crosses the 64-token state chunk
+    x = make_inputs(1, cu[-1], 2, 16, dtype=dtype, seed=13)
+    with torch.no_grad():
+        x["q"][0, 10:20] *= 1e4
+        x["k"][0, 15:25] *= 1e4
+        x["q"][0, 30:40] = 0.0  # zero vectors: l2norm and RMSNorm must not divide by zero
+        x["k"][0, 35:45] = 0.0
+        x["v"][0, 40:50] = 0.0
+        x["g"][0, 50:60] = -40.0  # alpha ~ 4e-18
+        x["g"][0, 60:70] = 0.0  # no decay
+        x["g"][0, 90:] = -1e4
+        x["beta"][0, 1:9] = 1.0 - 1e-7
+        x["beta"][0, 70:80] = 0.0
+        x["sink"] = torch.tensor([30.0, -30.0])
+        x["gate"] = torch.tensor([20.0, -20.0])
+        x["gamma_k"] = x["gamma_k"] * 10
+    x = {n: t.requires_grad_() for n, t in x.items()}
+    o, state, cache = run_ref(x, evict=evict, window=3, block=8, cu_seqlens=torch.tensor(cu))
+    assert torch.isfinite(o).all(), "o has NaN/inf for finite inputs"
+    assert torch.isfinite(state).all(), "final_state has NaN/inf for finite inputs"
+    if evict != "none":
+        for name in ("k", "v", "buf_k", "buf_v"):
+            assert torch.isfinite(getattr(cache, name)).all(), f"cache.{name} not finite"
+        for name in ("scores", "buf_scores"):
+            assert not torch.isnan(getattr(cache, name)).any() and not torch.isposinf(getattr(cache, name)).any()
+    names = grad_names(x, evict)
+    for name, grad in grads(weighted_loss(o, state), x, names).items():
+        assert torch.isfinite(grad).all(), f"grad {name} not finite for finite inputs"
+
+
+@pytest.mark.parametrize("poisoned", ["q", "k", "v", "g", "beta"])
+@pytest.mark.parametrize("evict", ["score", "recency", "none"])
+def test_nan_in_one_document_does_not_leak_into_others(evict, poisoned):
+    cu = [0, 5, 13, 14, 23]
+    bad = (5, 13)  # document 1
+    x = make_inputs(1, cu[-1], 2, 16, dtype=torch.float32, seed=14, num_states=len(cu) - 1)
+    kw = dict(evict=evict, window=3, block=4, cu_seqlens=torch.tensor(cu))
+    o_clean, s_clean, c_clean = run_ref(x, **kw)
+    x[poisoned] = x[poisoned].clone()
+    x[poisoned][0, bad[0]:bad[1]] = float("nan")
+    o, state, cache = run_ref(x, **kw)
+    assert torch.isnan(o[0, bad[0]:bad[1]]).any(), "the poison did not reach its own document (test is vacuous)"
+    keep = torch.ones(cu[-1], dtype=torch.bool)
+    keep[bad[0]:bad[1]] = False
+    assert torch.isfinite(o[0, keep]).all(), "NaN leaked into another document's outputs"
+    assert_close_scaled(o[0, keep], o_clean[0, keep], TOL_PACKED_FP32, "o of clean documents")
+    others = torch.tensor([0, 2, 3])
+    assert torch.isfinite(state[others]).all(), "NaN leaked into another document's final state"
+    assert_close_scaled(state[others], s_clean[others], TOL_PACKED_FP32, "final_state of clean documents")
+    if evict != "none":
+        assert_cache_close(cache.select(others), c_clean.select(others), TOL_PACKED_FP32, "cache of clean documents")
