@@ -15,8 +15,16 @@ from torch import nn
 from hola_titan.kernels.hola_reference import rms_norm
 
 
+def identity_view(param: torch.Tensor) -> torch.Tensor:
+    return param
+
+
 class RMSNorm(nn.Module):
     """``x * rsqrt(mean(x^2) + eps) * weight``, computed in at least float32, returned in the input dtype."""
+
+    # Tensor parallelism replaces this on norms inside a head-sharded region, so that the forward reads the
+    # local tensor of a distributed weight (see hola_titan.parallelisms.tensor_parallel).
+    param_view = staticmethod(identity_view)
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -25,7 +33,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(x.dtype, torch.float32)
-        return rms_norm(x.to(dtype), self.weight.to(dtype), self.eps).to(x.dtype)
+        return rms_norm(x.to(dtype), self.param_view(self.weight).to(dtype), self.eps).to(x.dtype)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
@@ -58,6 +66,8 @@ class ShortConvolution(nn.Module):
     it is used only by tokens whose document began before this call.
     """
 
+    param_view = staticmethod(identity_view)  # see RMSNorm.param_view
+
     def __init__(self, channels: int, kernel_size: int = 4):
         super().__init__()
         self.kernel_size = kernel_size
@@ -77,7 +87,7 @@ class ShortConvolution(nn.Module):
         k = self.kernel_size
         prev = tail if tail is not None else x.new_zeros(bsz, k - 1, ch)
         xp = torch.cat([prev.to(x.dtype), x], dim=1)
-        weight = self.weight.view(ch, k).to(x.dtype)
+        weight = self.param_view(self.weight).view(ch, k).to(x.dtype)
         y = x * weight[:, k - 1]
         for shift in range(1, k):
             term = xp[:, k - 1 - shift: k - 1 - shift + seq_len] * weight[:, k - 1 - shift]

@@ -22,7 +22,7 @@ from torch import nn
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.models.args import ModelArgs
 from hola_titan.models.layers import (FeedForward, RMSNorm, ShortConvolution, apply_rope, document_ids,
-                                      document_positions)
+                                      document_positions, identity_view)
 from hola_titan.ops import hola_attention
 
 INIT_STD = 0.02
@@ -66,7 +66,17 @@ class ModelCache:
 
 
 class GatedDeltaMixer(nn.Module):
-    """The HOLA token mixer (``evict`` score or recency) or plain Gated DeltaNet (``evict`` none)."""
+    """The HOLA token mixer (``evict`` score or recency) or plain Gated DeltaNet (``evict`` none).
+
+    Two hooks let ``hola_titan.parallelisms`` distribute the layer without this file touching
+    ``torch.distributed``: ``param_view`` maps a parameter to the tensor the forward computes with (tensor
+    parallel: the local shard of a head-sharded parameter), and ``context_parallel`` is None or an object whose
+    ``conv_tails(xs, positions)`` returns the previous shard's convolution inputs and whose ``attention`` replaces
+    ``hola_attention`` with the sequence-parallel scan (same signature).
+    """
+
+    param_view = staticmethod(identity_view)
+    context_parallel = None
 
     def __init__(self, args: ModelArgs, *, backend: str = "auto"):
         super().__init__()
@@ -116,21 +126,32 @@ class GatedDeltaMixer(nn.Module):
                 cache: RecurrentLayerCache | None) -> torch.Tensor:
         """x ``[B, T, dim]`` (B = 1 with ``cu_seqlens``); ``positions`` in-document positions ``[B, T]``."""
         bsz, seq_len, _ = x.shape
-        h, d = self.num_heads, self.head_dim
+        pv = self.param_view
+        cp = self.context_parallel
+        if cp is not None and cache is not None:
+            raise ValueError("cache: decoding does not run under context parallelism")
         continuing = cache is not None and cache.state is not None
-        conv_args = dict(positions=None if continuing else positions)
-        q, tail_q = self.q_conv(self.q_proj(x), tail=cache.conv_q if continuing else None, **conv_args)
-        k, tail_k = self.k_conv(self.k_proj(x), tail=cache.conv_k if continuing else None, **conv_args)
-        v, tail_v = self.v_conv(self.v_proj(x), tail=cache.conv_v if continuing else None, **conv_args)
-        q, k, v = (t.view(bsz, seq_len, h, d) for t in (q, k, v))
+        projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+        if cp is not None:
+            tails, continues = cp.conv_tails(projected, positions)
+            conv_inputs = [dict(positions=positions, tail=t, continues=continues) for t in tails]
+        else:
+            tails = (cache.conv_q, cache.conv_k, cache.conv_v) if continuing else (None, None, None)
+            conv_inputs = [dict(positions=None if continuing else positions, tail=t) for t in tails]
+        (q, tail_q), (k, tail_k), (v, tail_v) = (
+            conv(p, **kw) for conv, p, kw in zip((self.q_conv, self.k_conv, self.v_conv), projected, conv_inputs))
+        # -1: under tensor parallelism only the local heads are here.
+        q, k, v = (t.view(bsz, seq_len, -1, self.head_dim) for t in (q, k, v))
         gate_dtype = torch.promote_types(x.dtype, torch.float32)  # gates in at least float32
         beta = torch.sigmoid(self.b_proj(x).to(gate_dtype))
-        g = -self.A_log.to(gate_dtype).exp() * F.softplus(self.a_proj(x).to(gate_dtype) + self.dt_bias.to(gate_dtype))
+        g = -pv(self.A_log).to(gate_dtype).exp() * F.softplus(self.a_proj(x).to(gate_dtype)
+                                                                + pv(self.dt_bias).to(gate_dtype))
         cache_params = (None, None, None, None)
         if self.evict != "none":
-            cache_params = (self.gamma_q, self.gamma_k, self.sink, self.gate)
+            cache_params = (pv(self.gamma_q), pv(self.gamma_k), pv(self.sink), pv(self.gate))
         want_cache = cache is not None and self.evict != "none"
-        result = hola_attention(
+        attention = cp.attention if cp is not None else hola_attention
+        result = attention(
             q, k, v, g, beta, *cache_params, window=self.window, block=self.block, evict=self.evict,
             cu_seqlens=cu_seqlens, initial_state=cache.state if continuing else None,
             output_final_state=cache is not None, initial_cache=cache.hola if want_cache and continuing else None,
@@ -141,8 +162,8 @@ class GatedDeltaMixer(nn.Module):
             cache.hola = result[2] if want_cache else None
         o = self.o_norm(o)
         if self.g_proj is not None:
-            o = o * F.silu(self.g_proj(x).view(bsz, seq_len, h, d))
-        return self.o_proj(o.reshape(bsz, seq_len, h * d))
+            o = o * F.silu(self.g_proj(x).view(bsz, seq_len, -1, self.head_dim))
+        return self.o_proj(o.reshape(bsz, seq_len, -1))
 
 
 class Attention(nn.Module):
@@ -166,10 +187,10 @@ class Attention(nn.Module):
                 cache: AttentionLayerCache | None) -> torch.Tensor:
         """x ``[B, T, dim]``; ``doc_ids`` ``[B, T]`` (None: each row is one document); ``positions`` ``[B, T]``."""
         bsz, seq_len, _ = x.shape
-        h, d = self.num_heads, self.head_dim
-        q = apply_rope(self.q_proj(x).view(bsz, seq_len, h, d), positions, self.rope_theta)
-        k = apply_rope(self.k_proj(x).view(bsz, seq_len, h, d), positions, self.rope_theta)
-        v = self.v_proj(x).view(bsz, seq_len, h, d)
+        d = self.head_dim  # heads as -1: under tensor parallelism only the local heads are here
+        q = apply_rope(self.q_proj(x).view(bsz, seq_len, -1, d), positions, self.rope_theta)
+        k = apply_rope(self.k_proj(x).view(bsz, seq_len, -1, d), positions, self.rope_theta)
+        v = self.v_proj(x).view(bsz, seq_len, -1, d)
         if cache is not None:
             if cache.k is not None:
                 k = torch.cat([cache.k, k], dim=1)
@@ -186,7 +207,7 @@ class Attention(nn.Module):
             if doc_ids is not None:
                 mask = mask & (doc_ids[:, :, None] == doc_ids[:, None, :])
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-        return self.o_proj(o.transpose(1, 2).reshape(bsz, seq_len, h * d))
+        return self.o_proj(o.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 
 class TransformerBlock(nn.Module):
@@ -247,26 +268,26 @@ class HolaTitanLM(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def hidden_states(self, tokens: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
-                      cache: ModelCache | None = None) -> torch.Tensor:
-        """Final-norm hidden states ``[B, T, dim]`` for token ids ``[B, T]``."""
+    def _trunk(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None, cache: ModelCache | None) -> torch.Tensor:
+        """Final-norm hidden states; ``[1, B*T, dim]`` for packed recurrent rows, else ``[B, T, dim]``."""
         bsz, seq_len = tokens.shape
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens: decoding with a cache takes unpacked rows")
-        h = self.tok_embeddings(tokens)
         if self.args.is_recurrent:
+            positions = None
             if cu_seqlens is not None:
-                # Packed rows become one stream of documents: the recurrent op takes B = 1 with cu_seqlens.
-                h = h.reshape(1, bsz * seq_len, -1)
-            positions = (document_positions(bsz, seq_len, cu_seqlens, tokens.device).reshape(1, -1)
-                         if cu_seqlens is not None else None)
+                # Packed rows become one stream of documents (the recurrent op takes B = 1 with cu_seqlens);
+                # flattening the token ids, not the activations, keeps sequence-sharded activations 3-D.
+                positions = document_positions(bsz, seq_len, cu_seqlens, tokens.device).reshape(1, -1)
+                tokens = tokens.reshape(1, -1)
+            h = self.tok_embeddings(tokens)
             for name, block in self.layers.items():
                 layer_cache = None
                 if cache is not None:
                     layer_cache = cache.layers.setdefault(name, RecurrentLayerCache())
                 h = block(h, cu_seqlens=cu_seqlens, positions=positions, cache=layer_cache)
-            h = h.reshape(bsz, seq_len, -1)
         else:
+            h = self.tok_embeddings(tokens)
             doc_ids = document_ids(bsz, seq_len, cu_seqlens, tokens.device) if cu_seqlens is not None else None
             positions = document_positions(bsz, seq_len, cu_seqlens, tokens.device)
             if cache is not None:
@@ -278,11 +299,16 @@ class HolaTitanLM(nn.Module):
             cache.seen += seq_len
         return self.norm(h)
 
+    def hidden_states(self, tokens: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                      cache: ModelCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states ``[B, T, dim]`` for token ids ``[B, T]``."""
+        return self._trunk(tokens, cu_seqlens, cache).reshape(*tokens.shape, -1)
+
     def forward(self, tokens: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                 cache: ModelCache | None = None) -> torch.Tensor:
         """Logits ``[B, T, V]``. With ``cache``, continues from it and updates it in place (decoding)."""
-        h = self.hidden_states(tokens, cu_seqlens=cu_seqlens, cache=cache)
-        return F.linear(h, self.output_weight())
+        logits = F.linear(self._trunk(tokens, cu_seqlens, cache), self.output_weight())
+        return logits.reshape(*tokens.shape, -1)
 
     def no_weight_decay_names(self) -> set[str]:
         """Parameters excluded from weight decay: the GDN decay parameters (as fla does)."""
