@@ -27,13 +27,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import loss_parallel
 
+from hola_titan.checkpoint import Checkpointer
 from hola_titan.config import (ConfigError, JobConfig, parse_config, resolve_degrees, to_toml, validate,
                                write_resolved)
 from hola_titan.flops import datasheet_tflops, flops_per_token, measured_matmul_tflops
 from hola_titan.metrics import MetricsLogger, peak_memory_gib, setup_logging
 from hola_titan.models.args import model_args
 from hola_titan.models.model import HolaTitanLM, num_params
+from hola_titan.parallelisms.context_parallel import context_parallel_of
 from hola_titan.parallelisms.parallel_dims import ParallelDims, mesh_rank_and_size, submesh
 from hola_titan.parallelisms.parallelize import parallelize_model
 
@@ -127,6 +130,8 @@ class Trainer:
             compile_enable=config.compile.enable, compile_fullgraph=config.compile.fullgraph,
             float8_enable=config.float8.enable, param_dtype=config.training.mixed_precision_param,
             reduce_dtype=config.training.mixed_precision_reduce, cpu_offload=config.parallelism.fsdp_cpu_offload)
+        # Context parallel: every rank of a cp group reads the same rows and keeps its shard of each batch.
+        self.cp = context_parallel_of(self.model)
         # Without FSDP a GPU run gets bf16 compute from autocast; FSDP's policy does it otherwise.
         self.autocast = (self.device.type == "cuda" and self.mesh is None
                          and config.training.mixed_precision_param == "bfloat16")
@@ -156,7 +161,10 @@ class Trainer:
                                      tb_folder=config.metrics.save_tb_folder)
         if self.rank == 0:
             write_resolved(config, self.dump)
-        self.checkpointer = None
+        self.checkpointer = Checkpointer.for_trainer(self) if config.checkpoint.enable else None
+        # Called with the trainer after the backward pass of every step, before clipping (parity tests read the
+        # gradients there).
+        self.gradient_probe = None
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         opt = self.config.optimizer
@@ -185,14 +193,21 @@ class Trainer:
         cu_seqlens = batch.get("cu_seqlens")
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.to(self.device, non_blocking=True)
+        if self.cp is not None:
+            self.cp.set_layout(batch["cp_layout"])  # stays current through this batch's backward
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         with ctx:
             logits = self.model(tokens, cu_seqlens=cu_seqlens)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        # Under tensor parallelism the logits stay sharded over the vocabulary: a loss-parallel cross-entropy.
+        loss_ctx = loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext()
+        with loss_ctx:
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
 
     def train_step(self, micro_batches: list[dict]) -> dict:
         """One optimizer step over this rank's micro-batches; returns the reduced metrics of the step."""
+        if self.cp is not None:
+            micro_batches = [self.cp.shard_batch(b) for b in micro_batches]
         local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
         counts = self._all_reduce_sum(torch.tensor([float(local_targets)], dtype=torch.float64, device=self.device))
         global_targets = max(float(counts.item()), 1.0)
@@ -201,8 +216,12 @@ class Trainer:
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in micro_batches:
             loss_sum = self._loss_sum(batch)
-            (loss_sum * grad_scale).backward()
-            loss_total += loss_sum.detach().double()
+            loss_ctx = loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext()
+            with loss_ctx:
+                (loss_sum * grad_scale).backward()
+            loss_total += _full(loss_sum.detach()).double()
+        if self.gradient_probe is not None:
+            self.gradient_probe(self)
         loss = float(self._all_reduce_sum(loss_total.reshape(1)).item()) / global_targets
         grad_norm = self._clip_grad_norm()
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -242,7 +261,9 @@ class Trainer:
         loader = self._build_val(**self.val_loader_args)
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)
         for batch in loader:
-            loss_sum[0] += self._loss_sum(batch).double()
+            if self.cp is not None:
+                batch = self.cp.shard_batch(batch)
+            loss_sum[0] += _full(self._loss_sum(batch)).double()
             loss_sum[1] += float((batch["labels"] != IGNORE_INDEX).sum())
         self._all_reduce_sum(loss_sum)
         self.model.train()
@@ -294,6 +315,11 @@ class Trainer:
         return rows
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a (replicated) DTensor result, e.g. the loss-parallel loss."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def _strip_wrappers(name: str) -> str:
     """A parameter name without the prefixes that checkpoint and compile wrappers insert."""
     for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
@@ -330,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         trainer = Trainer(config)
         trainer.train()
+        if dist.is_initialized():
+            # Tearing gloo down while another rank still finishes a collective aborts it (seen with 4 CPU ranks).
+            dist.barrier()
     except (ConfigError, NonFiniteLossError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -185,10 +185,21 @@ def cache_read(q_rows, kc_rows, v_rows, row_valid, cache_kc, cache_v, cache_vali
     return (probs @ values).view(n, h, r, d)
 
 
+# Inductor (torch 2.13, CPU) compiles this function to wrong gradients for k, g and beta (relative error ~1,
+# forward correct; aot_eager is exact; each piece compiled alone is exact): see docs/LOG.md. The reference
+# therefore always runs eagerly, and a compiled block graph-breaks around it; fullgraph compilation needs the
+# custom-op backends.
+@torch.compiler.disable
 def hola_attention_reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int,
                              evict: str, cu_seqlens, initial_state, output_final_state: bool,
-                             initial_cache: HolaCache | None, output_final_cache: bool):
-    """The reference backend. Arguments are validated by ``hola_titan.ops.hola_attention``."""
+                             initial_cache: HolaCache | None, output_final_cache: bool,
+                             selected: torch.Tensor | None = None):
+    """The reference backend. Arguments are validated by ``hola_titan.ops.hola_attention``.
+
+    ``selected`` (tests only, no ``initial_cache``): the persistent cache every block reads, as ``[NB, H, W]``
+    flat token indices (``-1`` empty) in the block table of ``hola_titan.kernels.hola_triton_select``, replacing
+    the reference's own selection for the read (not for the final cache).
+    """
     in_dtype = q.dtype
     cdt = compute_dtype(in_dtype)
     bsz, seq_len, h, d = q.shape
@@ -210,23 +221,22 @@ def hola_attention_reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, 
     valid = index < bsz * seq_len
     row_pos = torch.nonzero(valid.reshape(-1)).squeeze(1)  # ordered by (n, i)
     token_of = index.reshape(-1)[row_pos]
-    inverse = torch.empty(bsz * seq_len, dtype=torch.int64, device=device)
-    inverse[token_of] = row_pos
+    inverse = row_pos[torch.argsort(token_of)]
     o_tok = o_rows.reshape(-1, h, d)[inverse]
     final_cache = None
     if evict != "none":
-        m_rows = (e_rows.detach().norm(dim=-1) * to_rows(beta_f, index)).masked_fill(~valid[..., None], float("-inf"))
+        m_rows = (e_rows.norm(dim=-1) * to_rows(beta_f, index)).detach().masked_fill(~valid[..., None], float("-inf"))
         o_cache_tok, final_cache = _cache_path(
             q_f, k_f, v_f, m_rows, index, lengths, gamma_q.to(cdt), gamma_k.to(cdt), sink.to(cdt),
             window=window, block=block, evict=evict, initial_cache=initial_cache, in_dtype=in_dtype,
-            want_final=output_final_cache, num_tokens=bsz * seq_len)
+            want_final=output_final_cache, num_tokens=bsz * seq_len, selected=selected)
         o_tok = o_tok + torch.sigmoid(gate.to(cdt))[None, :, None] * o_cache_tok
     o = o_tok.view(bsz, seq_len, h, d).to(in_dtype)
     return o, (final_state if output_final_state else None), final_cache
 
 
 def _cache_path(q_f, k_f, v_f, m_rows, index, lengths, gamma_q, gamma_k, sink, *, window, block, evict,
-                initial_cache, in_dtype, want_final, num_tokens):
+                initial_cache, in_dtype, want_final, num_tokens, selected=None):
     """Cache-path output per token [B*T, H, D] and, if wanted, the final cache."""
     device = q_f.device
     n, length = index.shape
@@ -288,6 +298,10 @@ def _cache_path(q_f, k_f, v_f, m_rows, index, lengths, gamma_q, gamma_k, sink, *
     else:
         cand_key = torch.cat([c_score.masked_fill(~c_valid, float("-inf")), m_rows_c], dim=-1)
     history = _top_w_merge(cand_key, window, block, num_blocks)
+    if selected is not None:
+        if initial_cache is not None:
+            raise ValueError("selected: only without initial_cache")
+        history = _history_from_selected(selected, index, lengths, window, block, num_blocks) + history[num_blocks:]
 
     qc_rows = rms_norm(q_rows, gamma_q)
     kc_rows = rms_norm(kpre_rows, gamma_k)
@@ -305,6 +319,20 @@ def _cache_path(q_f, k_f, v_f, m_rows, index, lengths, gamma_q, gamma_k, sink, *
         final = _final_cache(history, window, block, row_len, r_pad, c_score, c_pos, c_k, c_v, m_rows_c,
                              pos_rows, kpre_rows, v_rows, seen0 + lengths, evict, in_dtype)
     return o_tok, final
+
+
+def _history_from_selected(selected, index, lengths, window, block, num_blocks):
+    """Flat-token selections [NB, H, W] (sequence-major blocks) as candidate indices per block of the rows."""
+    nblk = (lengths + block - 1) // block
+    first = torch.cumsum(nblk, 0) - nblk
+    doc_start = index[:, 0]
+    out = []
+    for b in range(num_blocks):
+        inside = b < nblk
+        sel = selected[(first + b).clamp(0, max(selected.shape[0] - 1, 0))].long()
+        cand = window + sel - doc_start[:, None, None]
+        out.append(torch.where(inside[:, None, None] & (sel >= 0), cand, torch.zeros_like(cand)))
+    return out
 
 
 def _final_cache(history, window, block, row_len, r_pad, c_score, c_pos, c_k, c_v, m_rows, pos_rows, kpre_rows,

@@ -13,7 +13,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from hola_titan.parallelisms.parallel_dims import Meshes, ParallelDims, submesh
+from hola_titan.parallelisms.context_parallel import apply_context_parallel
+from hola_titan.parallelisms.parallel_dims import Meshes, ParallelDims
+from hola_titan.parallelisms.tensor_parallel import apply_tensor_parallel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -25,9 +27,11 @@ def parallelize_model(model: nn.Module, *, dims: ParallelDims, mesh: Meshes | No
     if float8_enable:
         raise ValueError("float8.enable: float8 training is not available yet")
     if dims.cp > 1:
-        raise ValueError("parallelism.context_parallel_degree: context parallelism is not available yet")
+        # Installs the mixers' context_parallel hook (and global-position attention for Transformer++); the
+        # trainer then shards every batch with context_parallel_of(model).shard_batch.
+        apply_context_parallel(model, cp_mesh=mesh.named["cp"])
     if dims.tp > 1:
-        raise ValueError("parallelism.tensor_parallel_degree: tensor parallelism is not available yet")
+        apply_tensor_parallel(model, mesh.named["tp"])
     if ac_mode != "none":
         apply_activation_checkpointing(model, mode=ac_mode, selective_option=selective_ac_option)
     if compile_enable:

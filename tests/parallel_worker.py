@@ -1,0 +1,38 @@
+"""A torchrun worker for the parity tests: trains a few steps with the given overrides, saves the losses and the
+full (unsharded) gradients of step 1 to ``OUT/result.pt`` on rank 0.
+
+Usage: ``torchrun --nproc_per_node N tests/parallel_worker.py OUT [--section.key value ...]``
+"""
+
+import os
+import sys
+
+import torch
+
+from hola_titan.config import parse_config
+from hola_titan.train import Trainer, _strip_wrappers
+
+
+def main() -> None:
+    out = sys.argv[1]
+    config = parse_config(sys.argv[2:] + ["--job.dump_folder", out])
+    trainer = Trainer(config)
+    grads = {}
+
+    def probe(t: Trainer) -> None:
+        if t.state.step != 0:
+            return
+        for name, param in t.model.named_parameters():
+            grad = param.grad
+            full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            grads[_strip_wrappers(name)] = full.detach().clone()
+
+    trainer.gradient_probe = probe
+    rows = trainer.train()
+    if int(os.environ.get("RANK", 0)) == 0:
+        torch.save({"losses": [r["loss"] for r in rows if "loss" in r], "grads": grads},
+                   os.path.join(out, "result.pt"))
+
+
+if __name__ == "__main__":
+    main()
