@@ -129,7 +129,8 @@ class Trainer:
             selective_ac_option=config.activation_checkpoint.selective_ac_option,
             compile_enable=config.compile.enable, compile_fullgraph=config.compile.fullgraph,
             float8_enable=config.float8.enable, param_dtype=config.training.mixed_precision_param,
-            reduce_dtype=config.training.mixed_precision_reduce, cpu_offload=config.parallelism.fsdp_cpu_offload)
+            reduce_dtype=config.training.mixed_precision_reduce, cpu_offload=config.parallelism.fsdp_cpu_offload,
+            float8_recipe=config.float8.recipe, float8_filter=tuple(config.float8.filter_fqns))
         # Context parallel: every rank of a cp group reads the same rows and keeps its shard of each batch.
         self.cp = context_parallel_of(self.model)
         # Without FSDP a GPU run gets bf16 compute from autocast; FSDP's policy does it otherwise.

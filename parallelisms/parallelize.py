@@ -11,9 +11,11 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from hola_titan.parallelisms.context_parallel import apply_context_parallel
+from hola_titan.parallelisms.float8 import apply_float8
 from hola_titan.parallelisms.parallel_dims import Meshes, ParallelDims
 from hola_titan.parallelisms.tensor_parallel import apply_tensor_parallel
 
@@ -22,10 +24,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def parallelize_model(model: nn.Module, *, dims: ParallelDims, mesh: Meshes | None, device: torch.device,
                       ac_mode: str, selective_ac_option: str, compile_enable: bool, compile_fullgraph: bool,
-                      float8_enable: bool, param_dtype: str, reduce_dtype: str, cpu_offload: bool) -> nn.Module:
+                      float8_enable: bool, param_dtype: str, reduce_dtype: str, cpu_offload: bool,
+                      float8_recipe: str = "rowwise", float8_filter: tuple[str, ...] = ("output",)) -> nn.Module:
     """Apply the configured parallelisms in place and return the model (see the module docstring)."""
     if float8_enable:
-        raise ValueError("float8.enable: float8 training is not available yet")
+        model.float8_converted = apply_float8(model, device=device, recipe=float8_recipe, filter_fqns=float8_filter)
     if dims.cp > 1:
         # Installs the mixers' context_parallel hook (and global-position attention for Transformer++); the
         # trainer then shards every batch with context_parallel_of(model).shard_batch.
@@ -57,17 +60,33 @@ def _fsdp_mesh(mesh: Meshes, dims: ParallelDims) -> DeviceMesh:
 
 def apply_activation_checkpointing(model: nn.Module, *, mode: str, selective_option: str) -> None:
     """Wrap blocks in activation checkpointing: every block (``full``) or every N-th (``selective`` with N)."""
-    every = 1
-    if mode == "selective":
-        if not selective_option.isdigit():
-            raise ValueError("activation_checkpoint.selective_ac_option: op-level selective checkpointing is not "
-                             "available yet; use a positive integer N (every N-th block)")
+    every, wrapper_kwargs = 1, {}
+    if mode == "selective" and selective_option == "op":
+        wrapper_kwargs["context_fn"] = _save_matmuls_context
+    elif mode == "selective":
+        if not selective_option.isdigit() or int(selective_option) < 1:
+            raise ValueError("activation_checkpoint.selective_ac_option: expected 'op' or a positive integer N, got "
+                             f"{selective_option!r}")
         every = int(selective_option)
-        if every < 1:
-            raise ValueError("activation_checkpoint.selective_ac_option: N must be >= 1")
     for index, (name, block) in enumerate(list(model.layers.items())):
         if index % every == 0:
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **wrapper_kwargs)
+
+
+# Op-level selective checkpointing keeps the outputs of matmuls and attention (expensive to recompute, and
+# every other op of a block is cheap elementwise work) and recomputes the rest.
+_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def _save_matmuls_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_matmuls_context():
+    return create_selective_checkpoint_contexts(_save_matmuls_policy)
 
 
 def apply_compile(model: nn.Module, *, fullgraph: bool) -> None:
