@@ -36,6 +36,7 @@ import numpy as np
 
 from hola_titan.data.packing import Batch, pack_rows
 from hola_titan.data.sources import Source, TxtDocuments, hub_documents, read_documents, resolve_source
+from hola_titan.data.synthetic import MqarLoader, build_synthetic_dataloader, is_synthetic
 from hola_titan.data.token_stream import InMemoryTokenStream, StreamingTokenStream, tokenize_documents
 from hola_titan.data.tokenizer import Tokenizer
 
@@ -216,11 +217,12 @@ def build_dataloader(
     dataset_config: str | None = None,
     streaming: bool | None = None,
     txt_documents: TxtDocuments = "paragraph",
-) -> PackedDataLoader:
+) -> PackedDataLoader | MqarLoader:
     """Endless, resumable training loader for one data-parallel rank (module docstring).
 
     Args:
-        dataset: ``"bundled"``, a local file/folder/glob, or a hub name (``hola_titan.data.sources``).
+        dataset: ``"bundled"``, a local file/folder/glob, or a hub name (``hola_titan.data.sources``); or a
+            synthetic token source ``"mqar:..."`` (``hola_titan.data.synthetic``).
         tokenizer: from :func:`~hola_titan.data.tokenizer.load_tokenizer`.
         seq_len: tokens per row ``T``.
         local_batch_size: rows per batch on this rank.
@@ -238,6 +240,10 @@ def build_dataloader(
     """
     _check_args(tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
                 dp_world_size=dp_world_size)
+    if is_synthetic(dataset):
+        return build_synthetic_dataloader(dataset, vocab_size=tokenizer.vocab_size, seq_len=seq_len,
+                                          local_batch_size=local_batch_size, dp_rank=dp_rank,
+                                          dp_world_size=dp_world_size, seed=seed, split=split)
     source = resolve_source(dataset, split=split, text_field=text_field, dataset_config=dataset_config,
                             txt_documents=txt_documents)
     stream = _build_stream(source, tokenizer, streaming=streaming, shuffle=shuffle, seed=seed, epochs=None)
@@ -260,7 +266,7 @@ def build_validation_dataloader(
     streaming: bool | None = None,
     txt_documents: TxtDocuments = "paragraph",
     max_batches: int | None = None,
-) -> PackedDataLoader:
+) -> PackedDataLoader | MqarLoader:
     """Loader over fixed held-out rows: the first epoch of ``split`` in stored order, the same every iteration.
 
     It yields ``min(max_batches, full global batches in one epoch)`` batches (``max_batches`` is required for
@@ -274,6 +280,11 @@ def build_validation_dataloader(
                 dp_world_size=dp_world_size)
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"max_batches must be >= 1 or None, got {max_batches}")
+    if is_synthetic(dataset):
+        return build_synthetic_dataloader(dataset, vocab_size=tokenizer.vocab_size, seq_len=seq_len,
+                                          local_batch_size=local_batch_size, dp_rank=dp_rank,
+                                          dp_world_size=dp_world_size, seed=0, split=split, num_batches=max_batches,
+                                          validation=True)
     source = resolve_source(dataset, split=split, text_field=text_field, dataset_config=dataset_config,
                             txt_documents=txt_documents)
     stream = _build_stream(source, tokenizer, streaming=streaming, shuffle=False, seed=0, epochs=1)
