@@ -41,6 +41,9 @@ else
   rdzv=(--nnodes 1 --rdzv_backend c10d --rdzv_endpoint "localhost:0")
 fi
 export PYTHONUNBUFFERED=1
+# Restarted ranks must not reuse the previous attempt's store addresses (torchrun restarts with gloo failed 2 in 3
+# without it: pytorch/pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${rdzv[@]}" --max-restarts "$MAX_RESTARTS" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m hola_titan.train --job.config_file "$CONFIG_FILE" "${overrides[@]}"

@@ -1,0 +1,646 @@
+"""Distributed checkpoints with ``torch.distributed.checkpoint`` (DCP): save, resume, reshard, seed.
+
+Layout on disk::
+
+    <job.dump_folder>/config.toml               the resolved config (written by the trainer)
+    <job.dump_folder>/<checkpoint.folder>/
+        step-6/                                 a complete checkpoint: .metadata + __<rank>_0.distcp per rank
+        step-12/
+        step-18.tmp/                            a save in progress, or one a crash cut short: never loaded,
+                                                removed when the run starts again
+
+What a training checkpoint holds (DCP keys)::
+
+    model.<fqn>              weights by the model's own names (``get_model_state_dict``; DTensor shards under FSDP;
+                             the names of ``hola_titan.export``, without wrapper prefixes)
+    optimizer.state.<fqn>.*  AdamW moments and step; ``optimizer.param_groups`` (``get_optimizer_state_dict``)
+    lr_scheduler.*           LambdaLR state
+    dataloader.*             global rows consumed (the same on every rank) and the checks of the loader
+    train_state.*            step, tokens_seen, skipped_steps
+    rng.rank<r>              python, numpy, torch CPU and CUDA generator states of rank r (pickled bytes)
+    info.*                   checkpoint format version and the world size that saved it
+
+A *model-only* checkpoint has only ``model.*`` (and ``info.*``): the seed checkpoint
+(:func:`create_seed_checkpoint`) and ``scripts/import_safetensors.py`` write those.
+
+Saving (:meth:`Checkpointer.maybe_save`, after every step): every ``checkpoint.interval`` steps and at the last
+step. A save goes to ``step-N.tmp``; only when it is complete (every rank wrote its files and rank 0 wrote
+``.metadata``) rank 0 renames it to ``step-N``, then removes all but the newest ``keep_latest_k`` (0 keeps all).
+A process killed mid-save therefore leaves at most a ``.tmp`` folder, which is never loaded.
+
+- ``async_mode = "disabled"``: ``dcp.save``; the rename follows a barrier.
+- ``async_mode = "async"``: ``dcp.async_save`` copies the state to CPU memory, then writes it in a background
+  thread over a separate gloo process group while training goes on. Rank 0 renames the folder as soon as its
+  future has resolved (DCP resolves it on rank 0 only after every rank's files and the metadata are written);
+  every rank waits for its previous save before starting the next one, and :meth:`Checkpointer.close` waits for
+  the last.
+
+Loading (:meth:`Checkpointer.load`, before the loop):
+
+1. ``checkpoint.load_step = N``: load ``step-N``; if it is missing, partial or corrupt, fail with an error naming it.
+2. ``load_step = -1`` (default): the newest complete ``step-N``, logged as ``resuming from step N``. **Fallback**:
+   if that checkpoint turns out unreadable (a data file missing or truncated, metadata that does not unpickle, a
+   read error in DCP) the error is logged, naming the folder, and the previous complete checkpoint is tried, and
+   so on; when none can be read the load fails naming every folder it tried. The broken folder is left in place
+   for inspection (it is replaced when training saves that step again). A checkpoint that reads fine but does
+   not fit the model (other flavour or size: missing keys or other shapes) is *not* a fallback case: that is a
+   config mistake and fails at once (:class:`CheckpointMismatchError`), so a wrong config never silently
+   resumes from an old step. (DCP keeps no checksums: a bit flip inside tensor data is not detected.)
+3. No checkpoint in the folder: weights only from ``checkpoint.initial_load_path`` (a DCP checkpoint folder, full
+   or model-only, or a safetensors export folder), starting at step 0; or a fresh start.
+
+A model-only checkpoint found in the folder (the seed checkpoint ``step-0``) loads the weights and starts at
+step 0 with fresh optimizer, schedule and data position.
+
+Resharding: DCP stores every tensor with its global shape and each rank reads the pieces it needs, so a
+checkpoint saved by any number of FSDP ranks loads at any other (one process included). The data position is
+a global row count, so the run continues at the same row. RNG states are per rank: a rank that did not exist
+at save time takes rank 0's.
+
+Restarts: ``torchrun --max-restarts N`` (``MAX_RESTARTS`` of ``run_train.sh``) restarts every rank after a
+failure, and the restarted ranks resume as above. Set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for such runs: with
+the default shared rendezvous store the restarted ranks can read the previous attempt's addresses and fail to
+connect (pytorch/pytorch#135712; here 2 of 3 gloo restarts failed without it, 0 of 3 with it).
+
+Fault injection, for tests only (read from the environment; ignored after a ``torchrun`` restart, i.e. when
+``TORCHELASTIC_RESTART_COUNT`` > 0):
+
+- ``HOLA_TITAN_FAULT_AT_STEP=N``: after step N (and its save, if any) the rank ``HOLA_TITAN_FAULT_RANK``
+  (default 0) kills itself with SIGKILL.
+- ``HOLA_TITAN_FAULT_IN_SAVE_AT_STEP=N``: rank 0 kills itself with SIGKILL inside the save of step N, after the
+  data files are written and before the metadata is (with ``async`` in the background thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+import time
+import warnings
+from contextlib import contextmanager
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+logger = logging.getLogger("hola_titan")
+
+FORMAT_VERSION = 1
+STEP_PREFIX = "step-"
+TMP_SUFFIX = ".tmp"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+FAULT_AT_STEP_ENV = "HOLA_TITAN_FAULT_AT_STEP"
+FAULT_RANK_ENV = "HOLA_TITAN_FAULT_RANK"
+FAULT_IN_SAVE_ENV = "HOLA_TITAN_FAULT_IN_SAVE_AT_STEP"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the folder."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """The checkpoint folder is partial or unreadable (missing or truncated files, bad metadata, a read error)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint is readable but does not fit this model or run (other keys or shapes)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Folders
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def step_folder(folder: str | os.PathLike[str], step: int) -> Path:
+    """``<folder>/step-<step>``."""
+    return Path(folder) / f"{STEP_PREFIX}{step}"
+
+
+def list_checkpoints(folder: str | os.PathLike[str]) -> list[int]:
+    """Steps of the complete checkpoints in ``folder`` (``step-N`` folders holding ``.metadata``), ascending."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    steps = []
+    for child in root.iterdir():
+        match = _STEP_RE.match(child.name)
+        if match and child.is_dir() and (child / ".metadata").is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def read_metadata(path: str | os.PathLike[str]) -> Metadata:
+    """The DCP metadata of a checkpoint folder after checking that every file it names is whole.
+
+    Raises:
+        CheckpointCorruptError: no ``.metadata``, metadata that does not unpickle, or a data file that is missing
+            or shorter than the metadata says.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointCorruptError(f"checkpoint {path}: no such folder")
+    if not (path / ".metadata").is_file():
+        raise CheckpointCorruptError(f"checkpoint {path}: no .metadata file (partial checkpoint; a save was "
+                                     "interrupted)")
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as error:  # unpickling raises many types
+        raise CheckpointCorruptError(f"checkpoint {path}: unreadable .metadata ({error!r})") from error
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in needed.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointCorruptError(f"checkpoint {path}: data file {name} is missing")
+        if file.stat().st_size < size:
+            raise CheckpointCorruptError(f"checkpoint {path}: data file {name} is truncated "
+                                         f"({file.stat().st_size} of {size} bytes)")
+    return metadata
+
+
+def _keys(metadata: Metadata) -> set[str]:
+    return set(metadata.state_dict_metadata)
+
+
+def is_model_only(metadata: Metadata) -> bool:
+    """True for a checkpoint with weights but no training state (seed or imported checkpoint)."""
+    return not any(key.startswith("train_state.") for key in _keys(metadata))
+
+
+def _is_safetensors_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(
+        (path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stateful parts
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ModelState:
+    """The model's weights by FQN; FSDP-sharded parameters stay DTensors, so DCP reshards them on load."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=True))
+
+
+class OptimizerState:
+    """The optimizer's state keyed by parameter FQN (layout-independent)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+def rng_state() -> bytes:
+    """This process's python, numpy, torch CPU and (when present) CUDA generator states, pickled."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return pickle.dumps(state)
+
+
+def set_rng_state(blob: bytes) -> None:
+    """Restore what :func:`rng_state` captured (CUDA states only where the device count matches)."""
+    state = pickle.loads(blob)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+class _KillingWriter(FileSystemWriter):
+    """A FileSystemWriter that SIGKILLs its process before writing the metadata (fault injection for tests)."""
+
+    def finish(self, metadata, results) -> None:
+        logger.warning("fault injection (%s): killing this process inside the save of %s", FAULT_IN_SAVE_ENV,
+                       self.path)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextmanager
+def _single_process_quiet():
+    """DCP warns on every call without a process group, even when asked for exactly that (``no_dist``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _fault_env(name: str) -> int | None:
+    """A fault-injection step from the environment; None when unset or after a torchrun restart."""
+    value = os.environ.get(name)
+    if not value or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return None
+    return int(value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The checkpointer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    future: Future
+
+
+class Checkpointer:
+    """Saves and restores one run's model, optimizer, schedule, data position, counters and RNG (module docstring).
+
+    Args:
+        folder: the checkpoint folder (``<dump_folder>/<checkpoint.folder>``).
+        model, optimizer, lr_scheduler, dataloader, train_state: what is saved; the last three need
+            ``state_dict()`` / ``load_state_dict()``.
+        interval, keep_latest_k, async_mode, initial_load_path, load_step: the ``[checkpoint]`` settings.
+    """
+
+    def __init__(self, *, folder: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: Any, dataloader: Any, train_state: Any, interval: int, keep_latest_k: int = 0,
+                 async_mode: str = "disabled", initial_load_path: str | None = None, load_step: int = -1):
+        if async_mode not in ("disabled", "async"):
+            raise ValueError(f"checkpoint.async_mode: expected 'disabled' or 'async', got {async_mode!r}")
+        self.folder = Path(folder)
+        self.model = model
+        self.interval = interval
+        self.keep_latest_k = keep_latest_k
+        self.async_mode = async_mode
+        self.initial_load_path = initial_load_path
+        self.load_step = load_step
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.states: dict[str, Any] = {
+            "model": ModelState(model),
+            "optimizer": OptimizerState(model, optimizer),
+            "lr_scheduler": lr_scheduler,
+            "dataloader": dataloader,
+            "train_state": train_state,
+        }
+        # Background saves talk over their own gloo group so that they never interleave with the training
+        # collectives of the main thread.
+        self._async_group = dist.new_group(backend="gloo") if async_mode == "async" and self.distributed else None
+        self._pending: _PendingSave | None = None
+        self._fault_at_step = _fault_env(FAULT_AT_STEP_ENV)
+        self._fault_rank = int(os.environ.get(FAULT_RANK_ENV, "0"))
+        self._fault_in_save = _fault_env(FAULT_IN_SAVE_ENV)
+
+    @classmethod
+    def for_trainer(cls, trainer: Any) -> Checkpointer:
+        """The checkpointer of a :class:`hola_titan.train.Trainer` from its ``[checkpoint]`` config."""
+        ckpt = trainer.config.checkpoint
+        return cls(folder=Path(trainer.config.job.dump_folder) / ckpt.folder, model=trainer.model,
+                   optimizer=trainer.optimizer, lr_scheduler=trainer.lr_scheduler, dataloader=trainer.dataloader,
+                   train_state=trainer.state, interval=ckpt.interval, keep_latest_k=ckpt.keep_latest_k,
+                   async_mode=ckpt.async_mode, initial_load_path=ckpt.initial_load_path, load_step=ckpt.load_step)
+
+    # ------------------------------------------------------------------ collective helpers
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def _from_rank0(self, value: Any) -> Any:
+        """``value`` as computed on rank 0, on every rank."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ------------------------------------------------------------------ saving
+
+    def _save_state(self) -> dict[str, Any]:
+        return {**self.states, "rng": {f"rank{self.rank}": rng_state()},
+                "info": {"format": FORMAT_VERSION, "world_size": self.world_size}}
+
+    def maybe_save(self, step: int, *, final: bool = False) -> None:
+        """Called after every step: finish a background save that is done, and save when ``step`` is due."""
+        self._poll_pending()
+        if final or step % self.interval == 0:
+            self.save(step)
+        if self._fault_at_step == step and self.rank == self._fault_rank:
+            if self._pending is not None:
+                self._wait_pending()
+            logger.warning("fault injection (%s=%d): killing rank %d", FAULT_AT_STEP_ENV, step, self.rank)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def save(self, step: int) -> Path:
+        """Write the full training state of ``step`` to ``step-<step>`` (sync or async; module docstring)."""
+        self._wait_pending()
+        tmp = self.folder / f"{STEP_PREFIX}{step}{TMP_SUFFIX}"
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        writer_cls = _KillingWriter if self._fault_in_save == step else FileSystemWriter
+        writer = writer_cls(str(tmp))
+        begin = time.perf_counter()
+        if self.async_mode == "async":
+            with _single_process_quiet():
+                future = dcp.async_save(self._save_state(), storage_writer=writer, process_group=self._async_group,
+                                        no_dist=not self.distributed)
+            self._pending = _PendingSave(step=step, future=future)
+            logger.info("checkpoint: step %d staged in %.2f s; writing in the background to %s", step,
+                        time.perf_counter() - begin, tmp)
+            return step_folder(self.folder, step)
+        with _single_process_quiet():
+            dcp.save(self._save_state(), storage_writer=writer, no_dist=not self.distributed)
+        self._barrier()
+        self._finalize(step)
+        logger.info("checkpoint: saved step %d to %s in %.2f s", step, step_folder(self.folder, step),
+                    time.perf_counter() - begin)
+        return step_folder(self.folder, step)
+
+    def _poll_pending(self) -> None:
+        """Rank 0 finalises a background save as soon as it is done (the other ranks only join it later)."""
+        pending = self._pending
+        if pending is not None and self.rank == 0 and pending.future.done():
+            self._wait_pending()
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        begin = time.perf_counter()
+        pending.future.result()
+        self._finalize(pending.step)
+        logger.info("checkpoint: background save of step %d complete (waited %.2f s)", pending.step,
+                    time.perf_counter() - begin)
+
+    def _finalize(self, step: int) -> None:
+        """Rank 0: rename ``step-N.tmp`` to ``step-N`` and drop old checkpoints beyond ``keep_latest_k``."""
+        if self.rank != 0:
+            return
+        tmp, final = self.folder / f"{STEP_PREFIX}{step}{TMP_SUFFIX}", step_folder(self.folder, step)
+        if final.exists():
+            logger.warning("checkpoint: replacing the existing %s", final)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if self.keep_latest_k > 0:
+            for old in list_checkpoints(self.folder)[:-self.keep_latest_k]:
+                shutil.rmtree(step_folder(self.folder, old), ignore_errors=True)
+                logger.info("checkpoint: removed %s (keep_latest_k = %d)", step_folder(self.folder, old),
+                            self.keep_latest_k)
+
+    def close(self) -> None:
+        """Wait for a background save and finalise it (every rank)."""
+        self._wait_pending()
+        self._barrier()
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self) -> int | None:
+        """Restore the newest complete checkpoint (or ``load_step``), else the initial weights; see the module
+        docstring. Returns the step resumed from, or None for a fresh start."""
+        plan = None
+        if self.rank == 0:
+            plan = self._plan_load()
+        plan = self._from_rank0(plan)
+        if isinstance(plan, Exception):
+            raise plan
+        kind, payload = plan
+        if kind == "fresh":
+            logger.info("checkpoint: no checkpoint in %s; starting from step 0", self.folder)
+            return None
+        if kind == "initial":
+            self._load_model_only(Path(payload), what="initial_load_path")
+            return None
+        failures = []
+        for step, problem in payload:
+            path = step_folder(self.folder, step)
+            if problem is None:
+                try:
+                    return self._load_step(step, path)
+                except CheckpointCorruptError as error:
+                    problem = str(error)
+                except CheckpointException as error:
+                    problem = f"checkpoint {path}: read error ({_first_failure(error)})"
+            failures.append(problem)
+            if self.load_step != -1:
+                raise CheckpointCorruptError(problem)
+            logger.error("checkpoint: %s; falling back to the previous complete checkpoint", problem)
+        raise CheckpointCorruptError(f"no loadable checkpoint in {self.folder}: " + "; ".join(failures))
+
+    def _plan_load(self) -> tuple[str, Any] | Exception:
+        """Rank 0: what to load, as ``("fresh", None)``, ``("initial", path)`` or ``("steps", [(step, problem)])``
+        newest first, where ``problem`` is None or why the folder cannot be read."""
+        if self.folder.is_dir():
+            for stale in self.folder.glob(f"{STEP_PREFIX}*{TMP_SUFFIX}"):
+                logger.warning("checkpoint: removing %s, left by a save that did not complete", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        steps = list_checkpoints(self.folder)
+        if self.load_step != -1:
+            if not step_folder(self.folder, self.load_step).is_dir():
+                return CheckpointError(f"checkpoint.load_step: {step_folder(self.folder, self.load_step)} does not "
+                                       f"exist; complete checkpoints in {self.folder}: {steps or 'none'}")
+            steps = [self.load_step]
+        elif not steps:
+            if self.initial_load_path:
+                return ("initial", self.initial_load_path)
+            return ("fresh", None)
+        checked = []
+        for step in reversed(steps):
+            try:
+                read_metadata(step_folder(self.folder, step))
+                checked.append((step, None))
+            except CheckpointCorruptError as error:
+                checked.append((step, str(error)))
+        return ("steps", checked)
+
+    def _check_fits(self, metadata: Metadata, path: Path) -> None:
+        """Raise :class:`CheckpointMismatchError` when the checkpoint's weights are not this model's."""
+        saved = {key[len("model."):]: meta for key, meta in metadata.state_dict_metadata.items()
+                 if key.startswith("model.")}
+        ours = get_model_state_dict(self.model)
+        missing = sorted(set(ours) - set(saved))
+        unexpected = sorted(set(saved) - set(ours))
+        shapes = [f"{k} {list(saved[k].size)} vs {list(v.shape)}" for k, v in ours.items()
+                  if k in saved and isinstance(saved[k], TensorStorageMetadata) and tuple(saved[k].size) != v.shape]
+        if missing or unexpected or shapes:
+            raise CheckpointMismatchError(
+                f"checkpoint {path} does not fit this model (another flavour, size or vocabulary?): missing "
+                f"{missing[:4]}, unexpected {unexpected[:4]}, other shapes {shapes[:4]}")
+
+    def _load_step(self, step: int, path: Path) -> int | None:
+        metadata = read_metadata(path)
+        self._check_fits(metadata, path)
+        if is_model_only(metadata):
+            self._load_model_only(path, what=f"model-only checkpoint step {step}", metadata=metadata)
+            return None
+        keys = _keys(metadata)
+        state = dict(self.states)
+        own = f"rng.rank{self.rank}"
+        rng_key = own if own in keys else ("rng.rank0" if "rng.rank0" in keys else None)
+        if rng_key is not None:
+            state["rng"] = {rng_key.split(".", 1)[1]: b""}
+        info = {"format": 0, "world_size": 0}
+        if "info.world_size" in keys:
+            state["info"] = info
+        begin = time.perf_counter()
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not self.distributed)
+        if rng_key is not None:
+            set_rng_state(state["rng"][rng_key.split(".", 1)[1]])
+            if rng_key != own:
+                logger.info("checkpoint: %s not in %s; using rank 0's RNG state", own, path)
+        saved_world = state.get("info", info)["world_size"]
+        train_state = self.states["train_state"]
+        logger.info("checkpoint: resuming from step %d (%s, saved by %s process(es), loaded by %d, in %.2f s)",
+                    train_state.step, path, saved_world or "?", self.world_size, time.perf_counter() - begin)
+        if train_state.step != step:
+            logger.warning("checkpoint: %s holds step %d", path, train_state.step)
+        return train_state.step
+
+    def _load_model_only(self, path: Path, *, what: str, metadata: Metadata | None = None) -> None:
+        """Weights only, from a DCP folder (full or model-only) or a safetensors export folder; step stays 0."""
+        begin = time.perf_counter()
+        if _is_safetensors_folder(path):
+            from hola_titan.export import check_keys, read_safetensors
+
+            full = read_safetensors(path)
+            check_keys(set(get_model_state_dict(self.model)), set(full), source=str(path))
+            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=True))
+        else:
+            metadata = metadata or read_metadata(path)
+            self._check_fits(metadata, path)
+            with _single_process_quiet():
+                dcp.load({"model": self.states["model"]}, checkpoint_id=str(path), no_dist=not self.distributed)
+        logger.info("checkpoint: weights from %s %s (model only; optimizer, schedule and data start fresh at step "
+                    "0) in %.2f s", what, path, time.perf_counter() - begin)
+
+
+def _first_failure(error: BaseException) -> str:
+    failures = getattr(error, "_failures", None) or {}
+    for rank, failure in failures.items():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {exc!r}"
+    return repr(error)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model-only checkpoints: seed, plain state dicts
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def save_model_only(state_dict: dict[str, torch.Tensor], path: str | os.PathLike[str]) -> Path:
+    """Write a model-only DCP checkpoint (keys ``model.<fqn>``) from one process, atomically (``.tmp`` + rename).
+
+    The result loads as ``checkpoint.initial_load_path`` or, named ``step-0`` in a checkpoint folder, as the start
+    of a run.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    with _single_process_quiet():
+        dcp.save({"model": state_dict, "info": {"format": FORMAT_VERSION, "world_size": 1}},
+                 storage_writer=FileSystemWriter(str(tmp)), no_dist=True)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def load_model_state(path: str | os.PathLike[str], model: nn.Module, *, progress: bool = False) -> None:
+    """Load the ``model.*`` weights of any checkpoint folder into a plain (unsharded) model, in one process.
+
+    Loads layer by layer (a tqdm bar with ``progress``) so peak memory stays one model.
+    """
+    path = Path(path)
+    metadata = read_metadata(path)
+    saved = {key[len("model."):] for key in metadata.state_dict_metadata if key.startswith("model.")}
+    state = model.state_dict()
+    if set(state) != saved:
+        raise CheckpointMismatchError(f"checkpoint {path} does not fit the model of the run's config: missing "
+                                      f"{sorted(set(state) - saved)[:4]}, unexpected {sorted(saved - set(state))[:4]}")
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        group = ".".join(key.split(".")[:2]) if key.startswith("layers.") else key
+        groups.setdefault(group, {})[key] = tensor
+    items = groups.values()
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(list(items), desc=f"reading {path.name}", unit="part")
+    with _single_process_quiet():
+        for part in items:
+            dcp.load({"model": part}, checkpoint_id=str(path), no_dist=True)
+
+
+def create_seed_checkpoint(config: Any) -> Path:
+    """Initialise the model of ``config`` (a ``JobConfig``) exactly as the trainer does and save its weights as
+    ``<dump_folder>/<checkpoint.folder>/step-0`` (model only). Every layout that starts from it starts identically.
+    """
+    from hola_titan.data import load_tokenizer
+    from hola_titan.models.model import HolaTitanLM
+    from hola_titan.train import build_model_args
+
+    tokenizer = load_tokenizer(config.model.tokenizer_path)
+    args = build_model_args(config, tokenizer.vocab_size)
+    torch.manual_seed(config.training.seed)
+    model = HolaTitanLM(args, backend=config.model.attention_backend)
+    model.init_weights()
+    path = step_folder(Path(config.job.dump_folder) / config.checkpoint.folder, 0)
+    save_model_only(model.state_dict(), path)
+    logger.info("checkpoint: seed checkpoint written to %s", path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hola_titan.checkpoint seed --job.config_file FILE [--section.key value ...]``."""
+    import sys
+
+    from hola_titan.config import ConfigError, parse_config, write_resolved
+    from hola_titan.metrics import setup_logging
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "seed":
+        print("usage: python -m hola_titan.checkpoint seed --job.config_file FILE [--section.key value ...]",
+              file=sys.stderr)
+        return 2
+    setup_logging(0)
+    try:
+        config = parse_config(argv[1:])
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    write_resolved(config, config.job.dump_folder)
+    print(create_seed_checkpoint(config))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

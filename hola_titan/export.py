@@ -1,0 +1,309 @@
+"""Export a model as a Hugging Face style folder and load it back, with no distributed setup.
+
+Folder written by :func:`save_pretrained` (loaded by :func:`load_pretrained`, and by
+``transformers.AutoModelForCausalLM.from_pretrained`` after ``import hola_titan.hf_model``)::
+
+    config.json                       model_type "hola_titan", every ModelArgs field, token ids, dtype
+    model.safetensors                 all weights, when they fit in ``max_shard_bytes``; otherwise
+    model-00001-of-0000N.safetensors  shards, in module order, and
+    model.safetensors.index.json      {"metadata": {"total_size": bytes}, "weight_map": {key: shard file}}
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json
+
+Key names (stable; tests pin them). They are the fully qualified names of :class:`HolaTitanLM` itself, with no
+prefix and no wrapper names (``_checkpoint_wrapped_module.``, ``_orig_mod.``, FSDP), for block index ``i``::
+
+    tok_embeddings.weight                        [vocab, dim]
+    layers.{i}.attention_norm.weight             [dim]
+    layers.{i}.attn.{q,k,v}_proj.weight          [H*D, dim]
+    layers.{i}.attn.o_proj.weight                [dim, H*D]
+    layers.{i}.ffn_norm.weight                   [dim]
+    layers.{i}.feed_forward.{w1,w3}.weight       [mlp_hidden, dim]   (SwiGLU gate and up)
+    layers.{i}.feed_forward.w2.weight            [dim, mlp_hidden]   (down)
+    norm.weight                                  [dim]
+    output.weight                                [vocab, dim]        only when tie_embeddings is false
+  recurrent flavours (hola, hola_recency, gdn) add
+    layers.{i}.attn.{q,k,v}_conv.weight          [H*D, 1, conv_size]
+    layers.{i}.attn.{a,b}_proj.weight            [H, dim]
+    layers.{i}.attn.A_log, layers.{i}.attn.dt_bias   [H]
+    layers.{i}.attn.o_norm.weight                [D]
+    layers.{i}.attn.g_proj.weight                [H*D, dim]          only when use_gate
+  HOLA flavours (hola, hola_recency) add
+    layers.{i}.attn.gamma_q, layers.{i}.attn.gamma_k   [D]
+    layers.{i}.attn.sink, layers.{i}.attn.gate         [H]
+
+A tied output head is ``tok_embeddings.weight`` and is stored once. ``config.json`` holds every
+:class:`~hola_titan.models.args.ModelArgs` field under its own name (``flavour``, ``size``, ``vocab_size``, ``dim``,
+..., ``window``, ``block``), so the exact model is rebuilt without the size table, plus ``model_type``,
+``architectures``, ``hola_titan_format`` (:data:`FORMAT_VERSION`), ``dtype``, ``tie_word_embeddings`` and the
+tokenizer's ``eos_token_id`` / ``pad_token_id``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hola_titan.data.tokenizer import Tokenizer, load_tokenizer
+from hola_titan.models.args import ModelArgs
+from hola_titan.models.model import HolaTitanLM
+
+FORMAT_VERSION = 1
+"""Version of the folder layout and key names above; :func:`load_pretrained` refuses newer versions."""
+MODEL_TYPE = "hola_titan"
+ARCHITECTURE = "HolaTitanForCausalLM"
+SAFETENSORS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``torch.float32``, ``"bfloat16"`` etc. as a ``torch.dtype``; None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def clean_fqn(name: str) -> str:
+    """A parameter name without the prefixes that activation checkpointing, compile and FSDP1 insert."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _native(model: nn.Module) -> nn.Module:
+    """The ``HolaTitanLM`` behind a ``transformers`` wrapper (``hola_titan.hf_model``), or ``model`` itself."""
+    return getattr(model, "hola_lm", model)
+
+
+def export_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) weights of ``model`` on the CPU under the documented key names.
+
+    ``model`` may be FSDP2-sharded (DTensor parameters): every rank must then call this, because the shards are
+    gathered; every rank gets the full dict. A plain model needs no process group.
+    """
+    model = _native(model)
+    sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    else:
+        state = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        out[clean_fqn(name)] = tensor.detach().to("cpu")
+    return out
+
+
+def config_dict(args: ModelArgs, tokenizer: Tokenizer | None, *, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` contents of ``args`` (module docstring)."""
+    return {
+        "model_type": MODEL_TYPE,
+        "architectures": [ARCHITECTURE],
+        "hola_titan_format": FORMAT_VERSION,
+        **dataclasses.asdict(args),
+        "tie_word_embeddings": args.tie_embeddings,
+        "dtype": str(dtype).removeprefix("torch."),
+        "eos_token_id": tokenizer.eos_id if tokenizer is not None else None,
+        "pad_token_id": tokenizer.pad_id if tokenizer is not None else None,
+        "bos_token_id": None,
+    }
+
+
+def args_from_config(config: dict[str, Any], *, source: str = "config.json") -> ModelArgs:
+    """Rebuild :class:`ModelArgs` from a ``config.json`` dict; fields a newer ModelArgs added take defaults.
+
+    Raises:
+        ValueError: not a hola_titan config, a newer format, or a required field is missing.
+    """
+    if config.get("model_type") != MODEL_TYPE:
+        raise ValueError(f"{source}: model_type is {config.get('model_type')!r}, expected {MODEL_TYPE!r}")
+    version = config.get("hola_titan_format", 1)
+    if version > FORMAT_VERSION:
+        raise ValueError(f"{source}: hola_titan_format {version} is newer than this code reads ({FORMAT_VERSION})")
+    values = {}
+    for f in dataclasses.fields(ModelArgs):
+        if f.name in config:
+            values[f.name] = config[f.name]
+        elif f.default is dataclasses.MISSING:
+            raise ValueError(f"{source}: missing model field {f.name!r}")
+    return ModelArgs(**values)
+
+
+def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Split ``state`` in order into groups of at most ``max_shard_bytes`` (a larger tensor is a group alone)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def write_safetensors(state: dict[str, torch.Tensor], folder: str | os.PathLike[str], *,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False) -> list[Path]:
+    """Write ``state`` as ``model.safetensors``, or as shards plus ``model.safetensors.index.json``.
+
+    Model files of an earlier export in ``folder`` are removed first, so no stale shard is left behind.
+    Returns the written weight files.
+    """
+    from safetensors.torch import save_file
+
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes: must be > 0, got {max_shard_bytes}")
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
+        stale.unlink(missing_ok=True)
+    shards = _shards(state, max_shard_bytes)
+    names = ([SAFETENSORS_FILE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing safetensors")
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        # "format": "pt" is what transformers expects of PyTorch safetensors files.
+        save_file({k: v.contiguous() for k, v in shard.items()}, str(out / name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in shard})
+        if bar is not None:
+            bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
+    if bar is not None:
+        bar.close()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return [out / name for name in names]
+
+
+def save_pretrained(model: nn.Module, tokenizer: Tokenizer | None, folder: str | os.PathLike[str], *,
+                    dtype: torch.dtype | str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                    progress: bool = False) -> Path:
+    """Write ``model`` (a ``HolaTitanLM``, possibly FSDP-sharded) and ``tokenizer`` as a folder (module docstring).
+
+    Args:
+        model: the model; its ``args`` go into ``config.json``. With FSDP every rank must call this (the shards
+            are gathered); only rank 0 writes.
+        tokenizer: written beside the weights (None: weights and config only).
+        folder: output folder, created if needed.
+        dtype: cast floating-point weights to this dtype (``torch.bfloat16`` or ``"bfloat16"``); None keeps them.
+        max_shard_bytes: largest weight file; above it the weights are sharded with an index.
+        progress: show a tqdm progress bar while writing.
+
+    Returns:
+        The folder.
+    """
+    import torch.distributed as dist
+
+    target = resolve_dtype(dtype)
+    args = _native(model).args
+    state = export_state_dict(model)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return Path(folder)
+    if target is not None:
+        state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
+    stored = next((v.dtype for v in state.values() if v.is_floating_point()), torch.float32)
+    out = Path(folder)
+    write_safetensors(state, out, max_shard_bytes=max_shard_bytes, progress=progress)
+    config = config_dict(args, tokenizer, dtype=stored)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    if tokenizer is not None:
+        tokenizer.save(out)
+    return out
+
+
+def read_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``config.json`` of an exported folder as a dict."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (not an exported hola_titan folder)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_safetensors(folder: str | os.PathLike[str], *, device: torch.device | str = "cpu",
+                     progress: bool = False) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
+    from safetensors.torch import load_file
+
+    out = Path(folder)
+    if (out / INDEX_FILE).is_file():
+        weight_map = json.loads((out / INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
+        files = list(dict.fromkeys(weight_map.values()))
+    elif (out / SAFETENSORS_FILE).is_file():
+        files, weight_map = [SAFETENSORS_FILE], None
+    else:
+        raise FileNotFoundError(f"{folder}: neither {SAFETENSORS_FILE} nor {INDEX_FILE}")
+    if progress:
+        from tqdm import tqdm
+
+        files = tqdm(files, desc="reading safetensors", unit="file")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        part = load_file(str(out / name), device=str(device))
+        if weight_map is not None:
+            wrong = [k for k in part if weight_map.get(k) != name]
+            if wrong:
+                raise ValueError(f"{out / name}: holds {wrong[:3]} which {INDEX_FILE} does not map to it")
+        state.update(part)
+    if weight_map is not None and set(weight_map) != set(state):
+        missing = sorted(set(weight_map) - set(state))
+        raise ValueError(f"{folder}: {INDEX_FILE} lists keys no shard holds: {missing[:5]}")
+    return state
+
+
+def check_keys(expected: set[str], found: set[str], *, source: str) -> None:
+    """Raise ``ValueError`` naming missing and unexpected weight names."""
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        raise ValueError(f"{source}: weights do not match the model in config.json: missing {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                         f"{' ...' if len(unexpected) > 5 else ''}")
+
+
+def load_pretrained(folder: str | os.PathLike[str], *, device: torch.device | str = "cpu",
+                    dtype: torch.dtype | str | None = None, backend: str = "auto",
+                    ) -> tuple[HolaTitanLM, Tokenizer | None]:
+    """Load an exported folder as ``(HolaTitanLM in eval mode, Tokenizer or None)``; no process group needed.
+
+    Args:
+        folder: a folder written by :func:`save_pretrained` or ``scripts/convert_to_safetensors.py``.
+        device: where the weights go.
+        dtype: cast floating-point weights to this dtype; None keeps the stored dtype.
+        backend: the token-mixer implementation (``HolaTitanLM(backend=...)``).
+
+    Raises:
+        FileNotFoundError: no config or weights. ValueError: a config or weight-name mismatch, naming the keys.
+    """
+    target = resolve_dtype(dtype)
+    args = args_from_config(read_config(folder), source=f"{folder}/config.json")
+    state = read_safetensors(folder, device=device)
+    with torch.device("meta"):
+        model = HolaTitanLM(args, backend=backend)
+    check_keys(set(model.state_dict()), set(state), source=str(folder))
+    if target is not None:
+        state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    leftover = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftover:
+        raise ValueError(f"{folder}: tensors not loaded: {leftover[:5]}")
+    tokenizer = load_tokenizer(folder) if (Path(folder) / "tokenizer.json").is_file() else None
+    return model.eval(), tokenizer

@@ -1,0 +1,76 @@
+"""Convert a training checkpoint (a DCP ``step-N`` folder) into a safetensors folder for inference and evaluation.
+
+Usage::
+
+    python scripts/convert_to_safetensors.py outputs/run/checkpoint/step-1000 exports/run-1000 [--dtype bfloat16]
+
+The model is rebuilt from the run's resolved ``config.toml`` (found in the first parent folder of CHECKPOINT that
+has one, i.e. ``<job.dump_folder>/config.toml``; or ``--config``), the weights are read from the checkpoint in one
+process without any process group (whatever number of FSDP ranks saved it), and
+:func:`hola_titan.export.save_pretrained` writes ``config.json``, ``model.safetensors`` (sharded above
+``--max-shard-bytes``) and the tokenizer files. ``--dtype`` defaults to the run's ``checkpoint.export_dtype``.
+The output loads with ``hola_titan.export.load_pretrained`` and, after ``import hola_titan.hf_model``, with
+``transformers.AutoModelForCausalLM.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from hola_titan.checkpoint import CheckpointError, load_model_state
+from hola_titan.config import ConfigError, load_toml
+from hola_titan.data import load_tokenizer
+from hola_titan.export import DEFAULT_MAX_SHARD_BYTES, save_pretrained
+from hola_titan.models.model import HolaTitanLM
+from hola_titan.train import build_model_args
+
+
+def find_run_config(checkpoint: Path) -> Path:
+    """``config.toml`` in the nearest parent of ``checkpoint`` (the run's dump folder)."""
+    for parent in checkpoint.resolve().parents:
+        if (parent / "config.toml").is_file():
+            return parent / "config.toml"
+    raise FileNotFoundError(f"no config.toml in any parent folder of {checkpoint}; pass --config "
+                            "<job.dump_folder>/config.toml")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a DCP checkpoint folder, e.g. <dump>/checkpoint/step-N")
+    parser.add_argument("out", type=Path, help="output folder")
+    parser.add_argument("--config", type=Path, default=None, help="the run's resolved config.toml")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: model.tokenizer_path of the run)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="weight dtype (default: checkpoint.export_dtype of the run)")
+    parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
+                        help="largest safetensors file; above it the weights are sharded with an index")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config_path = args.config or find_run_config(args.checkpoint)
+        config = load_toml(config_path)
+        tokenizer = load_tokenizer(args.tokenizer or config.model.tokenizer_path)
+        model_args = build_model_args(config, tokenizer.vocab_size)
+        with torch.device("meta"):
+            model = HolaTitanLM(model_args)
+        model.to_empty(device="cpu")
+        load_model_state(args.checkpoint, model, progress=True)
+        dtype = args.dtype or config.checkpoint.export_dtype
+        save_pretrained(model, tokenizer, args.out, dtype=dtype, max_shard_bytes=args.max_shard_bytes, progress=True)
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out} ({model_args.flavour} {model_args.size}, {dtype}) from {args.checkpoint} "
+          f"using {config_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Checkpoints on CPU: exact resume, async saves killed mid-write, torchrun restarts, resharding, model-only starts,
+corrupt folders, and conversion of a sharded checkpoint.
+
+Every run is the debug model at 128 tokens x 4 rows per micro-batch, global batch 8, deterministic, with the SDPA
+HOLA backend (the reference backend is ~10x slower on CPU and computes the same function). One process runs two
+accumulation micro-batches of 4 rows; two FSDP processes run one each, so both see the same rows per step.
+
+Tolerances: a resumed run in the same process must repeat the uninterrupted losses bit for bit (same ops on the
+same bits). Across processes and layouts the rows and weights are the same but reductions are ordered differently
+(all-reduce of two halves vs. one sum), so losses are compared to 1e-6 relative: float32 rounding of a ~8.0 loss
+over one step is ~1e-7, and any wrong weight, optimizer moment or data row moves it by 1e-3 or more.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hola_titan.checkpoint import (CheckpointCorruptError, CheckpointMismatchError, create_seed_checkpoint,
+                                   list_checkpoints, step_folder)
+from hola_titan.config import parse_config
+from hola_titan.export import load_pretrained
+from hola_titan.train import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
+STEPS = 12
+RUN = ["--job.config_file", DEBUG, "--training.seq_len", "128", "--training.local_batch_size", "4",
+       "--training.global_batch_size", "8", "--training.steps", str(STEPS), "--training.deterministic",
+       "--validation.enable", "false", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+       "--model.attention_backend", "sdpa", "--checkpoint.enable", "--checkpoint.interval", "6"]
+REL = 1e-6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny shapes on a shared 2-core machine: intra-op threads only add stalls (and change nothing numerically
+    for the comparisons below, which all run single-threaded, like the subprocesses with OMP_NUM_THREADS=1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["HOLA_TITAN_CACHE"] = env.get("HOLA_TITAN_CACHE", str(ROOT / ".pytest_cache" / "hola_titan"))
+    env["OMP_NUM_THREADS"] = "1"
+    # torchrun restarts: workers that share the rendezvous store read the previous attempt's gloo addresses and
+    # fail to connect in about 2 of 3 restarts (pytorch/pytorch#135712); a store per attempt avoids that.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    for key in ("HOLA_TITAN_FAULT_AT_STEP", "HOLA_TITAN_FAULT_RANK", "HOLA_TITAN_FAULT_IN_SAVE_AT_STEP"):
+        env.pop(key, None)
+    return env | extra
+
+
+def _losses(folder: Path) -> dict[int, float]:
+    """Step -> loss from metrics.jsonl; a step logged twice (a restarted run) keeps its last value."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= REL * max(1.0, abs(b))
+
+
+def _train_in_process(dump: Path, *extra: str) -> Trainer:
+    trainer = Trainer(parse_config([*RUN, "--job.dump_folder", str(dump), *extra]))
+    trainer.train()
+    return trainer
+
+
+def _torchrun(dump: Path, nproc: int, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = (env or _env()) | {"NGPU": str(nproc), "CONFIG_FILE": DEBUG, "LOG_RANK": "0,1", "PYTHON": sys.executable}
+    return subprocess.run([str(ROOT / "run_train.sh"), *RUN[2:], "--job.dump_folder", str(dump), *extra],
+                          env=env, capture_output=True, text=True, timeout=400)
+
+
+def _copy_step(src_dump: Path, step: int, dst_dump: Path) -> None:
+    shutil.copytree(step_folder(src_dump / "checkpoint", step), step_folder(dst_dump / "checkpoint", step))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """The uninterrupted single-process run: 12 steps, checkpoints at 6 and 12."""
+    dump = tmp_path_factory.mktemp("one_process")
+    trainer = _train_in_process(dump)
+    return {"dump": dump, "losses": _losses(dump), "model": trainer.model}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> dict:
+    """Two FSDP (gloo) processes under ``torchrun --max-restarts 1``, checkpoints at 6 and 12; rank 1 kills itself
+    after step 11, torchrun restarts both ranks, and they resume from step 6 and finish. ``first`` and ``second``
+    are the losses the two attempts logged (steps 1-11 and 7-12)."""
+    dump = tmp_path_factory.mktemp("two_processes")
+    result = _torchrun(dump, 2, env=_env(MAX_RESTARTS="1", HOLA_TITAN_FAULT_AT_STEP="11", HOLA_TITAN_FAULT_RANK="1"))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    losses = [r["loss"] for r in rows if "loss" in r]
+    return {"dump": dump, "output": output, "first": dict(zip(steps[:restart], losses[:restart])),
+            "second": dict(zip(steps[restart:], losses[restart:]))}
+
+
+def test_resume_repeats_the_uninterrupted_run_bit_for_bit(one_process, tmp_path, caplog):
+    assert list_checkpoints(one_process["dump"] / "checkpoint") == [6, 12]
+    _copy_step(one_process["dump"], 6, tmp_path)
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        trainer = _train_in_process(tmp_path)
+    assert "resuming from step 6" in caplog.text
+    resumed = _losses(tmp_path)
+    assert sorted(resumed) == list(range(7, STEPS + 1))
+    for step, loss in resumed.items():
+        assert loss == one_process["losses"][step], (step, loss, one_process["losses"][step])
+    assert trainer.state.step == STEPS and trainer.state.tokens_seen == STEPS * 8 * 128
+    for (name, a), b in zip(trainer.model.named_parameters(), one_process["model"].parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_async_save_killed_midway_resumes_from_last_complete(one_process, tmp_path):
+    """SIGKILL inside the background save of step 9: steps 3 and 6 survive, the restart resumes from 6."""
+    command = [sys.executable, "-m", "hola_titan.train", *RUN, "--job.dump_folder", str(tmp_path),
+               "--checkpoint.async_mode", "async", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "3"]
+    killed = subprocess.run(command, env=_env(HOLA_TITAN_FAULT_IN_SAVE_AT_STEP="9"), capture_output=True, text=True,
+                            timeout=300)
+    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
+    folder = tmp_path / "checkpoint"
+    assert list_checkpoints(folder) == [3, 6]
+    assert (folder / "step-9.tmp").is_dir() and not (folder / "step-9").exists()
+    before = _losses(tmp_path)
+    assert sorted(before) == list(range(1, 10))
+
+    again = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    output = again.stdout + again.stderr
+    assert again.returncode == 0, output[-3000:]
+    assert "resuming from step 6" in output and "step-9.tmp" in output
+    assert list_checkpoints(folder) == [6, 9, 12]  # keep_latest_k = 3
+    assert not list(folder.glob("*.tmp"))
+    after = _losses(tmp_path)
+    for step in range(1, STEPS + 1):
+        assert _close(after[step], one_process["losses"][step]), (step, after[step], one_process["losses"][step])
+
+
+@pytest.mark.slow
+def test_two_processes_rank_killed_torchrun_restarts_and_resumes(two_processes):
+    """The restarted pair resumes from the last checkpoint (6) and repeats the losses of steps 7-11."""
+    first, second = two_processes["first"], two_processes["second"]
+    assert "fault injection" in two_processes["output"] and "resuming from step 6" in two_processes["output"]
+    assert sorted(first) == list(range(1, 12)) and sorted(second) == list(range(7, STEPS + 1))
+    assert list_checkpoints(two_processes["dump"] / "checkpoint") == [6, 12]
+    for step in range(7, 12):
+        assert _close(second[step], first[step]), (step, second[step], first[step])
+
+
+@pytest.mark.slow
+def test_reshard_two_processes_to_one_and_back(one_process, two_processes, tmp_path):
+    """FSDP 2 -> 1 process and 1 -> 2: the next step's data position and loss match the saving layout's."""
+    _copy_step(two_processes["dump"], 6, tmp_path / "to_one")
+    trainer = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path / "to_one"), "--training.steps", "7"]))
+    trainer.checkpointer.load()
+    assert trainer.state.step == 6 and trainer.dataloader.state_dict()["global_rows_consumed"] == 6 * 8
+    trainer.train()  # loads again (idempotent) and trains step 7
+    loss = _losses(tmp_path / "to_one")[7]
+    assert _close(loss, two_processes["first"][7]), (loss, two_processes["first"][7])
+
+    _copy_step(one_process["dump"], 6, tmp_path / "to_two")
+    result = _torchrun(tmp_path / "to_two", 2, "--training.steps", "7")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    loss = _losses(tmp_path / "to_two")[7]
+    assert _close(loss, one_process["losses"][7]), (loss, one_process["losses"][7])
+
+
+@pytest.mark.slow
+def test_convert_sharded_checkpoint_matches_loaded_model(two_processes, tmp_path):
+    """scripts/convert_to_safetensors.py on a step saved by two FSDP ranks gives the weights a one-process load
+    of the same step has."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import convert_to_safetensors
+    finally:
+        sys.path.pop(0)
+    step = step_folder(two_processes["dump"] / "checkpoint", 12)
+    assert convert_to_safetensors.main([str(step), str(tmp_path / "export")]) == 0
+    exported, tokenizer = load_pretrained(tmp_path / "export", backend="sdpa")
+    _copy_step(two_processes["dump"], 12, tmp_path / "run")
+    trainer = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path / "run")]))
+    trainer.checkpointer.load()
+    loaded = trainer.model.state_dict()
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, loaded[name]), name
+    tokens = torch.tensor([tokenizer.encode("Once upon a time there was a little cottage by the sea.")])
+    with torch.no_grad():
+        assert torch.equal(exported(tokens), trainer.model(tokens))
+
+
+def test_model_only_starts_seed_initial_path_and_safetensors(one_process, tmp_path, caplog):
+    """A seed checkpoint (step-0), initial_load_path to a DCP folder, and to a safetensors export: weights only,
+    starting at step 0 with a fresh data position."""
+    seed_config = parse_config([*RUN, "--job.dump_folder", str(tmp_path / "seeded"), "--training.seed", "7"])
+    create_seed_checkpoint(seed_config)
+    seeded = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path / "seeded")]))  # seed 0: other init
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        seeded.checkpointer.load()
+    assert "model only" in caplog.text and seeded.state.step == 0
+    reference = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path / "ref"), "--training.seed", "7"]))
+    for (name, a), b in zip(seeded.model.named_parameters(), reference.model.parameters()):
+        assert torch.equal(a, b), name
+
+    trained = one_process["model"]
+    step12 = step_folder(one_process["dump"] / "checkpoint", 12)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import convert_to_safetensors
+        import import_safetensors
+    finally:
+        sys.path.pop(0)
+    assert convert_to_safetensors.main([str(step12), str(tmp_path / "export")]) == 0
+    assert import_safetensors.main([str(tmp_path / "export"), str(tmp_path / "imported")]) == 0
+    for source in (step12, tmp_path / "imported", tmp_path / "export"):
+        trainer = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path / f"from_{source.name}"),
+                                        "--checkpoint.initial_load_path", str(source)]))
+        trainer.checkpointer.load()
+        assert trainer.state.step == 0 and trainer.dataloader.state_dict()["global_rows_consumed"] == 0
+        for (name, a), b in zip(trainer.model.named_parameters(), trained.parameters()):
+            assert torch.equal(a, b), (source, name)
+
+
+def _data_file(step: Path) -> Path:
+    return sorted(step.glob("*.distcp"))[0]
+
+
+def test_corrupt_checkpoint_falls_back_or_fails_naming_it(one_process, tmp_path, caplog):
+    for step in (6, 12):
+        _copy_step(one_process["dump"], step, tmp_path)
+    folder = tmp_path / "checkpoint"
+    data = _data_file(step_folder(folder, 12))
+    size = data.stat().st_size
+    data.write_bytes(data.read_bytes()[:100])
+    trainer = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path)]))
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        assert trainer.checkpointer.load() == 6
+    assert "step-12" in caplog.text and "truncated" in caplog.text and "falling back" in caplog.text
+    assert "resuming from step 6" in caplog.text
+
+    explicit = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path), "--checkpoint.load_step", "12"]))
+    with pytest.raises(CheckpointCorruptError, match="step-12.*truncated"):
+        explicit.checkpointer.load()
+
+    # Whole files of garbage pass the size check and fail inside DCP's read: the same fallback.
+    data.write_bytes(bytes(size))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        assert Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path)])).checkpointer.load() == 6
+    assert "step-12: read error" in caplog.text and "resuming from step 6" in caplog.text
+
+    (step_folder(folder, 6) / ".metadata").unlink()  # now neither is usable
+    with pytest.raises(CheckpointCorruptError, match="no loadable checkpoint.*step-12"):
+        Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path)])).checkpointer.load()
+    with pytest.raises(CheckpointCorruptError, match="step-6: no .metadata"):
+        Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path),
+                              "--checkpoint.load_step", "6"])).checkpointer.load()
+
+
+def test_checkpoint_of_another_model_is_a_mismatch_not_a_fallback(one_process, tmp_path):
+    _copy_step(one_process["dump"], 6, tmp_path)
+    trainer = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path), "--model.flavour", "gdn"]))
+    with pytest.raises(CheckpointMismatchError, match="step-6 does not fit this model"):
+        trainer.checkpointer.load()

@@ -1,0 +1,183 @@
+"""Export to safetensors and back: every flavour trained for two steps, checkpointed, converted with
+``scripts/convert_to_safetensors.py``, then loaded natively and through ``AutoModelForCausalLM``; pinned key names;
+sharding, dtype, and errors.
+
+Tolerance: the loaded models hold the very float32 bits the trainer had and run the same code, so logits must be
+equal; they are compared at 1e-6 of the logits' scale (float32 rounding), which any wrong or missing weight
+exceeds by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import hola_titan.hf_model  # noqa: F401  (registers the transformers classes)
+from hola_titan.checkpoint import step_folder
+from hola_titan.config import parse_config
+from hola_titan.data import load_tokenizer
+from hola_titan.export import INDEX_FILE, SAFETENSORS_FILE, load_pretrained, read_safetensors, save_pretrained
+from hola_titan.models.args import model_args, replace
+from hola_titan.models.model import ModelCache, build_model
+from hola_titan.train import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
+TOL = 1e-6
+PROMPT = "And God said, Let there be light: and there was light. And God saw the light, that it was good"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _convert(*argv: str) -> int:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import convert_to_safetensors
+    finally:
+        sys.path.pop(0)
+    return convert_to_safetensors.main(list(argv))
+
+
+def documented_keys(n_layers: int, *, flavour: str, tied: bool, use_gate: bool = False) -> set[str]:
+    """The key names ``hola_titan/export.py`` documents, written out again here so that a rename fails a test."""
+    keys = {"tok_embeddings.weight", "norm.weight"} | ({"output.weight"} if not tied else set())
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        keys |= {p + "attention_norm.weight", p + "ffn_norm.weight", p + "feed_forward.w1.weight",
+                 p + "feed_forward.w2.weight", p + "feed_forward.w3.weight", p + "attn.q_proj.weight",
+                 p + "attn.k_proj.weight", p + "attn.v_proj.weight", p + "attn.o_proj.weight"}
+        if flavour != "transformer":
+            keys |= {p + "attn.q_conv.weight", p + "attn.k_conv.weight", p + "attn.v_conv.weight",
+                     p + "attn.a_proj.weight", p + "attn.b_proj.weight", p + "attn.A_log", p + "attn.dt_bias",
+                     p + "attn.o_norm.weight"} | ({p + "attn.g_proj.weight"} if use_gate else set())
+        if flavour in ("hola", "hola_recency"):
+            keys |= {p + "attn.gamma_q", p + "attn.gamma_k", p + "attn.sink", p + "attn.gate"}
+    return keys
+
+
+def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    scale, err = expected.abs().max().item(), (actual.double() - expected.double()).abs().max().item()
+    assert err <= TOL * scale, f"{what}: max abs error {err:.3e} > {TOL} x {scale:.3e}"
+
+
+def _greedy(model, tokens: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy decoding with the native constant-memory cache: a prefill, then one token per call."""
+    cache = ModelCache()
+    logits = model(tokens, cache=cache)
+    out = tokens
+    for _ in range(new_tokens):
+        next_token = logits[:, -1].argmax(-1, keepdim=True)
+        out = torch.cat([out, next_token], dim=1)
+        logits = model(next_token, cache=cache)
+    return out
+
+
+@pytest.mark.parametrize("flavour", ["hola", "hola_recency", "gdn", "transformer"])
+def test_trained_checkpoint_exports_and_loads_with_the_same_logits(flavour, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer = Trainer(parse_config([
+        "--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path / "run"), "--model.flavour", flavour,
+        "--training.steps", "2", "--training.seq_len", "128", "--training.local_batch_size", "4",
+        "--validation.enable", "false", "--metrics.enable_tensorboard", "false", "--model.attention_backend", "sdpa",
+        "--checkpoint.enable", "--checkpoint.interval", "2"]))
+    trainer.train()
+    out = tmp_path / "export"
+    assert _convert(str(step_folder(tmp_path / "run" / "checkpoint", 2)), str(out)) == 0
+
+    args = trainer.model_args
+    with safe_open(str(out / SAFETENSORS_FILE), framework="pt") as f:
+        keys = set(f.keys())
+    assert keys == documented_keys(args.n_layers, flavour=flavour, tied=args.tie_embeddings, use_gate=args.use_gate)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "hola_titan" and config["flavour"] == flavour
+    assert (config["window"], config["block"], config["vocab_size"]) == (args.window, args.block, args.vocab_size)
+
+    tokenizer = load_tokenizer(out)
+    tokens = torch.tensor([tokenizer.encode(PROMPT)[:40]] * 2)
+    trainer.model.eval()
+    with torch.no_grad():
+        expected = trainer.model(tokens)
+        native, _ = load_pretrained(out, backend="sdpa")
+        assert_logits_close(native(tokens), expected, f"{flavour}: load_pretrained")
+        hf = AutoModelForCausalLM.from_pretrained(out, attention_backend="sdpa")
+        assert type(hf).__name__ == "HolaTitanForCausalLM"
+        assert set(hf.state_dict()) == keys
+        assert_logits_close(hf(tokens).logits, expected, f"{flavour}: AutoModelForCausalLM")
+        generated = hf.generate(tokens[:, :24], max_new_tokens=8, do_sample=False)
+        assert torch.equal(generated, _greedy(native, tokens[:, :24], 8)), flavour
+
+
+def _tiny(flavour: str, *, tied: bool = True):
+    """A tiny model whose parameters are all off their init values (so a norm or gate not loaded would show)."""
+    args = replace(model_args(flavour, "debug", vocab_size=97), dim=32, head_dim=16, mlp_hidden=64, block=4,
+                   window=3, tie_embeddings=tied)
+    model = build_model(args, device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def test_sharded_export_with_index_and_bfloat16(tmp_path):
+    model = _tiny("hola", tied=False)
+    tokens = torch.randint(0, 97, (2, 19))
+    save_pretrained(model, None, tmp_path / "sharded", max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "sharded" / INDEX_FILE).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and not (tmp_path / "sharded" / SAFETENSORS_FILE).exists()
+    assert set(index["weight_map"]) == set(model.state_dict())
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in model.state_dict().values())
+    loaded, tokenizer = load_pretrained(tmp_path / "sharded")
+    assert tokenizer is None
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), model(tokens))
+
+    save_pretrained(model, None, tmp_path / "sharded", dtype="bfloat16")  # re-export: stale shards go away
+    assert sorted(p.name for p in (tmp_path / "sharded").glob("model*")) == [SAFETENSORS_FILE]
+    assert json.loads((tmp_path / "sharded" / "config.json").read_text())["dtype"] == "bfloat16"
+    state = read_safetensors(tmp_path / "sharded")
+    assert all(t.dtype == torch.bfloat16 for t in state.values())
+    loaded, _ = load_pretrained(tmp_path / "sharded", dtype=torch.float32)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name].to(torch.bfloat16).float()), name
+
+
+def test_load_rejects_weights_of_another_model(tmp_path):
+    save_pretrained(_tiny("gdn"), None, tmp_path / "gdn")
+    config = json.loads((tmp_path / "gdn" / "config.json").read_text())
+    (tmp_path / "gdn" / "config.json").write_text(json.dumps(config | {"flavour": "hola"}))
+    with pytest.raises(ValueError, match=r"missing \['layers.0.attn.gamma_k'"):
+        load_pretrained(tmp_path / "gdn")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_pretrained(tmp_path / "nowhere")
+
+
+def test_generate_beam_search_and_continued_cache(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny("hola")
+    save_pretrained(model, None, tmp_path / "m")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    prompt = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        beams = hf.generate(prompt, max_new_tokens=5, num_beams=3, do_sample=False)
+        assert beams.shape == (2, 16) and torch.equal(beams[:, :11], prompt)
+        with pytest.raises(ValueError, match="padding"):
+            hf(prompt, attention_mask=torch.tensor([[0] + [1] * 10] * 2))
+        # The cache returned by one call continues in the next: same logits as one call over both parts.
+        first = hf(prompt[:, :7])
+        second = hf(prompt[:, 7:], cache=first.cache)
+        whole = model(prompt)
+    assert_logits_close(torch.cat([first.logits, second.logits], 1), whole, "continued cache")
