@@ -54,22 +54,55 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
               cu_seqlens=cu_seqlens, initial_state=initial_state, initial_cache=initial_cache,
               output_final_cache=output_final_cache, backend=backend)
     chosen = resolve_backend(backend, q.device)
-    if chosen != "reference":
-        raise ValueError(f"backend: {chosen!r} is not available in this build; use 'reference'")
-    o, final_state, final_cache = hola_attention_reference(
-        q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
-        cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
-        initial_cache=initial_cache, output_final_cache=output_final_cache)
+    if chosen != "reference" and initial_cache is None:
+        from hola_titan.kernels.hola_triton import check_supported, is_supported
+        if backend == "auto" and not is_supported(q):
+            chosen = "reference"  # e.g. float64 or an odd head dim on a GPU
+        else:
+            check_supported(q, chosen)
+    if chosen == "reference" or initial_cache is not None:
+        # The Triton and SDPA backends start every sequence from an empty cache; a call that continues from a
+        # cache object (chunked prefill, decoding) runs on the reference backend.
+        o, final_state, final_cache = hola_attention_reference(
+            q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
+            cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
+            initial_cache=initial_cache, output_final_cache=output_final_cache)
+    else:
+        if chosen == "triton":
+            from hola_titan.kernels.hola_triton import hola_attention_triton as fn
+        else:
+            from hola_titan.kernels.hola_sdpa import hola_attention_sdpa as fn
+        o, final_state, final_cache = fn(
+            q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
+            cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
+            output_final_cache=output_final_cache)
     if output_final_cache:
         return o, final_state, final_cache
     return o, final_state
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend ``"auto"`` stands for on ``device``: the Triton kernels on CUDA once they exist."""
-    if backend != "auto":
+    """The backend that runs on ``device``: ``"auto"`` is ``"triton"`` on CUDA, ``"reference"`` elsewhere.
+
+    ``"triton"`` needs a CUDA device and the Triton kernels with fla-core, or a CPU under ``TRITON_INTERPRET=1``
+    (tests: the kernels run in Triton's interpreter, with the fp32 reference state path in place of fla);
+    ``"sdpa"`` needs fla-core on CUDA and runs anywhere else with the reference state path. Raises
+    ``ValueError`` naming ``backend`` when the requested one cannot run here.
+    """
+    device = torch.device(device)
+    if backend == "reference":
         return backend
-    return "reference"
+    from hola_titan.kernels.hola_triton import gpu_kernels_available, interpreting, triton_importable
+    on_cuda = device.type == "cuda"
+    gpu_ready = on_cuda and gpu_kernels_available()
+    if backend == "auto":
+        return "triton" if on_cuda and gpu_ready else "reference"
+    if on_cuda and not gpu_ready:
+        raise ValueError(f"backend: {backend!r} on CUDA needs triton and fla-core; use 'reference'")
+    if backend == "triton" and not on_cuda and not (interpreting() and triton_importable()):
+        raise ValueError("backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 with triton installed); "
+                         "use 'reference' or 'auto'")
+    return backend
 
 
 def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, cu_seqlens, initial_state,

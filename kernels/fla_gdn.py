@@ -1,0 +1,361 @@
+"""The GDN state path through fla-core, with the HOLA surprise score from the same pass (HOLA_SPEC 1.3-1.4).
+
+Shape legend: B batch, T tokens, H heads, K = V = D head dim, N sequences.
+
+A thin adapter over fla-core's internal stages (imported, never copied; pinned to ``FLA_VERSION``): the forward
+calls the stages of ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` with the in-kernel l2norm in the same
+order, so ``o`` is bit-identical to the public op, and keeps the per-token update ``v_new = beta_t e_t`` that
+fla computes and drops, whose norm is the score ``m_t = beta_t ||e_t||`` (float32, detached). The backward is
+fla's ``chunk_gated_delta_rule_bwd`` unchanged (the score takes no gradient). Both directions are
+``torch.library`` custom ops, so a compiled block does not graph-break around fla's ``compiler.disable``.
+
+fla issue #640. Triton >= 3.4 and < 3.7.1 miscompiles fla's gated ``chunk_bwd_dqkwg`` on Hopper with 64-wide K
+tiles, and fla 0.6.0 raises there. fla tiles K (and V) at 128 on Hopper when the head dim is at least 128, the
+configuration whose results were checked. This module therefore, on Hopper with such a Triton:
+- zero-pads q, k, v (and the initial state) to a head dim of 128 when D < 128 (l2norm, k^T k, the state's real
+  block and the score are unchanged by zero padding; the scale stays D^-1/2; outputs are sliced back);
+- before the first backward at a head dim, runs :func:`check_fla_backward` (fla's bf16 backward against this
+  project's fp32 reference at HOLA's shapes and decay ranges, on the running GPU) and lifts fla's guard, only
+  inside fla's backward call and only for head dims whose check passed, logging that it did so;
+- raises if the check fails. Nothing is patched silently or globally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+
+from hola_titan.kernels.hola_reference import gated_delta_chunked, l2norm, sequence_layout, to_rows
+
+FLA_VERSION = "0.6.0"
+CHUNK = 64
+PAD_HEAD_DIM = 128
+# Relative RMS error allowed per tensor in the #640 check: fla's bf16 kernels land near 5e-3 against fp32
+# (REFERENCES.md), so 5e-2 leaves 10x for bf16 rounding at other shapes; a miscompiled tile gives errors of
+# order one.
+CHECK_TOLERANCE = 5e-2
+
+logger = logging.getLogger(__name__)
+
+_CHECKED: dict[tuple[int, int], dict[str, float]] = {}
+
+
+def fla_version() -> str | None:
+    try:
+        return importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def fla_available() -> bool:
+    """True when the pinned fla-core and Triton import (the device may still be unsupported)."""
+    if fla_version() != FLA_VERSION:
+        return False
+    try:
+        import fla.ops.gated_delta_rule.chunk  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means the fla path is unavailable
+        return False
+    return True
+
+
+def _require_fla() -> None:
+    version = fla_version()
+    if version != FLA_VERSION:
+        raise RuntimeError(f"the HOLA fla adapter is written against fla-core=={FLA_VERSION}, found {version}; "
+                           "its internal stages move between releases")
+
+
+def _triton_version() -> tuple[int, ...]:
+    import triton
+    return tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3] if x.isdigit())
+
+
+@torch.compiler.assume_constant_result
+def guard_applies(device: torch.device) -> bool:
+    """Whether fla 0.6.0's #640 guard fires here: a Hopper GPU with 3.4 <= Triton < 3.7.1."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9 and (3, 4) <= _triton_version() < (3, 7, 1)
+
+
+def padded_head_dim(d: int, device: torch.device) -> int:
+    return max(d, PAD_HEAD_DIM) if guard_applies(device) else d
+
+
+@contextlib.contextmanager
+def fla_backward_allowed(head_dim: int, device: torch.device):
+    """Lift fla's #640 guard for one backward call, only for a head dim whose gradient check passed."""
+    if not guard_applies(device):
+        yield
+        return
+    key = (torch.device(device).index or 0, head_dim)
+    if key not in _CHECKED:
+        raise RuntimeError(f"fla #640: no passing gradient check for head dim {head_dim} on this GPU; "
+                           "call hola_titan.kernels.fla_gdn.ensure_backward_checked before compiling")
+    import fla.ops.common.chunk_o as chunk_o
+    saved = chunk_o.TRITON_ABOVE_3_7_1
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    try:
+        yield
+    finally:
+        chunk_o.TRITON_ABOVE_3_7_1 = saved
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference state path (pure PyTorch, differentiable): for CPU runs and for the #640 check.
+
+
+def reference_gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, output_final_state=False):
+    """GDN through the fp32 reference: ``(o_state [B,T,H,D] float32, m [B,T,H] float32, final_state or None)``."""
+    bsz, seq_len, h, d = q.shape
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    index, _ = sequence_layout(bsz, seq_len, cu_seqlens, q.device)
+    n = index.shape[0]
+
+    def flat(x):
+        x = x.reshape(bsz * seq_len, *x.shape[2:]).to(cdt)
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])], dim=0)
+
+    q_f, k_f, v_f, g_f, beta_f = map(flat, (q, k, v, g, beta))
+    state0 = torch.zeros(n, h, d, d, dtype=cdt, device=q.device) if initial_state is None else initial_state.to(cdt)
+    o_rows, e_rows, final_state = gated_delta_chunked(
+        to_rows(l2norm(q_f), index), to_rows(l2norm(k_f), index), to_rows(v_f, index), to_rows(g_f, index),
+        to_rows(beta_f, index), state0, d ** -0.5)
+    valid = index < bsz * seq_len
+    m_rows = e_rows.detach().norm(dim=-1) * to_rows(beta_f, index).detach()
+    o = torch.zeros(bsz * seq_len, h, d, dtype=cdt, device=q.device).index_put((index[valid],), o_rows[valid])
+    m = torch.zeros(bsz * seq_len, h, dtype=cdt, device=q.device).index_put((index[valid],), m_rows[valid])
+    return (o.view(bsz, seq_len, h, d), m.view(bsz, seq_len, h).to(torch.float32),
+            final_state if output_final_state else None)
+
+
+def hola_decay(shape, device, generator=None) -> torch.Tensor:
+    """Log-decays drawn as HOLA initialises them: ``-exp(A_log) softplus(a + dt_bias)`` (HOLA_SPEC 1.2)."""
+    b, t, h = shape
+    a_log = torch.log(torch.empty(h, device=device).uniform_(1, 16, generator=generator))
+    dt = torch.exp(torch.empty(h, device=device).uniform_(math.log(1e-3), math.log(1e-1), generator=generator))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    a = torch.randn(b, t, h, device=device, generator=generator)
+    return -torch.exp(a_log) * F.softplus(a + dt_bias)
+
+
+def check_fla_backward(head_dim: int, device: torch.device, *, num_heads: int = 4, seed: int = 0) -> dict[str, float]:
+    """fla's bf16 forward and backward against the fp32 reference at HOLA's shapes, on ``device``.
+
+    Packed documents of 300, 1 and 339 tokens (partial chunks, a length-1 document), ``num_heads`` heads, decays
+    drawn as HOLA initialises them, no initial or final state (as in training). Records and returns the relative
+    RMS error of o and every gradient; raises ``RuntimeError`` when one exceeds ``CHECK_TOLERANCE``.
+    """
+    _require_fla()
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    lens = [300, 1, 339]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64, device=device)
+    t, h, d = sum(lens), num_heads, head_dim
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    q, k, v = (rand(1, t, h, d).to(torch.bfloat16) for _ in range(3))
+    g = hola_decay((1, t, h), device, generator=gen)
+    beta = torch.sigmoid(rand(1, t, h))
+    do = rand(1, t, h, d)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
+    _CHECKED[(device.index or 0, d)] = {}  # lets the guarded call run once, for the check itself
+    try:
+        o, _, _ = _GDNFunction.apply(*leaves, None, cu, d ** -0.5, False)
+        o.backward(do.to(o.dtype))
+    finally:
+        del _CHECKED[(device.index or 0, d)]
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    o_r, _, _ = reference_gdn_with_scores(*ref_leaves, cu_seqlens=cu)
+    o_r.backward(do.double())
+    errors = {"o": _rel(o, o_r)}
+    for name, x, x_r in zip(("dq", "dk", "dv", "dg", "dbeta"), leaves, ref_leaves):
+        errors[name] = _rel(x.grad, x_r.grad)
+    bad = {k_: e for k_, e in errors.items() if not e <= CHECK_TOLERANCE}
+    if bad:
+        raise RuntimeError(f"fla #640 gradient check failed at head dim {d} on {torch.cuda.get_device_name(device)}: "
+                           f"relative errors {bad} exceed {CHECK_TOLERANCE}; fla's gated backward is not usable here")
+    _CHECKED[(device.index or 0, d)] = errors
+    logger.warning("fla #640: guard lifted for head dim %d on %s after a gradient check against the fp32 reference "
+                   "(relative errors %s)", d, torch.cuda.get_device_name(device),
+                   {k_: f"{e:.1e}" for k_, e in errors.items()})
+    return errors
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def ensure_backward_checked(head_dim: int, device: torch.device) -> None:
+    """Run the #640 check once per GPU and head dim where fla's guard applies.
+
+    Eager calls of :func:`gdn_with_scores` run it on their own; a compiled model must call it before tracing
+    (the check runs real kernels and autograd), else its backward raises and names this function.
+    """
+    if guard_applies(device) and ((torch.device(device).index or 0), head_dim) not in _CHECKED:
+        check_fla_backward(head_dim, device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The adapter: custom ops over fla's stages.
+
+
+def _chunk_indices(cu_seqlens):
+    if cu_seqlens is None:
+        return None
+    from fla.ops.utils.index import prepare_chunk_indices
+    return prepare_chunk_indices(cu_seqlens, CHUNK)
+
+
+def _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    with torch.cuda.device(q.device.index):
+        chunk_indices = _chunk_indices(cu_seqlens)
+        qn, q_rstd = l2norm_fwd(q)
+        kn, k_rstd = l2norm_fwd(k)
+        g_cum = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
+                                   chunk_indices=chunk_indices)
+        w, u, a = chunk_gated_delta_rule_fwd_intra(k=kn, v=v, g=g_cum, beta=beta, cu_seqlens=cu_seqlens,
+                                                   chunk_indices=chunk_indices, chunk_size=CHUNK)
+        h, v_new, final_state = chunk_gated_delta_rule_fwd_h(
+            k=kn, w=w, u=u, g=g_cum, initial_state=initial_state, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK)
+        del w, u
+        o = chunk_fwd_o(q=qn, k=kn, v=v_new, h=h, g=g_cum, scale=scale, cu_seqlens=cu_seqlens,
+                        chunk_indices=chunk_indices, chunk_size=CHUNK)
+        del h
+        m = torch.linalg.vector_norm(v_new, dim=-1, dtype=torch.float32)
+    if final_state is None:
+        final_state = q.new_empty(0, dtype=torch.float32)
+    return o.to(q.dtype), m, final_state, qn, q_rstd, kn, k_rstd, g_cum, a
+
+
+def _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, scale):
+    from fla.modules.norm.l2norm import l2norm_bwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+
+    with torch.cuda.device(do.device.index), fla_backward_allowed(kn.shape[-1], do.device):
+        dq, dk, dv, db, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
+            q=qn, k=kn, v=v, g=g_cum, beta=beta, A=a, scale=scale, initial_state=initial_state,
+            do=do.contiguous(), dht=dht, cu_seqlens=cu_seqlens, chunk_indices=_chunk_indices(cu_seqlens),
+            chunk_size=CHUNK)
+        dq = l2norm_bwd(qn, q_rstd, dq)
+        dk = l2norm_bwd(kn, k_rstd, dk)
+    return dq, dk, dv, dg, db, dh0
+
+
+@torch.library.custom_op("hola::gdn_fwd", mutates_args=())
+def gdn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
+               output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor]:
+    """``(o, m, final_state or empty, saved for backward...)``; see the module docstring."""
+    return _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state)
+
+
+@gdn_fwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+    b, t, h, d = q.shape
+    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final = q.new_empty(n, h, d, d, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
+    return (torch.empty_like(q), q.new_empty(b, t, h, dtype=torch.float32), final, torch.empty_like(q),
+            q.new_empty(b, t, h, dtype=torch.float32), torch.empty_like(k), k.new_empty(b, t, h, dtype=torch.float32),
+            g.new_empty(b, t, h, dtype=torch.float32), k.new_empty(b, t, h, CHUNK))
+
+
+@torch.library.custom_op("hola::gdn_bwd", mutates_args=())
+def gdn_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, qn: torch.Tensor, q_rstd: torch.Tensor, kn: torch.Tensor,
+               k_rstd: torch.Tensor, v: torch.Tensor, g_cum: torch.Tensor, beta: torch.Tensor, a: torch.Tensor,
+               initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor]:
+    dq, dk, dv, dg, db, dh0 = _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state,
+                                            cu_seqlens, scale)
+    if dh0 is None:
+        dh0 = do.new_empty(0, dtype=torch.float32)
+    return dq, dk, dv, dg, db, dh0
+
+
+@gdn_bwd_op.register_fake
+def _(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, scale):
+    dh0 = (torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None
+           else do.new_empty(0, dtype=torch.float32))
+    return (torch.empty_like(qn), torch.empty_like(kn), torch.empty_like(v), torch.empty_like(g_cum),
+            torch.empty_like(beta, dtype=torch.float32), dh0)
+
+
+def _gdn_setup_context(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state = inputs
+    _, _, _, qn, q_rstd, kn, k_rstd, g_cum, a = output
+    ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens)
+    ctx.scale = scale
+    ctx.output_final_state = output_final_state
+    ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+
+
+def _gdn_backward(ctx, do, dm, dht, *unused):
+    qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens = ctx.saved_tensors
+    if not ctx.output_final_state or dht is None or dht.numel() == 0:
+        dht = None
+    dq, dk, dv, dg, db, dh0 = gdn_bwd_op(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state,
+                                         cu_seqlens, ctx.scale)
+    tq, tk, tv, tg, tb = ctx.dtypes
+    return (dq.to(tq), dk.to(tk), dv.to(tv), dg.to(tg), db.to(tb), dh0 if initial_state is not None else None,
+            None, None, None)
+
+
+torch.library.register_autograd("hola::gdn_fwd", _gdn_backward, setup_context=_gdn_setup_context)
+
+
+class _GDNFunction:
+    """Calls the custom op; kept as a tiny namespace so the #640 check and the adapter share one entry."""
+
+    @staticmethod
+    def apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+        o, m, final_state, *_ = gdn_fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state)
+        return o, m, (final_state if output_final_state else None)
+
+
+def gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, output_final_state=False):
+    """GDN state path through fla with the score: ``(o_state [B,T,H,D], m [B,T,H] float32, final_state or None)``.
+
+    ``q, k`` are pre-l2norm (fla normalises them in its kernel); ``g`` is the log-decay, ``beta`` in (0, 1).
+    """
+    if not torch.compiler.is_compiling():
+        _require_fla()
+    d = q.shape[-1]
+    dp = padded_head_dim(d, q.device)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(torch.int64)
+    if initial_state is not None:
+        initial_state = initial_state.to(torch.float32)
+    if dp != d:
+        q, k, v = (F.pad(x, (0, dp - d)) for x in (q, k, v))
+        if initial_state is not None:
+            initial_state = F.pad(initial_state, (0, dp - d, 0, dp - d))
+    if (not torch.compiler.is_compiling() and torch.is_grad_enabled()
+            and any(x.requires_grad for x in (q, k, v, g, beta))):
+        ensure_backward_checked(dp, q.device)
+    o, m, final_state = _GDNFunction.apply(q, k, v, g, beta, initial_state, cu_seqlens, d ** -0.5,
+                                           output_final_state)
+    if dp != d:
+        o = o[..., :d]
+        if final_state is not None:
+            final_state = final_state[..., :d, :d]
+    return o, m, final_state

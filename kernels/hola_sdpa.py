@@ -1,0 +1,123 @@
+"""The ``"sdpa"`` backend of ``hola_attention``: the paper's ``cache_kernel = sdpa`` path, in the input dtype.
+
+Shape legend: B batch, T tokens, H heads, D head dim, NB blocks, C block, W window, K = W + C + sink + padding.
+
+State path and score as in the Triton backend (fla's chunk op through :mod:`hola_titan.kernels.fla_gdn`; the fp32
+reference stands in on a CPU). Selection by a masked ``topk`` over composite (score, position) keys, so the tie
+order is the spec's. The cache read gathers, for every block, the W selected rows and the block's own rows of
+``kc = RMSNorm_{gamma_k}(k)`` and ``v`` into ``[NB, H, K, D]``, and runs one batched
+``torch.nn.functional.scaled_dot_product_attention`` over all blocks with an additive mask: 0 for valid cache
+slots and causal in-block keys, ``-inf`` elsewhere, and ``sink_h`` on one zero key and value (the null sink; its
+gradient flows through the mask). The RMSNorms are computed in float32 and rounded to the input dtype, the
+attention and the mix run in the input dtype. This is the baseline for speed and bf16 error.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hola_titan.kernels.hola_reference import rms_norm
+from hola_titan.kernels.hola_triton import final_cache_from_selection, state_path
+from hola_titan.kernels.hola_triton_select import build_block_table, select_recency, select_topw_torch
+
+KEY_ALIGN = 16  # pad the key dimension (W + C + 1) so SDPA's fused kernels take the mask without copies
+
+
+def _select(m_flat, table, *, window, evict, num_heads):
+    if window == 0:
+        return torch.empty(table.num_blocks, num_heads, 0, dtype=torch.int32, device=m_flat.device)
+    if evict == "recency":
+        return select_recency(table, num_heads, window)
+    return select_topw_torch(m_flat, table, window)
+
+
+def hola_attention_sdpa(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int, evict: str,
+                        cu_seqlens=None, initial_state=None, output_final_state: bool = False,
+                        output_final_cache: bool = False, selected: torch.Tensor | None = None,
+                        return_aux: bool = False, state_impl: str = "auto"):
+    """The SDPA backend; same arguments and results as ``hola_attention_triton``."""
+    bsz, seq_len, h, d = q.shape
+    dtype, device = q.dtype, q.device
+    o_state, m, final_state = state_path(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                         output_final_state=output_final_state, impl=state_impl)
+    aux = {"m": m}
+    if evict == "none":
+        return (o_state, final_state, None, aux) if return_aux else (o_state, final_state, None)
+    table = build_block_table(bsz, seq_len, cu_seqlens, block, device)
+    m_flat = m.reshape(bsz * seq_len, h)
+    if selected is None:
+        sel = _select(m_flat, table, window=window, evict=evict, num_heads=h)
+    else:
+        sel = selected.to(device=device, dtype=torch.int32)
+    num_tokens = bsz * seq_len
+    nb = table.num_blocks
+
+    # Rows [B*T + 1, H, D]: a zero row at the end for padding slots.
+    def rows(x):
+        x = x.reshape(num_tokens, h, d)
+        return torch.cat([x, x.new_zeros(1, h, d)], dim=0)
+
+    qc = rows(rms_norm(q.float(), gamma_q.float()).to(dtype))
+    kc = rows(rms_norm(k.float(), gamma_k.float()).to(dtype))
+    vr = rows(v)
+    offs = torch.arange(block, device=device)
+    blk_tok = table.blk_start.long()[:, None] + offs[None, :]  # [NB, C]
+    blk_ok = offs[None, :] < table.blk_len.long()[:, None]
+    blk_tok = torch.where(blk_ok, blk_tok, torch.full_like(blk_tok, num_tokens))
+    heads = torch.arange(h, device=device)
+
+    def gather_block(x):  # [B*T+1, H, D] -> [NB, H, C, D]
+        return x[blk_tok].transpose(1, 2)
+
+    cache_ok = sel >= 0  # [NB, H, W]
+    cache_tok = torch.where(cache_ok, sel.long(), torch.full_like(sel, num_tokens, dtype=torch.int64))
+
+    def gather_cache(x):  # [B*T+1, H, D] -> [NB, H, W, D]
+        return x[cache_tok, heads[None, :, None]]
+
+    n_keys = window + block + 1
+    pad = -n_keys % KEY_ALIGN
+    zeros = q.new_zeros(nb, h, 1 + pad, d)
+    keys = torch.cat([gather_cache(kc), gather_block(kc), zeros], dim=2)
+    values = torch.cat([gather_cache(vr), gather_block(vr), zeros], dim=2)
+    neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    causal = (offs[None, :] <= offs[:, None]) & blk_ok[:, None, :]  # [NB, C(query), C(key)]
+    mask = torch.cat([
+        torch.where(cache_ok[:, :, None, :], zero, neg_inf).expand(nb, h, block, window),
+        torch.where(causal[:, None], zero, neg_inf).expand(nb, h, block, block),
+        sink.to(dtype).view(1, h, 1, 1).expand(nb, h, block, 1),
+        neg_inf.expand(nb, h, block, pad),
+    ], dim=-1)
+    o_blk = F.scaled_dot_product_attention(gather_block(qc), keys, values, attn_mask=mask)  # [NB, H, C, D]
+    o_cache = o_blk.transpose(1, 2)[blk_ok]  # [tokens in block order, H, D]
+    o_cache = torch.zeros(num_tokens, h, d, dtype=dtype, device=device).index_put((blk_tok[blk_ok],), o_cache)
+    lam = torch.sigmoid(gate.float()).to(dtype)
+    o = o_state + lam.view(1, 1, h, 1) * o_cache.view(bsz, seq_len, h, d)
+    final_cache = None
+    if output_final_cache:
+        final_keys = None
+        if evict == "score" and selected is None and window > 0:
+            from hola_titan.kernels.hola_triton_select import score_keys
+            final_keys = _final_keys(m_flat, table, window, score_keys)
+        final_cache = final_cache_from_selection(q, k, v, m_flat, sel, final_keys, table, window=window, block=block,
+                                                 evict=evict)
+    aux.update(sel=sel, table=table)
+    return (o, final_state, final_cache, aux) if return_aux else (o, final_state, final_cache)
+
+
+def _final_keys(m_flat, table, window, score_keys):
+    """Top-W keys over the completed blocks of every sequence: ``[N, H, W]`` int64."""
+    from hola_titan.kernels.hola_triton_select import KEY_EMPTY
+    n, h = table.num_seqs, m_flat.shape[1]
+    out = torch.full((n, h, window), KEY_EMPTY, dtype=torch.int64, device=m_flat.device)
+    starts, lens = table.doc_start.tolist(), table.doc_len.tolist()
+    for i in range(n):
+        end = starts[i] + (lens[i] // table.block) * table.block
+        if end > starts[i]:
+            tok = torch.arange(starts[i], end, device=m_flat.device)
+            keys = score_keys(m_flat[starts[i]:end], tok[:, None].expand(-1, h)).transpose(0, 1)
+            top = keys.topk(min(window, keys.shape[1]), dim=-1).values
+            out[i, :, :top.shape[1]] = top
+    return out

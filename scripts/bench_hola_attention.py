@@ -1,0 +1,241 @@
+"""Benchmark one HOLA attention layer, forward + backward, against fla's GDN alone and causal SDPA attention.
+
+At the 340M shapes by default: 4 heads x 256, 65,536 tokens per call, T = 2k, 8k, 32k, bf16. The tokens are one
+packed row of 65,536 / T documents of T tokens (``cu_seqlens``, as the trainer feeds them with ``data.varlen``);
+every fla and HOLA call uses that layout (one set of fla autotuning on a fresh machine instead of two).
+Rows (medians of ``triton.testing.do_bench``, CUDA events):
+- ``gdn_fla``: fla's public ``chunk_gated_delta_rule`` (in-kernel l2norm) alone;
+- ``gdn_adapter``: this project's fla adapter (the same GDN plus the score), i.e. ``evict="none"``;
+- ``hola_triton`` / ``hola_sdpa``: ``hola_attention`` with each backend (window 64, block 256, evict score);
+- ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` with 16 heads x 64;
+- the forward stages of the Triton backend (state path + score, selection, cache attention) and the cache
+  attention backward, to show where the time goes.
+Peak memory is the peak allocated during one forward + backward minus what was allocated before it.
+``--sweep`` also times the cache-attention kernels under alternative launch configurations (T = 2k).
+
+Prints a table and writes JSON (``--out``). On Hopper with Triton < 3.7.1, fla's backward runs only after the
+fla #640 gradient check of :mod:`hola_titan.kernels.fla_gdn` passes (its errors are recorded in the JSON).
+
+    python scripts/bench_hola_attention.py --out outputs/bench_hola_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="outputs/bench_hola_attention.json")
+    p.add_argument("--tokens", type=int, default=65536, help="B * T per call")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192, 32768])
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--block", type=int, default=256)
+    p.add_argument("--sweep", action="store_true", help="time alternative cache-kernel launch configurations")
+    p.add_argument("--sweep-only", action="store_true", help="only the sweep (first of --seq-lens)")
+    p.add_argument("--rep-ms", type=int, default=200)
+    p.add_argument("--rows", action="store_true", help="B rows of T tokens instead of one packed row")
+    return p.parse_args()
+
+
+def bench(fn, grad_to_none, rep_ms):
+    import triton
+    return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, grad_to_none=grad_to_none,
+                                         return_mode="median"))
+
+
+def peak_mib(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def make_inputs(b, t, h, d, device, dtype=torch.bfloat16, seed=0):
+    from hola_titan.kernels.fla_gdn import hola_decay
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(b, t, h, d, device=device, generator=gen, dtype=dtype) for _ in range(3))
+    g = hola_decay((b, t, h), device, generator=gen)
+    beta = torch.sigmoid(torch.randn(b, t, h, device=device, generator=gen)).to(dtype)
+    gamma_q = (1 + 0.1 * torch.randn(d, device=device, generator=gen)).to(dtype)
+    gamma_k = (1 + 0.1 * torch.randn(d, device=device, generator=gen)).to(dtype)
+    sink = torch.zeros(h, device=device, dtype=dtype)
+    gate = torch.full((h,), -4.0, device=device, dtype=dtype)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, gamma_q, gamma_k, sink, gate)]
+    return leaves
+
+
+def main():
+    args = parse_args()
+    device = torch.device("cuda")
+    from hola_titan import hola_attention
+    from hola_titan.kernels import fla_gdn, hola_triton_attn
+    from hola_titan.kernels.hola_triton import cache_attn_bwd_op, cache_attn_op, select_topw_op, state_path
+    from hola_titan.kernels.hola_triton_select import build_block_table
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    import triton
+
+    h, d, window, block = args.heads, args.dim, args.window, args.block
+    meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, triton=triton.__version__,
+                fla=fla_gdn.fla_version(), python=platform.python_version(), heads=h, dim=d, window=window,
+                block=block, tokens=args.tokens, date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    dp = fla_gdn.padded_head_dim(d, device)
+    print(f"fla #640 gradient check at head dim {dp} (on a fresh machine this also autotunes fla: minutes)",
+          flush=True)
+    t0 = time.time()
+    fla_gdn.ensure_backward_checked(dp, device)
+    meta["fla_640"] = dict(guard_applies=fla_gdn.guard_applies(device), head_dim=dp,
+                           errors=fla_gdn._CHECKED.get((device.index or 0, dp)), seconds=round(time.time() - t0, 1))
+    print("meta:", json.dumps(meta))
+    results = []
+    for t in args.seq_lens:
+        b = max(1, args.tokens // t)
+        docs = b
+        cu = None
+        if not args.rows:
+            cu = torch.arange(0, b * t + 1, t, device=device, dtype=torch.int64)
+            b, t_row = 1, b * t
+        else:
+            t_row = t
+        x = make_inputs(b, t_row, h, d, device)
+        q, k, v, g, beta, gamma_q, gamma_k, sink, gate = x
+        do = torch.randn(b, t_row, h, d, device=device, dtype=q.dtype)
+        row = dict(T=t, B=docs, layout="rows" if args.rows else "packed")
+
+        def gdn_fla():
+            o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=d ** -0.5, use_qk_l2norm_in_kernel=True,
+                                          cu_seqlens=cu)
+            with fla_gdn.fla_backward_allowed(dp, device):
+                o.backward(do)
+
+        def hola(backend, evict="score"):
+            def fn():
+                o, _ = hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block,
+                                      evict=evict, backend=backend, cu_seqlens=cu)
+                o.backward(do)
+            return fn
+
+        qa, ka, va = (torch.randn(docs, 16, t, 64, device=device, dtype=q.dtype, requires_grad=True) for _ in range(3))
+        doa = torch.randn_like(qa)
+
+        def sdpa_causal():
+            F.scaled_dot_product_attention(qa, ka, va, is_causal=True).backward(doa)
+
+        items = {"gdn_fla": (gdn_fla, x[:5]), "gdn_adapter": (hola("triton", "none"), x[:5]),
+                 "hola_triton": (hola("triton"), x), "hola_sdpa": (hola("sdpa"), x),
+                 "sdpa_causal": (sdpa_causal, [qa, ka, va])}
+        if args.sweep_only:
+            items = {}
+        for name, (fn, grads) in items.items():
+            try:
+                fn()  # compile / autotune outside the timing
+                row[name + "_ms"] = bench(fn, grads, args.rep_ms)
+                for p in grads:
+                    p.grad = None
+                row[name + "_peak_mib"] = peak_mib(fn)
+            except Exception as e:  # noqa: BLE001 - report and go on with the other rows
+                row[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            for p in grads:
+                p.grad = None
+        # Stages of the Triton backend's forward, and the cache attention backward.
+        with torch.no_grad():
+            table = build_block_table(b, t_row, cu, block, device)
+            o_state, m, _ = state_path(q, k, v, g, beta, initial_state=None, cu_seqlens=cu, output_final_state=False)
+            m_flat = m.reshape(b * t_row, h)
+            row["stage_state_fwd_ms"] = bench(lambda: state_path(q, k, v, g, beta, initial_state=None, cu_seqlens=cu,
+                                                                 output_final_state=False), None, args.rep_ms)
+
+            def sel_fn():
+                return select_topw_op(m_flat, table.blk_start, table.blk_len, table.doc_first_blk, table.doc_num_blk,
+                                      block, window)
+            sel, _ = sel_fn()
+            row["stage_select_ms"] = bench(sel_fn, None, args.rep_ms)
+
+            def fwd_fn():
+                return cache_attn_op(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table.blk_start,
+                                     table.blk_len, block, window)
+            out = fwd_fn()
+            row["stage_cache_fwd_ms"] = bench(fwd_fn, None, args.rep_ms)
+
+            def bwd_fn():
+                return cache_attn_bwd_op(do, q, k, v, out[1], out[2], out[3], out[4], gamma_q, gamma_k, sink, gate, sel,
+                                         table.blk_start, table.blk_len, block, window)
+            bwd_fn()
+            row["stage_cache_bwd_ms"] = bench(bwd_fn, None, args.rep_ms)
+            if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
+                row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms)
+        if "gdn_fla_ms" in row:
+            for name in ("hola_triton", "hola_sdpa", "gdn_adapter"):
+                if name + "_ms" in row:
+                    row[name + "_over_gdn"] = row[name + "_ms"] / row["gdn_fla_ms"]
+                    row[name + "_mem_over_gdn"] = row[name + "_peak_mib"] / row["gdn_fla_peak_mib"]
+        if "sdpa_causal_ms" in row and "hola_triton_ms" in row:
+            row["hola_triton_over_sdpa_causal"] = row["hola_triton_ms"] / row["sdpa_causal_ms"]
+        results.append(row)
+        print("row:", json.dumps(row), flush=True)
+        if args.sweep_only:
+            break
+        del x, q, k, v, g, beta, do, qa, ka, va, doa
+        torch.cuda.empty_cache()
+    report = dict(meta=meta, results=results)
+    import os
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print_table(results)
+
+
+def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms):
+    """Time the cache kernels under alternative configurations (each kernel kind swept on its own)."""
+    grid = {
+        "fwd": [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)],
+        "dq": [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
+        "dkdv": [(32, 64, 8, 2), (64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2)],
+    }
+    out = {}
+    for kind, configs in grid.items():
+        saved = dict(attn_mod.CONFIGS[kind][d])
+        for bm, bn, nw, ns in configs:
+            attn_mod.CONFIGS[kind][d] = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns)
+            key = f"{kind}_BM{bm}_BN{bn}_w{nw}_s{ns}"
+            try:
+                fn = fwd_fn if kind == "fwd" else bwd_fn
+                fn()
+                out[key] = bench(fn, None, rep_ms)
+            except Exception as e:  # noqa: BLE001
+                out[key] = f"{type(e).__name__}: {str(e)[:120]}"
+            print("sweep:", key, out[key], flush=True)
+        attn_mod.CONFIGS[kind][d] = saved
+    return out
+
+
+def print_table(results):
+    cols = [("T", "T"), ("B", "B"), ("gdn_fla_ms", "GDN ms"), ("gdn_adapter_ms", "adapter ms"),
+            ("hola_triton_ms", "HOLA triton ms"), ("hola_sdpa_ms", "HOLA sdpa ms"),
+            ("sdpa_causal_ms", "SDPA causal ms"),
+            ("hola_triton_over_gdn", "triton/GDN"), ("hola_sdpa_over_gdn", "sdpa/GDN"),
+            ("hola_triton_over_sdpa_causal", "triton/SDPA"), ("hola_triton_mem_over_gdn", "mem triton/GDN"),
+            ("stage_state_fwd_ms", "state fwd"), ("stage_select_ms", "select"), ("stage_cache_fwd_ms", "cache fwd"),
+            ("stage_cache_bwd_ms", "cache bwd")]
+    print(" | ".join(c[1] for c in cols))
+    for r in results:
+        cells = []
+        for key, _ in cols:
+            val = r.get(key, r.get(key.replace("_ms", "_error"), "-"))
+            cells.append(f"{val:.3f}" if isinstance(val, float) and not math.isnan(val) else str(val)[:40])
+        print(" | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

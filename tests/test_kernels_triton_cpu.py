@@ -1,0 +1,270 @@
+"""The Triton cache-path kernels on CPU, in Triton's interpreter (``TRITON_INTERPRET=1``), and the dispatch.
+
+fla's chunk kernels do not run in the interpreter, so here the Triton and SDPA backends take the state path and
+the scores from the fp32 reference (``state_path``'s CPU branch); what is tested is the selection kernels, the
+cache attention forward and backward, the custom-op registrations and the backend dispatch. GPU tests with fla
+are in ``test_kernels_triton_gpu.py``.
+
+Tolerances follow ``test_hola_attention.py``: max-abs error over the max-abs of the expected tensor, 1e-5 in
+float32 (the kernels run their dots in IEEE float32 for float32 inputs; unit roundoff 6e-8 leaves ~100x headroom
+for the different summation order). Shapes are tiny because the interpreter runs every tile op in NumPy.
+Skipped where Triton is not importable; skipped where a GPU is visible and the interpreter was not asked for
+(the GPU tests cover the kernels there, compiled).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("a GPU is visible: the kernels are tested compiled by test_kernels_triton_gpu.py",
+                allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined: triton.jit picks the interpreter then
+pytest.importorskip("triton")
+
+from hola_titan import hola_attention  # noqa: E402
+from hola_titan.kernels import hola_triton_attn, hola_triton_select  # noqa: E402
+from hola_titan.kernels.hola_reference import hola_attention_reference  # noqa: E402
+from hola_titan.kernels.hola_sdpa import hola_attention_sdpa  # noqa: E402
+from hola_titan.kernels.hola_triton import hola_attention_triton  # noqa: E402
+from hola_titan.ops import resolve_backend  # noqa: E402
+
+
+
+def _define_kernels_for_the_interpreter():
+    """``triton.jit`` picks the interpreter when a function is defined. If another test module imported Triton or
+    these kernels before this file set ``TRITON_INTERPRET``, define Triton's own jit library (``tl.sort``,
+    ``tl.max``, ...) and the kernels again, so that interpreted kernels call interpreted helpers."""
+    import triton.language as tl
+    import triton.language.standard as standard
+    if type(standard.sort).__name__ != "InterpretedFunction":
+        importlib.reload(standard)
+        for name in dir(standard):
+            obj = getattr(standard, name)
+            if type(obj).__name__ == "InterpretedFunction" and type(getattr(tl, name, None)).__name__ == "JITFunction":
+                setattr(tl, name, obj)
+    for mod, kernel in ((hola_triton_select, "_merge_topw_kernel"), (hola_triton_attn, "_rstd_kernel")):
+        if type(getattr(mod, kernel)).__name__ != "InterpretedFunction":
+            importlib.reload(mod)
+
+
+_define_kernels_for_the_interpreter()
+
+NAMES = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate")
+TOL_FP32 = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    monkeypatch.setattr(hola_triton_attn, "POISON_OUTPUTS", True)
+
+
+def make_inputs(batch, seq_len, heads, dim, *, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    x = dict(q=randn(batch, seq_len, heads, dim), k=randn(batch, seq_len, heads, dim),
+             v=randn(batch, seq_len, heads, dim),
+             g=-F.softplus(randn(batch, seq_len, heads)) * 0.5, beta=torch.sigmoid(randn(batch, seq_len, heads)),
+             gamma_q=1 + 0.3 * randn(dim), gamma_k=1 + 0.3 * randn(dim), sink=randn(heads), gate=randn(heads))
+    return {n: t.to(dtype).requires_grad_() for n, t in x.items()}
+
+
+def fresh(x):
+    return {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+
+
+def loss_and_grads(o, state, x, seed=7):
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed)).to(o.dtype)
+    loss = (o * w).sum() + (state.sum() if state is not None else 0)
+    return torch.autograd.grad(loss, [x[n] for n in NAMES], allow_unused=True)
+
+
+def assert_close_scaled(actual, expected, tol, what):
+    a, e = actual.detach().double(), expected.detach().double()
+    assert not torch.isnan(a).any(), f"{what}: NaN (unwritten output?)"
+    scale = e.abs().max().item() if e.numel() else 0.0
+    err = (a - e).abs().max().item() if e.numel() else 0.0
+    assert err <= tol * max(scale, 1e-30), f"{what}: max abs error {err:.3e} > {tol:g} x scale {scale:.3e}"
+
+
+def reference_given(x, sel, **kw):
+    return hola_attention_reference(*[x[n] for n in NAMES], initial_state=None, output_final_state=True,
+                                    initial_cache=None, output_final_cache=False, selected=sel, **kw)
+
+
+# (batch, seq_len, cu_seqlens, heads, dim, block, window, evict): partial blocks, length-1 documents, a window
+# larger than one key tile (20 > 16), no window, recency.
+CASES = [
+    (2, 37, None, 2, 16, 16, 4, "score"),
+    (1, 60, [0, 1, 23, 24, 60], 2, 16, 24, 20, "score"),
+    (1, 40, [0, 3, 40], 2, 32, 16, 8, "recency"),
+    (1, 33, None, 2, 16, 16, 0, "score"),
+]
+
+
+def _case_id(c):
+    return f"B{c[0]}-T{c[1]}-{'varlen' if c[2] else 'rows'}-H{c[3]}-D{c[4]}-C{c[5]}-W{c[6]}-{c[7]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_triton_cache_path_matches_reference_given_its_selection(case):
+    b, t, cu, h, d, block, window, evict = case
+    x = make_inputs(b, t, h, d, seed=t)
+    cu_t = torch.tensor(cu) if cu else None
+    kw = dict(window=window, block=block, evict=evict, cu_seqlens=cu_t)
+    o, state, _, aux = hola_attention_triton(*[x[n] for n in NAMES], output_final_state=True, return_aux=True, **kw)
+    if evict == "score" and window:
+        hola_triton_select.check_selection(aux["m"].reshape(b * t, h), aux["sel"], aux["table"], window)
+    grads = loss_and_grads(o, state, x)
+    xr = fresh(x)
+    o_r, state_r, _ = reference_given(xr, aux["sel"], **kw)
+    grads_r = loss_and_grads(o_r, state_r, xr)
+    assert_close_scaled(o, o_r, TOL_FP32, "o")
+    assert_close_scaled(state, state_r, TOL_FP32, "final_state")
+    for name, gr, gr_r in zip(NAMES, grads, grads_r):
+        assert_close_scaled(gr, gr_r, TOL_FP32, f"d{name}")
+    # The reference's own selection is the same one: same scores, same tie order.
+    o_own, _, _ = hola_attention_reference(*[x[n] for n in NAMES], initial_state=None, output_final_state=False,
+                                           initial_cache=None, output_final_cache=False, **kw)
+    assert torch.equal(o_own, o_r)
+
+
+SELECT_CASES = [(2, 37, None, 8, 4), (1, 61, [0, 1, 20, 21, 61], 8, 5), (1, 50, [0, 50], 16, 8),
+                (1, 40, [0, 3, 3, 40], 4, 16), (1, 9, [0, 9], 4, 1)]
+
+
+@pytest.mark.parametrize("b,t,cu,block,window", SELECT_CASES)
+def test_selection_kernel_is_the_top_w_with_the_spec_tie_order(b, t, cu, block, window):
+    h = 3
+    gen = torch.Generator().manual_seed(t + window)
+    m = (torch.rand(b * t, h, generator=gen) * 4).round() / 4  # many exact ties
+    m[::7] = 0.0
+    table = hola_triton_select.build_block_table(b, t, torch.tensor(cu) if cu else None, block, m.device)
+    sel, final_keys = hola_triton_select.select_topw(m, table, window)
+    hola_triton_select.check_selection(m, sel, table, window)
+    # The torch selection of the SDPA backend is the same, slot for slot (both in selection order).
+    assert torch.equal(hola_triton_select.select_topw_torch(m, table, window), sel)
+    # Brute force, in selection order: larger score first, then lower position.
+    starts, lens = table.doc_start.tolist(), table.doc_len.tolist()
+    row = 0
+    for n, (s0, ln) in enumerate(zip(starts, lens)):
+        for blk in range(-(-ln // block)):
+            for hh in range(h):
+                cand = sorted(range(s0, s0 + blk * block), key=lambda j: (-float(m[j, hh]), j))[:window]
+                assert sel[row, hh].tolist() == cand + [-1] * (window - len(cand))
+            row += 1
+        cand = sorted(range(s0, s0 + ln), key=lambda j: (-float(m[j, 0]), j))[:window]  # merged: every block
+        assert hola_triton_select.keys_to_index(final_keys[n, 0]).tolist() == cand + [-1] * (window - len(cand))
+
+
+@pytest.mark.parametrize("evict", ["score", "recency"])
+def test_final_cache_matches_reference(evict):
+    b, t, h, d, block, window = 1, 45, 2, 16, 16, 4
+    x = make_inputs(b, t, h, d, seed=3)
+    cu = torch.tensor([0, 1, 32, 45])
+    kw = dict(window=window, block=block, evict=evict, cu_seqlens=cu, initial_state=None, output_final_state=False,
+              output_final_cache=True)
+    _, _, cache_r = hola_attention_reference(*[x[n] for n in NAMES], initial_cache=None, **kw)
+    for fn in (hola_attention_triton, hola_attention_sdpa):
+        _, _, cache = fn(*[x[n] for n in NAMES], **kw)
+        assert torch.equal(cache.seen, cache_r.seen)
+        assert torch.equal(cache.positions, cache_r.positions), fn.__name__
+        for name in ("scores", "buf_scores", "k", "v", "buf_k", "buf_v"):
+            a, e = getattr(cache, name), getattr(cache_r, name)
+            assert torch.equal(torch.isinf(a), torch.isinf(e)), f"{fn.__name__} {name}"
+            fin = torch.isfinite(e)
+            assert_close_scaled(a[fin], e[fin], TOL_FP32, f"{fn.__name__} cache.{name}")
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=[_case_id(c) for c in CASES[:2]])
+def test_sdpa_backend_matches_reference_given_its_selection(case):
+    b, t, cu, h, d, block, window, evict = case
+    x = make_inputs(b, t, h, d, seed=t + 1)
+    kw = dict(window=window, block=block, evict=evict, cu_seqlens=torch.tensor(cu) if cu else None)
+    o, state, _, aux = hola_attention_sdpa(*[x[n] for n in NAMES], output_final_state=True, return_aux=True, **kw)
+    hola_triton_select.check_selection(aux["m"].reshape(b * t, h), aux["sel"], aux["table"], window)
+    grads = loss_and_grads(o, state, x)
+    xr = fresh(x)
+    o_r, state_r, _ = reference_given(xr, aux["sel"], **kw)
+    grads_r = loss_and_grads(o_r, state_r, xr)
+    assert_close_scaled(o, o_r, TOL_FP32, "o")
+    for name, gr, gr_r in zip(NAMES, grads, grads_r):
+        assert_close_scaled(gr, gr_r, TOL_FP32, f"d{name}")
+
+
+def test_dispatch(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "reference"
+    assert resolve_backend("reference", cpu) == "reference"
+    assert resolve_backend("triton", cpu) == "triton"  # under the interpreter
+    assert resolve_backend("sdpa", cpu) == "sdpa"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"^backend\b"):
+        resolve_backend("triton", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = make_inputs(1, 20, 2, 16, seed=5)
+    args = [x[n] for n in NAMES]
+    kw = dict(window=3, block=8, output_final_state=True)
+    o_t, s_t = hola_attention(*args, backend="triton", **kw)
+    o_r, s_r = hola_attention(*args, backend="reference", **kw)
+    o_a, _ = hola_attention(*args, **kw)  # auto: the reference on CPU
+    assert torch.equal(o_a, o_r)
+    assert_close_scaled(o_t, o_r, TOL_FP32, "o")
+    assert_close_scaled(s_t, s_r, TOL_FP32, "final_state")
+    # Calls that continue from a cache object run on the reference backend.
+    _, _, cache = hola_attention(*[a[:, :12] if a.dim() > 1 else a for a in args], window=3, block=8,
+                                 output_final_cache=True, backend="reference")
+    rest = [a[:, 12:] if a.dim() > 1 else a for a in args]
+    o_c, _ = hola_attention(*rest, window=3, block=8, initial_cache=cache, backend="triton")
+    o_c_r, _ = hola_attention(*rest, window=3, block=8, initial_cache=cache, backend="reference")
+    assert torch.equal(o_c, o_c_r)
+    # Head dims the kernels do not take raise a ValueError naming q.
+    y = make_inputs(1, 8, 2, 24, seed=6)
+    with pytest.raises(ValueError, match=r"^q\b"):
+        hola_attention(*[y[n] for n in NAMES], window=2, block=4, backend="triton")
+    with pytest.raises(ValueError, match=r"^q\b"):
+        hola_attention(*[x[n].double() for n in NAMES], window=2, block=4, backend="triton")
+
+
+def test_custom_ops_trace_without_graph_breaks():
+    """The whole backend compiles as one graph: selection and cache attention are opaque custom ops."""
+    x = make_inputs(2, 24, 2, 16, seed=9)
+
+    def fn(*args):
+        o, state = hola_attention(*args, window=4, block=8, backend="triton", output_final_state=True)
+        return o.square().sum() + state.sum()
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    args = [x[n] for n in NAMES]
+    loss = compiled(*args)
+    grads = torch.autograd.grad(loss, args)
+    xr = fresh(x)
+    args_r = [xr[n] for n in NAMES]
+    loss_r = fn(*args_r)
+    grads_r = torch.autograd.grad(loss_r, args_r)
+    assert_close_scaled(loss, loss_r, TOL_FP32, "loss")
+    for name, a, e in zip(NAMES, grads, grads_r):
+        assert_close_scaled(a, e, TOL_FP32, f"d{name}")
+
+
+def test_cache_attn_op_registrations():
+    """torch.library.opcheck: schema, fake tensor and autograd registrations of the cache-attention op."""
+    from hola_titan.kernels.hola_triton import cache_attn_op
+    b, t, h, d, block, window = 1, 20, 2, 16, 8, 3
+    x = make_inputs(b, t, h, d, seed=11)
+    table = hola_triton_select.build_block_table(b, t, None, block, torch.device("cpu"))
+    m = torch.rand(b * t, h, generator=torch.Generator().manual_seed(1))
+    sel, _ = hola_triton_select.select_topw(m, table, window)
+    o_state = torch.randn(b, t, h, d, requires_grad=True)
+    args = (x["q"], x["k"], x["v"], o_state, x["gamma_q"], x["gamma_k"], x["sink"], x["gate"], sel, table.blk_start,
+            table.blk_len, block, window)
+    torch.library.opcheck(cache_attn_op, args, test_utils=("test_schema", "test_autograd_registration",
+                                                          "test_faketensor"))
