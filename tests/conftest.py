@@ -17,3 +17,14 @@ def _isolated_torch_rng():
     torch.manual_seed(0)
     yield
     torch.set_rng_state(state)
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for a module of tiny shapes: on a busy 2-core machine extra threads only add
+    synchronisation (decoding steps ran about 100x slower with 2 threads while other processes were busy).
+    Use with ``pytestmark = pytest.mark.usefixtures("single_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -40,14 +40,7 @@ RUN = ["--job.config_file", DEBUG, "--training.seq_len", "128", "--training.loca
 REL = 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny shapes on a shared 2-core machine: intra-op threads only add stalls (and change nothing numerically
-    for the comparisons below, which all run single-threaded, like the subprocesses with OMP_NUM_THREADS=1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _env(**extra: str) -> dict:

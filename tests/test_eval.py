@@ -25,17 +25,12 @@ from hola_titan.eval.mqar import evaluate_mqar
 from hola_titan.eval.niah import SNAP_TOKENS, TASKS, build_samples, needle_text, prompt_parts, score
 from hola_titan.eval.perplexity import Document, encode_documents, score_documents, summarise
 from hola_titan.eval.runtime import EvalError
-from hola_titan.models.args import FLAVOURS, model_args, replace
-from hola_titan.models.model import HolaTitanLM, build_model
+from hola_titan.models.args import FLAVOURS
+from hola_titan.models.model import HolaTitanLM
+from helpers import tiny_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny shapes: extra intra-op threads only add synchronisation on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
@@ -43,20 +38,6 @@ def tokenizer():
     return load_tokenizer("bundled")
 
 
-def tiny_model(flavour: str, *, vocab_size: int = 97, seed: int = 0) -> HolaTitanLM:
-    """Debug widths with block 4 and window 3 (short prompts cross blocks and cache merges), and HOLA cache
-    parameters moved off their init values so that the cache path shapes the logits."""
-    args = replace(model_args(flavour, "debug", vocab_size=vocab_size), block=4, window=3)
-    torch.manual_seed(seed)
-    model = build_model(args, device="cpu")
-    if flavour in ("hola", "hola_recency"):
-        gen = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for block in model.layers.values():
-                mixer = block.attn
-                mixer.gate.copy_(0.5 + 0.5 * torch.randn(mixer.gate.shape, generator=gen))
-                mixer.sink.copy_(torch.randn(mixer.sink.shape, generator=gen))
-    return model.eval()
 
 
 # ----------------------------------------------------------------------------------------------------------------

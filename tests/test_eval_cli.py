@@ -26,12 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 FAST = ["--device", "cpu", "--threads", "1", "--no-progress"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,7 @@ TOL = 1e-6
 PROMPT = "And God said, Let there be light: and there was light. And God saw the light, that it was good"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _convert(*argv: str) -> int:

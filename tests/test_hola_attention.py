@@ -33,14 +33,7 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 TOL_PACKED_FP32 = 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These shapes are tiny: intra-op threads only add synchronisation, which on a busy 2-core machine stalls
-    every op (measured: ~100x slower per call with 2 threads than with 1 while another process runs)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from torch import nn
 
 from hola_titan.models.args import FLAVOURS, model_args, replace
 from hola_titan.models.model import GatedDeltaMixer, HolaTitanLM, ModelCache, build_model, num_params
+from helpers import tiny_model as shared_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 RECURRENT = ("hola", "hola_recency", "gdn")
@@ -30,14 +31,7 @@ VOCAB = 97
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These shapes are tiny: intra-op threads only add synchronisation, which on a busy 2-core machine stalls
-    every op (measured: a decoding step ~100x slower with 2 threads than with 1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
@@ -48,24 +42,7 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, tol: float
 
 
 def tiny_model(flavour: str, *, seed: int = 0) -> HolaTitanLM:
-    """The debug flavour with block 4 and window 3, so 20-odd tokens cross several blocks and cache merges.
-
-    After the standard init the cache parameters are moved off their init values (gate -4 would scale the
-    cache path by 0.018 and hide its errors; gammas of 1 and sink 0 would hide a missing norm weight or sink).
-    """
-    args = replace(model_args(flavour, "debug", vocab_size=VOCAB), block=4, window=3)
-    torch.manual_seed(seed)
-    model = build_model(args, device="cpu")
-    if flavour in ("hola", "hola_recency"):
-        gen = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for block in model.layers.values():
-                mixer = block.attn
-                mixer.gate.copy_(0.5 + 0.5 * torch.randn(mixer.gate.shape, generator=gen))
-                mixer.sink.copy_(torch.randn(mixer.sink.shape, generator=gen))
-                mixer.gamma_q.copy_(1 + 0.2 * torch.randn(mixer.gamma_q.shape, generator=gen))
-                mixer.gamma_k.copy_(1 + 0.2 * torch.randn(mixer.gamma_k.shape, generator=gen))
-    return model.eval()
+    return shared_tiny_model(flavour, vocab_size=VOCAB, seed=seed)
 
 
 def tokens(batch: int, seq_len: int, *, seed: int = 1, low: int = 0) -> torch.Tensor:

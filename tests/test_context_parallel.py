@@ -1,0 +1,186 @@
+"""Context parallelism (HOLA_SPEC section 3) on CPU with gloo: layouts and sharding in-process; parity with one
+process through torchrun (``tests/cp_worker.py``, 2 and 4 ranks) and through the trainer (``run_train.sh``).
+
+Parity bounds. Float64 cases: 1e-10 of each tensor's scale (the CP run chunks the state path at other token
+offsets, so only rounding differs: ~1e-15 is typical). Float32 ``hola_attention``: 1e-5 (~100x the roundoff).
+Float32 whole model: at most twice the one-process float32 error against float64 (STYLE 8; see the worker).
+Trainer losses: 1e-5 absolute (losses are ~9).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from hola_titan.parallelisms.context_parallel import build_layout, shard_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["HOLA_TITAN_CACHE"] = env.get("HOLA_TITAN_CACHE", str(ROOT / ".pytest_cache" / "hola_titan"))
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layout and sharding (no processes)
+# ----------------------------------------------------------------------------------------------------------------
+
+def test_layout_of_documents_crossing_shards():
+    # 4 shards of 8: [0,3) [3,13) crosses 8 with 5 tokens before it; [13,16) ends on the boundary 16;
+    # [23,25) crosses 24 with one token before it.
+    cu = [0, 3, 13, 16, 23, 25, 32]
+    layouts = [build_layout(cp_rank=r, cp_size=4, num_rows=1, row_len=32, cu_seqlens=cu) for r in range(4)]
+    assert layouts[0].first_offset == ((0,), (5,), (0,), (1,))
+    assert layouts[0].end_offset == ((5,), (0,), (1,), (0,))
+    one = layouts[1]
+    assert one.local_cu_seqlens == [0, 5, 8] and one.seq_offset == (5, 0)
+    assert one.in_seq == (0,) and one.out_seq == (-1,) and one.merge_ranks(0) == (0,)
+    two = layouts[2]
+    assert two.in_seq == (-1,) and two.out_seq == (1,) and two.merge_ranks(0) == ()
+    assert layouts[3].local_cu_seqlens == [0, 1, 8] and layouts[3].seq_offset == (1, 0)
+
+
+def test_layout_of_a_document_spanning_several_shards():
+    cu = [0, 5, 30, 32]  # [5, 30) spans the boundaries 8, 16 and 24
+    layouts = [build_layout(cp_rank=r, cp_size=4, num_rows=1, row_len=32, cu_seqlens=cu) for r in range(4)]
+    assert [layouts[0].passthrough(j, 0) for j in range(4)] == [False, True, True, False]
+    assert layouts[3].merge_ranks(0) == (2, 1, 0)
+    assert layouts[2].in_seq == layouts[2].out_seq == (0,)
+    assert layouts[3].first_offset[3] == (19,)
+
+
+def test_unpacked_rows_continue_on_every_rank():
+    layout = build_layout(cp_rank=1, cp_size=3, num_rows=2, row_len=24, cu_seqlens=None)
+    assert layout.in_seq == (0, 1) and layout.out_seq == (0, 1) and layout.merge_ranks(1) == (0,)
+    assert layout.local_cu_seqlens == [0, 8, 16] and layout.first_offset[2] == (16, 16)
+
+
+def _batch(bsz: int, seq_len: int, cu: list[int] | None) -> dict:
+    ids = torch.arange(bsz * seq_len).view(bsz, seq_len)
+    batch = {"input_ids": ids, "labels": ids + 1000, "position_ids": ids % seq_len}
+    if cu is not None:
+        batch["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+    return batch
+
+
+def test_packed_batches_are_sharded_as_one_stream_with_labels():
+    # Two rows of 8; the flattened stream of 16 tokens splits at 8 = the second row's start.
+    local = shard_batch(_batch(2, 8, [0, 3, 8, 12, 16]), cp_rank=1, cp_size=4, recurrent=True, block=4,
+                        conv_size=4)
+    assert local["input_ids"].tolist() == [[4, 5, 6, 7]]
+    assert local["labels"].tolist() == [[1004, 1005, 1006, 1007]]
+    assert local["cu_seqlens"].tolist() == [0, 4] and local["cu_seqlens"].dtype == torch.int32
+    assert local["cp_layout"].seq_offset == (1,)
+
+
+def test_unpacked_rows_are_sharded_by_columns():
+    local = shard_batch(_batch(2, 8, None), cp_rank=1, cp_size=2, recurrent=False, block=1, conv_size=4)
+    assert local["input_ids"].tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]]
+    assert local["labels"].tolist() == [[1004, 1005, 1006, 1007], [1012, 1013, 1014, 1015]]
+    assert "cu_seqlens" not in local and local["cp_layout"].shard_start == 4
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    (dict(recurrent=False, block=4, cu=[0, 16]), "data.varlen"),
+    (dict(recurrent=True, block=8, cu=[0, 16]), "training.seq_len"),  # shards of 4 tokens, blocks of 8
+])
+def test_bad_batches_raise_naming_the_setting(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        shard_batch(_batch(1, 16, kwargs["cu"]), cp_rank=0, cp_size=4, recurrent=kwargs["recurrent"],
+                    block=kwargs["block"], conv_size=4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parity with one process (torchrun workers)
+# ----------------------------------------------------------------------------------------------------------------
+
+@functools.cache
+def _worker_results(nproc: int) -> dict[str, dict]:
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+         "--rdzv_endpoint", "localhost:0", str(ROOT / "tests" / "cp_worker.py"), "all", "bytes"],
+        env=_env() | {"PYTHONWARNINGS": "ignore::FutureWarning"}, capture_output=True, text=True, timeout=400)
+    rows = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            if "rank" in row:  # a failure seen on another rank
+                row = {**rows.get(row["case"], {}), "failed": row["failed"]}
+            rows[row["case"]] = row
+    assert result.returncode == 0 and rows, result.stdout[-3000:] + result.stderr[-3000:]
+    return rows
+
+
+def _check_cases(nproc: int, prefix: str) -> None:
+    rows = {name: row for name, row in _worker_results(nproc).items() if name.startswith(prefix)}
+    assert rows, f"no {prefix} cases ran"
+    failed = {name: row["failed"] for name, row in rows.items() if row["failed"]}
+    assert not failed, failed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_hola_attention_output_and_gradients_match_one_process(nproc):
+    """Packed documents crossing one and several shards, block heads, a cache larger than a shard, recency,
+    GDN, window 0, unpacked rows; float64 and float32."""
+    _check_cases(nproc, "attn:")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_debug_model_logits_and_gradients_match_one_process(nproc):
+    """HOLA (packed, packed rows, unpacked), HOLA+recency, GDN and Transformer++."""
+    _check_cases(nproc, "model:")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_bytes_received_per_layer_do_not_grow_with_sequence_length(nproc):
+    counts = _worker_results(nproc)["bytes"]["bytes"]
+    assert counts["shard_8"] == counts["shard_32"] > 0, counts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The trainer: debug_model.toml unchanged, context parallel from the command line
+# ----------------------------------------------------------------------------------------------------------------
+
+def _train_losses(tmp_path: Path, nproc: int, extra: list[str]) -> list[float]:
+    env = _env() | {"NGPU": str(nproc), "CONFIG_FILE": DEBUG, "LOG_RANK": "0", "PYTHON": sys.executable}
+    result = subprocess.run([str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp_path), "--training.steps", "3",
+                             "--metrics.log_freq", "1", "--validation.freq", "3", "--validation.steps", "1",
+                             "--training.seq_len", "128", *extra], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if "loss" in row] + [row["val_loss"] for row in rows if "val_loss" in row]
+
+
+@functools.cache
+def _one_process_losses(rows: int) -> list[float]:
+    with tempfile.TemporaryDirectory() as folder:
+        return _train_losses(Path(folder), 1, ["--training.local_batch_size", str(rows)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, cp, rows", [(2, 2, 2), (4, 4, 2), (4, 2, 4)],
+                         ids=["cp2", "cp4", "cp2_fsdp2"])
+def test_training_with_context_parallel_matches_one_process(tmp_path, nproc, cp, rows):
+    """Same global batch of packed rows: 3 training losses and the validation loss agree with one process."""
+    one = _one_process_losses(rows)
+    many = _train_losses(tmp_path / "cp", nproc, ["--training.local_batch_size", str(rows * cp // nproc),
+                                                  "--parallelism.context_parallel_degree", str(cp)])
+    assert len(one) == len(many) == 4
+    assert max(abs(a - b) for a, b in zip(one, many)) < 1e-5, (one, many)
