@@ -176,6 +176,23 @@ def test_reshard_two_processes_to_one_and_back(one_process, two_processes, tmp_p
 
 
 @pytest.mark.slow
+def test_reshard_tensor_parallel_to_one_process(one_process, tmp_path):
+    """TP 2 -> 1 process: head-sharded weights and optimizer state saved by two tensor-parallel ranks load into one
+    process; the data position and the next step's loss match the uninterrupted one-process run."""
+    tp = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]
+    result = _torchrun(tmp_path / "tp", 2, "--training.steps", "6", *tp)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert list_checkpoints(tmp_path / "tp" / "checkpoint") == [6]
+    _copy_step(tmp_path / "tp", 6, tmp_path / "one")
+    trainer = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path / "one"), "--training.steps", "7"]))
+    trainer.checkpointer.load()
+    assert trainer.state.step == 6 and trainer.dataloader.state_dict()["global_rows_consumed"] == 6 * 8
+    trainer.train()
+    loss = _losses(tmp_path / "one")[7]
+    assert _close(loss, one_process["losses"][7]), (loss, one_process["losses"][7])
+
+
+@pytest.mark.slow
 def test_convert_sharded_checkpoint_matches_loaded_model(two_processes, tmp_path):
     """scripts/convert_to_safetensors.py on a step saved by two FSDP ranks gives the weights a one-process load
     of the same step has."""
