@@ -34,6 +34,11 @@ The scan (one HOLA layer, every rank at once; the numbers are the order of the c
    it would read in one process. Scores are detached, so selection needs no gradient.
 Each message has a constant size (H*D*2D, C or W entries per head and chain), independent of T.
 
+Cost. Besides the shard itself, the state path runs over the crossing sequence once from zero and, when it
+spans the shard, once more from the identity (both in one batched call of the reference chunked form). On
+CUDA, ``hola_attention`` with an initial cache runs on the reference backend, so this is the CPU / reference
+path; a GPU path needs the Triton backend to accept initial states and caches (fla.ops.cp has the state part).
+
 Gradients. The exchanged ``M, X, k, v`` travel through autograd-aware all-gathers, whose backward returns
 the gradients of borrowed rows to their owners and the gradient of ``S_in`` along the chain, so every
 gradient equals the one-process run. Backward collectives must run in the same order on every rank and
@@ -52,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from hola_titan.kernels.hola_cache import HolaCache
@@ -171,6 +177,34 @@ def build_layout(*, cp_rank: int, cp_size: int, num_rows: int, row_len: int,
                     seq_offset=tuple(seq_offset))
 
 
+def shard_batch(batch: dict, *, cp_rank: int, cp_size: int, recurrent: bool, block: int, conv_size: int) -> dict:
+    """Rank ``cp_rank``'s shard of a batch that every rank of the cp group read whole, with its ``cp_layout``.
+
+    Packed recurrent batches become one row of B*T tokens (then ``cu_seqlens`` holds this shard's sequences);
+    unpacked rows keep their rows. Labels and position ids are sharded like the tokens. Raises ``ValueError``
+    for a packed Transformer++ batch and for shards that are not whole blocks.
+    """
+    tokens = batch["input_ids"]
+    bsz, seq_len = tokens.shape
+    cu = batch.get("cu_seqlens")
+    if cu is not None and not recurrent:
+        raise ValueError("data.varlen: must be false for transformer with context_parallel_degree > 1")
+    rows, row_len = (1, bsz * seq_len) if cu is not None else (bsz, seq_len)
+    layout = build_layout(cp_rank=cp_rank, cp_size=cp_size, num_rows=rows, row_len=row_len,
+                          cu_seqlens=None if cu is None else cu.tolist())
+    shard = layout.shard_len
+    if recurrent and (shard % block or shard < conv_size - 1):
+        raise ValueError(f"training.seq_len: the shard of {shard} tokens per cp rank must be a multiple of "
+                         f"block {block} and at least conv_size - 1 = {conv_size - 1}")
+    cols = slice(layout.shard_start, layout.shard_start + shard)
+    local = {key: batch[key].reshape(rows, row_len)[:, cols] for key in ("input_ids", "labels", "position_ids")
+             if key in batch}
+    if cu is not None:
+        local["cu_seqlens"] = torch.tensor(layout.local_cu_seqlens, dtype=cu.dtype, device=cu.device)
+    local["cp_layout"] = layout
+    return local
+
+
 # torch 2.13 renamed the single-tensor collectives; 2.11 has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -220,16 +254,18 @@ def _tie(x: torch.Tensor, *deps: torch.Tensor | None) -> torch.Tensor:
 class ContextParallel:
     """The ``context_parallel`` hook of the model's mixers, shared by every layer of one model.
 
-    Holds the cp process group and the layout of the batch being run (:meth:`shard_batch` builds it,
+    Holds the cp mesh and the layout of the batch being run (:meth:`shard_batch` builds it,
     :meth:`set_layout` makes it current; it must stay current until that batch's backward is done, because
     activation checkpointing re-runs forwards during backward). ``bytes_received`` counts the bytes this
     rank received in forward collectives since it was last reset.
     """
 
-    def __init__(self, group: dist.ProcessGroup, *, recurrent: bool, conv_size: int, block: int):
-        self.group = group
-        self.cp_rank = dist.get_rank(group)
-        self.cp_size = dist.get_world_size(group)
+    def __init__(self, cp_mesh: DeviceMesh, *, recurrent: bool, conv_size: int, block: int):
+        # The mesh, not its ProcessGroup: a group object that outlives destroy_process_group into interpreter
+        # shutdown makes gloo abort the process.
+        self.mesh = cp_mesh
+        self.cp_rank = cp_mesh.get_local_rank()
+        self.cp_size = cp_mesh.size()
         self.recurrent = recurrent
         self.conv_size = conv_size
         self.block = block
@@ -240,30 +276,9 @@ class ContextParallel:
     # ------------------------------------------------------------------ batches
 
     def shard_batch(self, batch: dict) -> dict:
-        """This rank's shard of a batch that every rank of the cp group read whole, with its ``cp_layout``.
-
-        Packed recurrent batches become one row of B*T tokens (then ``cu_seqlens`` holds this shard's
-        sequences); unpacked rows keep their rows. Labels and position ids are sharded like the tokens.
-        """
-        tokens = batch["input_ids"]
-        bsz, seq_len = tokens.shape
-        cu = batch.get("cu_seqlens")
-        if cu is not None and not self.recurrent:
-            raise ValueError("data.varlen: must be false for transformer with context_parallel_degree > 1")
-        rows, row_len = (1, bsz * seq_len) if cu is not None else (bsz, seq_len)
-        layout = build_layout(cp_rank=self.cp_rank, cp_size=self.cp_size, num_rows=rows, row_len=row_len,
-                              cu_seqlens=None if cu is None else cu.tolist())
-        shard = layout.shard_len
-        if self.recurrent and (shard % self.block or shard < self.conv_size - 1):
-            raise ValueError(f"training.seq_len: the shard of {shard} tokens per cp rank must be a multiple of "
-                             f"block {self.block} and at least conv_size - 1 = {self.conv_size - 1}")
-        cols = slice(layout.shard_start, layout.shard_start + shard)
-        local = {key: batch[key].reshape(rows, row_len)[:, cols] for key in ("input_ids", "labels", "position_ids")
-                 if key in batch}
-        if cu is not None:
-            local["cu_seqlens"] = torch.tensor(layout.local_cu_seqlens, dtype=cu.dtype, device=cu.device)
-        local["cp_layout"] = layout
-        return local
+        """This rank's shard of ``batch`` (:func:`shard_batch`)."""
+        return shard_batch(batch, cp_rank=self.cp_rank, cp_size=self.cp_size, recurrent=self.recurrent,
+                           block=self.block, conv_size=self.conv_size)
 
     def set_layout(self, layout: CPLayout) -> None:
         if (layout.cp_rank, layout.cp_size) != (self.cp_rank, self.cp_size):
@@ -282,8 +297,8 @@ class ContextParallel:
         """``[R, *x.shape]``: x of every cp rank. ``differentiable``: backward sums the gradients into x."""
         self.bytes_received += (self.cp_size - 1) * x.numel() * x.element_size()
         if differentiable and torch.is_grad_enabled() and x.requires_grad:
-            return _AllGather.apply(x, self.group)
-        return _gather_flat(x, self.group)
+            return _AllGather.apply(x, self.mesh.get_group())
+        return _gather_flat(x, self.mesh.get_group())
 
     # ------------------------------------------------------------------ the mixer hooks
 
@@ -291,6 +306,8 @@ class ContextParallel:
         """The previous shard's last ``K-1`` inputs of each short convolution and, per token, whether its
         document began on an earlier rank. Inputs of another document are zero in the tails."""
         layout = self._current()
+        if layout.packed and layout.num_rows > 1:
+            raise ValueError("cu_seqlens: a packed cp shard must be one stream (shard_batch flattens packed rows)")
         r, k1 = self.cp_rank, self.conv_size - 1
         bsz, seq_len = xs[0].shape[:2]
         gathered = self._gather(torch.stack([x[:, seq_len - k1:] for x in xs]), differentiable=True)
@@ -343,124 +360,188 @@ def _scan(cp: ContextParallel, layout: CPLayout, q, k, v, g, beta, gamma_q, gamm
           block: int, evict: str, cu_seqlens, backend: str, tails) -> torch.Tensor:
     """The sequence-parallel scan of one layer (module docstring): the output ``[B, T_local, H, D]``."""
     bx, tx, h, d = q.shape
-    in_dtype, cdt, device = q.dtype, compute_dtype(q.dtype), q.device
-    r, rows, shard = layout.cp_rank, layout.num_rows, layout.shard_len
-    num_seqs = len(layout.seq_start)
-    in_seq, out_seq = layout.in_seq, layout.out_seq
+    cdt, device = compute_dtype(q.dtype), q.device
+    r, cp_size = layout.cp_rank, cp.cp_size
     ntok = bx * tx
 
-    def flat(x):  # [B, T, ...] -> [B*T + 1, ...] in the compute dtype, with a zero padding slot at the end
-        x = x.reshape(ntok, *x.shape[2:]).to(cdt)
+    def flat(x, dtype):  # [B, T, ...] -> [B*T + 1, ...] with a zero padding slot at the end
+        x = x.reshape(ntok, *x.shape[2:]).to(dtype)
         return torch.cat([x, x.new_zeros(1, *x.shape[1:])], dim=0)
 
-    # Crossing sequences as rows [rows, L + 1]: flat token indices, padding (index ntok) after each end and in
-    # one extra column, so that a gather at column L is an empty slot.
-    out_len = [layout.seq_len[n] if n >= 0 else 0 for n in out_seq]
-    out_off = [layout.seq_offset[n] if n >= 0 else 0 for n in out_seq]
-    index = torch.full((rows, shard + 1), ntok, dtype=torch.int64)
-    for c, n in enumerate(out_seq):
-        if n >= 0:
-            index[c, :out_len[c]] = torch.arange(layout.seq_start[n], layout.seq_start[n] + out_len[c])
-    index = index.to(device)
-    passthrough = torch.tensor([layout.passthrough(r, c) for c in range(rows)], device=device)
-    k_f, v_f, g_f, beta_f = map(flat, (k, v, g, beta))
+    rows = _Crossing.of(layout, ntok, device)
+    k_f, v_f, g_f, beta_f = (flat(x, cdt) for x in (k, v, g, beta))
 
-    # 1. Summaries [M | X] of the crossing sequences, and their errors from zero and from the identity.
-    zero_state = torch.zeros(rows, h, d, d, dtype=cdt, device=device)
-    if any(n >= 0 for n in out_seq):
-        kh_rows = l2norm(k_f)[index[:, :shard]]
-        v_rows, g_rows, beta_rows = (x[index[:, :shard]] for x in (v_f, g_f, beta_f))
-        eye = torch.eye(d, dtype=cdt, device=device).expand(rows, h, d, d)
-        _, err, final = gated_delta_chunked(
-            torch.cat([kh_rows, kh_rows]), torch.cat([kh_rows, kh_rows]), torch.cat([v_rows, torch.zeros_like(v_rows)]),
-            torch.cat([g_rows, g_rows]), torch.cat([beta_rows, beta_rows]), torch.cat([zero_state, eye]), d ** -0.5)
-        x_state = final[:rows]
-        m_map = torch.where(passthrough[:, None, None, None], final[rows:], 0)
-        err_x, err_m = err[:rows].detach(), err[rows:].detach()
-    else:
-        x_state, m_map = zero_state, zero_state
-    # The tie to the layer's inputs makes the message require grad on every rank (its all-gather then has a
-    # backward everywhere) even when this rank has nothing to summarise.
-    summary = _tie(torch.cat([m_map, x_state], dim=-1), tails if tails is not None else k)
-    summaries = cp._gather(summary, differentiable=True)  # [R, rows, H, D, 2D]
-    last = summaries
-    s_in = zero_state
+    # 1. State: summaries of the crossing sequences, all-gathered and chained into the incoming states. The
+    # tie to the tails (to k without them) makes the message require grad on every rank, so that its
+    # all-gather has a backward everywhere, even where there is nothing to summarise.
+    summary, err_x, err_m, beta_rows = _summaries(rows, k_f, v_f, g_f, beta_f, h, d)
+    summaries = cp._gather(_tie(summary, tails if tails is not None else k), differentiable=True)
+    last = summaries  # [R, chains, H, D, 2D]
+    s_in = torch.zeros(layout.num_rows, h, d, d, dtype=cdt, device=device)
     for j in range(r):  # in fp32 (fp64 for fp64 inputs): the chain of maps amplifies rounding
         s_in = summaries[j, ..., :d] @ s_in + summaries[j, ..., d:]
-    cont = [c for c in range(rows) if in_seq[c] >= 0]
-    cont_seqs = torch.tensor([in_seq[c] for c in cont], dtype=torch.int64, device=device)
-    initial_state = torch.zeros(num_seqs, h, d, d, dtype=cdt, device=device)
+    cont = [c for c, n in enumerate(layout.in_seq) if n >= 0]
+    cont_seqs = torch.tensor([layout.in_seq[c] for c in cont], dtype=torch.int64, device=device)
+    initial_state = torch.zeros(len(layout.seq_start), h, d, d, dtype=cdt, device=device)
     if cont:
         initial_state = initial_state.index_put((cont_seqs,), s_in[cont])
 
     initial_cache = None
     if evict != "none":
-        c_blk, w = block, window
-        # Scores of the crossing sequences under the true incoming state: e(S) = e_X + S^T e_M.
-        m_rows = torch.full((rows, shard + 1, h), float("-inf"), dtype=cdt, device=device)
-        if any(n >= 0 for n in out_seq):
-            with torch.no_grad():
-                err_true = err_x + torch.where(passthrough[:, None, None, None],
-                                               torch.einsum("chkv,clhk->clhv", s_in.detach(), err_m), 0)
-                m_rows[:, :shard] = (err_true.norm(dim=-1) * beta_rows).masked_fill(
-                    index[:, :shard, None] == ntok, float("-inf"))
-        kv_rows = torch.cat([k_f[index], v_f[index]], dim=-1).transpose(1, 2)  # [rows, H, L + 1, 2D]
-        pos_rows = torch.full((rows, shard + 1), -1, dtype=torch.int64)
-        for c in range(rows):
-            pos_rows[c, :out_len[c]] = torch.arange(out_off[c], out_off[c] + out_len[c])
-        pos_rows = pos_rows.to(device)
+        prev = (r - 1) % cp_size
+        # Entries travel as [k | v] in the input dtype (what the cache stores), scores and positions in float64.
+        kv_rows = torch.cat([flat(k, k.dtype), flat(v, v.dtype)], dim=-1)[rows.index].transpose(1, 2)
+        m_rows = _crossing_scores(rows, err_x, err_m, beta_rows, s_in.detach(), h, cdt)
 
-        # 2. Head of the block that contains the shard end: row columns [len - E % C, len).
-        end = [layout.end_offset[r][c] for c in range(rows)]
-        head_col = torch.full((rows, c_blk), shard, dtype=torch.int64)
-        for c in range(rows):
-            nb = end[c] % c_blk if out_seq[c] >= 0 else 0
-            head_col[c, :nb] = torch.arange(out_len[c] - nb, out_len[c])
-        head_col = head_col.to(device)
-        head_m = m_rows.gather(1, head_col[..., None].expand(rows, c_blk, h)).transpose(1, 2)  # [rows, H, C]
-        head_kv = kv_rows.gather(2, head_col[:, None, :, None].expand(rows, h, c_blk, 2 * d))
-        heads_m = cp._gather(head_m.double(), differentiable=False)  # [R, rows, H, C]
-        heads_kv = cp._gather(_tie(head_kv, last), differentiable=True)  # [R, rows, H, C, 2D]
+        # 2. The head of the block that contains the shard end, from the last block start of its document.
+        head_m, head_kv = _block_head(layout, rows, m_rows, kv_rows, block)
+        heads_m = cp._gather(head_m.double(), differentiable=False)  # [R, chains, H, C]
+        heads_kv = cp._gather(_tie(head_kv, last), differentiable=True)  # [R, chains, H, C, 2D]
         last = heads_kv
-        prev = (r - 1) % cp.cp_size
-        recv = [layout.first_offset[r][c] % c_blk if layout.passthrough(r, c) else 0 for c in range(rows)]
 
-        if w > 0:
-            # 3. Top-W candidates before the last block start, counting the head received from rank r-1.
-            cand_pos = torch.full((rows, c_blk), -1, dtype=torch.int64)
-            for c in range(rows):
-                base = layout.first_offset[r][c] - recv[c]
-                cand_pos[c, :recv[c]] = torch.arange(base, base + recv[c])
-            cand_pos = torch.cat([cand_pos.to(device), pos_rows[:, :shard]], dim=1)  # [rows, C + L], ascending
-            limit = torch.tensor([e - e % c_blk for e in end], device=device)
-            cand_pos = torch.where((cand_pos >= 0) & (cand_pos < limit[:, None]), cand_pos, -1)
-            cand_m = torch.cat([heads_m[prev].to(cdt), m_rows[:, :shard].transpose(1, 2)], dim=-1)
-            cand_kv = torch.cat([heads_kv[prev], kv_rows[:, :, :shard]], dim=2)
-            top_m, top_pos, top_kv = _top_w(cand_m, cand_pos[:, None, :].expand_as(cand_m), cand_kv, w, evict)
+        # 3. Top-W candidates before that block start, counting the head received from rank r-1.
+        top = None
+        if window > 0:
+            top_m, top_pos, top_kv = _candidates(layout, rows, m_rows, kv_rows, heads_m[prev].to(cdt),
+                                                 heads_kv[prev], block=block, window=window, evict=evict)
             cands_meta = cp._gather(torch.stack([top_m.double(), top_pos.double()], dim=-1), differentiable=False)
-            cands_kv = cp._gather(_tie(top_kv, last), differentiable=True)  # [R, rows, H, W, 2D]
+            cands_kv = cp._gather(_tie(top_kv, last), differentiable=True)  # [R, chains, H, W, 2D]
             last = cands_kv
+            if cont:
+                top = _merge_candidates(layout, cont, cands_meta, cands_kv, window=window, evict=evict, cdt=cdt)
 
         # 4. Initial caches of the continuing sequences: merged candidates, the received head, tokens seen.
-        top = {}
-        if cont and w > 0:
-            use = torch.tensor([[j in layout.merge_ranks(c) for j in range(cp.cp_size)] for c in cont], device=device)
-            meta = cands_meta[:, cont].permute(1, 2, 0, 3, 4)  # [n, H, R, W, 2]
-            m_all = meta[..., 0].flatten(2).to(cdt)
-            pos_all = torch.where(use[:, None, :, None], meta[..., 1], -1).flatten(2).long()
-            kv_all = cands_kv[:, cont].permute(1, 2, 0, 3, 4).flatten(2, 3)
-            order = torch.sort(pos_all.masked_fill(pos_all < 0, torch.iinfo(torch.int64).max), dim=-1,
-                               stable=True).indices
-            top = dict(zip(("m", "pos", "kv"), _top_w(m_all.gather(-1, order), pos_all.gather(-1, order),
-                                                      _gather_entries(kv_all, order), w, evict)))
-        initial_cache = _initial_cache(num_seqs, h, d, w, c_blk, evict, cont, cont_seqs, top, heads_m[prev],
-                                       heads_kv[prev], [layout.first_offset[r][c] for c in cont], in_dtype, cdt,
-                                       device)
+        initial_cache = _initial_cache(len(layout.seq_start), h, d, window, block, evict, cont_seqs, top,
+                                       heads_m[prev][cont], heads_kv[prev][cont],
+                                       [layout.first_offset[r][c] for c in cont], q.dtype, cdt, device)
 
     o, _ = hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
                           cu_seqlens=cu_seqlens, initial_state=initial_state, initial_cache=initial_cache,
                           backend=backend)
     return _tie(o, last)
+
+
+@dataclass(frozen=True)
+class _Crossing:
+    """The crossing sequence of every chain as a row of ``L + 1`` slots: flat token ``index`` ([chains, L + 1],
+    ``B*T`` for an empty slot: past its end, a chain without one, and the last column, so that a gather at
+    column L is empty) and document ``positions`` (-1 empty)."""
+
+    index: torch.Tensor
+    positions: torch.Tensor
+    length: tuple[int, ...]
+    passthrough: torch.Tensor  # [chains] bool
+    needs_map: bool  # some chain passes through, so M is not zero
+    present: bool
+
+    @classmethod
+    def of(cls, layout: CPLayout, ntok: int, device) -> _Crossing:
+        rows, shard, r = layout.num_rows, layout.shard_len, layout.cp_rank
+        index = torch.full((rows, shard + 1), ntok, dtype=torch.int64)
+        positions = torch.full((rows, shard + 1), -1, dtype=torch.int64)
+        length = []
+        for c, n in enumerate(layout.out_seq):
+            size = layout.seq_len[n] if n >= 0 else 0
+            if n >= 0:
+                index[c, :size] = torch.arange(layout.seq_start[n], layout.seq_start[n] + size)
+                positions[c, :size] = torch.arange(layout.seq_offset[n], layout.seq_offset[n] + size)
+            length.append(size)
+        passthrough = [layout.passthrough(r, c) for c in range(rows)]
+        return cls(index=index.to(device), positions=positions.to(device), length=tuple(length),
+                   passthrough=torch.tensor(passthrough, device=device), needs_map=any(passthrough),
+                   present=any(length))
+
+
+def _summaries(rows: _Crossing, k_f, v_f, g_f, beta_f, h: int, d: int):
+    """``[M | X]`` per chain ([chains, H, D, 2D]), the errors from zero and from the identity (detached,
+    [chains, L, H, D]) and beta on the rows. X: the final state from zero; M: the final state with ``v = 0``
+    from the identity, zero unless the chain passes through (then the crossing sequence is the continuing one)."""
+    chains, shard = rows.index.shape[0], rows.index.shape[1] - 1
+    zero = torch.zeros(chains, h, d, d, dtype=k_f.dtype, device=k_f.device)
+    if not rows.present:
+        return torch.cat([zero, zero], dim=-1), None, None, None
+    index = rows.index[:, :shard]
+    kh, v, g, beta = l2norm(k_f)[index], v_f[index], g_f[index], beta_f[index]
+    runs = 2 if rows.needs_map else 1  # both runs as one batch of rows
+    eye = torch.eye(d, dtype=k_f.dtype, device=k_f.device).expand(chains, h, d, d)
+    state0 = torch.cat([zero, eye][:runs])
+    values = torch.cat([v, torch.zeros_like(v)][:runs])
+    kh, g, beta_runs = (torch.cat([x] * runs) for x in (kh, g, beta))
+    _, err, final = gated_delta_chunked(kh, kh, values, g, beta_runs, state0, d ** -0.5)
+    x_state, err_x = final[:chains], err[:chains].detach()
+    m_map, err_m = zero, None
+    if rows.needs_map:
+        m_map = torch.where(rows.passthrough[:, None, None, None], final[chains:], 0)
+        err_m = err[chains:].detach()
+    return torch.cat([m_map, x_state], dim=-1), err_x, err_m, beta
+
+
+@torch.no_grad()
+def _crossing_scores(rows: _Crossing, err_x, err_m, beta, s_in, h: int, cdt) -> torch.Tensor:
+    """Scores m of the crossing rows under the true incoming state ([chains, L + 1, H], -inf empty): the error is
+    affine in the incoming state, ``e(S) = e_X + S^T e_M``."""
+    chains, slots = rows.index.shape
+    m_rows = torch.full((chains, slots, h), float("-inf"), dtype=cdt, device=rows.index.device)
+    if rows.present:
+        err = err_x
+        if err_m is not None:
+            err = err + torch.where(rows.passthrough[:, None, None, None],
+                                    torch.einsum("chkv,clhk->clhv", s_in, err_m), 0)
+        empty = rows.positions[:, :slots - 1, None] < 0
+        m_rows[:, :slots - 1] = (err.norm(dim=-1) * beta).masked_fill(empty, float("-inf"))
+    return m_rows
+
+
+def _block_head(layout: CPLayout, rows: _Crossing, m_rows, kv_rows, block: int):
+    """Scores [chains, H, C] and [k | v] [chains, H, C, 2D] of the crossing rows' last ``E % C`` tokens (E: the
+    document position at the shard end), in the first slots; the rest empty."""
+    chains, h = m_rows.shape[0], m_rows.shape[2]
+    cols = torch.full((chains, block), rows.index.shape[1] - 1, dtype=torch.int64)
+    for c in range(chains):
+        size = layout.end_offset[layout.cp_rank][c] % block if rows.length[c] else 0
+        cols[c, :size] = torch.arange(rows.length[c] - size, rows.length[c])
+    cols = cols.to(m_rows.device)
+    head_m = m_rows.gather(1, cols[..., None].expand(chains, block, h)).transpose(1, 2)
+    head_kv = kv_rows.gather(2, cols[:, None, :, None].expand(chains, h, block, kv_rows.shape[-1]))
+    return head_m, head_kv
+
+
+def _candidates(layout: CPLayout, rows: _Crossing, m_rows, kv_rows, recv_m, recv_kv, *, block: int, window: int,
+                evict: str):
+    """This rank's top-W list per chain ([chains, H, W] scores and positions, [chains, H, W, 2D] entries): among
+    the crossing document's tokens before the last block start, the received head (only when the chain passes
+    through, so that the head belongs to the same document) and this rank's own tokens."""
+    r, chains, shard = layout.cp_rank, layout.num_rows, layout.shard_len
+    recv_pos = torch.full((chains, block), -1, dtype=torch.int64)
+    limit = []
+    for c in range(chains):
+        if layout.passthrough(r, c):
+            count = layout.first_offset[r][c] % block
+            recv_pos[c, :count] = torch.arange(layout.first_offset[r][c] - count, layout.first_offset[r][c])
+        end = layout.end_offset[r][c]
+        limit.append(end - end % block)
+    device = m_rows.device
+    pos = torch.cat([recv_pos.to(device), rows.positions[:, :shard]], dim=1)  # ascending
+    pos = torch.where((pos >= 0) & (pos < torch.tensor(limit, device=device)[:, None]), pos, -1)
+    m = torch.cat([recv_m, m_rows[:, :shard].transpose(1, 2)], dim=-1)
+    kv = torch.cat([recv_kv, kv_rows[:, :, :shard]], dim=2)
+    return _top_w(m, pos[:, None, :].expand_as(m), kv, window, evict)
+
+
+def _merge_candidates(layout: CPLayout, cont: list[int], cands_meta, cands_kv, *, window: int, evict: str, cdt):
+    """Persistent caches of the continuing sequences of chains ``cont``: top-W of the lists of the ranks their
+    document spans (``merge_ranks``), as a dict of scores, positions and entries."""
+    size = cands_meta.shape[0]
+    use = torch.tensor([[j in layout.merge_ranks(c) for j in range(size)] for c in cont], device=cands_kv.device)
+    meta = cands_meta[:, cont].permute(1, 2, 0, 3, 4)  # [n, H, R, W, 2]
+    m = meta[..., 0].flatten(2).to(cdt)
+    pos = torch.where(use[:, None, :, None], meta[..., 1], -1).flatten(2).long()
+    kv = cands_kv[:, cont].permute(1, 2, 0, 3, 4).flatten(2, 3)
+    # Position order first (the lists of different ranks interleave nothing, but come rank by rank), so that
+    # the stable sort by key in _top_w breaks ties by position.
+    order = torch.sort(pos.masked_fill(pos < 0, torch.iinfo(torch.int64).max), dim=-1, stable=True).indices
+    top = _top_w(m.gather(-1, order), pos.gather(-1, order), _gather_entries(kv, order), window, evict)
+    return dict(zip(("m", "pos", "kv"), top))
 
 
 def _gather_entries(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -489,22 +570,22 @@ def _top_w(m: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, w: int, evict: 
     return top_m, top_pos, top_kv
 
 
-def _initial_cache(num_seqs, h, d, w, c_blk, evict, cont, cont_seqs, top, head_m, head_kv, seen, in_dtype, cdt,
+def _initial_cache(num_seqs, h, d, w, c_blk, evict, cont_seqs, top, head_m, head_kv, seen, in_dtype, cdt,
                    device) -> HolaCache:
     """A :class:`HolaCache` for the local sequences: empty, except for the continuing ones (rows ``cont_seqs``)."""
     cache = HolaCache.empty(num_seqs, h, d, window=w, block=c_blk, evict=evict, dtype=in_dtype, device=device,
                             score_dtype=cdt)
-    if not cont:
+    if not seen:
         return cache
     put = lambda base, value: base.index_put((cont_seqs,), value.to(base.dtype))  # noqa: E731
-    if w > 0:
+    if top is not None:
         cache.scores = put(cache.scores, top["m"])
         cache.positions = put(cache.positions, top["pos"])
         cache.k = put(cache.k, top["kv"][..., :d])
         cache.v = put(cache.v, top["kv"][..., d:])
-    cache.buf_scores = put(cache.buf_scores, head_m[cont])
-    cache.buf_k = put(cache.buf_k, head_kv[cont][..., :d])
-    cache.buf_v = put(cache.buf_v, head_kv[cont][..., d:])
+    cache.buf_scores = put(cache.buf_scores, head_m)
+    cache.buf_k = put(cache.buf_k, head_kv[..., :d])
+    cache.buf_v = put(cache.buf_v, head_kv[..., d:])
     cache.seen = put(cache.seen, torch.tensor(seen, dtype=torch.int64, device=device))
     return cache
 
@@ -562,8 +643,7 @@ def apply_context_parallel(model: nn.Module, *, cp_mesh) -> ContextParallel:
     from hola_titan.models.model import Attention, GatedDeltaMixer
 
     args = model.args
-    cp = ContextParallel(cp_mesh.get_group(), recurrent=args.is_recurrent, conv_size=args.conv_size,
-                         block=args.block)
+    cp = ContextParallel(cp_mesh, recurrent=args.is_recurrent, conv_size=args.conv_size, block=args.block)
     for module in model.modules():
         if isinstance(module, GatedDeltaMixer):
             module.context_parallel = cp
