@@ -26,7 +26,9 @@ A *model-only* checkpoint has only ``model.*`` (and ``info.*``): the seed checkp
 Saving (:meth:`Checkpointer.maybe_save`, after every step): every ``checkpoint.interval`` steps and at the last
 step. A save goes to ``step-N.tmp``; only when it is complete (every rank wrote its files and rank 0 wrote
 ``.metadata``) rank 0 renames it to ``step-N``, then removes all but the newest ``keep_latest_k`` (0 keeps all).
-A process killed mid-save therefore leaves at most a ``.tmp`` folder, which is never loaded.
+A process killed mid-save therefore leaves at most a ``.tmp`` folder, which is never loaded as it is: at the next
+start a ``.tmp`` whose metadata and data files are all whole (a finished save whose rename was cut short) is
+promoted to ``step-N``, any other is removed.
 
 - ``async_mode = "disabled"``: ``dcp.save``; the rename follows a barrier.
 - ``async_mode = "async"``: ``dcp.async_save`` copies the state to CPU memory, then writes it in a background
@@ -104,6 +106,7 @@ logger = logging.getLogger("hola_titan")
 FORMAT_VERSION = 1
 STEP_PREFIX = "step-"
 TMP_SUFFIX = ".tmp"
+OLD_SUFFIX = ".old"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 FAULT_AT_STEP_ENV = "HOLA_TITAN_FAULT_AT_STEP"
 FAULT_RANK_ENV = "HOLA_TITAN_FAULT_RANK"
@@ -405,9 +408,16 @@ class Checkpointer:
             return
         tmp, final = self.folder / f"{STEP_PREFIX}{step}{TMP_SUFFIX}", step_folder(self.folder, step)
         if final.exists():
+            # Move the old folder aside first, so that a crash here leaves the complete .tmp (promoted at the next
+            # start) rather than nothing.
             logger.warning("checkpoint: replacing the existing %s", final)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+            aside = final.with_name(final.name + OLD_SUFFIX)
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+            os.replace(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
         if self.keep_latest_k > 0:
             for old in list_checkpoints(self.folder)[:-self.keep_latest_k]:
                 shutil.rmtree(step_folder(self.folder, old), ignore_errors=True)
@@ -458,8 +468,22 @@ class Checkpointer:
         newest first, where ``problem`` is None or why the folder cannot be read."""
         if self.folder.is_dir():
             for stale in self.folder.glob(f"{STEP_PREFIX}*{TMP_SUFFIX}"):
-                logger.warning("checkpoint: removing %s, left by a save that did not complete", stale)
-                shutil.rmtree(stale, ignore_errors=True)
+                final = stale.with_name(stale.name[:-len(TMP_SUFFIX)])
+                try:
+                    # DCP writes .metadata last, once every rank's files are written: a .tmp that passes this check
+                    # is a finished save whose rename was cut short (a background save, or a crash in _finalize).
+                    read_metadata(stale)
+                    complete = not final.exists()
+                except CheckpointCorruptError:
+                    complete = False
+                if complete:
+                    logger.warning("checkpoint: %s is complete but was not renamed; promoting it to %s", stale, final)
+                    os.replace(stale, final)
+                else:
+                    logger.warning("checkpoint: removing %s, left by a save that did not complete", stale)
+                    shutil.rmtree(stale, ignore_errors=True)
+            for old in self.folder.glob(f"{STEP_PREFIX}*{OLD_SUFFIX}"):
+                shutil.rmtree(old, ignore_errors=True)
         steps = list_checkpoints(self.folder)
         if self.load_step != -1:
             if not step_folder(self.folder, self.load_step).is_dir():

@@ -288,3 +288,16 @@ def test_checkpoint_of_another_model_is_a_mismatch_not_a_fallback(one_process, t
     trainer = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path), "--model.flavour", "gdn"]))
     with pytest.raises(CheckpointMismatchError, match="step-6 does not fit this model"):
         trainer.checkpointer.load()
+
+
+def test_finished_save_whose_rename_was_cut_short_is_promoted(one_process, tmp_path):
+    """A complete step-N.tmp (e.g. a background save finished but the process died before renaming it) is
+    promoted at the next start instead of being thrown away; an incomplete one is removed."""
+    folder = tmp_path / "checkpoint"
+    folder.mkdir(parents=True)
+    shutil.copytree(step_folder(one_process["dump"] / "checkpoint", 6), folder / "step-6.tmp")
+    shutil.copytree(step_folder(one_process["dump"] / "checkpoint", 12), folder / "step-12.tmp")
+    (folder / "step-12.tmp" / ".metadata").unlink()  # cut short before DCP wrote its metadata
+    trainer = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path), "--training.steps", "7"]))
+    assert trainer.checkpointer.load() == 6
+    assert list_checkpoints(folder) == [6] and not list(folder.glob("*.tmp"))

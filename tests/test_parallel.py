@@ -32,6 +32,8 @@ LAYOUTS = {
     "hsdp2x1": (2, ["--parallelism.data_parallel_shard_degree", "1",
                     "--parallelism.data_parallel_replicate_degree", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_shard_degree", "2",
+                    "--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "1"]),
 }
 
 
