@@ -74,7 +74,7 @@ class Job:
 class Model:
     flavour: Literal["hola", "hola_recency", "gdn", "transformer"] = "hola"
     """Token mixer of every block: HOLA (score eviction), HOLA+recency, GDN (cache off) or Transformer++."""
-    size: Literal["debug", "340M", "1.3B", "7B"] = "debug"
+    size: Literal["debug", "small", "340M", "1.3B", "7B"] = "debug"
     """Widths and depth (``hola_titan.models.args``); the vocabulary size comes from the tokenizer."""
     tokenizer_path: str = BUNDLED
     """``bundled`` (``hola_titan/assets/tokenizer``) or a folder or ``tokenizer.json`` of a HF tokenizer."""
@@ -138,6 +138,9 @@ class Training:
     """Skip (and log) an optimizer step whose gradient norm is NaN or inf instead of stopping the run."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: CUDA when available, else CPU."""
+    loss_chunk_size: int = 0
+    """Rows (tokens) per chunk of the chunked output-head cross-entropy, used without tensor parallelism; 0: auto
+    (about 256 MiB of float32 logits per chunk)."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 FLAVOURS = ("hola", "hola_recency", "gdn", "transformer")
-SIZES = ("debug", "340M", "1.3B", "7B")
+SIZES = ("debug", "small", "340M", "1.3B", "7B")
 EVICT_BY_FLAVOUR = {"hola": "score", "hola_recency": "recency", "gdn": "none"}
 
 
@@ -57,13 +57,15 @@ class ModelArgs:
 _RECURRENT_SIZES = {
     "debug": dict(dim=128, n_layers=2, n_heads=2, head_dim=64, mlp_hidden=512, tie_embeddings=True,
                   window=8, block=32),
+    # ~30M with the bundled tokenizer: the small-scale comparisons (train_configs/small_*.toml).
+    "small": dict(dim=512, n_layers=8, n_heads=2, head_dim=256, mlp_hidden=1536, tie_embeddings=True),
     "340M": dict(dim=1024, n_layers=24, n_heads=4, head_dim=256, mlp_hidden=2816, tie_embeddings=True),
     "1.3B": dict(dim=2048, n_layers=24, n_heads=8, head_dim=256, mlp_hidden=5632, tie_embeddings=True),
     "7B": dict(dim=4096, n_layers=32, n_heads=16, head_dim=256, mlp_hidden=11008, tie_embeddings=False),
 }
 
 # Transformer++ uses heads of 128 (debug: 2 x 64), the same widths otherwise.
-_TRANSFORMER_HEADS = {"debug": (2, 64), "340M": (8, 128), "1.3B": (16, 128), "7B": (32, 128)}
+_TRANSFORMER_HEADS = {"debug": (2, 64), "small": (4, 128), "340M": (8, 128), "1.3B": (16, 128), "7B": (32, 128)}
 
 
 def model_args(flavour: str, size: str, *, vocab_size: int, window: int | None = None, block: int | None = None,
