@@ -34,6 +34,7 @@ from hola_titan.checkpoint import Checkpointer
 from hola_titan.config import (ConfigError, JobConfig, parse_config, resolve_degrees, to_toml, validate,
                                write_resolved)
 from hola_titan.flops import datasheet_tflops, flops_per_token, measured_matmul_tflops
+from hola_titan.loss import chunked_linear_cross_entropy
 from hola_titan.metrics import MetricsLogger, peak_memory_gib, setup_logging
 from hola_titan.models.args import model_args
 from hola_titan.models.model import HolaTitanLM, num_params
@@ -134,9 +135,14 @@ class Trainer:
             float8_recipe=config.float8.recipe, float8_filter=tuple(config.float8.filter_fqns))
         # Context parallel: every rank of a cp group reads the same rows and keeps its shard of each batch.
         self.cp = context_parallel_of(self.model)
-        # Without FSDP a GPU run gets bf16 compute from autocast; FSDP's policy does it otherwise.
-        self.autocast = (self.device.type == "cuda" and self.mesh is None
+        # Without FSDP (one GPU, or tensor parallelism alone) a GPU run gets bf16 compute from autocast; FSDP's
+        # mixed-precision policy does it otherwise.
+        self.autocast = (self.device.type == "cuda" and not (self.dims.fsdp_enabled or self.dims.hsdp_enabled)
                          and config.training.mixed_precision_param == "bfloat16")
+        # The head's matmuls take bf16 operands when training computes in bf16 on the GPU (float32 accumulation;
+        # fp32 matmuls would run at a fraction of the tensor-core rate), float32 otherwise.
+        self.head_matmul_dtype = (torch.bfloat16 if self.device.type == "cuda"
+                                  and config.training.mixed_precision_param == "bfloat16" else torch.float32)
         self.optimizer = self._build_optimizer()
         schedule = dict(warmup_steps=config.lr_scheduler.warmup_steps, total_steps=config.training.steps,
                         decay_type=config.lr_scheduler.decay_type, min_lr_factor=config.lr_scheduler.min_lr_factor)
@@ -173,6 +179,8 @@ class Trainer:
         if opt.name != "AdamW":
             raise ConfigError("optimizer.name", f"unknown optimizer {opt.name!r}; expected AdamW")
         no_decay = self.model.no_weight_decay_names() if hasattr(self.model, "no_weight_decay_names") else set()
+        # Both sides without wrapper prefixes: checkpoint and compile wrappers insert them into every name.
+        no_decay = {_strip_wrappers(name) for name in no_decay}
         decay, plain = [], []
         for name, param in self.model.named_parameters():
             (plain if _strip_wrappers(name) in no_decay else decay).append(param)
@@ -198,13 +206,21 @@ class Trainer:
         if self.cp is not None:
             self.cp.set_layout(batch["cp_layout"])  # stays current through this batch's backward
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        if self.dims.tp > 1:
+            # Under tensor parallelism the logits stay sharded over the vocabulary: a loss-parallel cross-entropy.
+            with ctx:
+                logits = self.model(tokens, cu_seqlens=cu_seqlens)
+            with loss_parallel():
+                return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                       reduction="sum")
+        # Otherwise the head and the loss run in chunks of rows and the [B*T, V] logits never exist (see
+        # hola_titan/loss.py). ``hidden_states`` is registered as an FSDP forward method (apply_fsdp), and the root
+        # keeps its parameters gathered after forward, so ``output_weight()`` is the unsharded (tied) head here.
         with ctx:
-            logits = self.model(tokens, cu_seqlens=cu_seqlens)
-        # Under tensor parallelism the logits stay sharded over the vocabulary: a loss-parallel cross-entropy.
-        loss_ctx = loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext()
-        with loss_ctx:
-            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
+            hidden = self.model.hidden_states(tokens, cu_seqlens=cu_seqlens)
+        return chunked_linear_cross_entropy(hidden.flatten(0, 1), self.model.output_weight(), labels.flatten(),
+                                            chunk_size=self.config.training.loss_chunk_size,
+                                            ignore_index=IGNORE_INDEX, matmul_dtype=self.head_matmul_dtype)
 
     def train_step(self, micro_batches: list[dict]) -> dict:
         """One optimizer step over this rank's micro-batches; returns the reduced metrics of the step."""

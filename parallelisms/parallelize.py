@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from hola_titan.parallelisms.context_parallel import apply_context_parallel
 from hola_titan.parallelisms.float8 import apply_float8
@@ -52,7 +52,9 @@ def _fsdp_mesh(mesh: Meshes, dims: ParallelDims) -> DeviceMesh:
     if dims.hsdp_enabled:
         if dims.cp > 1:
             raise ValueError("parallelism: HSDP together with context parallelism is not available yet")
-        if dims.dp_shard == 1:  # replicate only: DDP-like, FSDP2 with a 1-D replicate mesh
+        if dims.dp_shard == 1:
+            # Replicate only: the mesh has no shard dimension, so FSDP2 shards over the replicate ranks. Same
+            # function and gradients as replication (tested), ZeRO-3 memory and communication instead of DDP's.
             return mesh.named["dp_replicate"]
         return mesh.world["dp_replicate", "dp_shard"]
     return mesh.named["dp_shard_cp"]
@@ -108,3 +110,7 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype, 
         # The last block's parameters are needed again right away by the root's backward: keep them gathered.
         fully_shard(block, reshard_after_forward=index < len(blocks) - 1, **kwargs)
     fully_shard(model, **kwargs)
+    # The trainer calls ``hidden_states`` (the chunked loss applies the head itself): register it so that FSDP's
+    # pre- and post-forward logic (unshard, backward hooks) runs around it as around ``forward``.
+    if hasattr(model, "hidden_states"):
+        register_fsdp_forward_method(model, "hidden_states")

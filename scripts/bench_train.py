@@ -1,0 +1,382 @@
+"""Whole-model training throughput: hola_titan's flavours through the real ``Trainer`` and two outside references.
+
+For every (flavour, size, seq_len, batch size) it builds a ``Trainer`` (float32 master weights; bf16 compute on
+GPU through the trainer's autocast; the chunked head loss), runs ``--warmup`` steps of ``Trainer.train_step``, then
+times ``--steps`` steps and reports tokens/s, MFU as the trainer defines it (``flops_per_token * tokens/s`` over
+the matmul rate measured on the device, see ``hola_titan/flops.py``), and peak memory. A separate profiling pass
+of ``--steps`` steps then times the phases with a device synchronisation after each: forward (``_loss_sum``),
+backward, and optimizer (clip + AdamW step + zero_grad); its sum is a little above the timed step, since the
+synchronisations remove overlap. The chunked head loss computes the head's gradients during its forward, so for
+hola_titan rows that work is counted under forward, not backward.
+
+Outside references, in the same process and timed the same way (GPU only; skipped with a message when the
+package or a GPU is missing, or with ``--references none``), at REFERENCES.md's 340M shapes with bf16 weights and
+AdamW (fused), no activation checkpointing:
+
+- ``fla_gdn``: flash-linear-attention's ``GatedDeltaNetForCausalLM`` (hidden 1024, 24 layers, 4 heads x 256,
+  expand_v 1, no output gate, tied, vocab 32000);
+- ``llama`` and ``llama_compile``: transformers' ``LlamaForCausalLM`` (1024 x 24, 8 x 128 heads, SwiGLU 2816,
+  tied, SDPA), eager and under ``torch.compile(model)``.
+
+Their MFU uses this project's FLOPs formula for the same shapes (``gdn`` without gate; ``transformer``).
+
+Rows are appended to one JSON list (``--out``), so several calls build one table; the table of this call is
+printed at the end. Examples::
+
+    python scripts/bench_train.py --flavours hola,gdn,transformer --sizes 340M --seq-lens 2048,8192 \\
+        --batch-sizes 16,4 --steps 10 --warmup 3 --out results.json
+    python scripts/bench_train.py --device cpu --sizes debug --seq-lens 64 --batch-sizes 2 --steps 2 --warmup 1 \\
+        --references none --out /tmp/bench.json       # a smoke test
+
+``--seq-lens`` and ``--batch-sizes`` pair up position by position when they have the same length (T 2048 with
+B 16, T 8192 with B 4); a single value pairs with every value of the other list.
+
+Kernel tuning: Triton caches compiled kernels and, because fla's autotuners run with ``cache_results``
+(fla's ``FLA_CACHE_RESULTS``, on by default), the autotuning results too, under ``TRITON_CACHE_DIR``. Pin it to a
+folder that survives between calls (``--triton-cache-dir DIR`` sets it before Triton is imported, default
+``$TRITON_CACHE_DIR`` or ``~/.triton/cache``) and copy that folder along, so later GPU calls skip the tuning.
+fla's ``FLA_CONFIG_DIR`` / ``FLA_CACHE_MODE`` only read pre-tuned configs shipped with fla and are left alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCES = ("fla_gdn", "llama", "llama_compile")
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--flavours", default="hola,hola_recency,gdn,transformer",
+                        help="comma-separated hola_titan flavours; 'none' for references only")
+    parser.add_argument("--sizes", default="340M", help="comma-separated sizes (debug, 340M, 1.3B, 7B)")
+    parser.add_argument("--seq-lens", default="2048", help="comma-separated sequence lengths")
+    parser.add_argument("--batch-sizes", default="16", help="comma-separated rows per step")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (and profiled steps)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--compile", action="store_true", help="compile.enable for hola_titan models")
+    parser.add_argument("--ac", default="none", choices=("none", "full", "selective"),
+                        help="activation_checkpoint.mode for hola_titan models")
+    parser.add_argument("--references", default=",".join(REFERENCES),
+                        help=f"comma-separated outside references ({', '.join(REFERENCES)}) or 'none'; "
+                             "measured at each (seq_len, batch) pair, 340M shapes, GPU only")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="vocabulary (a synthetic tokenizer)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--out", type=Path, default=Path("results.json"), help="JSON list to append rows to")
+    parser.add_argument("--triton-cache-dir", default=None, help="sets TRITON_CACHE_DIR before Triton loads")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def _split(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip() and item.strip() != "none"]
+
+
+def _shape_pairs(seq_lens: list[int], batch_sizes: list[int]) -> list[tuple[int, int]]:
+    if len(seq_lens) == len(batch_sizes):
+        return list(zip(seq_lens, batch_sizes))
+    if len(seq_lens) == 1:
+        return [(seq_lens[0], b) for b in batch_sizes]
+    if len(batch_sizes) == 1:
+        return [(t, batch_sizes[0]) for t in seq_lens]
+    raise SystemExit("error: --seq-lens and --batch-sizes must have the same length, or one of them one value")
+
+
+def _write_tokenizer(folder: Path, vocab_size: int) -> Path:
+    """A word-level tokenizer of ``vocab_size`` ids (the benchmark feeds random ids; only the size matters)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"<|endoftext|>": 0, **{f"t{i}": i for i in range(1, vocab_size)}}
+    folder.mkdir(parents=True, exist_ok=True)
+    Tokenizer(WordLevel(vocab, unk_token="t1")).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+class _Clock:
+    """Wall time with a device synchronisation at both ends."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def now(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+
+def _reset_peak(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _random_batch(batch_size: int, seq_len: int, vocab_size: int, device, generator) -> dict:
+    import torch
+
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=generator)
+    return {"input_ids": tokens[:, :-1].contiguous().to(device), "labels": tokens[:, 1:].contiguous().to(device)}
+
+
+def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, warmup: int) -> dict:
+    """Warm up, time ``steps`` calls of ``step``, then profile ``steps`` calls of the three ``phases``."""
+    from hola_titan.metrics import peak_memory_gib
+
+    for _ in range(warmup):
+        step()
+    _reset_peak(device)
+    start = clock.now()
+    for _ in range(steps):
+        step()
+    elapsed = clock.now() - start
+    peak = peak_memory_gib(device)
+    totals = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    for _ in range(steps):
+        forward, backward, optimizer = phases
+        t0 = clock.now()
+        loss = forward()
+        t1 = clock.now()
+        backward(loss)
+        t2 = clock.now()
+        optimizer()
+        t3 = clock.now()
+        totals["forward"] += t1 - t0
+        totals["backward"] += t2 - t1
+        totals["optimizer"] += t3 - t2
+    row = {"tokens_per_s": tokens_per_step * steps / elapsed, "step_ms": 1e3 * elapsed / steps,
+           "peak_memory_gib": peak}
+    row.update({f"{name}_ms": 1e3 * value / steps for name, value in totals.items()})
+    return row
+
+
+def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, args, tokenizer_dir: Path,
+                     dump: Path) -> dict:
+    """One row for a hola_titan flavour, through ``Trainer.train_step`` (and its ``_loss_sum`` for profiling)."""
+    import torch
+
+    from hola_titan.config import parse_config
+    from hola_titan.train import IGNORE_INDEX, Trainer
+
+    overrides = ["--model.flavour", flavour, "--model.size", size, "--model.tokenizer_path", str(tokenizer_dir),
+                 "--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch_size),
+                 "--training.steps", str(10 * (args.warmup + 2 * args.steps) + 10),
+                 "--training.device", args.device, "--training.mixed_precision_param",
+                 "float32" if args.device == "cpu" else "bfloat16",
+                 "--activation_checkpoint.mode", args.ac, "--compile.enable", str(args.compile).lower(),
+                 "--validation.enable", "false", "--checkpoint.enable", "false",
+                 "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump),
+                 "--data.dataset", "bundled", "--lr_scheduler.warmup_steps", "1"]
+    trainer = Trainer(parse_config(["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"),
+                                    *overrides]))
+    device = trainer.device
+    clock = _Clock(device)
+    generator = torch.Generator().manual_seed(0)
+    vocab = trainer.model_args.vocab_size
+    batch = _random_batch(batch_size, seq_len, vocab, device, generator)
+    scale = 1.0 / (batch_size * seq_len)
+
+    def step():
+        trainer.train_step([batch])
+
+    def forward():
+        return trainer._loss_sum(batch)
+
+    def backward(loss):
+        (loss * scale).backward()
+
+    def optimizer():
+        trainer._clip_grad_norm()
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+
+    assert int((batch["labels"] == IGNORE_INDEX).sum()) == 0
+    row = _measure(step=step, phases=(forward, backward, optimizer), clock=clock, device=device,
+                   tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup)
+    row.update(system="hola_titan", flavour=flavour, size=size, num_params=trainer.num_params,
+               mfu=trainer.flops["total"] * row["tokens_per_s"] / (trainer.peak_tflops * 1e12),
+               flops_per_token=trainer.flops["total"], compile=args.compile, ac=args.ac)
+    del trainer
+    return row
+
+
+def _reference_model(name: str, vocab_size: int):
+    """The outside reference ``name`` at 340M shapes, and the hola_titan ModelArgs with the same FLOPs."""
+    from hola_titan.models.args import model_args
+
+    if name == "fla_gdn":
+        from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+        config = GatedDeltaNetConfig(hidden_size=1024, num_hidden_layers=24, num_heads=4, head_dim=256,
+                                     expand_v=1, use_gate=False, tie_word_embeddings=True, vocab_size=vocab_size,
+                                     fuse_cross_entropy=True)
+        flops_args = replace(model_args("gdn", "340M", vocab_size=vocab_size), use_gate=False)
+        return GatedDeltaNetForCausalLM(config), flops_args
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=8,
+                         head_dim=128, intermediate_size=2816, tie_word_embeddings=True, vocab_size=vocab_size,
+                         max_position_embeddings=32768, attn_implementation="sdpa")
+    flops_args = replace(model_args("transformer", "340M", vocab_size=vocab_size), n_heads=8, head_dim=128,
+                         mlp_hidden=2816)
+    return LlamaForCausalLM(config), flops_args
+
+
+def bench_reference(*, name: str, seq_len: int, batch_size: int, args, device) -> dict:
+    """One row for an outside reference: bf16 weights, fused AdamW, ``model(ids, labels=...).loss``."""
+    import torch
+
+    from hola_titan.flops import flops_per_token, measured_matmul_tflops
+
+    torch.manual_seed(0)
+    model, flops_args = _reference_model(name, args.vocab_size)
+    model = model.to(device=device, dtype=torch.bfloat16)
+    num_params = sum(p.numel() for p in model.parameters())
+    run = torch.compile(model) if name == "llama_compile" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=generator).to(device)
+    clock = _Clock(device)
+
+    def forward():
+        return run(input_ids=tokens, labels=tokens).loss
+
+    def backward(loss):
+        loss.backward()
+
+    def optimizer():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def step():
+        loss = forward()
+        backward(loss)
+        optimizer()
+
+    row = _measure(step=step, phases=(forward, backward, optimizer), clock=clock, device=device,
+                   tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup)
+    flops = flops_per_token(flops_args, seq_len)["total"]
+    row.update(system=name, flavour=name, size="340M", num_params=num_params, flops_per_token=flops,
+               mfu=flops * row["tokens_per_s"] / (measured_matmul_tflops(device) * 1e12),
+               compile=name == "llama_compile", ac="none")
+    del model, run, opt
+    return row
+
+
+def _reference_skip_reason(device, names: list[str]) -> dict[str, str]:
+    """Why each requested reference cannot run here (absent: it can)."""
+    reasons = {}
+    for name in names:
+        if name not in REFERENCES:
+            raise SystemExit(f"error: --references: unknown {name!r}; expected some of {', '.join(REFERENCES)}")
+        if device.type != "cuda":
+            reasons[name] = "no GPU (the references are timed with bf16 weights and GPU kernels)"
+            continue
+        # fla-core (this project's dependency) ships the kernels only; the models are in the full
+        # flash-linear-attention package.
+        module, package = ("fla.models", "flash-linear-attention") if name == "fla_gdn" else ("transformers",
+                                                                                               "transformers")
+        try:
+            __import__(module)
+        except ImportError as err:
+            reasons[name] = f"{module} cannot be imported: install the {package} package ({err})"
+    return reasons
+
+
+def _print_table(rows: list[dict]) -> None:
+    header = (f"{'system':<13}{'flavour':<14}{'size':<6}{'T':>6}{'B':>4}{'params':>9}{'tok/s':>11}{'MFU':>7}"
+              f"{'mem GiB':>9}{'step ms':>9}{'fwd':>8}{'bwd':>8}{'opt':>7}  note")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['system']:<13}{r['flavour']:<14}{r['size']:<6}{r['seq_len']:>6}{r['batch_size']:>4}"
+                  f"  {r['error']}")
+            continue
+        note = ",".join(n for n, on in (("compile", r.get("compile")), (f"ac={r.get('ac')}", r.get("ac") != "none"))
+                        if on)
+        print(f"{r['system']:<13}{r['flavour']:<14}{r['size']:<6}{r['seq_len']:>6}{r['batch_size']:>4}"
+              f"{r['num_params'] / 1e6:>8.1f}M{r['tokens_per_s']:>11,.0f}{100 * r['mfu']:>6.1f}%"
+              f"{r['peak_memory_gib']:>9.2f}{r['step_ms']:>9.1f}{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
+              f"{r['optimizer_ms']:>7.1f}  {note}")
+
+
+def _append(out: Path, rows: list[dict]) -> None:
+    existing = json.loads(out.read_text()) if out.exists() and out.read_text().strip() else []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(existing + rows, indent=1) + "\n")
+    tmp.replace(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    if args.triton_cache_dir:
+        os.environ["TRITON_CACHE_DIR"] = str(Path(args.triton_cache_dir).resolve())
+    os.environ.setdefault("FLA_CACHE_RESULTS", "1")
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from hola_titan.metrics import setup_logging
+    from hola_titan.train import resolve_device
+
+    setup_logging(0)
+    device = resolve_device(args.device)
+    args.device = device.type
+    pairs = _shape_pairs([int(t) for t in _split(args.seq_lens)], [int(b) for b in _split(args.batch_sizes)])
+    stamp = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{os.cpu_count()}",
+             "torch": torch.__version__, "steps": args.steps, "warmup": args.warmup}
+    references = _split(args.references)
+    skipped = _reference_skip_reason(device, references)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        tokenizer_dir = _write_tokenizer(Path(tmp) / "tokenizer", args.vocab_size)
+        jobs = [("ours", flavour, size, t, b) for size in _split(args.sizes) for flavour in _split(args.flavours)
+                for t, b in pairs]
+        jobs += [("ref", name, "340M", t, b) for name in references if name not in skipped for t, b in pairs]
+        for kind, name, size, seq_len, batch_size in jobs:
+            base = dict(stamp, seq_len=seq_len, batch_size=batch_size)
+            try:
+                if kind == "ours":
+                    row = bench_hola_titan(flavour=name, size=size, seq_len=seq_len, batch_size=batch_size,
+                                           args=args, tokenizer_dir=tokenizer_dir, dump=Path(tmp) / "run")
+                else:
+                    row = bench_reference(name=name, seq_len=seq_len, batch_size=batch_size, args=args,
+                                          device=device)
+            except torch.OutOfMemoryError:
+                row = {"system": "hola_titan" if kind == "ours" else name, "flavour": name, "size": size,
+                       "error": "out of memory"}
+            rows.append({**base, **row})
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            print(f"done: {rows[-1]['system']} {name} {size} T={seq_len} B={batch_size}", flush=True)
+    _append(args.out, rows)
+    _print_table(rows)
+    for name, reason in skipped.items():
+        print(f"reference models skipped: {name}: {reason}")
+    print(f"appended {len(rows)} rows to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
