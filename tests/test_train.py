@@ -198,3 +198,15 @@ def test_nan_loss_skipped_when_allowed(tmp_path):
     assert any(changed)  # steps 1 and 2 updated the weights
     for p in trainer.model.parameters():
         assert torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("wrap", [[], ["--activation_checkpoint.mode", "full"]])
+def test_gdn_decay_parameters_get_no_weight_decay(tmp_path, wrap):
+    """A_log and dt_bias are excluded from weight decay (as fla does), also when wrappers prefix their names."""
+    config = parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), *FAST, *wrap])
+    trainer = Trainer(config)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    plain = [names[id(p)] for group in trainer.optimizer.param_groups if group["weight_decay"] == 0.0
+             for p in group["params"]]
+    assert len(plain) == 2 * trainer.model_args.n_layers
+    assert all(n.endswith(("A_log", "dt_bias")) for n in plain), plain
