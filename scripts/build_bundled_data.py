@@ -137,7 +137,7 @@ def kjv_documents(roots: dict[str, Path]) -> list[Document]:
     return docs
 
 
-def _dict_number(value: str) -> int:
+def dictd_number(value: str) -> int:
     """Decode a dictd index number (base64 digits, most significant first)."""
     alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
     number = 0
@@ -155,7 +155,7 @@ def devil_documents(roots: dict[str, Path]) -> list[Document]:
         headword, offset, length = line.split("\t")
         if headword.startswith("00database"):
             continue
-        ranges.setdefault(_dict_number(offset), _dict_number(length))  # several headwords may share an entry
+        ranges.setdefault(dictd_number(offset), dictd_number(length))  # several headwords may share an entry
     docs = []
     seen: set[str] = set()
     for offset in sorted(ranges):

@@ -42,11 +42,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+# The bundled corpus's builder beside this script: the same documents, hold-out rule and dictd decoding.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from build_bundled_data import VALIDATION_MODULUS, Document, dictd_number, is_validation  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED_CORPUS_DIR = REPO / "hola_titan" / "assets" / "corpus"
 TOKENIZER_FILE = REPO / "hola_titan" / "assets" / "tokenizer" / "tokenizer.json"
-VALIDATION_MODULUS = 50
-"""A document is held out when ``sha256(id) % VALIDATION_MODULUS == 0`` (about 2 %), as in the bundled corpus."""
 
 
 @dataclass(frozen=True)
@@ -80,18 +82,6 @@ SWORD_MODULES = {
     "sword-text-web": "texts/ztext/engWEB2015eb",
 }
 """Module folder under ``usr/share/sword/modules`` of each SWORD package."""
-
-
-@dataclass(frozen=True)
-class Document:
-    id: str
-    """Unique and stable: ``source/title``; the held-out split is a hash of it."""
-    source: str
-    text: str
-
-
-def is_validation(doc_id: str) -> bool:
-    return int(hashlib.sha256(doc_id.encode("utf-8")).hexdigest(), 16) % VALIDATION_MODULUS == 0
 
 
 def unique_ids(docs: Iterable[Document]) -> list[Document]:
@@ -153,15 +143,6 @@ def bundled_documents() -> list[Document]:
                 record = json.loads(line)
                 docs.append(Document(id=record["id"], source=record["source"], text=record["text"]))
     return docs
-
-
-def dictd_number(value: str) -> int:
-    """Decode a dictd index number (base64 digits, most significant first)."""
-    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-    number = 0
-    for char in value:
-        number = number * 64 + alphabet.index(char)
-    return number
 
 
 def dictd_entries(index_text: str, data: bytes, *, prefix: str, source: str) -> list[Document]:
