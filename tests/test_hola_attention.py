@@ -627,6 +627,30 @@ def test_bad_input_raises_value_error_naming_the_argument(name, mutate):
         hola_attention(*args.values(), **kw)
 
 
+def test_cu_seqlens_is_checked_once_per_tensor_and_again_after_an_in_place_change():
+    """Values are read on the host once per tensor (a synchronisation on CUDA), not once per layer; a tensor
+    changed in place is read again, so the cache cannot let a bad tensor through."""
+    args, kw = _valid_call()
+    _packed(args, kw, cu=(0, 5, 12))
+    cu = kw["cu_seqlens"]
+    hola_attention(*args.values(), **kw)
+    reads = []
+    real_tolist = torch.Tensor.tolist
+
+    def spy(self):
+        if self is cu:
+            reads.append(1)
+        return real_tolist(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "tolist", spy)
+        hola_attention(*args.values(), **kw)
+    assert reads == [], "the same, unchanged cu_seqlens was read again"
+    cu[1] = 13  # in place: 0, 13, 12 is not monotone
+    with pytest.raises(ValueError, match=r"^cu_seqlens\b"):
+        hola_attention(*args.values(), **kw)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Finite in, finite out; a NaN in one document stays in that document
 # ----------------------------------------------------------------------------------------------------------------
