@@ -82,6 +82,8 @@ class Model:
     """Override of the HOLA cache size in tokens (recurrent flavours); None keeps the size's value."""
     block: int | None = None
     """Override of the block (chunk) length in tokens (recurrent flavours); None keeps the size's value."""
+    n_layers: int | None = None
+    """Override of the number of blocks (a shallow model of a size's width, for tests and ablations)."""
     attention_backend: Literal["auto", "reference", "sdpa", "triton"] = "auto"
     """Token-mixer implementation: ``auto`` picks the fastest available for flavour and device, ``reference`` is
     pure PyTorch, ``sdpa`` PyTorch scaled-dot-product attention, ``triton`` the Triton kernels."""
@@ -279,6 +281,7 @@ SECTIONS: dict[str, type] = _sections()
 _MINIMUM: dict[str, float] = {
     "model.window": 0,
     "model.block": 1,
+    "model.n_layers": 1,
     "optimizer.weight_decay": 0,
     "lr_scheduler.warmup_steps": 0,
     "lr_scheduler.min_lr_factor": 0,
@@ -574,7 +577,8 @@ def validate(config: JobConfig, *, world_size: int) -> None:
     degrees = resolve_degrees(config.parallelism, config.training, world_size=world_size)
     model = config.model
     try:
-        args = model_args(model.flavour, model.size, vocab_size=1, window=model.window, block=model.block)
+        args = model_args(model.flavour, model.size, vocab_size=1, window=model.window, block=model.block,
+                          n_layers=model.n_layers)
     except ValueError as e:
         key, _, problem = str(e).partition(": ")
         raise ConfigError(key, problem) from None

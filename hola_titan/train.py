@@ -89,7 +89,7 @@ def resolve_device(name: str) -> torch.device:
 
 def build_model_args(config: JobConfig, vocab_size: int):
     return model_args(config.model.flavour, config.model.size, vocab_size=vocab_size, window=config.model.window,
-                      block=config.model.block, max_seq_len=config.training.seq_len)
+                      block=config.model.block, n_layers=config.model.n_layers, max_seq_len=config.training.seq_len)
 
 
 class Trainer:

@@ -196,6 +196,18 @@ def test_validate_errors(argv, world_size, key, match):
     _invalid(key, ["--training.seq_len", "256", *argv], world_size=world_size, match=match)
 
 
+def test_n_layers_overrides_the_depth_of_a_size():
+    from hola_titan.train import build_model_args
+
+    config = parse_config(["--model.size", "340M", "--model.n_layers", "4"])
+    validate(config, world_size=1)
+    args = build_model_args(config, vocab_size=100)
+    assert (args.n_layers, args.dim, args.n_heads, args.head_dim) == (4, 1024, 4, 256)
+    assert build_model_args(parse_config(["--model.size", "340M"]), vocab_size=100).n_layers == 24
+    with pytest.raises(ConfigError, match=r"^model\.n_layers: must be >= 1, got 0"):
+        parse_config(["--model.n_layers", "0"])
+
+
 def test_validate_accepts_cross_field_layouts():
     validate(parse_config(["--model.flavour", "transformer", "--parallelism.context_parallel_degree", "2",
                            "--data.varlen", "false", "--training.seq_len", "256"]), world_size=2)

@@ -69,11 +69,11 @@ _TRANSFORMER_HEADS = {"debug": (2, 64), "small": (4, 128), "340M": (8, 128), "1.
 
 
 def model_args(flavour: str, size: str, *, vocab_size: int, window: int | None = None, block: int | None = None,
-               max_seq_len: int | None = None) -> ModelArgs:
+               n_layers: int | None = None, max_seq_len: int | None = None) -> ModelArgs:
     """The :class:`ModelArgs` of ``flavour`` at ``size``.
 
     ``vocab_size`` comes from the tokenizer. ``window`` and ``block`` override the HOLA cache size and block
-    length (recurrent flavours); ``max_seq_len`` is the Transformer++ RoPE table length.
+    length (recurrent flavours), ``n_layers`` the depth; ``max_seq_len`` is the Transformer++ RoPE table length.
     """
     if flavour not in FLAVOURS:
         raise ValueError(f"model.flavour: unknown flavour {flavour!r}; expected one of {', '.join(FLAVOURS)}")
@@ -92,6 +92,10 @@ def model_args(flavour: str, size: str, *, vocab_size: int, window: int | None =
         if block <= 0:
             raise ValueError(f"model.block: must be >= 1, got {block}")
         fields["block"] = block
+    if n_layers is not None:
+        if n_layers <= 0:
+            raise ValueError(f"model.n_layers: must be >= 1, got {n_layers}")
+        fields["n_layers"] = n_layers
     if max_seq_len is not None:
         fields["max_seq_len"] = max_seq_len
     return ModelArgs(flavour=flavour, size=size, vocab_size=vocab_size, **fields)
