@@ -40,13 +40,16 @@ LOG2E = 1.4426950408889634
 # Launch configurations (block sizes, warps, stages) per head dim for the GPU; the interpreter uses 16 x 16 tiles.
 # One fixed configuration per kernel instead of autotune: autotuned launches fail in the interpreter, and a fresh
 # machine would re-tune every run. scripts/bench_hola_attention.py sweeps alternatives.
-CONFIGS = {  # BM: query tile, BN: key tile. D >= 128 picked by the fewest register spills in ptxas (Triton 3.6).
+# BM: query tile, BN: key tile. D = 128 picked by the fewest register spills in ptxas (Triton 3.6); D = 256 by
+# timing on an H200 (scripts/bench_hola_attention.py --sweep, 65,536 tokens, 4 heads; docs/LOG.md): forward
+# 0.95 -> 0.58 ms, backward 2.59 -> about 2.0 ms against the ptxas pick (64 x 32, 8 warps).
+CONFIGS = {
     "fwd": {64: dict(BM=64, BN=64, num_warps=4, num_stages=3), 128: dict(BM=64, BN=32, num_warps=8, num_stages=2),
-            256: dict(BM=64, BN=32, num_warps=8, num_stages=2)},
+            256: dict(BM=64, BN=32, num_warps=4, num_stages=2)},
     "dq": {64: dict(BM=64, BN=64, num_warps=4, num_stages=3), 128: dict(BM=64, BN=32, num_warps=8, num_stages=2),
-           256: dict(BM=64, BN=32, num_warps=8, num_stages=2)},
+           256: dict(BM=32, BN=32, num_warps=4, num_stages=2)},
     "dkdv": {64: dict(BM=64, BN=64, num_warps=4, num_stages=3), 128: dict(BM=64, BN=32, num_warps=8, num_stages=2),
-             256: dict(BM=64, BN=32, num_warps=8, num_stages=2)},
+             256: dict(BM=32, BN=32, num_warps=4, num_stages=2)},
 }
 _INTERPRET_CONFIG = dict(BM=16, BN=16, num_warps=1, num_stages=1)
 

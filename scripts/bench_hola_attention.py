@@ -44,6 +44,11 @@ def parse_args():
     p.add_argument("--sweep-only", action="store_true", help="only the sweep (first of --seq-lens)")
     p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--rows", action="store_true", help="B rows of T tokens instead of one packed row")
+    p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_sdpa,sdpa_causal",
+                   help="comma-separated rows to time (default: all)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile gdn_fla, gdn_adapter and hola_triton (torch.profiler): GPU kernel time per "
+                        "call by kernel, and the gap between the timed call and its kernels (host-bound time)")
     return p.parse_args()
 
 
@@ -135,6 +140,8 @@ def main():
         items = {"gdn_fla": (gdn_fla, x[:5]), "gdn_adapter": (hola("triton", "none"), x[:5]),
                  "hola_triton": (hola("triton"), x), "hola_sdpa": (hola("sdpa"), x),
                  "sdpa_causal": (sdpa_causal, [qa, ka, va])}
+        wanted = set(_names(args.items))
+        items = {k: val for k, val in items.items() if k in wanted}
         if args.sweep_only:
             items = {}
         for name, (fn, grads) in items.items():
@@ -175,6 +182,10 @@ def main():
             row["stage_cache_bwd_ms"] = bench(bwd_fn, None, args.rep_ms)
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
                 row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms)
+        if args.profile:
+            profiled = ("gdn_fla", "gdn_adapter", "hola_triton")
+            row["profile"] = {name: profile(fn, grads, row.get(name + "_ms"))
+                              for name, (fn, grads) in items.items() if name in profiled}
         if "gdn_fla_ms" in row:
             for name in ("hola_triton", "hola_sdpa", "gdn_adapter"):
                 if name + "_ms" in row:
@@ -194,6 +205,43 @@ def main():
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print_table(results)
+
+
+def _names(text):
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def profile(fn, grads, timed_ms, iters=5, top=12):
+    """GPU kernel time per call, by kernel name (``torch.profiler``), against the call's timed median.
+
+    ``kernel_ms`` is the summed device time of the call's kernels; ``timed_ms - kernel_ms`` is time the GPU spent
+    idle inside the call (launch gaps, host work, synchronisations)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+            for p in grads:
+                p.grad = None
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = evt.self_cuda_time_total
+        if dev_us > 0:
+            per_kernel[evt.key[:90]] = (dev_us / iters / 1000, evt.count // iters)
+    kernel_ms = sum(ms for ms, _ in per_kernel.values())
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
+    out = dict(kernel_ms=kernel_ms, timed_ms=timed_ms, launches=sum(n for _, n in per_kernel.values()),
+               top=[dict(kernel=k, ms=round(ms, 4), launches=n) for k, (ms, n) in ranked[:top]])
+    print(f"profile: kernels {kernel_ms:.3f} ms per call, timed {timed_ms}, launches {out['launches']}", flush=True)
+    for item in out["top"]:
+        print(f"    {item['ms']:8.3f} ms  x{item['launches']:<3d} {item['kernel']}", flush=True)
+    return out
 
 
 def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms):
