@@ -68,6 +68,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="compile.enable for hola_titan models")
     parser.add_argument("--ac", default="none", choices=("none", "full", "selective"),
                         help="activation_checkpoint.mode for hola_titan models")
+    parser.add_argument("--float8", action="store_true", help="float8.enable (torchao rowwise) for hola_titan models")
     parser.add_argument("--references", default=",".join(REFERENCES),
                         help=f"comma-separated outside references ({', '.join(REFERENCES)}) or 'none'; "
                              "measured at each (seq_len, batch) pair, 340M shapes, GPU only")
@@ -141,8 +142,11 @@ def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, w
     """Warm up, time ``steps`` calls of ``step``, then profile ``steps`` calls of the three ``phases``."""
     from hola_titan.metrics import peak_memory_gib
 
-    for _ in range(warmup):
+    for i in range(warmup):
+        t0 = clock.now()
         step()
+        # The first steps compile and (on a fresh machine, per new dtype/shape key) autotune kernels: minutes.
+        print(f"  warm-up step {i + 1}: {clock.now() - t0:.1f} s", flush=True)
     _reset_peak(device)
     start = clock.now()
     for _ in range(steps):
@@ -184,9 +188,12 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
                  "--activation_checkpoint.mode", args.ac, "--compile.enable", str(args.compile).lower(),
                  "--validation.enable", "false", "--checkpoint.enable", "false",
                  "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump),
-                 "--data.dataset", "bundled", "--lr_scheduler.warmup_steps", "1"]
+                 "--data.dataset", "bundled", "--lr_scheduler.warmup_steps", "1",
+                 "--float8.enable", str(args.float8).lower()]
+    t0 = time.time()
     trainer = Trainer(parse_config(["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"),
                                     *overrides]))
+    print(f"{flavour} {size} T={seq_len} B={batch_size}: trainer built in {time.time() - t0:.1f} s", flush=True)
     device = trainer.device
     clock = _Clock(device)
     generator = torch.Generator().manual_seed(0)
@@ -213,7 +220,7 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
                    tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup)
     row.update(system="hola_titan", flavour=flavour, size=size, num_params=trainer.num_params,
                mfu=trainer.flops["total"] * row["tokens_per_s"] / (trainer.peak_tflops * 1e12),
-               flops_per_token=trainer.flops["total"], compile=args.compile, ac=args.ac)
+               flops_per_token=trainer.flops["total"], compile=args.compile, ac=args.ac, float8=args.float8)
     del trainer
     return row
 
@@ -311,7 +318,8 @@ def _print_table(rows: list[dict]) -> None:
             print(f"{r['system']:<13}{r['flavour']:<14}{r['size']:<6}{r['seq_len']:>6}{r['batch_size']:>4}"
                   f"  {r['error']}")
             continue
-        note = ",".join(n for n, on in (("compile", r.get("compile")), (f"ac={r.get('ac')}", r.get("ac") != "none"))
+        note = ",".join(n for n, on in (("compile", r.get("compile")), (f"ac={r.get('ac')}", r.get("ac") != "none"),
+                                                ("float8", r.get("float8")))
                         if on)
         print(f"{r['system']:<13}{r['flavour']:<14}{r['size']:<6}{r['seq_len']:>6}{r['batch_size']:>4}"
               f"{r['num_params'] / 1e6:>8.1f}M{r['tokens_per_s']:>11,.0f}{100 * r['mfu']:>6.1f}%"
@@ -366,11 +374,12 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"system": "hola_titan" if kind == "ours" else name, "flavour": name, "size": size,
                        "error": "out of memory"}
             rows.append({**base, **row})
+            _append(args.out, rows[-1:])  # row by row: a run stopped by a time limit keeps what it measured
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            print(f"done: {rows[-1]['system']} {name} {size} T={seq_len} B={batch_size}", flush=True)
-    _append(args.out, rows)
+            print(f"done: {rows[-1]['system']} {name} {size} T={seq_len} B={batch_size}: "
+                  f"{rows[-1].get('tokens_per_s', rows[-1].get('error'))} tokens/s", flush=True)
     _print_table(rows)
     for name, reason in skipped.items():
         print(f"reference models skipped: {name}: {reason}")

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from hola_titan.models.args import model_args, replace
@@ -27,3 +32,18 @@ def tiny_model(flavour: str, *, vocab_size: int = 97, seed: int = 0) -> HolaTita
                 mixer.gamma_q.copy_(1 + 0.2 * torch.randn(mixer.gamma_q.shape, generator=gen))
                 mixer.gamma_k.copy_(1 + 0.2 * torch.randn(mixer.gamma_k.shape, generator=gen))
     return model.eval()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_parallel_worker(out: Path, nproc: int, args: list[str], *, timeout: float = 600) -> dict:
+    """``torchrun`` ``nproc`` processes of ``tests/parallel_worker.py`` with the config overrides ``args``;
+    returns rank 0's ``result.pt`` (losses, gradient norms, gradients of step 1)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               HOLA_TITAN_CACHE=str(out / "cache"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", str(ROOT / "tests" / "parallel_worker.py"), str(out), *args]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return torch.load(out / "result.pt")

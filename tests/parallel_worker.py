@@ -1,5 +1,5 @@
-"""A torchrun worker for the parity tests: trains a few steps with the given overrides, saves the losses and the
-full (unsharded) gradients of step 1 to ``OUT/result.pt`` on rank 0.
+"""A torchrun worker for the parity tests: trains a few steps with the given overrides, saves the losses, the
+gradient norms and the full (unsharded) gradients of step 1 to ``OUT/result.pt`` on rank 0.
 
 Usage: ``torchrun --nproc_per_node N tests/parallel_worker.py OUT [--section.key value ...]``
 """
@@ -30,7 +30,8 @@ def main() -> None:
     trainer.gradient_probe = probe
     rows = trainer.train()
     if int(os.environ.get("RANK", 0)) == 0:
-        torch.save({"losses": [r["loss"] for r in rows if "loss" in r], "grads": grads},
+        torch.save({"losses": [r["loss"] for r in rows if "loss" in r],
+                    "grad_norms": [r["grad_norm"] for r in rows if "grad_norm" in r], "grads": grads},
                    os.path.join(out, "result.pt"))
 
 

@@ -9,9 +9,6 @@ few ulps times sqrt(n).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ import torch
 
 from hola_titan.config import parse_config
 from hola_titan.train import Trainer
+from helpers import run_parallel_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--training.steps", "3",
@@ -38,13 +36,7 @@ LAYOUTS = {
 
 
 def _run(out: Path, nproc: int, args: list[str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               HOLA_TITAN_CACHE=str(out / "cache"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", str(ROOT / "tests" / "parallel_worker.py"), str(out), *COMMON, *args]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return torch.load(out / "result.pt")
+    return run_parallel_worker(out, nproc, [*COMMON, *args])
 
 
 @pytest.fixture(scope="module", params=["hola", "transformer"])
