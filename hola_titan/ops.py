@@ -56,25 +56,28 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
               cu_seqlens=cu_seqlens, initial_state=initial_state, initial_cache=initial_cache,
               output_final_cache=output_final_cache, backend=backend)
     chosen = resolve_backend(backend, q.device)
-    if chosen != "reference" and initial_cache is None:
+    if chosen != "reference":
         from hola_titan.kernels.hola_triton import check_supported, is_supported
         if backend == "auto" and not is_supported(q):
             chosen = "reference"  # e.g. float64 or an odd head dim on a GPU
         else:
             check_supported(q, chosen)
-    if chosen == "reference" or initial_cache is not None:
-        # The Triton and SDPA backends start every sequence from an empty cache; a call that continues from a
-        # cache object (chunked prefill, decoding) runs on the reference backend.
+    if chosen == "reference" or (chosen == "sdpa" and initial_cache is not None):
+        # The SDPA backend starts every sequence from an empty cache; a call that continues from a cache object
+        # (chunked prefill, decoding) runs on the reference backend there.
         o, final_state, final_cache = hola_attention_reference(
             q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
             cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
             initial_cache=initial_cache, output_final_cache=output_final_cache)
+    elif chosen == "triton":
+        from hola_titan.kernels.hola_triton import hola_attention_triton
+        o, final_state, final_cache = hola_attention_triton(
+            q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
+            cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
+            initial_cache=initial_cache, output_final_cache=output_final_cache)
     else:
-        if chosen == "triton":
-            from hola_titan.kernels.hola_triton import hola_attention_triton as fn
-        else:
-            from hola_titan.kernels.hola_sdpa import hola_attention_sdpa as fn
-        o, final_state, final_cache = fn(
+        from hola_titan.kernels.hola_sdpa import hola_attention_sdpa
+        o, final_state, final_cache = hola_attention_sdpa(
             q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
             cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
             output_final_cache=output_final_cache)

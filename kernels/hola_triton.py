@@ -10,7 +10,8 @@ Pipeline (HOLA_SPEC section 1):
 3. cache attention with the fused RMSNorms, sink and ``o_state + sigmoid(gate) o_cache`` epilogue:
    :mod:`hola_titan.kernels.hola_triton_attn`, as the custom op ``hola::cache_attn`` (fake and autograd
    registrations; its backward is the custom op ``hola::cache_attn_bwd``).
-Calls with an ``initial_cache`` are served by the reference backend (see ``hola_titan.ops``).
+Calls with an ``initial_cache`` run on an extended row layout that puts the cache's entries and buffered tokens in
+front of each sequence (:func:`_continue_from_cache`).
 """
 
 from __future__ import annotations
@@ -133,16 +134,19 @@ torch.library.register_autograd("hola::cache_attn", _cache_attn_backward, setup_
 
 @torch.library.custom_op("hola::select_topw", mutates_args=())
 def select_topw_op(m: torch.Tensor, blk_start: torch.Tensor, blk_len: torch.Tensor, doc_first_blk: torch.Tensor,
-                   doc_num_blk: torch.Tensor, block: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score selection: ``(sel [NB, H, W] int32, final keys [N, H, W] int64)`` for ``m`` ``[B * T, H]`` float32."""
+                   doc_num_blk: torch.Tensor, block: int, window: int,
+                   init_keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score selection: ``(sel [NB, H, W] int32, final keys [N, H, W] int64)`` for ``m`` ``[B * T, H]`` float32,
+    starting every sequence from ``init_keys`` ``[N, H, W]`` when given (see ``select_topw``)."""
     table = BlockTable(blk_start=blk_start, blk_len=blk_len, blk_doc_start=blk_start, doc_start=doc_first_blk,
                        doc_len=doc_num_blk, doc_first_blk=doc_first_blk, doc_num_blk=doc_num_blk, block=block)
     with _device_ctx(m):
-        return _select.select_topw(m.contiguous(), table, window)
+        return _select.select_topw(m.contiguous(), table, window,
+                                   None if init_keys is None else init_keys.contiguous())
 
 
 @select_topw_op.register_fake
-def _(m, blk_start, blk_len, doc_first_blk, doc_num_blk, block, window):
+def _(m, blk_start, blk_len, doc_first_blk, doc_num_blk, block, window, init_keys=None):
     h = m.shape[1]
     return (m.new_empty(blk_start.shape[0], h, window, dtype=torch.int32),
             m.new_empty(doc_first_blk.shape[0], h, window, dtype=torch.int64))
@@ -185,13 +189,14 @@ def select(m: torch.Tensor, table: BlockTable, *, window: int, evict: str, num_h
 
 def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int, evict: str,
                           cu_seqlens=None, initial_state=None, output_final_state: bool = False,
-                          output_final_cache: bool = False, selected: torch.Tensor | None = None,
-                          return_aux: bool = False, state_impl: str = "auto"):
-    """The Triton backend (arguments validated by ``hola_titan.ops.hola_attention``; no ``initial_cache``).
+                          initial_cache: HolaCache | None = None, output_final_cache: bool = False,
+                          selected: torch.Tensor | None = None, return_aux: bool = False, state_impl: str = "auto"):
+    """The Triton backend (arguments validated by ``hola_titan.ops.hola_attention``).
 
     ``selected`` (``[NB, H, W]`` int32 flat token indices, ``-1`` empty) replaces the selection, for tests that
     compare reading given the same indices. With ``return_aux`` the result gains a dict with the scores ``m``
     ``[B, T, H]``, the selection ``sel`` and the block table. ``state_impl``: see :func:`state_path`.
+    A call with an ``initial_cache`` runs on an extended row layout (:func:`_continue_from_cache`).
     Returns ``(o, final_state, final_cache[, aux])``.
     """
     bsz, seq_len, h, d = q.shape
@@ -200,6 +205,14 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
     aux = {"m": m}
     if evict == "none":
         return (o_state, final_state, None, aux) if return_aux else (o_state, final_state, None)
+    if initial_cache is not None:
+        if selected is not None:
+            raise ValueError("selected: not supported together with initial_cache")
+        o, final_cache, sel, table = _continue_from_cache(q, k, v, o_state, m, gamma_q, gamma_k, sink, gate,
+                                                          cu_seqlens, initial_cache, window=window, block=block,
+                                                          evict=evict, output_final_cache=output_final_cache)
+        aux.update(sel=sel, table=table)
+        return (o, final_state, final_cache, aux) if return_aux else (o, final_state, final_cache)
     table = build_block_table(bsz, seq_len, cu_seqlens, block, q.device)
     m_flat = m.reshape(bsz * seq_len, h)
     final_keys = None
@@ -261,6 +274,169 @@ def final_cache_from_selection(q, k, v, m_flat, sel, final_keys, table: BlockTab
         buf_k=torch.where(buf_ok[:, None, :, None], k_flat[buf_tok].transpose(1, 2), zero),
         buf_v=torch.where(buf_ok[:, None, :, None], v_flat[buf_tok].transpose(1, 2), zero),
         seen=table.doc_len.long(), window=window, block=block, evict=evict)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Continuing from a cache (context-parallel shards, chunked prefill).
+#
+# The call runs on an extended row layout ``[R, H, D]``, ``R = N W + N C + B T``:
+#   rows 0 ... N W - 1: the persistent entries of every sequence (W rows each, per head sorted by position, empty
+#       slots last), never queries, read only through the selection;
+#   then per sequence: a C-row area whose last ``r = seen % C`` rows hold the unfinished block's buffered tokens,
+#   followed by the sequence's new tokens.
+# Blocks start at each sequence's first buffered row, so the first block is the unfinished one, completed by the
+# new tokens; the running top W of the selection starts from the persistent entries. Row order is position order
+# within a sequence (persistent < buffered < new), so the flat row doubles as the position in the tie order, as in
+# the plain layout. The persistent rows and the area rows before the buffered ones are covered by extra blocks of
+# extra "sequences" after the N real ones, so that every row's output and statistics are written (the backward
+# reduces over all rows); their outputs are dropped and, with zero output gradients, add nothing to any gradient.
+# The assembly is a gather, so gradients reach the cache's k and v (a context-parallel rank passes them back to the
+# rank before).
+
+
+def _continue_from_cache(q, k, v, o_state, m, gamma_q, gamma_k, sink, gate, cu_seqlens, cache: HolaCache, *,
+                         window: int, block: int, evict: str, output_final_cache: bool):
+    bsz, seq_len, h, d = q.shape
+    device = q.device
+    n, total, c, w = cache.seen.shape[0], bsz * seq_len, block, window
+    tok = torch.arange(total, device=device)
+    if cu_seqlens is None:
+        doc_start = torch.arange(bsz, device=device) * seq_len
+        doc_len = torch.full((bsz,), seq_len, device=device, dtype=torch.int64)
+        tok_doc = tok // seq_len
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        doc_start, doc_len = cu[:-1], cu[1:] - cu[:-1]
+        tok_doc = torch.searchsorted(cu[1:], tok, right=True)
+    seen = cache.seen.to(device=device, dtype=torch.int64)
+    r = seen % c
+    base = n * w
+    area_start = base + torch.arange(n, device=device) * c + doc_start
+    ext_start, ext_len = area_start + c - r, r + doc_len
+    rows = base + n * c + total
+    # Permutation: pseudo rows, area rows, token rows -> extended rows.
+    area_rows = (area_start[:, None] + torch.arange(c, device=device)[None, :]).reshape(-1)
+    dest = torch.cat([torch.arange(base, device=device), area_rows, base + (tok_doc + 1) * c + tok])
+    order = torch.empty_like(dest)
+    order[dest] = torch.arange(rows, device=device)
+    token_rows = dest[base + n * c:]
+    # Persistent entries per head by position, empty slots last; buffer slot of each area row.
+    pos = cache.positions.to(device)
+    by_pos = torch.argsort(torch.where(pos >= 0, pos, torch.iinfo(torch.int64).max), dim=-1, stable=True)
+    slot = torch.arange(c, device=device)[None, :] - (c - r)[:, None]  # [N, C]
+    slot_ok = slot >= 0
+
+    def extend(tokens, persistent, buffered, fill):
+        """``[R, H, ...]`` from ``[B*T, H, ...]`` tokens, ``[N, H, W, ...]`` entries, ``[N, H, C, ...]`` buffer."""
+        extra = persistent.shape[3:]
+        idx_p = by_pos.view(n, h, w, *([1] * len(extra))).expand(n, h, w, *extra)
+        p = persistent.gather(2, idx_p).transpose(1, 2).reshape(base, h, *extra)
+        idx_b = slot.clamp_min(0)[:, None, :].view(n, 1, c, *([1] * len(extra))).expand(n, h, c, *extra)
+        b = buffered.gather(2, idx_b)
+        b = torch.where(slot_ok.view(n, 1, c, *([1] * len(extra))), b, torch.full((), fill, dtype=b.dtype,
+                                                                                   device=device))
+        b = b.transpose(1, 2).reshape(n * c, h, *extra)
+        return torch.cat([p.to(tokens.dtype), b.to(tokens.dtype), tokens.reshape(total, h, *extra)])[order]
+
+    dt = q.dtype
+    q_ext = extend(q, q.new_zeros(n, h, w, d), q.new_zeros(n, h, c, d), 0.0)
+    k_ext = extend(k, cache.k.to(device=device, dtype=dt), cache.buf_k.to(device=device, dtype=dt), 0.0)
+    v_ext = extend(v, cache.v.to(device=device, dtype=dt), cache.buf_v.to(device=device, dtype=dt), 0.0)
+    os_ext = extend(o_state, o_state.new_zeros(n, h, w, d), o_state.new_zeros(n, h, c, d), 0.0)
+    m_ext = extend(m.float(), cache.scores.to(device=device, dtype=torch.float32),
+                   cache.buf_scores.to(device=device, dtype=torch.float32), float("-inf"))
+    # Real sequences first, then the persistent rows and each area's unused rows as extra sequences.
+    seq_start = torch.cat([ext_start, ext_start.new_zeros(1), area_start])
+    seq_len_all = torch.cat([ext_len, ext_len.new_full((1,), base), c - r])
+    num_rows = -(-total // c) + 2 * n + (-(-base // c)) + 1 + n  # an upper bound on the blocks, without a sync
+    table = _select.block_table_of_docs(seq_start, seq_len_all, num_rows, c)
+    sel, final_keys = _select_with_cache(m_ext, table, pos, by_pos, window=w, evict=evict, num_heads=h)
+    o_ext, *_ = cache_attn_op(q_ext[None], k_ext[None], v_ext[None], os_ext[None], gamma_q, gamma_k, sink, gate, sel,
+                              table.blk_start, table.blk_len, block, window)
+    o = o_ext[0, token_rows].reshape(bsz, seq_len, h, d)
+    final_cache = None
+    if output_final_cache:
+        abs_tok = (seen[tok_doc] + tok - doc_start[tok_doc])[:, None].expand(total, h)
+        abs_buf = (seen - r)[:, None, None] + torch.arange(c, device=device)[None, None, :]  # by buffer slot
+        pos_ext = extend(abs_tok, pos, abs_buf.expand(n, h, c), -1)
+        final_cache = _final_cache_ext(k_ext, v_ext, m_ext, pos_ext, sel, final_keys, table, ext_start, ext_len, pos,
+                                       seen + doc_len, window=w, block=c, evict=evict)
+    return o, final_cache, sel, table
+
+
+def _recent_rows(s, doc_start, pos, doc_of, window):
+    """``[M, H, W]``: the ``window`` latest rows before extended row ``s`` [M] of a sequence starting at row
+    ``doc_start`` [M] (sequence ``doc_of`` [M]), latest first, continuing into that sequence's persistent entries
+    (positions ``pos`` [N, H, W], stored per head by position at rows ``n W + j``); ``-1`` for none."""
+    h = pos.shape[1]
+    j = torch.arange(window, device=s.device)[None, :]
+    inside = s[:, None] - 1 - j  # [M, W]
+    in_seq = inside >= doc_start[:, None]
+    k = j - (s - doc_start)[:, None]  # how far into the persistent entries, latest first
+    valid = (pos >= 0).sum(-1)[doc_of]  # [M, H]
+    entry = valid[:, :, None] - 1 - k[:, None, :]  # [M, H, W]
+    from_cache = torch.where(entry >= 0, doc_of[:, None, None] * window + entry, torch.full_like(entry, -1))
+    out = torch.where(in_seq[:, None, :], inside[:, None, :].expand(-1, h, -1), from_cache)
+    return out.to(torch.int32)
+
+
+def _blk_doc(table: BlockTable) -> torch.Tensor:
+    rows = torch.arange(table.num_blocks, device=table.blk_start.device)
+    end = (table.doc_first_blk + table.doc_num_blk).long()
+    return torch.searchsorted(end, rows, right=True).clamp(max=table.num_seqs - 1)
+
+
+def _select_with_cache(m_ext, table: BlockTable, pos, by_pos, *, window: int, evict: str, num_heads: int):
+    """Selection on the extended layout: ``(sel [NB, H, W], final keys [N, H, W] or None)``."""
+    n = pos.shape[0]
+    if window == 0:
+        return torch.empty(table.num_blocks, num_heads, 0, dtype=torch.int32, device=m_ext.device), None
+    if evict == "recency":
+        doc = _blk_doc(table)
+        sel = _recent_rows(table.blk_start.long(), table.blk_doc_start.long(), pos, doc.clamp(max=n - 1), window)
+        real = (table.blk_len > 0) & (doc < n)  # the extra sequences' blocks read nothing
+        return torch.where(real[:, None, None], sel, torch.full_like(sel, -1)).contiguous(), None
+    rows = torch.arange(n, device=m_ext.device)[:, None, None] * window + torch.arange(window, device=m_ext.device)
+    valid = pos.gather(-1, by_pos) >= 0
+    heads = torch.arange(num_heads, device=m_ext.device)[None, :, None]
+    keys = _select.score_keys(m_ext[rows.expand(n, num_heads, window), heads], rows)
+    keys = torch.where(valid, keys, torch.full_like(keys, KEY_EMPTY)).sort(dim=-1, descending=True).values
+    keys = torch.cat([keys, keys.new_full((table.num_seqs - n, num_heads, window), KEY_EMPTY)])
+    sel, final_keys = select_topw_op(m_ext, table.blk_start, table.blk_len, table.doc_first_blk, table.doc_num_blk,
+                                     table.block, window, keys)
+    return sel, final_keys[:n]
+
+
+def _final_cache_ext(k_ext, v_ext, m_ext, pos_ext, sel, final_keys, table: BlockTable, doc_start, doc_len, pos, seen,
+                     *, window: int, block: int, evict: str) -> HolaCache:
+    """The :class:`HolaCache` after a call on the extended layout (see :func:`final_cache_from_selection`);
+    ``doc_start``, ``doc_len``: each sequence's rows from its first buffered one."""
+    n, h = pos.shape[:2]
+    device = k_ext.device
+    rem = seen % block
+    if window == 0:
+        top = torch.empty(n, h, 0, dtype=torch.int32, device=device)
+    elif evict == "score":
+        last = (table.doc_first_blk[:n] + table.doc_num_blk[:n] - 1).long().clamp_min(0)
+        top = torch.where((rem == 0)[:, None, None], _select.keys_to_index(final_keys), sel[last])
+    else:
+        top = _recent_rows(doc_start + doc_len - rem, doc_start, pos, torch.arange(n, device=device), window)
+    ok = top >= 0
+    idx = top.long().clamp_min(0)
+    heads = torch.arange(h, device=device)[None, :, None]
+    zero = torch.zeros((), dtype=k_ext.dtype, device=device)
+    offs = torch.arange(block, device=device)
+    buf_row = (doc_start + doc_len - rem)[:, None] + offs[None, :]
+    buf_ok = offs[None, :] < rem[:, None]
+    buf_row = torch.where(buf_ok, buf_row, torch.zeros_like(buf_row))
+    return HolaCache(
+        scores=torch.where(ok, m_ext[idx, heads], float("-inf")),
+        positions=torch.where(ok, pos_ext[idx, heads], torch.full_like(idx, -1)),
+        k=torch.where(ok[..., None], k_ext[idx, heads], zero), v=torch.where(ok[..., None], v_ext[idx, heads], zero),
+        buf_scores=torch.where(buf_ok[:, None, :], m_ext[buf_row].transpose(1, 2), float("-inf")),
+        buf_k=torch.where(buf_ok[:, None, :, None], k_ext[buf_row].transpose(1, 2), zero),
+        buf_v=torch.where(buf_ok[:, None, :, None], v_ext[buf_row].transpose(1, 2), zero),
+        seen=seen, window=window, block=block, evict=evict)
 
 
 __all__ = ["hola_attention_triton", "check_supported", "triton_importable", "interpreting", "KEY_EMPTY"]

@@ -74,6 +74,13 @@ def build_block_table(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None,
         cu = cu_seqlens.to(device=device, dtype=torch.int64)
         doc_start, doc_len = cu[:-1], cu[1:] - cu[:-1]
         num_rows = nb_row + doc_start.shape[0]
+    return block_table_of_docs(doc_start, doc_len, num_rows, block)
+
+
+def block_table_of_docs(doc_start: torch.Tensor, doc_len: torch.Tensor, num_rows: int, block: int) -> BlockTable:
+    """The block table of documents at flat ``doc_start`` with ``doc_len`` tokens (int64 tensors), in sequence
+    order, with ``num_rows`` rows (an upper bound on the number of blocks, known without reading the lengths)."""
+    device = doc_start.device
     doc_num_blk = (doc_len + block - 1) // block
     doc_end_blk = torch.cumsum(doc_num_blk, 0)
     doc_first_blk = doc_end_blk - doc_num_blk
@@ -145,14 +152,18 @@ if triton is not None:
         tl.store(local_ptr + (i_b * H + i_h) * BW + o_w, b_key)
 
     @triton.jit
-    def _merge_topw_kernel(local_ptr, doc_first_blk_ptr, doc_num_blk_ptr, sel_ptr, final_ptr, H,
-                           W: tl.constexpr, BW: tl.constexpr):
-        """Walk the blocks of one sequence and head: emit the running top W, then merge the block into it."""
+    def _merge_topw_kernel(local_ptr, doc_first_blk_ptr, doc_num_blk_ptr, init_ptr, sel_ptr, final_ptr, H,
+                           W: tl.constexpr, BW: tl.constexpr, HAS_INIT: tl.constexpr):
+        """Walk the blocks of one sequence and head: emit the running top W, then merge the block into it.
+        The running top W starts empty, or from the sequence's initial keys (a cache carried from before)."""
         i_n, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         first = tl.load(doc_first_blk_ptr + i_n).to(tl.int64)
         nblk = tl.load(doc_num_blk_ptr + i_n)
         o_w = tl.arange(0, BW)
-        b_carry = tl.full([BW], -9223372036854775808, dtype=tl.int64)
+        if HAS_INIT:
+            b_carry = tl.load(init_ptr + (i_n * H + i_h) * BW + o_w)
+        else:
+            b_carry = tl.full([BW], -9223372036854775808, dtype=tl.int64)
         for i in range(0, nblk):
             blk = first + i
             b_idx = 0xFFFFFFFF - (b_carry & 0xFFFFFFFF)
@@ -166,11 +177,14 @@ if triton is not None:
         tl.store(final_ptr + (i_n * H + i_h) * BW + o_w, b_carry)
 
 
-def select_topw(m: torch.Tensor, table: BlockTable, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select_topw(m: torch.Tensor, table: BlockTable, window: int,
+                init_keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Score selection with the Triton kernels.
 
     Args:
         m: ``[B * T, H]`` float32 scores (contiguous). table: the block table. window: W >= 1.
+        init_keys: ``[N, H, W]`` int64 keys every sequence's running top W starts from, in selection order
+            (``KEY_EMPTY`` for empty slots), or None for empty caches.
     Returns:
         ``(sel [NB, H, W] int32, final_keys [N, H, W] int64)``: the cache of every block, and the top W keys of
         every sequence after merging all its blocks (empty keys are ``KEY_EMPTY``).
@@ -181,11 +195,19 @@ def select_topw(m: torch.Tensor, table: BlockTable, window: int) -> tuple[torch.
     local = torch.empty(table.num_blocks, h, bw, dtype=torch.int64, device=m.device)
     sel = torch.full((table.num_blocks, h, window), -1, dtype=torch.int32, device=m.device)  # padding rows stay -1
     final = torch.empty(table.num_seqs, h, bw, dtype=torch.int64, device=m.device)
+    if init_keys is not None:
+        init = torch.full((table.num_seqs, h, bw), KEY_EMPTY, dtype=torch.int64, device=m.device)
+        init[..., :window] = init_keys
     if table.num_blocks:
         _block_topw_kernel[(table.num_blocks, h)](m, table.blk_start, table.blk_len, local, h, W=window, BW=bw, BC=bc,
                                                   num_warps=4 if bc >= 256 else 1)
-        _merge_topw_kernel[(table.num_seqs, h)](local, table.doc_first_blk, table.doc_num_blk, sel, final, h,
-                                                W=window, BW=bw, num_warps=1 if bw <= 64 else 2)
+        _merge_topw_kernel[(table.num_seqs, h)](local, table.doc_first_blk, table.doc_num_blk,
+                                                local if init_keys is None else init, sel, final, h, W=window, BW=bw,
+                                                HAS_INIT=init_keys is not None, num_warps=1 if bw <= 64 else 2)
+    elif init_keys is not None:
+        final.copy_(init)
+    else:
+        final.fill_(KEY_EMPTY)
     return sel, final[..., :window]
 
 

@@ -36,8 +36,10 @@ Each message has a constant size (H*D*2D, C or W entries per head and chain), in
 
 Cost. Besides the shard itself, the state path runs over the crossing sequence once from zero and, when it
 spans the shard, once more from the identity (both in one batched call of the reference chunked form). On
-CUDA, ``hola_attention`` with an initial cache runs on the reference backend, so this is the CPU / reference
-path; a GPU path needs the Triton backend to accept initial states and caches (fla.ops.cp has the state part).
+CUDA the shard itself runs on the Triton backend, which takes initial states (fla) and caches (an extended row
+layout, ``hola_titan.kernels.hola_triton``). There the crossing sequences' scores come from the fp32 reference
+and the shard's from fla's bf16 kernels, so a score tie that bf16 rounding decides can be decided differently
+than in one process; in fp32 on the reference backend the run is the one-process function.
 
 Gradients. The exchanged ``M, X, k, v`` travel through autograd-aware all-gathers, whose backward returns
 the gradients of borrowed rows to their owners and the gradient of ``S_in`` along the chain, so every

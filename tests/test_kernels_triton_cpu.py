@@ -14,6 +14,7 @@ Skipped where Triton is not importable; skipped where a GPU is visible and the i
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
@@ -184,6 +185,74 @@ def test_final_cache_matches_reference(evict):
             assert_close_scaled(a[fin], e[fin], TOL_FP32, f"{fn.__name__} cache.{name}")
 
 
+CACHE_TENSORS = ("k", "v", "buf_k", "buf_v")
+# (batch, prefix length or cu_seqlens, rest length or cu_seqlens, block, window, evict): unfinished and complete
+# blocks carried over, an empty document, a length-1 document, a window larger than the block, recency.
+CONTINUE_CASES = [
+    (2, 13, 21, 8, 3, "score"),
+    (1, [0, 5, 21, 22], [0, 7, 7, 19], 8, 3, "score"),
+    (1, 6, 15, 4, 10, "score"),
+    (1, [0, 5, 21, 22], [0, 7, 7, 19], 8, 3, "recency"),
+    (1, [0, 9, 12], [0, 1, 30], 4, 6, "recency"),
+]
+
+
+@pytest.mark.parametrize("case", CONTINUE_CASES, ids=[f"{c[-1]}-C{c[3]}-W{c[4]}-{i}"
+                                                       for i, c in enumerate(CONTINUE_CASES)])
+def test_triton_continues_from_a_cache_like_the_reference(case):
+    """A call that continues from a HolaCache (a context-parallel shard, chunked prefill): output, final state,
+    final cache and every gradient, including those of the incoming state and of the cache's k and v."""
+    b, first, rest, block, window, evict = case
+    h, d = 2, 16
+    t1 = first if isinstance(first, int) else first[-1]
+    t2 = rest if isinstance(rest, int) else rest[-1]
+    cu1 = None if isinstance(first, int) else torch.tensor(first)
+    cu2 = None if isinstance(rest, int) else torch.tensor(rest)
+    n = b if cu1 is None else len(first) - 1
+    kw = dict(window=window, block=block, evict=evict)
+    x1 = make_inputs(b, t1, h, d, seed=t1 + window)
+    _, state, cache = hola_attention_reference(*[x1[name].detach() for name in NAMES], cu_seqlens=cu1,
+                                               initial_state=None, output_final_state=True, initial_cache=None,
+                                               output_final_cache=True, **kw)
+    assert int((cache.seen % block != 0).sum()) >= 1, "the case should carry an unfinished block"
+    x2 = make_inputs(b, t2, h, d, seed=t2 + 1)
+    gen = torch.Generator().manual_seed(3)
+    w_o = torch.randn(b, t2, h, d, generator=gen)
+    w_k = torch.randn(n, h, window, d, generator=gen)
+    w_s = torch.randn(state.shape, generator=gen)
+
+    def run(fn):
+        x = fresh(x2)
+        s0 = state.clone().requires_grad_()
+        c0 = dataclasses.replace(cache, **{name: getattr(cache, name).clone().requires_grad_()
+                                           for name in CACHE_TENSORS})
+        o, s1, c1 = fn(*[x[name] for name in NAMES], cu_seqlens=cu2, initial_state=s0, output_final_state=True,
+                       initial_cache=c0, output_final_cache=True, **kw)
+        loss = (o * w_o).sum() + (s1 * w_s).sum() + (c1.k * w_k).sum() + (c1.v * w_k).sum()
+        leaves = [x[name] for name in NAMES] + [s0] + [getattr(c0, name) for name in CACHE_TENSORS]
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        return o, s1, c1, dict(zip([*NAMES, "initial_state", *(f"cache.{n}" for n in CACHE_TENSORS)], grads))
+
+    o, s1, c1, grads = run(hola_attention_triton)
+    o_r, s1_r, c1_r, grads_r = run(hola_attention_reference)
+    assert_close_scaled(o, o_r, TOL_FP32, "o")
+    assert_close_scaled(s1, s1_r, TOL_FP32, "final_state")
+    assert torch.equal(c1.seen, c1_r.seen)
+    assert torch.equal(c1.positions, c1_r.positions)
+    for name in ("scores", "buf_scores", "k", "v", "buf_k", "buf_v"):
+        a, e = getattr(c1, name), getattr(c1_r, name)
+        assert torch.equal(torch.isinf(a), torch.isinf(e)), f"final cache {name}: empty slots differ"
+        fin = torch.isfinite(e)
+        assert_close_scaled(a[fin], e[fin], TOL_FP32, f"final cache {name}")
+    for name, g_r in grads_r.items():
+        g = grads[name]
+        if g_r is None:
+            assert g is None or not g.any(), f"d{name}: the reference has none"
+            continue
+        assert g is not None, f"d{name}: missing"
+        assert_close_scaled(g, g_r, TOL_FP32, f"d{name}")
+
+
 @pytest.mark.parametrize("case", CASES[:2], ids=[_case_id(c) for c in CASES[:2]])
 def test_sdpa_backend_matches_reference_given_its_selection(case):
     b, t, cu, h, d, block, window, evict = case
@@ -219,13 +288,15 @@ def test_dispatch(monkeypatch):
     assert torch.equal(o_a, o_r)
     assert_close_scaled(o_t, o_r, TOL_FP32, "o")
     assert_close_scaled(s_t, s_r, TOL_FP32, "final_state")
-    # Calls that continue from a cache object run on the reference backend.
+    # Calls that continue from a cache object: Triton runs them itself, SDPA hands them to the reference.
     _, _, cache = hola_attention(*[a[:, :12] if a.dim() > 1 else a for a in args], window=3, block=8,
                                  output_final_cache=True, backend="reference")
     rest = [a[:, 12:] if a.dim() > 1 else a for a in args]
     o_c, _ = hola_attention(*rest, window=3, block=8, initial_cache=cache, backend="triton")
     o_c_r, _ = hola_attention(*rest, window=3, block=8, initial_cache=cache, backend="reference")
-    assert torch.equal(o_c, o_c_r)
+    o_c_s, _ = hola_attention(*rest, window=3, block=8, initial_cache=cache, backend="sdpa")
+    assert_close_scaled(o_c, o_c_r, TOL_FP32, "o continued (triton)")
+    assert torch.equal(o_c_s, o_c_r)
     # Head dims the kernels do not take raise a ValueError naming q.
     y = make_inputs(1, 8, 2, 24, seed=6)
     with pytest.raises(ValueError, match=r"^q\b"):
