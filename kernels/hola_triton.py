@@ -200,6 +200,13 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
     Returns ``(o, final_state, final_cache[, aux])``.
     """
     bsz, seq_len, h, d = q.shape
+    from hola_titan.kernels import hola_triton_layer
+    if hola_triton_layer.applies(q, evict=evict, initial_cache=initial_cache, selected=selected, state_impl=state_impl,
+                                 output_final_cache=output_final_cache, return_aux=return_aux):
+        o, final_state, _, _ = hola_triton_layer.hola_layer(
+            q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
+            cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state)
+        return o, final_state, None
     o_state, m, final_state = state_path(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                          output_final_state=output_final_state, impl=state_impl)
     aux = {"m": m}

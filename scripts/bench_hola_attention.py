@@ -7,6 +7,7 @@ Rows (medians of ``triton.testing.do_bench``, CUDA events):
 - ``gdn_fla``: fla's public ``chunk_gated_delta_rule`` (in-kernel l2norm) alone;
 - ``gdn_adapter``: this project's fla adapter (the same GDN plus the score), i.e. ``evict="none"``;
 - ``hola_triton`` / ``hola_sdpa``: ``hola_attention`` with each backend (window 64, block 256, evict score);
+- ``hola_triton_overlap``: the Triton backend with ``HOLA_OVERLAP_BACKWARD=1`` (cache backward on a side stream);
 - ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` with 16 heads x 64;
 - the forward stages of the Triton backend (state path + score, selection, cache attention) and the cache
   attention backward, to show where the time goes.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import time
 
@@ -44,7 +46,7 @@ def parse_args():
     p.add_argument("--sweep-only", action="store_true", help="only the sweep (first of --seq-lens)")
     p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--rows", action="store_true", help="B rows of T tokens instead of one packed row")
-    p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_sdpa,sdpa_causal",
+    p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_triton_overlap,hola_sdpa,sdpa_causal",
                    help="comma-separated rows to time (default: all)")
     p.add_argument("--profile", action="store_true",
                    help="also profile gdn_fla, gdn_adapter and hola_triton (torch.profiler): GPU kernel time per "
@@ -137,8 +139,18 @@ def main():
         def sdpa_causal():
             F.scaled_dot_product_attention(qa, ka, va, is_causal=True).backward(doa)
 
+        def overlapped(fn):
+            def wrapped():
+                os.environ["HOLA_OVERLAP_BACKWARD"] = "1"
+                try:
+                    fn()
+                finally:
+                    os.environ["HOLA_OVERLAP_BACKWARD"] = "0"
+            return wrapped
+
         items = {"gdn_fla": (gdn_fla, x[:5]), "gdn_adapter": (hola("triton", "none"), x[:5]),
-                 "hola_triton": (hola("triton"), x), "hola_sdpa": (hola("sdpa"), x),
+                 "hola_triton": (hola("triton"), x), "hola_triton_overlap": (overlapped(hola("triton")), x),
+                 "hola_sdpa": (hola("sdpa"), x),
                  "sdpa_causal": (sdpa_causal, [qa, ka, va])}
         wanted = set(_names(args.items))
         items = {k: val for k, val in items.items() if k in wanted}
@@ -183,11 +195,11 @@ def main():
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
                 row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms)
         if args.profile:
-            profiled = ("gdn_fla", "gdn_adapter", "hola_triton")
+            profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap")
             row["profile"] = {name: profile(fn, grads, row.get(name + "_ms"))
                               for name, (fn, grads) in items.items() if name in profiled}
         if "gdn_fla_ms" in row:
-            for name in ("hola_triton", "hola_sdpa", "gdn_adapter"):
+            for name in ("hola_triton", "hola_triton_overlap", "hola_sdpa", "gdn_adapter"):
                 if name + "_ms" in row:
                     row[name + "_over_gdn"] = row[name + "_ms"] / row["gdn_fla_ms"]
                     row[name + "_mem_over_gdn"] = row[name + "_peak_mib"] / row["gdn_fla_peak_mib"]
@@ -200,7 +212,6 @@ def main():
         del x, q, k, v, g, beta, do, qa, ka, va, doa
         torch.cuda.empty_cache()
     report = dict(meta=meta, results=results)
-    import os
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
@@ -270,7 +281,8 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms):
 
 def print_table(results):
     cols = [("T", "T"), ("B", "B"), ("gdn_fla_ms", "GDN ms"), ("gdn_adapter_ms", "adapter ms"),
-            ("hola_triton_ms", "HOLA triton ms"), ("hola_sdpa_ms", "HOLA sdpa ms"),
+            ("hola_triton_ms", "HOLA triton ms"), ("hola_triton_overlap_ms", "overlap ms"),
+            ("hola_sdpa_ms", "HOLA sdpa ms"),
             ("sdpa_causal_ms", "SDPA causal ms"),
             ("hola_triton_over_gdn", "triton/GDN"), ("hola_sdpa_over_gdn", "sdpa/GDN"),
             ("hola_triton_over_sdpa_causal", "triton/SDPA"), ("hola_triton_mem_over_gdn", "mem triton/GDN"),

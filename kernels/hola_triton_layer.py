@@ -1,0 +1,191 @@
+"""The whole Triton HOLA layer as one custom op pair, so its backward can overlap the two paths (CUDA, fla).
+
+Shape legend: B batch, T tokens, H heads, D head dim, N sequences, NB blocks, W window.
+
+Why. In the layered form (``hola_triton.hola_attention_triton``) autograd runs the cache-attention backward and
+then fla's GDN backward, one after the other on one stream. fla's recurrent stages (the recomputed forward state
+and the state-gradient pass, about 2.2 ms of the 6.3 ms GDN forward + backward at the 340M layer shape on an
+H200) have only N * H * (D / 64) programs, one or two per multiprocessor, and leave most of the chip waiting on
+latency, while the cache-attention backward (about 2 ms there) is fully parallel. Here one backward op launches
+the cache-attention backward on a side stream and fla's backward on the current one, joins them, and adds the two
+paths' gradients of q, k and v. Expected: most of the cache backward hidden (HOLA from about 9.7 toward 8 ms);
+to be measured (``scripts/bench_hola_attention.py`` times both forms).
+
+Scope: evict "score" or "recency" from an empty cache, on CUDA through fla, head dims fla runs unpadded
+(D >= 128 on Hopper with Triton < 3.7.1, see ``fla_gdn``). Opt in with ``HOLA_OVERLAP_BACKWARD=1`` until the GPU
+measurements are in; the layered form stays the default.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hola_titan.kernels import hola_triton_select as _select
+from hola_titan.kernels.fla_gdn import _gdn_bwd_impl, _gdn_fwd_impl, ensure_backward_checked, padded_head_dim
+
+
+def overlap_enabled() -> bool:
+    return os.environ.get("HOLA_OVERLAP_BACKWARD", "0") == "1"
+
+
+def applies(q: torch.Tensor, *, evict: str, initial_cache, selected, state_impl: str, output_final_cache: bool,
+            return_aux: bool) -> bool:
+    """Whether :func:`hola_layer` serves this call (see the module docstring); the layered form does the rest."""
+    return (overlap_enabled() and q.device.type == "cuda" and evict in ("score", "recency") and initial_cache is None
+            and selected is None and state_impl in ("auto", "fla") and not output_final_cache and not return_aux
+            and padded_head_dim(q.shape[-1], q.device) == q.shape[-1])
+
+
+def _num_blocks(bsz: int, seq_len: int, cu_seqlens: torch.Tensor | None, block: int) -> int:
+    nb_row = -(-seq_len // block)
+    return bsz * nb_row if cu_seqlens is None else nb_row + cu_seqlens.shape[0] - 1
+
+
+@torch.library.custom_op("hola::layer_fwd", mutates_args=())
+def layer_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 gamma_q: torch.Tensor, gamma_k: torch.Tensor, sink: torch.Tensor, gate: torch.Tensor,
+                 initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
+                 output_final_state: bool, block: int, window: int,
+                 evict: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor]:
+    """``(o, final_state or empty, m, sel, blk_start, blk_len, then saved for backward: qn, q_rstd, kn, k_rstd,
+    g_cum, a, oc, lse, rq, rk)``."""
+    from hola_titan.kernels.hola_triton import _device_ctx
+    from hola_titan.kernels.hola_triton_attn import cache_attention_fwd
+
+    bsz, seq_len, h, _ = q.shape
+    with _device_ctx(q):
+        o_state, m, final_state, qn, q_rstd, kn, k_rstd, g_cum, a = _gdn_fwd_impl(
+            q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state)
+        table = _select.build_block_table(bsz, seq_len, cu_seqlens, block, q.device)
+        m_flat = m.reshape(bsz * seq_len, h)
+        if window == 0:
+            sel = torch.empty(table.num_blocks, h, 0, dtype=torch.int32, device=q.device)
+        elif evict == "recency":
+            sel = _select.select_recency(table, h, window)
+        else:
+            sel, _ = _select.select_topw(m_flat, table, window)
+        o, oc, lse, rq, rk = cache_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), o_state,
+                                                 gamma_q.contiguous(), gamma_k.contiguous(), sink.contiguous(),
+                                                 gate.contiguous(), sel, table.blk_start, table.blk_len,
+                                                 block=block, window=window)
+    return (o, final_state, m, sel, table.blk_start, table.blk_len, qn, q_rstd, kn, k_rstd, g_cum, a, oc, lse, rq,
+            rk)
+
+
+@layer_fwd_op.register_fake
+def _(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, scale, output_final_state, block,
+      window, evict):
+    from hola_titan.kernels.fla_gdn import CHUNK
+    bsz, seq_len, h, d = q.shape
+    n = bsz if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    nb = _num_blocks(bsz, seq_len, cu_seqlens, block)
+    f32 = torch.float32
+    final = q.new_empty(n, h, d, d, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32)
+    stats = q.new_empty(bsz, seq_len, h, dtype=f32)
+    i32 = torch.int32
+    return (torch.empty_like(q), final, torch.empty_like(stats), q.new_empty(nb, h, window, dtype=i32),
+            q.new_empty(nb, dtype=i32), q.new_empty(nb, dtype=i32), torch.empty_like(q), torch.empty_like(stats),
+            torch.empty_like(k), torch.empty_like(stats), g.new_empty(bsz, seq_len, h, dtype=f32),
+            k.new_empty(bsz, seq_len, h, CHUNK), torch.empty_like(q), torch.empty_like(stats), torch.empty_like(stats),
+            torch.empty_like(stats))
+
+
+@torch.library.custom_op("hola::layer_bwd", mutates_args=())
+def layer_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 beta: torch.Tensor, gamma_q: torch.Tensor, gamma_k: torch.Tensor, sink: torch.Tensor,
+                 gate: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                 qn: torch.Tensor, q_rstd: torch.Tensor, kn: torch.Tensor, k_rstd: torch.Tensor, g_cum: torch.Tensor,
+                 a: torch.Tensor, oc: torch.Tensor, lse: torch.Tensor, rq: torch.Tensor, rk: torch.Tensor,
+                 sel: torch.Tensor, blk_start: torch.Tensor, blk_len: torch.Tensor, scale: float, block: int,
+                 window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                       torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dg, dbeta, dh0 or empty, dgamma_q, dgamma_k, dsink, dgate)``: the cache backward on a side
+    stream, fla's backward on the current stream, joined before the gradients of q, k, v are summed."""
+    from hola_titan.kernels.hola_triton import _device_ctx
+    from hola_titan.kernels.hola_triton_attn import cache_attention_bwd
+
+    do = do.contiguous()
+    with _device_ctx(q):
+        main = torch.cuda.current_stream()
+        side = _side_stream(q.device)
+        side.wait_stream(main)  # do and everything saved are ready
+        with torch.cuda.stream(side):
+            cache = cache_attention_bwd(do, q, k, v, oc, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start,
+                                        blk_len, block=block, window=window)
+        dq, dk, dv, dg, db, dh0 = _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state,
+                                                cu_seqlens, scale)
+        main.wait_stream(side)
+        for t in cache:
+            t.record_stream(main)  # made on the side stream, used and freed on this one
+        dq_c, dk_c, dv_c, dgq, dgk, dsink, dgate = cache
+        if dh0 is None:
+            dh0 = do.new_empty(0, dtype=torch.float32)
+        # The same sums, in the same dtype, as autograd's accumulation in the layered form.
+        return dq + dq_c, dk + dk_c, dv + dv_c, dg, db, dh0, dgq, dgk, dsink, dgate
+
+
+@layer_bwd_op.register_fake
+def _(do, dht, q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd, g_cum,
+      a, oc, lse, rq, rk, sel, blk_start, blk_len, scale, block, window):
+    f32 = torch.float32
+    dh0 = (torch.empty_like(initial_state, dtype=f32) if initial_state is not None else do.new_empty(0, dtype=f32))
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g_cum),
+            torch.empty_like(beta, dtype=f32), dh0, gamma_q.new_empty(gamma_q.shape, dtype=f32),
+            gamma_k.new_empty(gamma_k.shape, dtype=f32), sink.new_empty(sink.shape, dtype=f32),
+            gate.new_empty(gate.shape, dtype=f32))
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, scale, ofs, block, window, evict = inputs
+    _, _, _, sel, blk_start, blk_len, qn, q_rstd, kn, k_rstd, g_cum, a, oc, lse, rq, rk = output
+    ctx.save_for_backward(q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, qn, q_rstd, kn,
+                          k_rstd, g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len)
+    ctx.scale, ctx.output_final_state, ctx.block, ctx.window = scale, ofs, block, window
+    ctx.g_dtype = g.dtype
+
+
+def _backward(ctx, do, dht, *unused):
+    (q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd, g_cum, a, oc,
+     lse, rq, rk, sel, blk_start, blk_len) = ctx.saved_tensors
+    if not ctx.output_final_state or dht is None or dht.numel() == 0:
+        dht = None
+    dq, dk, dv, dg, db, dh0, dgq, dgk, dsink, dgate = layer_bwd_op(
+        do, dht, q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd,
+        g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len, ctx.scale, ctx.block, ctx.window)
+    return (dq, dk, dv, dg.to(ctx.g_dtype), db.to(beta.dtype), dgq.to(gamma_q.dtype), dgk.to(gamma_k.dtype),
+            dsink.to(sink.dtype), dgate.to(gate.dtype), dh0 if initial_state is not None else None,
+            None, None, None, None, None, None)
+
+
+torch.library.register_autograd("hola::layer_fwd", _backward, setup_context=_setup)
+
+
+def hola_layer(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int, evict: str,
+               cu_seqlens=None, initial_state=None, output_final_state: bool = False):
+    """``(o, final_state or None, m, sel)``: the layer through :func:`layer_fwd_op` (see the module docstring)."""
+    d = q.shape[-1]
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(torch.int64)
+    if initial_state is not None:
+        initial_state = initial_state.to(torch.float32)
+    if (not torch.compiler.is_compiling() and torch.is_grad_enabled()
+            and any(x.requires_grad for x in (q, k, v, g, beta))):
+        ensure_backward_checked(d, q.device)
+    o, final_state, m, sel, *_ = layer_fwd_op(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state,
+                                              cu_seqlens, d ** -0.5, output_final_state, block, window, evict)
+    return o, (final_state if output_final_state else None), m, sel
