@@ -23,6 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The "_triton" cases run the Triton kernels in the interpreter; it must be chosen before they are defined. CPU
+# only: the reference backend, used everywhere else here, does not touch Triton.
+os.environ["TRITON_INTERPRET"] = "1"
 
 from hola_titan import hola_attention  # noqa: E402
 from hola_titan.models.args import model_args, replace  # noqa: E402
@@ -78,8 +81,11 @@ PACKED_DOCS = {
 
 
 def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | None, evict: str, window: int,
-                       block: int, shard: int, dtype, seed: int = 0, batch: int = 2) -> dict:
-    heads, dim = 2, 8
+                       block: int, shard: int, dtype, seed: int = 0, batch: int = 2, dim: int = 8,
+                       backend: str = "reference") -> dict:
+    """``backend`` runs the shards (the one-process run is always the reference): "triton" runs the Triton
+    kernels in Triton's interpreter (continuing from the caches and states the scan hands over)."""
+    heads = 2
     size = cp.cp_size
     if layout_kind == "packed":
         total = 4 * shard
@@ -107,7 +113,7 @@ def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | Non
     cu_local = torch.tensor(layout.local_cu_seqlens, dtype=torch.int64) if cu_list else None
     cp.bytes_received = 0
     o, _ = cp.attention(*(local[n] for n in INPUTS), *cache_args(local), window=window, block=block, evict=evict,
-                        cu_seqlens=cu_local, backend="reference")
+                        cu_seqlens=cu_local, backend=backend)
     received = cp.bytes_received
     (o * x["weight"][:, cols]).sum().backward()
 
@@ -228,6 +234,16 @@ def cases(cp: ContextParallel, mesh) -> dict:
         # Longer shards with the real chunk of the state path (64) inside a shard.
         "attn:long_fp32": att(layout_kind="packed", docs="mixed", evict="score", window=8, dtype=f32, block=16,
                               shard=96),
+        # The shards on the Triton backend (interpreter, float32, head dim 16): continuing from the handed-over
+        # caches, with block heads, a cache larger than a shard, recency and unpacked rows.
+        "attn:packed_score_triton": att(layout_kind="packed", docs="mixed", evict="score", window=3, dtype=f32,
+                                        dim=16, backend="triton", **common),
+        "attn:spanning_big_window_triton": att(layout_kind="packed", docs="spanning", evict="score", window=12,
+                                               dtype=f32, dim=16, backend="triton", **common),
+        "attn:packed_recency_triton": att(layout_kind="packed", docs="mixed", evict="recency", window=5, dtype=f32,
+                                          dim=16, backend="triton", **common),
+        "attn:rows_score_triton": att(layout_kind="rows", docs=None, evict="score", window=6, dtype=f32, dim=16,
+                                      backend="triton", **common),
         "model:hola_packed": lambda: run_model_case(mesh, flavour="hola", packed=True, dtype=f64, bsz=1),
         "model:hola_packed_rows": lambda: run_model_case(mesh, flavour="hola", packed=True, dtype=f64, bsz=3),
         "model:hola_rows": lambda: run_model_case(mesh, flavour="hola", packed=False, dtype=f64),
