@@ -121,15 +121,17 @@ def _check_cu_seqlens_values(cu_seqlens: torch.Tensor, seq_len: int) -> None:
     global _CHECKED_CU
     if torch.compiler.is_compiling():
         return  # values are data under tracing; the eager path and the trainer's loader check them
+    # Inference tensors (made under torch.inference_mode) keep no version counter: they are known by identity.
+    version = None if cu_seqlens.is_inference() else cu_seqlens._version
     last = _CHECKED_CU
-    if last is not None and last[0]() is cu_seqlens and last[1] == cu_seqlens._version and last[2] == seq_len:
+    if last is not None and last[0]() is cu_seqlens and last[1] == version and last[2] == seq_len:
         return
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != seq_len:
         raise ValueError(f"cu_seqlens: must start at 0 and end at T = {seq_len}, got {cu[0]} ... {cu[-1]}")
     if any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError("cu_seqlens: must be non-decreasing (monotone)")
-    _CHECKED_CU = (weakref.ref(cu_seqlens), cu_seqlens._version, seq_len)
+    _CHECKED_CU = (weakref.ref(cu_seqlens), version, seq_len)
 
 
 def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, cu_seqlens, initial_state,

@@ -307,10 +307,13 @@ def _gdn_setup_context(ctx, inputs, output):
     ctx.scale = scale
     ctx.output_final_state = output_final_state
     ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the score and the saved outputs
 
 
 def _gdn_backward(ctx, do, dm, dht, *unused):
     qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens = ctx.saved_tensors
+    if do is None:  # only the final state was used
+        do = torch.zeros_like(qn)
     if not ctx.output_final_state or dht is None or dht.numel() == 0:
         dht = None
     dq, dk, dv, dg, db, dh0 = gdn_bwd_op(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state,

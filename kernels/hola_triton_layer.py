@@ -157,11 +157,14 @@ def _setup(ctx, inputs, output):
                           k_rstd, g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len)
     ctx.scale, ctx.output_final_state, ctx.block, ctx.window = scale, ofs, block, window
     ctx.g_dtype = g.dtype
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs saved for backward
 
 
 def _backward(ctx, do, dht, *unused):
     (q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd, g_cum, a, oc,
      lse, rq, rk, sel, blk_start, blk_len) = ctx.saved_tensors
+    if do is None:  # only the final state was used
+        do = torch.zeros_like(q)
     if not ctx.output_final_state or dht is None or dht.numel() == 0:
         dht = None
     dq, dk, dv, dg, db, dh0, dgq, dgk, dsink, dgate = layer_bwd_op(
