@@ -53,6 +53,7 @@ the last one. Backward then meets the collectives of a layer in exactly the reve
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 import torch
@@ -273,6 +274,10 @@ class ContextParallel:
         self.block = block
         self.layout: CPLayout | None = None
         self.bytes_received = 0
+        # Benchmarks set time_collectives to add each forward all-gather's wall time (device synchronised before
+        # and after, so it serialises the layer: time with it off) to comm_seconds.
+        self.time_collectives = False
+        self.comm_seconds = 0.0
         self._tails: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ batches
@@ -298,6 +303,17 @@ class ContextParallel:
     def _gather(self, x: torch.Tensor, *, differentiable: bool) -> torch.Tensor:
         """``[R, *x.shape]``: x of every cp rank. ``differentiable``: backward sums the gradients into x."""
         self.bytes_received += (self.cp_size - 1) * x.numel() * x.element_size()
+        if not self.time_collectives:
+            return self._gather_now(x, differentiable=differentiable)
+        sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        out = self._gather_now(x, differentiable=differentiable)
+        sync()
+        self.comm_seconds += time.perf_counter() - start
+        return out
+
+    def _gather_now(self, x: torch.Tensor, *, differentiable: bool) -> torch.Tensor:
         if differentiable and torch.is_grad_enabled() and x.requires_grad:
             return _AllGather.apply(x, self.mesh.get_group())
         return _gather_flat(x, self.mesh.get_group())

@@ -196,6 +196,8 @@ CONTINUE_CASES = [
     (1, [0, 9, 12], [0, 1, 30], 4, 6, "recency"),
     (2, 16, 9, 8, 0, "score"),  # no window; every block carried over complete
     (2, 24, 5, 8, 4, "recency"),  # complete blocks, continuation shorter than a block
+    (2, 13, 1, 8, 3, "score"),  # one decoding step
+    (1, [0, 7, 16], [0, 1, 2], 8, 3, "score"),  # one step of each of two documents, one completing a block
 ]
 
 
