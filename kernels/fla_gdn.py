@@ -297,7 +297,7 @@ def _(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seql
     dh0 = (torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None
            else do.new_empty(0, dtype=torch.float32))
     return (torch.empty_like(qn), torch.empty_like(kn), torch.empty_like(v), torch.empty_like(g_cum),
-            torch.empty_like(beta, dtype=torch.float32), dh0)
+            torch.empty_like(beta), dh0)  # fla's dbeta has beta's dtype
 
 
 def _gdn_setup_context(ctx, inputs, output):
@@ -316,8 +316,9 @@ def _gdn_backward(ctx, do, dm, dht, *unused):
         do = torch.zeros_like(qn)
     if not ctx.output_final_state or dht is None or dht.numel() == 0:
         dht = None
-    dq, dk, dv, dg, db, dh0 = gdn_bwd_op(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state,
-                                         cu_seqlens, ctx.scale)
+    # The forward ran fla on contiguous copies of v and beta; the saved inputs are the originals.
+    dq, dk, dv, dg, db, dh0 = gdn_bwd_op(do, dht, qn, q_rstd, kn, k_rstd, v.contiguous(), g_cum, beta.contiguous(), a,
+                                         initial_state, cu_seqlens, ctx.scale)
     tq, tk, tv, tg, tb = ctx.dtypes
     return (dq.to(tq), dk.to(tk), dv.to(tv), dg.to(tg), db.to(tb), dh0 if initial_state is not None else None,
             None, None, None)

@@ -135,7 +135,7 @@ def _(do, dht, q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_se
     f32 = torch.float32
     dh0 = (torch.empty_like(initial_state, dtype=f32) if initial_state is not None else do.new_empty(0, dtype=f32))
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g_cum),
-            torch.empty_like(beta, dtype=f32), dh0, gamma_q.new_empty(gamma_q.shape, dtype=f32),
+            torch.empty_like(beta), dh0, gamma_q.new_empty(gamma_q.shape, dtype=f32),
             gamma_k.new_empty(gamma_k.shape, dtype=f32), sink.new_empty(sink.shape, dtype=f32),
             gate.new_empty(gate.shape, dtype=f32))
 
@@ -167,6 +167,9 @@ def _backward(ctx, do, dht, *unused):
         do = torch.zeros_like(q)
     if not ctx.output_final_state or dht is None or dht.numel() == 0:
         dht = None
+    # The kernels address rows as row * D: the forward ran on contiguous copies, so must the backward.
+    q, k, v, beta, gamma_q, gamma_k, sink, gate = (
+        t.contiguous() for t in (q, k, v, beta, gamma_q, gamma_k, sink, gate))
     dq, dk, dv, dg, db, dh0, dgq, dgk, dsink, dgate = layer_bwd_op(
         do, dht, q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd,
         g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len, ctx.scale, ctx.block, ctx.window)
