@@ -19,6 +19,11 @@ What it runs, in order (every step skips work whose output already exists, so a 
    of ``--text-lrs`` (or ``--lr``), then S-NIAH-1/2 at 1x/2x/4x/8x the training length and validation perplexity.
 4. **Report**: ``<out>/RESULTS.md`` (tables) and ``<out>/mqar.png``, ``<out>/niah.png``, ``<out>/ppl.png``.
 
+Resuming across machines: a run counts as done once its evaluation JSONs exist (its training and export are
+skipped then, even without the checkpoint), so carrying ``<out>/eval`` (and ``<out>/metrics``, a copy of every
+finished run's ``metrics.jsonl``) to the next machine continues the set there. ``--time-budget-min M`` starts no
+new command after M minutes (the running ones finish) and says what is left, for machines lent for a limited time.
+
 Jobs of a step run side by side: ``--gpus`` lists the GPUs and ``--jobs-per-gpu`` how many share one (the MQAR
 recipes ran three to an H200 in docs/LOG.md); each job sees one GPU through ``CUDA_VISIBLE_DEVICES``. Logs go to
 ``<out>/logs``, runs to ``<out>/runs``, exports to ``<out>/exports``, eval JSONs to ``<out>/eval``.
@@ -31,6 +36,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -58,6 +64,8 @@ class Command:
     tokens: int = 0
     """Training tokens, for the estimate."""
     env: dict[str, str] = field(default_factory=dict)
+    keep: tuple[Path, Path] | None = None
+    """(source, destination) copied after the command succeeds: results worth carrying to another machine."""
 
     def shell(self) -> str:
         prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in self.env.items())
@@ -116,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", default="0", help="GPU indices to spread jobs over")
     parser.add_argument("--jobs-per-gpu", type=int, default=3, help="jobs sharing one GPU")
     parser.add_argument("--python", default=sys.executable, help="Python of the project's environment")
+    parser.add_argument("--time-budget-min", type=float, default=None,
+                        help="start no new command after this many minutes; run again to continue")
     return parser
 
 
@@ -171,7 +181,8 @@ class Planner:
             if run.task == "recall":
                 argv += ["--data.dataset", "mqar:vocab=8192,pairs=4-16,power_a=0.01"]
         return Command(f"train {run.name}", argv, dump / "checkpoint" / f"step-{steps}" / ".metadata",
-                       tokens=steps * seq_len * batch)
+                       tokens=steps * seq_len * batch,
+                       keep=(dump / "metrics.jsonl", self.out / "metrics" / f"{run.name}.jsonl"))
 
     def export_dir(self, run: Run) -> Path:
         return self.out / "exports" / run.name
@@ -233,9 +244,16 @@ def seed_runs(best_lr: dict[str, float], args: argparse.Namespace) -> list[Run]:
 
 
 def pipeline(planner: Planner, runs: list[Run]) -> list[list[Command]]:
-    """Stages that run one after the other; commands within a stage run side by side."""
-    return [[planner.train(r) for r in runs], [planner.export(r) for r in runs],
-            [c for r in runs for c in planner.evals(r)]]
+    """Stages that run one after the other; commands within a stage run side by side. Runs whose evaluations
+    all exist are done (see the module docstring) and left out."""
+    todo = []
+    for run in runs:
+        if all(c.output.exists() for c in planner.evals(run)):
+            print(f"skip (evaluated): {run.name}")
+        else:
+            todo.append(run)
+    return [[planner.train(r) for r in todo], [planner.export(r) for r in todo],
+            [c for r in todo for c in planner.evals(r)]]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -243,8 +261,13 @@ def pipeline(planner: Planner, runs: list[Run]) -> list[list[Command]]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+START = time.time()
+DEFERRED: list[Command] = []
+
+
 def run_stage(commands: list[Command], args: argparse.Namespace) -> list[Command]:
-    """Run the commands whose outputs are missing, side by side over the GPU slots; return the failed ones."""
+    """Run the commands whose outputs are missing, side by side over the GPU slots; return the failed ones.
+    Past ``--time-budget-min`` a command is not started but deferred (listed at the end)."""
     todo = [c for c in commands if not c.output.exists()]
     for c in commands:
         if c.output.exists():
@@ -260,6 +283,11 @@ def run_stage(commands: list[Command], args: argparse.Namespace) -> list[Command
 
     def work(command: Command) -> None:
         gpu = slots.get()
+        if args.time_budget_min is not None and time.time() - START > 60 * args.time_budget_min:
+            slots.put(gpu)
+            DEFERRED.append(command)
+            print(f"deferred (time budget): {command.name}", flush=True)
+            return
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if gpu is not None and command.gpu:
             env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -277,6 +305,9 @@ def run_stage(commands: list[Command], args: argparse.Namespace) -> list[Command
               flush=True)
         if rc != 0:
             failed.append(command)
+        elif command.keep is not None and command.keep[0].is_file():
+            command.keep[1].parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(*command.keep)
 
     with ThreadPoolExecutor(max_workers=max(1, slots.qsize())) as pool:
         list(pool.map(work, todo))
@@ -453,12 +484,15 @@ def main(argv: list[str] | None = None) -> int:
     if recall:
         for stage in pipeline(planner, recall):
             failed += run_stage(stage, args)
-        best_lr = best_lrs(planner, recall)
-        print(f"best recall lr per flavour: {best_lr}")
-        more = seed_runs(best_lr, args)
-        for stage in pipeline(planner, more):
-            failed += run_stage(stage, args)
-        recall = recall + more
+        if all(c.output.exists() for r in recall for c in planner.evals(r)):
+            best_lr = best_lrs(planner, recall)
+            print(f"best recall lr per flavour: {best_lr}")
+            more = seed_runs(best_lr, args)
+            for stage in pipeline(planner, more):
+                failed += run_stage(stage, args)
+            recall = recall + more
+        else:  # the best lr needs the whole sweep
+            print("recall seeds: waiting for the whole lr sweep (failed or deferred runs above)")
     text = runs.get("text", [])
     for stage in pipeline(planner, text):
         failed += run_stage(stage, args)
@@ -466,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {report}")
     for command in failed:
         print(f"failed: {command.name}: {command.shell()}", file=sys.stderr)
+    if DEFERRED:
+        print(f"incomplete: {len(DEFERRED)} commands deferred by --time-budget-min (and the stages after them); "
+              "run the same command again, with <out>/eval and <out>/metrics carried over, to continue")
     return 1 if failed else 0
 
 

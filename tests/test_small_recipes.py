@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,31 @@ def test_dry_run_per_flavour_lr():
                             cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
     trains = [ln for ln in result.stdout.splitlines() if "-m hola_titan.train" in ln]
     assert [ln.split("--optimizer.lr ")[1].split()[0] for ln in trains] == ["0.0001", "0.01"]
+
+
+def test_quick_run_resumes_from_carried_results_and_keeps_a_time_budget(tmp_path):
+    """A run whose evaluations exist is done even without its checkpoint (results carried to another machine);
+    past --time-budget-min nothing new starts and the run says what is left."""
+    def replicate(*extra):
+        return subprocess.run([sys.executable, "scripts/replicate_small.py", "--quick", "--only", "recall",
+                               "--mqar-lrs", "1e-3", "--seeds", "0", "--out", str(tmp_path), *extra],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    first = replicate("--flavours", "gdn")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert (tmp_path / "metrics" / "recall_gdn_lr0.001_s0.jsonl").is_file()
+    evaluated = tmp_path / "eval" / "mqar" / "mqar_recall_gdn_lr0.001_s0.json"
+    assert evaluated.is_file()
+    shutil.rmtree(tmp_path / "runs")
+    shutil.rmtree(tmp_path / "exports")
+    again = replicate("--flavours", "gdn")
+    assert again.returncode == 0 and "skip (evaluated): recall_gdn_lr0.001_s0" in again.stdout
+    assert not (tmp_path / "runs").exists(), "a carried-over run was trained again"
+    budget = replicate("--flavours", "gdn,hola", "--time-budget-min", "0")
+    assert budget.returncode == 0, budget.stderr[-2000:]
+    assert "deferred (time budget): train recall_hola_lr0.001_s0" in budget.stdout
+    assert "incomplete: 3 commands deferred" in budget.stdout
+    assert not (tmp_path / "runs" / "recall_hola_lr0.001_s0").exists()
 
 
 def _b64(number: int) -> str:
