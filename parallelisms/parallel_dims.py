@@ -68,6 +68,14 @@ class ParallelDims:
                 meshes.named[flat] = world[present]._flatten(mesh_dim_name=flat)
             elif len(present) == 1:
                 meshes.named[flat] = world[present[0]]
+        if self.dp_replicate > 1 and self.dp_shard > 1 and self.cp > 1:
+            # HSDP with context parallelism shards over (dp_shard, cp) flattened and replicates over dp_replicate:
+            # a 2-D mesh of an original and a flattened dimension, built as its own root (every rank builds the
+            # same one) from the world layout [replicate, shard, cp, (tp)], cp varying fastest within a shard.
+            shape = (self.dp_replicate, self.dp_shard * self.cp) + ((self.tp,) if self.tp > 1 else ())
+            dim_names = ("dp_replicate", "dp_shard_cp") + (("tp",) if self.tp > 1 else ())
+            root = DeviceMesh(device_type, world.mesh.reshape(shape), mesh_dim_names=dim_names)
+            meshes.named["hsdp_cp"] = root["dp_replicate", "dp_shard_cp"] if self.tp > 1 else root
         return meshes
 
 

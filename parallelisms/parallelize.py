@@ -48,10 +48,11 @@ def parallelize_model(model: nn.Module, *, dims: ParallelDims, mesh: Meshes | No
 
 
 def _fsdp_mesh(mesh: Meshes, dims: ParallelDims) -> DeviceMesh:
-    """The mesh FSDP shards over: ``dp_shard_cp``, or ``[dp_replicate, dp_shard]`` for HSDP."""
+    """The mesh FSDP shards over: ``dp_shard_cp``, or ``[dp_replicate, dp_shard (x cp)]`` for HSDP."""
     if dims.hsdp_enabled:
         if dims.cp > 1:
-            raise ValueError("parallelism: HSDP together with context parallelism is not available yet")
+            # Shard over (dp_shard, cp), replicate over dp_replicate.
+            return mesh.named["hsdp_cp"] if dims.dp_shard > 1 else mesh.world["dp_replicate", "cp"]
         if dims.dp_shard == 1:
             # Replicate only: the mesh has no shard dimension, so FSDP2 shards over the replicate ranks. Same
             # function and gradients as replication (tested), ZeRO-3 memory and communication instead of DDP's.

@@ -175,12 +175,16 @@ def _one_process_losses(rows: int) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, cp, rows", [(2, 2, 2), (4, 4, 2), (4, 2, 4)],
-                         ids=["cp2", "cp4", "cp2_fsdp2"])
-def test_training_with_context_parallel_matches_one_process(tmp_path, nproc, cp, rows):
+@pytest.mark.parametrize("nproc, cp, rows, replicate", [(2, 2, 2, 1), (4, 4, 2, 1), (4, 2, 4, 1), (4, 2, 4, 2),
+                                                        (8, 2, 4, 2)],
+                         ids=["cp2", "cp4", "cp2_fsdp2", "cp2_hsdp2x1", "cp2_hsdp2x2"])
+def test_training_with_context_parallel_matches_one_process(tmp_path, nproc, cp, rows, replicate):
     """Same global batch of packed rows: 3 training losses and the validation loss agree with one process."""
     one = _one_process_losses(rows)
+    shard = nproc // (cp * replicate)
     many = _train_losses(tmp_path / "cp", nproc, ["--training.local_batch_size", str(rows * cp // nproc),
-                                                  "--parallelism.context_parallel_degree", str(cp)])
+                                                  "--parallelism.context_parallel_degree", str(cp),
+                                                  "--parallelism.data_parallel_replicate_degree", str(replicate),
+                                                  "--parallelism.data_parallel_shard_degree", str(shard)])
     assert len(one) == len(many) == 4
     assert max(abs(a - b) for a, b in zip(one, many)) < 1e-5, (one, many)
