@@ -15,10 +15,9 @@ largest m (``evict="score"``) or the ``window`` positions just before the block 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
+from hola_titan.kernels import seqlens
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.kernels.hola_reference import hola_attention_reference
 
@@ -110,30 +109,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-# The last cu_seqlens whose values passed, as (weak reference, version counter, T). A model passes one cu_seqlens
-# tensor to every layer and a benchmark repeats it; reading a CUDA tensor's values synchronises the host with the
-# device, and every layer doing so left the GPU idle while the host caught up (3.6 ms of a 9.9 ms GDN forward +
-# backward on an H200, docs/LOG.md). Checking each tensor once keeps the error without the stalls.
-_CHECKED_CU: tuple | None = None
-
-
-def _check_cu_seqlens_values(cu_seqlens: torch.Tensor, seq_len: int) -> None:
-    global _CHECKED_CU
-    if torch.compiler.is_compiling():
-        return  # values are data under tracing; the eager path and the trainer's loader check them
-    # Inference tensors (made under torch.inference_mode) keep no version counter: they are known by identity.
-    version = None if cu_seqlens.is_inference() else cu_seqlens._version
-    last = _CHECKED_CU
-    if last is not None and last[0]() is cu_seqlens and last[1] == version and last[2] == seq_len:
-        return
-    cu = cu_seqlens.tolist()
-    if cu[0] != 0 or cu[-1] != seq_len:
-        raise ValueError(f"cu_seqlens: must start at 0 and end at T = {seq_len}, got {cu[0]} ... {cu[-1]}")
-    if any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError("cu_seqlens: must be non-decreasing (monotone)")
-    _CHECKED_CU = (weakref.ref(cu_seqlens), version, seq_len)
-
-
 def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, cu_seqlens, initial_state,
               initial_cache, output_final_cache, backend) -> None:
     if evict not in EVICT_MODES:
@@ -178,7 +153,7 @@ def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, 
             raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1] with N >= 1, got {list(cu_seqlens.shape)}")
         if cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cu_seqlens: must be int32 or int64, got {cu_seqlens.dtype}")
-        _check_cu_seqlens_values(cu_seqlens, seq_len)
+        seqlens.check_values(cu_seqlens, seq_len)
         num_seqs = cu_seqlens.numel() - 1
     if initial_state is not None:
         if initial_state.shape != (num_seqs, h, d, d):

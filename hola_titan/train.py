@@ -34,6 +34,7 @@ from hola_titan.checkpoint import Checkpointer
 from hola_titan.config import (ConfigError, JobConfig, parse_config, resolve_degrees, to_toml, validate,
                                write_resolved)
 from hola_titan.flops import datasheet_tflops, flops_per_token, measured_matmul_tflops
+from hola_titan.kernels import seqlens
 from hola_titan.loss import chunked_linear_cross_entropy
 from hola_titan.metrics import MetricsLogger, peak_memory_gib, setup_logging
 from hola_titan.models.args import model_args
@@ -202,7 +203,11 @@ class Trainer:
         labels = batch["labels"].to(self.device, non_blocking=True)
         cu_seqlens = batch.get("cu_seqlens")
         if cu_seqlens is not None:
-            cu_seqlens = cu_seqlens.to(self.device, non_blocking=True)
+            # Checked here from the loader's host copy and registered with it, so no layer reads the device copy
+            # back (a host-device synchronisation); int64 is what fla takes, so no layer converts it either.
+            host = cu_seqlens.to(torch.int64)
+            cu_seqlens = host.to(self.device, non_blocking=True)
+            seqlens.register(cu_seqlens, host=host, seq_len=tokens.numel())
         if self.cp is not None:
             self.cp.set_layout(batch["cp_layout"])  # stays current through this batch's backward
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()

@@ -212,7 +212,11 @@ def _chunk_indices(cu_seqlens):
     if cu_seqlens is None:
         return None
     from fla.ops.utils.index import prepare_chunk_indices
-    return prepare_chunk_indices(cu_seqlens, CHUNK)
+
+    from hola_titan.kernels.seqlens import host_copy
+    # From the registered host copy when there is one: computed from the device tensor, fla reads its values
+    # back to the host (a synchronisation per batch).
+    return prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=host_copy(cu_seqlens))
 
 
 def _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):

@@ -651,6 +651,32 @@ def test_cu_seqlens_is_checked_once_per_tensor_and_again_after_an_in_place_chang
         hola_attention(*args.values(), **kw)
 
 
+def test_registered_cu_seqlens_are_checked_from_their_host_copy_and_never_read():
+    """The trainer registers each batch's boundaries with their host copy (hola_titan.kernels.seqlens): bad host
+    values raise naming cu_seqlens; the registered tensor is not read again; fla gets the host copy."""
+    from hola_titan.kernels import seqlens
+    args, kw = _valid_call()
+    _packed(args, kw, cu=(0, 5, 12))
+    device_cu = kw["cu_seqlens"].clone()  # stands in for the device copy
+    with pytest.raises(ValueError, match=r"^cu_seqlens\b"):
+        seqlens.register(device_cu, host=torch.tensor([0, 7, 5, 12]), seq_len=12)
+    with pytest.raises(ValueError, match=r"^cu_seqlens\b"):
+        seqlens.register(device_cu, host=torch.tensor([0, 12]), seq_len=12)
+    seqlens.register(device_cu, host=torch.tensor([0, 5, 12], dtype=torch.int32), seq_len=12)
+    assert seqlens.host_copy(device_cu).dtype == torch.int64
+    assert seqlens.host_copy(device_cu.clone()) is None
+    real_tolist = torch.Tensor.tolist
+
+    def spy(self):
+        assert self is not device_cu, "the registered cu_seqlens was read"
+        return real_tolist(self)
+
+    kw["cu_seqlens"] = device_cu
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "tolist", spy)
+        hola_attention(*args.values(), **kw)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Finite in, finite out; a NaN in one document stays in that document
 # ----------------------------------------------------------------------------------------------------------------
