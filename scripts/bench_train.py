@@ -3,7 +3,9 @@
 For every (flavour, size, seq_len, batch size) it builds a ``Trainer`` (float32 master weights; bf16 compute on
 GPU through the trainer's autocast; the chunked head loss), runs ``--warmup`` steps of ``Trainer.train_step``, then
 times ``--steps`` steps and reports tokens/s, MFU as the trainer defines it (``flops_per_token * tokens/s`` over
-the matmul rate measured on the device, see ``hola_titan/flops.py``), and peak memory. A separate profiling pass
+the matmul rate measured on the device, see ``hola_titan/flops.py``), and peak memory. The batches are packed
+documents with ``cu_seqlens`` as the trainer's ``data.varlen`` makes them (``--no-packed``: one sequence per
+row, as the outside references below are fed). A separate profiling pass
 of ``--steps`` steps then times the phases with a device synchronisation after each: forward (``_loss_sum``),
 backward, and optimizer (clip + AdamW step + zero_grad); its sum is a little above the timed step, since the
 synchronisations remove overlap. The chunked head loss computes the head's gradients during its forward, so for
@@ -68,6 +70,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="compile.enable for hola_titan models")
     parser.add_argument("--ac", default="none", choices=("none", "full", "selective"),
                         help="activation_checkpoint.mode for hola_titan models")
+    parser.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
+                        help="hola_titan rows hold packed documents with cu_seqlens, as the trainer's data.varlen "
+                             "feeds them (default); --no-packed: one sequence per row, as the references get")
     parser.add_argument("--float8", action="store_true", help="float8.enable (torchao rowwise) for hola_titan models")
     parser.add_argument("--references", default=",".join(REFERENCES),
                         help=f"comma-separated outside references ({', '.join(REFERENCES)}) or 'none'; "
@@ -131,11 +136,21 @@ def _reset_peak(device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _random_batch(batch_size: int, seq_len: int, vocab_size: int, device, generator) -> dict:
+def _random_batch(batch_size: int, seq_len: int, vocab_size: int, device, generator, packed: bool = False) -> dict:
+    """Random tokens; ``packed``: every row also holds documents of random lengths (3 random cuts per row, the
+    trainer's ``data.varlen`` layout, ``cu_seqlens`` over the flattened rows, kept on the host as the loader
+    does)."""
     import torch
 
     tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=generator)
-    return {"input_ids": tokens[:, :-1].contiguous().to(device), "labels": tokens[:, 1:].contiguous().to(device)}
+    batch = {"input_ids": tokens[:, :-1].contiguous().to(device), "labels": tokens[:, 1:].contiguous().to(device)}
+    if packed:
+        cuts = {0, batch_size * seq_len}
+        for row in range(batch_size):
+            cuts.add(row * seq_len)
+            cuts.update(row * seq_len + int(c) for c in torch.randint(1, max(2, seq_len), (3,), generator=generator))
+        batch["cu_seqlens"] = torch.tensor(sorted(cuts), dtype=torch.int32)
+    return batch
 
 
 def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, warmup: int) -> dict:
@@ -198,7 +213,7 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
     clock = _Clock(device)
     generator = torch.Generator().manual_seed(0)
     vocab = trainer.model_args.vocab_size
-    batch = _random_batch(batch_size, seq_len, vocab, device, generator)
+    batch = _random_batch(batch_size, seq_len, vocab, device, generator, packed=args.packed)
     scale = 1.0 / (batch_size * seq_len)
 
     def step():
@@ -220,7 +235,8 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
                    tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup)
     row.update(system="hola_titan", flavour=flavour, size=size, num_params=trainer.num_params,
                mfu=trainer.flops["total"] * row["tokens_per_s"] / (trainer.peak_tflops * 1e12),
-               flops_per_token=trainer.flops["total"], compile=args.compile, ac=args.ac, float8=args.float8)
+               flops_per_token=trainer.flops["total"], compile=args.compile, ac=args.ac, float8=args.float8,
+               packed=args.packed)
     del trainer
     return row
 
