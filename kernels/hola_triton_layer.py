@@ -110,18 +110,27 @@ def layer_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k:
     from hola_titan.kernels.hola_triton_attn import cache_attention_bwd
 
     do = do.contiguous()
+
+    def cache_backward():
+        return cache_attention_bwd(do, q, k, v, oc, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start,
+                                   blk_len, block=block, window=window)
+
     with _device_ctx(q):
-        main = torch.cuda.current_stream()
-        side = _side_stream(q.device)
-        side.wait_stream(main)  # do and everything saved are ready
-        with torch.cuda.stream(side):
-            cache = cache_attention_bwd(do, q, k, v, oc, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start,
-                                        blk_len, block=block, window=window)
-        dq, dk, dv, dg, db, dh0 = _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state,
-                                                cu_seqlens, scale)
-        main.wait_stream(side)
-        for t in cache:
-            t.record_stream(main)  # made on the side stream, used and freed on this one
+        if q.device.type != "cuda":  # the interpreter tests: one stream, one path after the other
+            cache = cache_backward()
+            dq, dk, dv, dg, db, dh0 = _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a,
+                                                    initial_state, cu_seqlens, scale)
+        else:
+            main = torch.cuda.current_stream()
+            side = _side_stream(q.device)
+            side.wait_stream(main)  # do and everything saved are ready
+            with torch.cuda.stream(side):
+                cache = cache_backward()
+            dq, dk, dv, dg, db, dh0 = _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a,
+                                                    initial_state, cu_seqlens, scale)
+            main.wait_stream(side)
+            for t in cache:
+                t.record_stream(main)  # made on the side stream, used and freed on this one
         dq_c, dk_c, dv_c, dgq, dgk, dsink, dgate = cache
         if dh0 is None:
             dh0 = do.new_empty(0, dtype=torch.float32)

@@ -14,6 +14,7 @@ Skipped where Triton is not importable; skipped where a GPU is visible and the i
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import importlib
 import os
@@ -270,6 +271,66 @@ def test_sdpa_backend_matches_reference_given_its_selection(case):
     assert_close_scaled(o, o_r, TOL_FP32, "o")
     for name, gr, gr_r in zip(NAMES, grads, grads_r):
         assert_close_scaled(gr, gr_r, TOL_FP32, f"d{name}")
+
+
+def test_overlapped_layer_op_matches_the_layered_form(monkeypatch):
+    """The plumbing of hola_triton_layer (HOLA_OVERLAP_BACKWARD=1: one custom-op pair for the whole layer) in the
+    interpreter, with fla's stages replaced by the fp32 reference (forward, and its autograd for the backward):
+    output, final state and every gradient equal the layered backend's. Streams are GPU-only (tested there)."""
+    from hola_titan.kernels import fla_gdn, hola_triton_layer
+
+    def fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+        o, m, final = fla_gdn.reference_gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
+                                                        cu_seqlens=cu_seqlens, output_final_state=True)
+        final = final if output_final_state else q.new_empty(0, dtype=torch.float32)
+        # Stand-ins for fla's saved tensors, fresh tensors (custom-op outputs may not alias inputs): "qn" and
+        # "kn" carry q and k to the stand-in backward, which recomputes the reference from them.
+        return (o.to(q.dtype), m, final, q.clone(), q.new_empty(0), k.clone(), q.new_empty(0), g.float().clone(),
+                q.new_empty(*q.shape[:3], 64))
+
+    def bwd(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, scale):
+        # A custom op's body runs below autograd; a fresh thread starts with autograd on (its state is per thread).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(reference_bwd, do, dht, qn, kn, v, g_cum, beta, initial_state, cu_seqlens).result()
+
+    def reference_bwd(do, dht, qn, kn, v, g_cum, beta, initial_state, cu_seqlens):
+        with torch.enable_grad():
+            leaves = [t.detach().clone().requires_grad_() for t in (qn, kn, v, g_cum, beta)]
+            h0 = None if initial_state is None else initial_state.detach().clone().requires_grad_()
+            o, _, final = fla_gdn.reference_gdn_with_scores(*leaves, initial_state=h0, cu_seqlens=cu_seqlens,
+                                                            output_final_state=True)
+            outs, grads_out = [o], [do.to(o.dtype)]
+            if dht is not None:
+                outs.append(final)
+                grads_out.append(dht.to(final.dtype))
+            grads = torch.autograd.grad(outs, leaves + ([h0] if h0 is not None else []), grads_out,
+                                        allow_unused=True)
+        dq, dk, dv, dg, db = (gr if gr is not None else torch.zeros_like(t) for gr, t in zip(grads[:5], leaves))
+        return dq, dk, dv, dg, db, (grads[5] if h0 is not None else None)
+
+    monkeypatch.setattr(hola_triton_layer, "_gdn_fwd_impl", fwd)
+    monkeypatch.setattr(hola_triton_layer, "_gdn_bwd_impl", bwd)
+    monkeypatch.setattr(hola_triton_layer, "ensure_backward_checked", lambda *a: None)
+    b, t, h, d = 1, 40, 2, 16
+    cu = torch.tensor([0, 3, 21, 40])
+    x = make_inputs(b, t, h, d, seed=17)
+    state = torch.randn(3, h, d, d, generator=torch.Generator().manual_seed(2)) * 0.1
+    for evict in ("score", "recency"):
+        kw = dict(window=5, block=8, evict=evict, cu_seqlens=cu)
+        xa, xb = fresh(x), fresh(x)
+        sa, sb = state.clone().requires_grad_(), state.clone().requires_grad_()
+        o_a, f_a, _, _ = hola_triton_layer.hola_layer(*[xa[n] for n in NAMES], initial_state=sa,
+                                                      output_final_state=True, **kw)
+        o_b, f_b, _ = hola_attention_triton(*[xb[n] for n in NAMES], initial_state=sb, output_final_state=True,
+                                            state_impl="reference", **kw)
+        assert_close_scaled(o_a, o_b, TOL_FP32, f"{evict} o")
+        assert_close_scaled(f_a, f_b, TOL_FP32, f"{evict} final_state")
+        w = torch.randn(o_a.shape, generator=torch.Generator().manual_seed(5))
+        w_s = torch.randn(f_a.shape, generator=torch.Generator().manual_seed(6))
+        grads_a = torch.autograd.grad((o_a * w).sum() + (f_a * w_s).sum(), [*(xa[n] for n in NAMES), sa])
+        grads_b = torch.autograd.grad((o_b * w).sum() + (f_b * w_s).sum(), [*(xb[n] for n in NAMES), sb])
+        for name, ga, gb in zip([*NAMES, "initial_state"], grads_a, grads_b):
+            assert_close_scaled(ga, gb, TOL_FP32, f"{evict} d{name}")
 
 
 def test_dispatch(monkeypatch):
