@@ -61,25 +61,19 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             chosen = "reference"  # e.g. float64 or an odd head dim on a GPU
         else:
             check_supported(q, chosen)
+    args = (q, k, v, g, beta, gamma_q, gamma_k, sink, gate)
+    kw = dict(window=window, block=block, evict=evict, cu_seqlens=cu_seqlens, initial_state=initial_state,
+              output_final_state=output_final_state, output_final_cache=output_final_cache)
     if chosen == "reference" or (chosen == "sdpa" and initial_cache is not None):
         # The SDPA backend starts every sequence from an empty cache; a call that continues from a cache object
         # (chunked prefill, decoding) runs on the reference backend there.
-        o, final_state, final_cache = hola_attention_reference(
-            q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
-            cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
-            initial_cache=initial_cache, output_final_cache=output_final_cache)
+        o, final_state, final_cache = hola_attention_reference(*args, initial_cache=initial_cache, **kw)
     elif chosen == "triton":
         from hola_titan.kernels.hola_triton import hola_attention_triton
-        o, final_state, final_cache = hola_attention_triton(
-            q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
-            cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
-            initial_cache=initial_cache, output_final_cache=output_final_cache)
+        o, final_state, final_cache = hola_attention_triton(*args, initial_cache=initial_cache, **kw)
     else:
         from hola_titan.kernels.hola_sdpa import hola_attention_sdpa
-        o, final_state, final_cache = hola_attention_sdpa(
-            q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
-            cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state,
-            output_final_cache=output_final_cache)
+        o, final_state, final_cache = hola_attention_sdpa(*args, **kw)
     if output_final_cache:
         return o, final_state, final_cache
     return o, final_state

@@ -265,27 +265,36 @@ def final_cache_from_selection(q, k, v, m_flat, sel, final_keys, table: BlockTab
         top = pos[:, None, :].expand(n, h, window).to(torch.int32)
     else:
         raise ValueError("output_final_cache: needs the backend's own selection, not a given one")
+    doc_start, doc_len = table.doc_start.long(), table.doc_len.long()
+    rows = torch.arange(bsz * seq_len, device=device)
+    row_pos = rows - doc_start[torch.searchsorted(doc_start + doc_len, rows, right=True).clamp(max=n - 1)]
+    return _cache_from_rows(k.reshape(-1, h, d), v.reshape(-1, h, d), m_flat, row_pos[:, None].expand(-1, h), top,
+                            doc_start + doc_len - doc_len % block, doc_len % block, doc_len, window=window,
+                            block=block, evict=evict)
+
+
+def _cache_from_rows(k_rows, v_rows, m_rows, pos_rows, top, buf_start, rem, seen, *, window: int, block: int,
+                     evict: str) -> HolaCache:
+    """A :class:`HolaCache` gathered from flat rows ``[R, H, ...]``: the persistent entries at rows ``top``
+    ``[N, H, W]`` (-1 empty; scores ``m_rows``, positions ``pos_rows``), the unfinished block the ``rem`` [N] rows
+    from ``buf_start`` [N], ``seen`` [N] tokens."""
+    device = k_rows.device
     ok = top >= 0
     idx = top.long().clamp_min(0)
-    heads = torch.arange(h, device=device)[None, :, None]
-    k_flat, v_flat = k.reshape(-1, h, d), v.reshape(-1, h, d)
-    zero = torch.zeros((), dtype=q.dtype, device=device)
-    scores = torch.where(ok, m_flat[idx, heads], torch.full((), float("-inf"), device=device))
-    positions = torch.where(ok, idx - table.doc_start.long()[:, None, None], torch.full_like(idx, -1))
-    # Unfinished block: positions len - len % C ... len - 1 of each sequence.
-    rem = table.doc_len.long() % block
+    heads = torch.arange(top.shape[1], device=device)[None, :, None]
+    zero = torch.zeros((), dtype=k_rows.dtype, device=device)
     offs = torch.arange(block, device=device)
-    buf_tok = (table.doc_start + table.doc_len).long()[:, None] - rem[:, None] + offs[None, :]
     buf_ok = offs[None, :] < rem[:, None]
-    buf_tok = torch.where(buf_ok, buf_tok, torch.zeros_like(buf_tok))
-    buf_scores = torch.where(buf_ok[:, None, :], m_flat[buf_tok].transpose(1, 2), float("-inf"))
+    buf_row = torch.where(buf_ok, buf_start[:, None] + offs[None, :], torch.zeros((), dtype=torch.long,
+                                                                                  device=device))
     return HolaCache(
-        scores=scores.to(torch.float32), positions=positions,
-        k=torch.where(ok[..., None], k_flat[idx, heads], zero), v=torch.where(ok[..., None], v_flat[idx, heads], zero),
-        buf_scores=buf_scores.to(torch.float32),
-        buf_k=torch.where(buf_ok[:, None, :, None], k_flat[buf_tok].transpose(1, 2), zero),
-        buf_v=torch.where(buf_ok[:, None, :, None], v_flat[buf_tok].transpose(1, 2), zero),
-        seen=table.doc_len.long(), window=window, block=block, evict=evict)
+        scores=torch.where(ok, m_rows[idx, heads].float(), float("-inf")),
+        positions=torch.where(ok, pos_rows[idx, heads], torch.full_like(idx, -1)),
+        k=torch.where(ok[..., None], k_rows[idx, heads], zero), v=torch.where(ok[..., None], v_rows[idx, heads], zero),
+        buf_scores=torch.where(buf_ok[:, None, :], m_rows[buf_row].transpose(1, 2).float(), float("-inf")),
+        buf_k=torch.where(buf_ok[:, None, :, None], k_rows[buf_row].transpose(1, 2), zero),
+        buf_v=torch.where(buf_ok[:, None, :, None], v_rows[buf_row].transpose(1, 2), zero),
+        seen=seen, window=window, block=block, evict=evict)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -433,22 +442,8 @@ def _final_cache_ext(k_ext, v_ext, m_ext, pos_ext, sel, final_keys, table: Block
         top = torch.where((rem == 0)[:, None, None], _select.keys_to_index(final_keys), sel[last])
     else:
         top = _recent_rows(doc_start + doc_len - rem, doc_start, pos, torch.arange(n, device=device), window)
-    ok = top >= 0
-    idx = top.long().clamp_min(0)
-    heads = torch.arange(h, device=device)[None, :, None]
-    zero = torch.zeros((), dtype=k_ext.dtype, device=device)
-    offs = torch.arange(block, device=device)
-    buf_row = (doc_start + doc_len - rem)[:, None] + offs[None, :]
-    buf_ok = offs[None, :] < rem[:, None]
-    buf_row = torch.where(buf_ok, buf_row, torch.zeros_like(buf_row))
-    return HolaCache(
-        scores=torch.where(ok, m_ext[idx, heads], float("-inf")),
-        positions=torch.where(ok, pos_ext[idx, heads], torch.full_like(idx, -1)),
-        k=torch.where(ok[..., None], k_ext[idx, heads], zero), v=torch.where(ok[..., None], v_ext[idx, heads], zero),
-        buf_scores=torch.where(buf_ok[:, None, :], m_ext[buf_row].transpose(1, 2), float("-inf")),
-        buf_k=torch.where(buf_ok[:, None, :, None], k_ext[buf_row].transpose(1, 2), zero),
-        buf_v=torch.where(buf_ok[:, None, :, None], v_ext[buf_row].transpose(1, 2), zero),
-        seen=seen, window=window, block=block, evict=evict)
+    return _cache_from_rows(k_ext, v_ext, m_ext, pos_ext, top, doc_start + doc_len - rem, rem, seen, window=window,
+                            block=block, evict=evict)
 
 
 __all__ = ["hola_attention_triton", "check_supported", "triton_importable", "interpreting", "KEY_EMPTY"]

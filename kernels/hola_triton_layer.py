@@ -38,11 +38,6 @@ def applies(q: torch.Tensor, *, evict: str, initial_cache, selected, state_impl:
             and padded_head_dim(q.shape[-1], q.device) == q.shape[-1])
 
 
-def _num_blocks(bsz: int, seq_len: int, cu_seqlens: torch.Tensor | None, block: int) -> int:
-    nb_row = -(-seq_len // block)
-    return bsz * nb_row if cu_seqlens is None else nb_row + cu_seqlens.shape[0] - 1
-
-
 @torch.library.custom_op("hola::layer_fwd", mutates_args=())
 def layer_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  gamma_q: torch.Tensor, gamma_k: torch.Tensor, sink: torch.Tensor, gate: torch.Tensor,
@@ -54,7 +49,7 @@ def layer_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                                       torch.Tensor]:
     """``(o, final_state or empty, m, sel, blk_start, blk_len, then saved for backward: qn, q_rstd, kn, k_rstd,
     g_cum, a, oc, lse, rq, rk)``."""
-    from hola_titan.kernels.hola_triton import _device_ctx
+    from hola_titan.kernels.hola_triton import _device_ctx, select
     from hola_titan.kernels.hola_triton_attn import cache_attention_fwd
 
     bsz, seq_len, h, _ = q.shape
@@ -62,13 +57,7 @@ def layer_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         o_state, m, final_state, qn, q_rstd, kn, k_rstd, g_cum, a = _gdn_fwd_impl(
             q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state)
         table = _select.build_block_table(bsz, seq_len, cu_seqlens, block, q.device)
-        m_flat = m.reshape(bsz * seq_len, h)
-        if window == 0:
-            sel = torch.empty(table.num_blocks, h, 0, dtype=torch.int32, device=q.device)
-        elif evict == "recency":
-            sel = _select.select_recency(table, h, window)
-        else:
-            sel, _ = _select.select_topw(m_flat, table, window)
+        sel, _ = select(m.reshape(bsz * seq_len, h), table, window=window, evict=evict, num_heads=h)
         o, oc, lse, rq, rk = cache_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), o_state,
                                                  gamma_q.contiguous(), gamma_k.contiguous(), sink.contiguous(),
                                                  gate.contiguous(), sel, table.blk_start, table.blk_len,
@@ -83,7 +72,7 @@ def _(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens,
     from hola_titan.kernels.fla_gdn import CHUNK
     bsz, seq_len, h, d = q.shape
     n = bsz if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    nb = _num_blocks(bsz, seq_len, cu_seqlens, block)
+    nb = _select.num_block_rows(bsz, seq_len, cu_seqlens, block)
     f32 = torch.float32
     final = q.new_empty(n, h, d, d, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32)
     stats = q.new_empty(bsz, seq_len, h, dtype=f32)

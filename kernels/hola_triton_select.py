@@ -65,16 +65,20 @@ class BlockTable:
 def build_block_table(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, block: int,
                       device: torch.device) -> BlockTable:
     """The block table of ``batch`` rows of ``seq_len`` tokens, or of the documents of ``cu_seqlens`` (B == 1)."""
-    nb_row = -(-seq_len // block)
     if cu_seqlens is None:
         doc_start = torch.arange(batch, dtype=torch.int64, device=device) * seq_len
         doc_len = torch.full((batch,), seq_len, dtype=torch.int64, device=device)
-        num_rows = batch * nb_row
     else:
         cu = cu_seqlens.to(device=device, dtype=torch.int64)
         doc_start, doc_len = cu[:-1], cu[1:] - cu[:-1]
-        num_rows = nb_row + doc_start.shape[0]
-    return block_table_of_docs(doc_start, doc_len, num_rows, block)
+    return block_table_of_docs(doc_start, doc_len, num_block_rows(batch, seq_len, cu_seqlens, block), block)
+
+
+def num_block_rows(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, block: int) -> int:
+    """The rows of :func:`build_block_table`'s table, from shapes alone (an upper bound on the blocks with
+    ``cu_seqlens``: every document can add one partial block)."""
+    nb_row = -(-seq_len // block)
+    return batch * nb_row if cu_seqlens is None else nb_row + cu_seqlens.shape[0] - 1
 
 
 def block_table_of_docs(doc_start: torch.Tensor, doc_len: torch.Tensor, num_rows: int, block: int) -> BlockTable:
