@@ -116,13 +116,14 @@ def _case_id(c):
     return f"B{c[0]}-T{c[1]}-{'varlen' if c[2] else 'rows'}-H{c[3]}-D{c[4]}-C{c[5]}-W{c[6]}-{c[7]}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-def test_triton_cache_path_matches_reference_given_its_selection(case):
+def check_backend_against_reference_given_its_selection(backend, case, seed):
+    """``backend``'s output, final state and every gradient against the reference reading the backend's own
+    selection (which must be a valid top-W of the backend's scores); returns the inputs, the keyword arguments
+    and the reference's output."""
     b, t, cu, h, d, block, window, evict = case
-    x = make_inputs(b, t, h, d, seed=t)
-    cu_t = torch.tensor(cu) if cu else None
-    kw = dict(window=window, block=block, evict=evict, cu_seqlens=cu_t)
-    o, state, _, aux = hola_attention_triton(*[x[n] for n in NAMES], output_final_state=True, return_aux=True, **kw)
+    x = make_inputs(b, t, h, d, seed=seed)
+    kw = dict(window=window, block=block, evict=evict, cu_seqlens=torch.tensor(cu) if cu else None)
+    o, state, _, aux = backend(*[x[n] for n in NAMES], output_final_state=True, return_aux=True, **kw)
     if evict == "score" and window:
         hola_triton_select.check_selection(aux["m"].reshape(b * t, h), aux["sel"], aux["table"], window)
     grads = loss_and_grads(o, state, x)
@@ -133,6 +134,12 @@ def test_triton_cache_path_matches_reference_given_its_selection(case):
     assert_close_scaled(state, state_r, TOL_FP32, "final_state")
     for name, gr, gr_r in zip(NAMES, grads, grads_r):
         assert_close_scaled(gr, gr_r, TOL_FP32, f"d{name}")
+    return x, kw, o_r
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_triton_cache_path_matches_reference_given_its_selection(case):
+    x, kw, o_r = check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1])
     # The reference's own selection is the same one: same scores, same tie order.
     o_own, _, _ = hola_attention_reference(*[x[n] for n in NAMES], initial_state=None, output_final_state=False,
                                            initial_cache=None, output_final_cache=False, **kw)
@@ -259,18 +266,7 @@ def test_triton_continues_from_a_cache_like_the_reference(case):
 
 @pytest.mark.parametrize("case", CASES[:2], ids=[_case_id(c) for c in CASES[:2]])
 def test_sdpa_backend_matches_reference_given_its_selection(case):
-    b, t, cu, h, d, block, window, evict = case
-    x = make_inputs(b, t, h, d, seed=t + 1)
-    kw = dict(window=window, block=block, evict=evict, cu_seqlens=torch.tensor(cu) if cu else None)
-    o, state, _, aux = hola_attention_sdpa(*[x[n] for n in NAMES], output_final_state=True, return_aux=True, **kw)
-    hola_triton_select.check_selection(aux["m"].reshape(b * t, h), aux["sel"], aux["table"], window)
-    grads = loss_and_grads(o, state, x)
-    xr = fresh(x)
-    o_r, state_r, _ = reference_given(xr, aux["sel"], **kw)
-    grads_r = loss_and_grads(o_r, state_r, xr)
-    assert_close_scaled(o, o_r, TOL_FP32, "o")
-    for name, gr, gr_r in zip(NAMES, grads, grads_r):
-        assert_close_scaled(gr, gr_r, TOL_FP32, f"d{name}")
+    check_backend_against_reference_given_its_selection(hola_attention_sdpa, case, seed=case[1] + 1)
 
 
 def test_overlapped_layer_op_matches_the_layered_form(monkeypatch):
