@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from hola_titan.data.packing import Batch, pack_rows
+from hola_titan.data.packing import Batch, RowLoader, pack_rows
 from hola_titan.data.sources import Source, TxtDocuments, hub_documents, read_documents, resolve_source
 from hola_titan.data.synthetic import MqarLoader, build_synthetic_dataloader, is_synthetic
 from hola_titan.data.token_stream import InMemoryTokenStream, StreamingTokenStream, tokenize_documents
@@ -48,7 +48,7 @@ _TOKEN_CACHE_SIZE = 4
 """Tokenised finite datasets kept per process (loaders over the same data and tokenizer share one)."""
 
 
-class PackedDataLoader:
+class PackedDataLoader(RowLoader):
     """Yields :class:`~hola_titan.data.packing.Batch` dicts for one data-parallel rank (module docstring).
 
     Build it with :func:`build_dataloader` or :func:`build_validation_dataloader`.
@@ -79,16 +79,6 @@ class PackedDataLoader:
         self.shuffle = bool(getattr(stream, "shuffle", False))
         self.global_rows_consumed = 0
         self._resume_point: dict[str, int] = {}
-
-    @property
-    def global_batch_rows(self) -> int:
-        """Rows of one global batch, ``dp_world_size * local_batch_size``."""
-        return self.dp_world_size * self.local_batch_size
-
-    def __len__(self) -> int:
-        if self.num_batches is None:
-            raise TypeError("a training loader is endless and has no length")
-        return self.num_batches
 
     def _batch_at(self, first_global_row: int) -> Batch:
         """The local batch whose global batch starts at ``first_global_row``."""

@@ -41,6 +41,25 @@ IGNORE_INDEX = -100
 """Label value the loss ignores (``torch.nn.functional.cross_entropy``'s default ``ignore_index``)."""
 
 
+class RowLoader:
+    """What the packed-text and synthetic loaders share: a global batch of ``dp_world_size * local_batch_size``
+    rows, and a length only when the loader is finite (validation; ``num_batches`` rows of batches)."""
+
+    dp_world_size: int
+    local_batch_size: int
+    num_batches: int | None
+
+    @property
+    def global_batch_rows(self) -> int:
+        """Rows of one global batch, ``dp_world_size * local_batch_size``."""
+        return self.dp_world_size * self.local_batch_size
+
+    def __len__(self) -> int:
+        if self.num_batches is None:
+            raise TypeError("a training loader is endless and has no length")
+        return self.num_batches
+
+
 class Batch(TypedDict):
     """One local batch; ``B = local_batch_size``, ``T = seq_len``."""
 

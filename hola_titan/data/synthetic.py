@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hola_titan.data.packing import IGNORE_INDEX, Batch
+from hola_titan.data.packing import IGNORE_INDEX, Batch, RowLoader
 
 MQAR_PREFIX = "mqar:"
 FILLER_ID = 0
@@ -181,7 +181,7 @@ def row_rng(seed: int, split: str, row: int) -> np.random.Generator:
     return np.random.default_rng([seed, split_code(split), row])
 
 
-class MqarLoader:
+class MqarLoader(RowLoader):
     """Yields :class:`~hola_titan.data.packing.Batch` dicts of MQAR rows for one data-parallel rank.
 
     Sharding and state follow the packed loader: global batch ``i`` is rows ``[i*W*b, (i+1)*W*b)`` in rank order,
@@ -201,15 +201,6 @@ class MqarLoader:
         self.num_batches = num_batches
         self.shuffle = False
         self.global_rows_consumed = 0
-
-    @property
-    def global_batch_rows(self) -> int:
-        return self.dp_world_size * self.local_batch_size
-
-    def __len__(self) -> int:
-        if self.num_batches is None:
-            raise TypeError("a training loader is endless and has no length")
-        return self.num_batches
 
     def rows(self, first: int, count: int) -> list[MqarRow]:
         """Global rows ``first .. first + count - 1``."""
