@@ -35,6 +35,7 @@ from hola_titan.config import (ConfigError, JobConfig, parse_config, resolve_deg
                                write_resolved)
 from hola_titan.flops import datasheet_tflops, flops_per_token, measured_matmul_tflops
 from hola_titan.kernels import seqlens
+from hola_titan.kernels.fla_gdn import prepare_backward
 from hola_titan.loss import chunked_linear_cross_entropy
 from hola_titan.metrics import MetricsLogger, peak_memory_gib, setup_logging
 from hola_titan.models.args import model_args
@@ -127,6 +128,11 @@ class Trainer:
         model.init_weights()
         self.num_params = num_params(model)
         model.to(self.device)
+        if self.device.type == "cuda" and self.model_args.flavour != "transformer" \
+                and config.model.attention_backend != "reference":
+            # fla's #640 gradient check runs real kernels under autograd: now, not while compile traces a block
+            # or inside an activation-checkpointed forward.
+            prepare_backward(self.model_args.head_dim, self.device)
         self.model = parallelize_model(
             model, dims=self.dims, mesh=self.mesh, device=self.device, ac_mode=config.activation_checkpoint.mode,
             selective_ac_option=config.activation_checkpoint.selective_ac_option,

@@ -26,6 +26,7 @@ import contextlib
 import importlib.metadata
 import logging
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -166,15 +167,23 @@ def check_fla_backward(head_dim: int, device: torch.device, *, num_heads: int = 
     beta = torch.sigmoid(rand(1, t, h))
     do = rand(1, t, h, d)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
-    _CHECKED[(device.index or 0, d)] = {}  # lets the guarded call run once, for the check itself
-    try:
-        o, _, _ = _GDNFunction.apply(*leaves, None, cu, d ** -0.5, False)
-        o.backward(do.to(o.dtype))
-    finally:
-        del _CHECKED[(device.index or 0, d)]
-    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
-    o_r, _, _ = reference_gdn_with_scores(*ref_leaves, cu_seqlens=cu)
-    o_r.backward(do.double())
+    # The check may first run inside a model's forward: its own graph must not see the caller's autocast, and
+    # its saved tensors must not enter an activation-checkpointed region's (identity hooks shadow the region's,
+    # whose recomputation would otherwise find extra saved tensors and fail its metadata check).
+    isolated = contextlib.ExitStack()
+    isolated.enter_context(torch.enable_grad())
+    isolated.enter_context(torch.autocast(device.type, enabled=False))
+    isolated.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x))
+    with isolated:
+        _CHECKED[(device.index or 0, d)] = {}  # lets the guarded call run once, for the check itself
+        try:
+            o, _, _ = _GDNFunction.apply(*leaves, None, cu, d ** -0.5, False)
+            o.backward(do.to(o.dtype))
+        finally:
+            del _CHECKED[(device.index or 0, d)]
+        ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+        o_r, _, _ = reference_gdn_with_scores(*ref_leaves, cu_seqlens=cu)
+        o_r.backward(do.double())
     errors = {"o": _rel(o, o_r)}
     for name, x, x_r in zip(("dq", "dk", "dv", "dg", "dbeta"), leaves, ref_leaves):
         errors[name] = _rel(x.grad, x_r.grad)
@@ -204,19 +213,47 @@ def ensure_backward_checked(head_dim: int, device: torch.device) -> None:
         check_fla_backward(head_dim, device)
 
 
+def prepare_backward(head_dim: int, device: torch.device) -> None:
+    """Before training a model of head dim ``head_dim`` on ``device``: run the #640 check now if it applies.
+
+    The trainer calls this before compiling (a compiled backward cannot run the check) and before the first
+    forward (so the check does not run inside an activation-checkpointed block). No-op without fla or the guard.
+    """
+    device = torch.device(device)
+    if fla_available() and guard_applies(device):
+        ensure_backward_checked(padded_head_dim(head_dim, device), device)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The adapter: custom ops over fla's stages.
 
 
+# The last device chunk indices made from a registered host copy: (weak reference to cu_seqlens, its version,
+# the host copy they came from, the indices); every layer of a step reuses them.
+_INDICES: tuple | None = None
+
+
 def _chunk_indices(cu_seqlens):
+    global _INDICES
     if cu_seqlens is None:
         return None
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from hola_titan.kernels.seqlens import host_copy
-    # From the registered host copy when there is one: computed from the device tensor, fla reads its values
-    # back to the host (a synchronisation per batch).
-    return prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=host_copy(cu_seqlens))
+    from hola_titan.kernels.seqlens import host_copy, tensor_version
+    host = host_copy(cu_seqlens)
+    if host is None or torch.compiler.is_compiling():
+        # Computed from the device tensor, fla reads its values back to the host (a synchronisation).
+        return prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=host)
+    last = _INDICES
+    if last is not None and last[0]() is cu_seqlens and last[1] == tensor_version(cu_seqlens) and last[2] is host:
+        return last[3]
+    # From the registered host copy, sent with a pinned, non-blocking copy: fla's path with cu_seqlens_cpu still
+    # ends in a copy from pageable memory, which waits for the device (tests/test_step_gpu.py caught it).
+    indices = prepare_chunk_indices(host, CHUNK, cu_seqlens_cpu=host)
+    if cu_seqlens.device.type == "cuda":
+        indices = indices.pin_memory().to(cu_seqlens.device, non_blocking=True)
+    _INDICES = (weakref.ref(cu_seqlens), tensor_version(cu_seqlens), host, indices)
+    return indices
 
 
 def _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):

@@ -23,7 +23,8 @@ import torch
 _LAST: tuple | None = None
 
 
-def _version(cu_seqlens: torch.Tensor):
+def tensor_version(cu_seqlens: torch.Tensor):
+    """The version counter that tells an in-place change apart (None for inference tensors)."""
     # Inference tensors (made under torch.inference_mode) keep no version counter: they are known by identity.
     return None if cu_seqlens.is_inference() else cu_seqlens._version
 
@@ -37,7 +38,7 @@ def _check_list(cu: list[int], seq_len: int) -> None:
 
 def _is_last(cu_seqlens: torch.Tensor) -> bool:
     last = _LAST
-    return last is not None and last[0]() is cu_seqlens and last[1] == _version(cu_seqlens)
+    return last is not None and last[0]() is cu_seqlens and last[1] == tensor_version(cu_seqlens)
 
 
 def check_values(cu_seqlens: torch.Tensor, seq_len: int) -> None:
@@ -49,7 +50,7 @@ def check_values(cu_seqlens: torch.Tensor, seq_len: int) -> None:
     if _is_last(cu_seqlens) and _LAST[2] == seq_len:
         return
     _check_list(cu_seqlens.tolist(), seq_len)
-    _LAST = (weakref.ref(cu_seqlens), _version(cu_seqlens), seq_len, None)
+    _LAST = (weakref.ref(cu_seqlens), tensor_version(cu_seqlens), seq_len, None)
 
 
 def register(cu_seqlens: torch.Tensor, *, host: torch.Tensor, seq_len: int) -> None:
@@ -60,7 +61,7 @@ def register(cu_seqlens: torch.Tensor, *, host: torch.Tensor, seq_len: int) -> N
         raise ValueError(f"cu_seqlens: the host copy must be a CPU tensor of shape {list(cu_seqlens.shape)}, got "
                          f"{host.device} {list(host.shape)}")
     _check_list(host.tolist(), seq_len)
-    _LAST = (weakref.ref(cu_seqlens), _version(cu_seqlens), seq_len, host.to(torch.int64))
+    _LAST = (weakref.ref(cu_seqlens), tensor_version(cu_seqlens), seq_len, host.to(torch.int64))
 
 
 def host_copy(cu_seqlens: torch.Tensor) -> torch.Tensor | None:

@@ -677,6 +677,32 @@ def test_registered_cu_seqlens_are_checked_from_their_host_copy_and_never_read()
         hola_attention(*args.values(), **kw)
 
 
+def test_fla_chunk_indices_come_from_the_host_copy_once_per_batch():
+    """The fla adapter builds fla's chunk indices from the registered host copy (no read of the device tensor),
+    equal to fla's own, and every layer of the batch reuses them; new boundaries get new indices."""
+    pytest.importorskip("fla")
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from hola_titan.kernels import fla_gdn, seqlens
+    host = torch.tensor([0, 1, 70, 200, 333])
+    device_cu = host.clone()
+    seqlens.register(device_cu, host=host, seq_len=333)
+    real_tolist = torch.Tensor.tolist
+
+    def spy(self):
+        assert self is not device_cu, "the registered cu_seqlens was read"
+        return real_tolist(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "tolist", spy)
+        first = fla_gdn._chunk_indices(device_cu)
+        assert fla_gdn._chunk_indices(device_cu) is first
+    assert torch.equal(first, prepare_chunk_indices(host.clone(), fla_gdn.CHUNK))
+    other = torch.tensor([0, 64, 333])
+    seqlens.register(other, host=other.clone(), seq_len=333)
+    assert torch.equal(fla_gdn._chunk_indices(other), prepare_chunk_indices(other.clone(), fla_gdn.CHUNK))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Finite in, finite out; a NaN in one document stays in that document
 # ----------------------------------------------------------------------------------------------------------------
