@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from hola_titan.kernels import seqlens
+from hola_titan.kernels import hola_decode, seqlens
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.kernels.hola_reference import hola_attention_reference
 
@@ -45,7 +45,9 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         initial_state: ``[N, H, D, D]`` state to start from (N = B without ``cu_seqlens``).
         output_final_state: return the final state ``[N, H, D, D]`` (float32, float64 for float64 inputs).
         initial_cache / output_final_cache: a :class:`HolaCache` to continue from / to return.
-        backend: ``"auto"``, ``"reference"``, ``"sdpa"`` or ``"triton"``.
+        backend: ``"auto"``, ``"reference"``, ``"sdpa"`` or ``"triton"``. A decoding step (one token per row,
+            no ``cu_seqlens``, continuing from a state and cache, no gradient wanted) runs the same arithmetic
+            as the reference through ``kernels/hola_decode.py`` with every backend but ``"reference"``.
 
     Returns:
         ``(o, final_state)``, or ``(o, final_state, final_cache)`` when ``output_final_cache`` is set;
@@ -54,7 +56,17 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
               cu_seqlens=cu_seqlens, initial_state=initial_state, initial_cache=initial_cache,
               output_final_cache=output_final_cache, backend=backend)
-    chosen = resolve_backend(backend, q.device)
+    chosen = resolve_backend(backend, q.device)  # raises for a backend that cannot run here, decoding or not
+    if backend != "reference" and hola_decode.applies(q, (q, k, v, g, beta, gamma_q, gamma_k, sink, gate),
+                                                      cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                                      initial_cache=initial_cache, evict=evict):
+        # Decoding: one token per row through a fixed, small set of tensor ops (kernels/hola_decode.py); the
+        # blocked paths below cost about 1,500 ATen calls per layer for a single token.
+        o, final_state, final_cache = hola_decode.decode_step(
+            q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
+            initial_state=initial_state, initial_cache=initial_cache, output_final_state=output_final_state,
+            output_final_cache=output_final_cache)
+        return (o, final_state, final_cache) if output_final_cache else (o, final_state)
     if chosen != "reference":
         from hola_titan.kernels.hola_triton import check_supported, is_supported
         if backend == "auto" and not is_supported(q):
