@@ -58,6 +58,15 @@ def decode_step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, 
                 output_final_cache: bool):
     """``hola_attention`` for ``[B, 1, H, D]`` inputs continuing from ``initial_state`` (and ``initial_cache``);
     arguments validated by ``hola_titan.ops.hola_attention``. Returns ``(o, final_state, final_cache)``."""
+    # Float32 arithmetic like the reference's, also inside an autocast region.
+    with torch.autocast(q.device.type, enabled=False):
+        return _step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
+                     initial_state=initial_state, initial_cache=initial_cache,
+                     output_final_state=output_final_state, output_final_cache=output_final_cache)
+
+
+def _step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, initial_state, initial_cache,
+          output_final_state, output_final_cache):
     in_dtype = q.dtype
     cdt = compute_dtype(in_dtype)
     bsz, _, h, d = q.shape

@@ -200,6 +200,17 @@ def hola_attention_reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, 
     flat token indices (``-1`` empty) in the block table of ``hola_titan.kernels.hola_triton_select``, replacing
     the reference's own selection for the read (not for the final cache).
     """
+    # The reference computes in float32 (float64 for float64 inputs) whatever autocast region it is called
+    # from (a bf16 training step with backend="reference"): autocast would run its matmuls in bf16.
+    with torch.autocast(q.device.type, enabled=False):
+        return _reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
+                          cu_seqlens=cu_seqlens, initial_state=initial_state,
+                          output_final_state=output_final_state, initial_cache=initial_cache,
+                          output_final_cache=output_final_cache, selected=selected)
+
+
+def _reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, cu_seqlens, initial_state,
+               output_final_state, initial_cache, output_final_cache, selected):
     in_dtype = q.dtype
     cdt = compute_dtype(in_dtype)
     bsz, seq_len, h, d = q.shape

@@ -112,3 +112,24 @@ def test_calls_that_are_not_decoding_steps_take_the_general_paths(monkeypatch):
     with torch.no_grad():
         with pytest.raises(AssertionError, match="decode_step called"):
             hola_attention(*y, *params, **kw, initial_state=state, initial_cache=cache)
+
+
+@pytest.mark.parametrize("decoding", [False, True])
+def test_reference_arithmetic_ignores_an_enclosing_autocast(decoding):
+    """A bf16 training or decoding step under autocast with the reference backend (or the decoding step) still
+    computes in float32: the same result as outside autocast (autocast used to turn its matmuls to bf16 and a
+    mixed-dtype index_put then failed)."""
+    gen = torch.Generator().manual_seed(3)
+    x = _tokens(gen, 2, 11, torch.float32)
+    params = _params(gen, "score")
+    kw = dict(window=4, block=4, evict="score", output_final_state=True, output_final_cache=True)
+    args = x
+    if decoding:
+        _, state, cache = hola_attention(*x, *params, **kw)
+        args, kw = _tokens(gen, 2, 1, torch.float32), dict(kw, initial_state=state, initial_cache=cache)
+    backend = "auto" if decoding else "reference"
+    plain = hola_attention(*args, *params, **kw, backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = hola_attention(*args, *params, **kw, backend=backend)
+    assert torch.equal(plain[0], under[0]) and torch.equal(plain[1], under[1])
+    assert torch.equal(plain[2].k, under[2].k) and torch.equal(plain[2].scores, under[2].scores)
