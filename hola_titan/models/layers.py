@@ -12,15 +12,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hola_titan.kernels.hola_reference import rms_norm
 
 
 def identity_view(param: torch.Tensor) -> torch.Tensor:
     return param
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """``x * rsqrt(mean(x^2) + eps) * weight`` in at least float32, saving only ``x`` and ``rstd`` [..., 1].
+
+    Autograd of the plain expression saves the float32 input, the normalised input and the product (about
+    three float32 copies of the activation per norm); the backward here recomputes the normalised input.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, out_dtype: torch.dtype):
+        cdt = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(cdt)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * weight.to(cdt)).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        cdt = rstd.dtype
+        xhat = x.to(cdt) * rstd
+        dyf = dy.to(cdt)
+        dweight = (dyf * xhat).sum(dim=tuple(range(dyf.dim() - 1)))
+        gy = dyf * weight.to(cdt)
+        dx = rstd * (gy - xhat * (gy * xhat).mean(-1, keepdim=True))
+        return dx.to(x.dtype), dweight.to(weight.dtype), None, None
+
+
 class RMSNorm(nn.Module):
-    """``x * rsqrt(mean(x^2) + eps) * weight``, computed in at least float32, returned in the input dtype."""
+    """``x * rsqrt(mean(x^2) + eps) * weight``, computed in at least float32.
+
+    Returned in the input dtype, or in autocast's dtype inside an autocast region: every consumer is a linear
+    layer that would cast it there anyway, and one cast here lets the q, k, v, a, b (or w1, w3) projections
+    save one shared copy instead of one each.
+    """
 
     # Tensor parallelism replaces this on norms inside a head-sharded region, so that the forward reads the
     # local tensor of a distributed weight (see hola_titan.parallelisms.tensor_parallel).
@@ -32,8 +63,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        return rms_norm(x.to(dtype), self.param_view(self.weight).to(dtype), self.eps).to(x.dtype)
+        out_dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type) and x.dtype.is_floating_point:
+            out_dtype = torch.get_autocast_dtype(x.device.type)
+        return _RMSNormFunction.apply(x, self.param_view(self.weight), self.eps, out_dtype)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
@@ -56,6 +89,57 @@ def document_ids(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, devi
         return torch.arange(batch, device=device)[:, None].expand(batch, seq_len)
     flat = torch.arange(batch * seq_len, device=device)
     return torch.bucketize(flat, cu_seqlens.to(device=device, dtype=torch.int64)[1:], right=True).view(batch, seq_len)
+
+
+class _ShortConvFunction(torch.autograd.Function):
+    """``silu(causal depthwise conv)`` over ``xp`` ``[B, K-1+T, C]`` (the K-1 earlier inputs, then the tokens) with
+    ``weight`` ``[C, K]``; ``keep`` ``[K-1, B, T]`` bool (or None: all kept) says whether the input ``shift``
+    tokens back belongs to the token's document. Saves ``xp`` alone (autograd of the expression also keeps the
+    pre-activation and a product per tap) and recomputes the rest in the backward."""
+
+    @staticmethod
+    def _pre_activation(xp, weight, keep):
+        k = weight.shape[1]
+        seq_len = xp.shape[1] - (k - 1)
+        y = xp[:, k - 1:] * weight[:, k - 1]
+        for shift in range(1, k):
+            term = xp[:, k - 1 - shift: k - 1 - shift + seq_len] * weight[:, k - 1 - shift]
+            if keep is not None:
+                # where, not a product: a NaN in another document must not leak through 0 * NaN.
+                term = torch.where(keep[shift - 1, ..., None], term, torch.zeros((), dtype=term.dtype,
+                                                                                  device=term.device))
+            y = y + term
+        return y
+
+    @staticmethod
+    def forward(ctx, xp, weight, keep):
+        ctx.save_for_backward(xp, weight, keep)
+        return F.silu(_ShortConvFunction._pre_activation(xp, weight, keep))
+
+    @staticmethod
+    def backward(ctx, dout):
+        xp, weight, keep = ctx.saved_tensors
+        k = weight.shape[1]
+        seq_len = xp.shape[1] - (k - 1)
+        cdt = torch.promote_types(xp.dtype, torch.float32)
+        xpf, wf = xp.to(cdt), weight.to(cdt)
+        y = _ShortConvFunction._pre_activation(xp, weight, keep).to(cdt)
+        sig = torch.sigmoid(y)
+        dy = dout.to(cdt) * sig * (1 + y * (1 - sig))
+        dxp = torch.zeros_like(xpf)
+        dweight = torch.empty_like(wf)
+        zero = torch.zeros((), dtype=cdt, device=dy.device)
+        for shift in range(k):
+            lo = k - 1 - shift
+            window = xpf[:, lo: lo + seq_len]
+            if shift and keep is not None:
+                kept = keep[shift - 1, ..., None]
+                dxp[:, lo: lo + seq_len] += torch.where(kept, dy, zero) * wf[:, lo]
+                dweight[:, lo] = torch.where(kept, dy * window, zero).sum(dim=(0, 1))
+            else:
+                dxp[:, lo: lo + seq_len] += dy * wf[:, lo]
+                dweight[:, lo] = (dy * window).sum(dim=(0, 1))
+        return dxp.to(xp.dtype), dweight.to(weight.dtype), None
 
 
 class ShortConvolution(nn.Module):
@@ -88,17 +172,33 @@ class ShortConvolution(nn.Module):
         prev = tail if tail is not None else x.new_zeros(bsz, k - 1, ch)
         xp = torch.cat([prev.to(x.dtype), x], dim=1)
         weight = self.param_view(self.weight).view(ch, k).to(x.dtype)
-        y = x * weight[:, k - 1]
-        for shift in range(1, k):
-            term = xp[:, k - 1 - shift: k - 1 - shift + seq_len] * weight[:, k - 1 - shift]
-            if positions is not None:
-                keep = positions >= shift
-                if continues is not None and tail is not None:
-                    keep = keep | continues
-                # where, not a product: a NaN in another document must not leak through 0 * NaN.
-                term = torch.where(keep[..., None], term, torch.zeros((), dtype=x.dtype, device=x.device))
-            y = y + term
-        return F.silu(y), xp[:, -(k - 1):]
+        keep = None
+        if positions is not None:
+            shifts = torch.arange(1, k, device=positions.device).view(k - 1, 1, 1)
+            keep = positions[None] >= shifts
+            if continues is not None and tail is not None:
+                keep = keep | continues[None]
+        return _ShortConvFunction.apply(xp, weight, keep), xp[:, -(k - 1):]
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    """``silu(a) * b`` saving only ``a`` and ``b``: autograd of the expression also keeps ``silu(a)``, a third
+    activation of the MLP's hidden width per block."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return F.silu(a) * b
+
+    @staticmethod
+    def backward(ctx, dp):
+        a, b = ctx.saved_tensors
+        cdt = torch.promote_types(a.dtype, torch.float32)
+        af, dpf = a.to(cdt), dp.to(cdt)
+        sig = torch.sigmoid(af)
+        silu = af * sig
+        da = dpf * b.to(cdt) * sig * (1 + af * (1 - sig))
+        return da.to(a.dtype), (dpf * silu).to(b.dtype)
 
 
 class FeedForward(nn.Module):
@@ -111,7 +211,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(_SwiGLUFunction.apply(self.w1(x), self.w3(x)))
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.w1.weight, std=std)
