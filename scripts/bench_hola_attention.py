@@ -223,36 +223,16 @@ def _names(text):
 
 
 def profile(fn, grads, timed_ms, iters=5, top=12):
-    """GPU kernel time per call, by kernel name (``torch.profiler``), against the call's timed median.
+    """GPU kernel time per call, by kernel name, against the call's timed median (``scripts/profiling.py``)."""
+    from profiling import kernel_profile
 
-    ``kernel_ms`` is the summed device time of the call's kernels; ``timed_ms - kernel_ms`` is time the GPU spent
-    idle inside the call (launch gaps, host work, synchronisations)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+    def call():
+        fn()
+        for p in grads:
+            p.grad = None
 
-    fn()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-            for p in grads:
-                p.grad = None
-        torch.cuda.synchronize()
-    per_kernel = {}
-    for evt in prof.key_averages():
-        dev_us = getattr(evt, "self_device_time_total", None)
-        if dev_us is None:
-            dev_us = evt.self_cuda_time_total
-        if dev_us > 0:
-            per_kernel[evt.key[:90]] = (dev_us / iters / 1000, evt.count // iters)
-    kernel_ms = sum(ms for ms, _ in per_kernel.values())
-    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
-    out = dict(kernel_ms=kernel_ms, timed_ms=timed_ms, launches=sum(n for _, n in per_kernel.values()),
-               top=[dict(kernel=k, ms=round(ms, 4), launches=n) for k, (ms, n) in ranked[:top]])
-    print(f"profile: kernels {kernel_ms:.3f} ms per call, timed {timed_ms}, launches {out['launches']}", flush=True)
-    for item in out["top"]:
-        print(f"    {item['ms']:8.3f} ms  x{item['launches']:<3d} {item['kernel']}", flush=True)
-    return out
+    call()
+    return kernel_profile(call, device=torch.device("cuda"), timed_ms=timed_ms, iters=iters, top=top)
 
 
 def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms):

@@ -74,6 +74,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="hola_titan rows hold packed documents with cu_seqlens, as the trainer's data.varlen "
                              "feeds them (default); --no-packed: one sequence per row, as the references get")
     parser.add_argument("--float8", action="store_true", help="float8.enable (torchao rowwise) for hola_titan models")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile whole steps (torch.profiler): kernel time against the step's wall time, "
+                             "the top kernels, and ATen calls per step (host-bound work)")
     parser.add_argument("--references", default=",".join(REFERENCES),
                         help=f"comma-separated outside references ({', '.join(REFERENCES)}) or 'none'; "
                              "measured at each (seq_len, batch) pair, 340M shapes, GPU only")
@@ -153,8 +156,10 @@ def _random_batch(batch_size: int, seq_len: int, vocab_size: int, device, genera
     return batch
 
 
-def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, warmup: int) -> dict:
-    """Warm up, time ``steps`` calls of ``step``, then profile ``steps`` calls of the three ``phases``."""
+def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, warmup: int,
+             profile: bool = False) -> dict:
+    """Warm up, time ``steps`` calls of ``step``, then profile ``steps`` calls of the three ``phases`` (and, with
+    ``profile``, ``steps`` whole steps under ``torch.profiler``)."""
     from hola_titan.metrics import peak_memory_gib
 
     for i in range(warmup):
@@ -184,6 +189,10 @@ def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, w
     row = {"tokens_per_s": tokens_per_step * steps / elapsed, "step_ms": 1e3 * elapsed / steps,
            "peak_memory_gib": peak}
     row.update({f"{name}_ms": 1e3 * value / steps for name, value in totals.items()})
+    if profile:
+        from profiling import kernel_profile
+        row["profile"] = kernel_profile(step, device=device, timed_ms=row["step_ms"], iters=steps, top=15,
+                                        label="training step")
     return row
 
 
@@ -232,7 +241,7 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
 
     assert int((batch["labels"] == IGNORE_INDEX).sum()) == 0
     row = _measure(step=step, phases=(forward, backward, optimizer), clock=clock, device=device,
-                   tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup)
+                   tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup, profile=args.profile)
     row.update(system="hola_titan", flavour=flavour, size=size, num_params=trainer.num_params,
                mfu=trainer.flops["total"] * row["tokens_per_s"] / (trainer.peak_tflops * 1e12),
                flops_per_token=trainer.flops["total"], compile=args.compile, ac=args.ac, float8=args.float8,
@@ -295,7 +304,7 @@ def bench_reference(*, name: str, seq_len: int, batch_size: int, args, device) -
         optimizer()
 
     row = _measure(step=step, phases=(forward, backward, optimizer), clock=clock, device=device,
-                   tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup)
+                   tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup, profile=args.profile)
     flops = flops_per_token(flops_args, seq_len)["total"]
     row.update(system=name, flavour=name, size="340M", num_params=num_params, flops_per_token=flops,
                mfu=flops * row["tokens_per_s"] / (measured_matmul_tflops(device) * 1e12),
