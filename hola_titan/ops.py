@@ -57,6 +57,12 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
               cu_seqlens=cu_seqlens, initial_state=initial_state, initial_cache=initial_cache,
               output_final_cache=output_final_cache, backend=backend)
     chosen = resolve_backend(backend, q.device)  # raises for a backend that cannot run here, decoding or not
+    if chosen != "reference":
+        from hola_titan.kernels.hola_triton import check_supported, is_supported
+        if backend == "auto" and not is_supported(q):
+            chosen = "reference"  # e.g. float64 or an odd head dim on a GPU
+        else:
+            check_supported(q, chosen)
     if backend != "reference" and hola_decode.applies(q, (q, k, v, g, beta, gamma_q, gamma_k, sink, gate),
                                                       cu_seqlens=cu_seqlens, initial_state=initial_state,
                                                       initial_cache=initial_cache, evict=evict):
@@ -67,12 +73,6 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             initial_state=initial_state, initial_cache=initial_cache, output_final_state=output_final_state,
             output_final_cache=output_final_cache)
         return (o, final_state, final_cache) if output_final_cache else (o, final_state)
-    if chosen != "reference":
-        from hola_titan.kernels.hola_triton import check_supported, is_supported
-        if backend == "auto" and not is_supported(q):
-            chosen = "reference"  # e.g. float64 or an odd head dim on a GPU
-        else:
-            check_supported(q, chosen)
     args = (q, k, v, g, beta, gamma_q, gamma_k, sink, gate)
     kw = dict(window=window, block=block, evict=evict, cu_seqlens=cu_seqlens, initial_state=initial_state,
               output_final_state=output_final_state, output_final_cache=output_final_cache)

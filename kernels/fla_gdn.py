@@ -249,7 +249,9 @@ def _chunk_indices(cu_seqlens):
         return last[3]
     # From the registered host copy, sent with a pinned, non-blocking copy: fla's path with cu_seqlens_cpu still
     # ends in a copy from pageable memory, which waits for the device (tests/test_step_gpu.py caught it).
-    indices = prepare_chunk_indices(host, CHUNK, cu_seqlens_cpu=host)
+    # A fresh tensor: fla memoises by argument identity, and a caller may refill its host copy in place.
+    fresh = host.clone()
+    indices = prepare_chunk_indices(fresh, CHUNK, cu_seqlens_cpu=fresh)
     if cu_seqlens.device.type == "cuda":
         indices = indices.pin_memory().to(cu_seqlens.device, non_blocking=True)
     _INDICES = (weakref.ref(cu_seqlens), tensor_version(cu_seqlens), host, indices)

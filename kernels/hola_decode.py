@@ -9,7 +9,8 @@ small ATen calls per layer; on an H200 that host time made decoding a 340M HOLA 
 sink, a write into its block's buffer slot and, when the token completes its block, the top-W merge: a fixed
 number of tensor operations with static shapes and no host synchronisation.
 
-The arithmetic is the reference's for a one-token call, term by term: ``gated_delta_chunked`` with a chunk of
+The arithmetic is the reference's for a one-token call, term by term (the state, the scores and the cache come
+out equal; the output's read sums its keys in another order, so it can differ in the last bit): ``gated_delta_chunked`` with a chunk of
 one token (``e = v - (alpha kh) S``, ``o = s ((alpha qh) S + beta (qh . kh) e)``, ``S' = alpha S + beta kh^T e``),
 the cache read of ``cache_read`` (persistent entries, the block's earlier tokens and the token itself, the sink;
 RMSNorm-gamma on q and k; logits over sqrt(D)), and the merge of ``_top_w_merge`` (persistent entries in
@@ -111,7 +112,8 @@ def _step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evic
 
     # Write the token into its buffer slot.
     here = (slots[None, :] == r[:, None])[:, None, :]  # [B, 1, C]
-    buf_scores = torch.where(here, m[..., None].to(cache.buf_scores.dtype), cache.buf_scores)
+    # Scores in the compute dtype, as the reference writes them, whatever dtype the incoming cache holds.
+    buf_scores = torch.where(here, m[..., None], cache.buf_scores.to(cdt))
     buf_k = torch.where(here[..., None], k[:, 0, :, None].to(cache.buf_k.dtype), cache.buf_k)
     buf_v = torch.where(here[..., None], v[:, 0, :, None].to(cache.buf_v.dtype), cache.buf_v)
     seen = cache.seen + 1
@@ -120,11 +122,11 @@ def _step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evic
     done = r == c - 1  # [B]
     block_pos = (cache.seen - r)[:, None] + slots[None, :]  # [B, C], all valid when done
     cand_pos = torch.cat([c_pos, block_pos[:, None, :].expand(bsz, h, c)], dim=-1)
-    cand_score = torch.cat([c_score, buf_scores.to(cdt)], dim=-1)
+    cand_score = torch.cat([c_score, buf_scores], dim=-1)
     if evict == "recency":
         cand_key = cand_pos
     else:
-        cand_key = torch.cat([c_score.masked_fill(~c_valid, float("-inf")), buf_scores.to(cdt)], dim=-1)
+        cand_key = torch.cat([c_score.masked_fill(~c_valid, float("-inf")), buf_scores], dim=-1)
     top = torch.sort(cand_key, dim=-1, descending=True, stable=True).indices[..., :w]
     rows = top[..., None].expand(*top.shape, d)
     merged_pos = cand_pos.gather(-1, top)
@@ -140,7 +142,7 @@ def _step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evic
     zero = torch.zeros((), dtype=in_dtype, device=q.device)
     empty_block = done.view(bsz, 1, 1)
     final_cache = HolaCache(
-        scores=pick(merged_score, c_score).masked_fill(~ok, float("-inf")).to(cache.scores.dtype),
+        scores=pick(merged_score, c_score).masked_fill(~ok, float("-inf")),
         positions=positions,
         k=torch.where(ok[..., None], pick(merged_k, c_k), zero).to(in_dtype),
         v=torch.where(ok[..., None], pick(merged_v, c_v), zero).to(in_dtype),

@@ -133,3 +133,21 @@ def test_reference_arithmetic_ignores_an_enclosing_autocast(decoding):
         under = hola_attention(*args, *params, **kw, backend=backend)
     assert torch.equal(plain[0], under[0]) and torch.equal(plain[1], under[1])
     assert torch.equal(plain[2].k, under[2].k) and torch.equal(plain[2].scores, under[2].scores)
+
+
+def test_decoding_writes_scores_in_the_compute_dtype_like_the_reference():
+    """float64 inputs continuing from a cache whose scores are float32 (``HolaCache.empty``'s default): the new
+    token's score is kept in float64, as the reference keeps it, so a near-tie is not decided by rounding."""
+    gen = torch.Generator().manual_seed(5)
+    params = [p.double() for p in _params(gen, "score")]
+    kw = dict(window=4, block=4, evict="score", output_final_state=True, output_final_cache=True)
+    cache = HolaCache.empty(2, H, D, window=4, block=4, evict="score", dtype=torch.float64, device="cpu")
+    state = torch.zeros(2, H, D, D, dtype=torch.float64)
+    for _ in range(6):
+        y = _tokens(gen, 2, 1, torch.float64)
+        ref = hola_attention(*y, *params, **kw, initial_state=state, initial_cache=cache, backend="reference")
+        got = hola_attention(*y, *params, **kw, initial_state=state, initial_cache=cache)
+        for name in ("scores", "buf_scores"):
+            assert getattr(got[2], name).dtype == getattr(ref[2], name).dtype == torch.float64
+            assert torch.equal(getattr(got[2], name), getattr(ref[2], name))
+        state, cache = ref[1], ref[2]

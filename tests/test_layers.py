@@ -54,6 +54,8 @@ def test_rms_norm_returns_autocast_dtype_inside_autocast_and_input_dtype_outside
         y = norm(x)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, norm(x).to(torch.bfloat16), rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert norm.double()(x.double()).dtype == torch.float64  # autocast never lowers float64
 
 
 def test_swiglu_gradients_and_saved_tensors():

@@ -64,7 +64,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type) and x.dtype.is_floating_point:
+        if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):  # autocast never lowers float64
             out_dtype = torch.get_autocast_dtype(x.device.type)
         return _RMSNormFunction.apply(x, self.param_view(self.weight), self.eps, out_dtype)
 
