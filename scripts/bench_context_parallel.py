@@ -46,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--no-single", action="store_true", help="skip the one-GPU baseline")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the CP call and the single call (scripts/profiling.py): kernel time "
+                        "against wall time, top kernels, ATen calls per call")
     p.add_argument("--out", type=Path, default=Path("bench_context_parallel.json"))
     return p.parse_args(argv)
 
@@ -159,6 +162,10 @@ def main(argv=None) -> int:
                 cp_step()
                 row["comm_ms"], row["comm_bytes"] = 1e3 * cp.comm_seconds, cp.bytes_received
                 cp.time_collectives = False
+                if args.profile:
+                    from profiling import kernel_profile
+                    row["cp_profile"] = kernel_profile(cp_step, device=device, timed_ms=row["cp_ms"], iters=2,
+                                                       label=f"rank {rank} CP T={t}")
             except torch.OutOfMemoryError:
                 row["cp_ms"] = "out of memory"
             del local
@@ -174,6 +181,10 @@ def main(argv=None) -> int:
 
             try:
                 row["single_ms"], row["single_peak_gib"] = timer(single_step, args.reps)
+                if args.profile:
+                    from profiling import kernel_profile
+                    row["single_profile"] = kernel_profile(single_step, device=device, timed_ms=row["single_ms"],
+                                                           iters=2, label=f"single T={t}")
             except torch.OutOfMemoryError:
                 row["single_ms"] = "out of memory"
             del full
