@@ -118,28 +118,26 @@ class _ShortConvFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        # In the input dtype, as autograd of the expression computes it (the recomputed pre-activation is the
+        # forward's, bit for bit; reductions accumulate in float32 inside ATen).
         xp, weight, keep = ctx.saved_tensors
         k = weight.shape[1]
         seq_len = xp.shape[1] - (k - 1)
-        cdt = torch.promote_types(xp.dtype, torch.float32)
-        xpf, wf = xp.to(cdt), weight.to(cdt)
-        y = _ShortConvFunction._pre_activation(xp, weight, keep).to(cdt)
-        sig = torch.sigmoid(y)
-        dy = dout.to(cdt) * sig * (1 + y * (1 - sig))
-        dxp = torch.zeros_like(xpf)
-        dweight = torch.empty_like(wf)
-        zero = torch.zeros((), dtype=cdt, device=dy.device)
+        dy = torch.ops.aten.silu_backward(dout, _ShortConvFunction._pre_activation(xp, weight, keep))
+        dxp = torch.zeros_like(xp)
+        dweight = torch.empty_like(weight)
+        zero = torch.zeros((), dtype=dy.dtype, device=dy.device)
         for shift in range(k):
             lo = k - 1 - shift
-            window = xpf[:, lo: lo + seq_len]
+            window = xp[:, lo: lo + seq_len]
             if shift and keep is not None:
                 kept = keep[shift - 1, ..., None]
-                dxp[:, lo: lo + seq_len] += torch.where(kept, dy, zero) * wf[:, lo]
+                dxp[:, lo: lo + seq_len] += torch.where(kept, dy, zero) * weight[:, lo]
                 dweight[:, lo] = torch.where(kept, dy * window, zero).sum(dim=(0, 1))
             else:
-                dxp[:, lo: lo + seq_len] += dy * wf[:, lo]
+                dxp[:, lo: lo + seq_len] += dy * weight[:, lo]
                 dweight[:, lo] = (dy * window).sum(dim=(0, 1))
-        return dxp.to(xp.dtype), dweight.to(weight.dtype), None
+        return dxp, dweight, None
 
 
 class ShortConvolution(nn.Module):
@@ -192,13 +190,10 @@ class _SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dp):
+        # In the activations' dtype with ATen's fused silu backward (float32 inside each element), as autograd of
+        # the expression computes it: no full-size float32 temporaries.
         a, b = ctx.saved_tensors
-        cdt = torch.promote_types(a.dtype, torch.float32)
-        af, dpf = a.to(cdt), dp.to(cdt)
-        sig = torch.sigmoid(af)
-        silu = af * sig
-        da = dpf * b.to(cdt) * sig * (1 + af * (1 - sig))
-        return da.to(a.dtype), (dpf * silu).to(b.dtype)
+        return torch.ops.aten.silu_backward(dp * b, a), dp * F.silu(a)
 
 
 class FeedForward(nn.Module):
