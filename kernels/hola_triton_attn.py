@@ -99,6 +99,33 @@ if triton is not None:
         return o_n, n_ok, row, b_k, b_v, b_rk
 
     @triton.jit
+    def _query_block(blk_start_ptr, blk_len_ptr, NQT, BM: tl.constexpr):
+        """This program's query tile: (pid, head, block, first query in the block, block start row, length)."""
+        pid = tl.program_id(0)
+        i_h = tl.program_id(1).to(tl.int64)
+        i_b = (pid // NQT).to(tl.int64)
+        q0 = (pid % NQT) * BM
+        return pid, i_h, i_b, q0, tl.load(blk_start_ptr + i_b).to(tl.int64), tl.load(blk_len_ptr + i_b)
+
+    @triton.jit
+    def _query_tile(q_ptr, rq_ptr, gq_ptr, gk_ptr, i_h, start, length, q0, H, scale,
+                    D: tl.constexpr, BM: tl.constexpr):
+        """Queries q0 ... q0 + BM of a block: positions, mask, flat rows and offsets, q, its rstd, both gammas, and
+        the scaled normalised query ``q r gamma_q gamma_k scale log2(e)`` (in q's dtype) that the tiles dot with
+        the raw keys (their rstd applied after the dot)."""
+        o_m = q0 + tl.arange(0, BM)
+        m_ok = o_m < length
+        o_d = tl.arange(0, D)
+        row_q = (start + o_m) * H + i_h
+        p_q = row_q[:, None] * D + o_d[None, :]
+        b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
+        b_rq = tl.load(rq_ptr + row_q, mask=m_ok, other=0.0)
+        b_gq = tl.load(gq_ptr + o_d).to(tl.float32)
+        b_gk = tl.load(gk_ptr + o_d).to(tl.float32)
+        b_qs = (b_q.to(tl.float32) * b_rq[:, None] * (b_gq * b_gk)[None, :] * (scale * 1.4426950408889634))
+        return o_m, m_ok, o_d, row_q, p_q, b_q, b_rq, b_gq, b_gk, b_qs.to(b_q.dtype)
+
+    @triton.jit
     def _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, b_ok, DOT_PREC: tl.constexpr):
         b_s = tl.dot(b_qs, tl.trans(b_k), input_precision=DOT_PREC) * b_rk[None, :]
         b_s = tl.where(b_ok, b_s, float("-inf"))
@@ -114,23 +141,11 @@ if triton is not None:
                           sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W,
                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           DOT_PREC: tl.constexpr):
-        pid = tl.program_id(0)
-        i_h = tl.program_id(1).to(tl.int64)
-        i_b = (pid // NQT).to(tl.int64)
-        q0 = (pid % NQT) * BM
-        start = tl.load(blk_start_ptr + i_b).to(tl.int64)
-        length = tl.load(blk_len_ptr + i_b)
+        pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM)
         if q0 >= length:
             return
-        o_m = q0 + tl.arange(0, BM)
-        m_ok = o_m < length
-        o_d = tl.arange(0, D)
-        row_q = (start + o_m) * H + i_h
-        p_q = row_q[:, None] * D + o_d[None, :]
-        b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
-        b_rq = tl.load(rq_ptr + row_q, mask=m_ok, other=0.0)
-        b_g = tl.load(gq_ptr + o_d).to(tl.float32) * tl.load(gk_ptr + o_d).to(tl.float32)
-        b_qs = (b_q.to(tl.float32) * b_rq[:, None] * b_g[None, :] * (scale * 1.4426950408889634)).to(b_q.dtype)
+        o_m, m_ok, o_d, row_q, p_q, b_q, b_rq, b_gq, b_gk, b_qs = _query_tile(q_ptr, rq_ptr, gq_ptr, gk_ptr, i_h, start,
+                                                                             length, q0, H, scale, D, BM)
         b_sink = tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634
         b_m = tl.zeros([BM], dtype=tl.float32) + b_sink
         b_l = tl.full([BM], 1.0, dtype=tl.float32)
@@ -194,28 +209,14 @@ if triton is not None:
                              gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, H, NQT, scale, W,
                              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                              DOT_PREC: tl.constexpr):
-        pid = tl.program_id(0)
-        i_h = tl.program_id(1).to(tl.int64)
-        i_b = (pid // NQT).to(tl.int64)
-        q0 = (pid % NQT) * BM
-        start = tl.load(blk_start_ptr + i_b).to(tl.int64)
-        length = tl.load(blk_len_ptr + i_b)
+        pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM)
         if q0 >= length:
             return
-        o_m = q0 + tl.arange(0, BM)
-        m_ok = o_m < length
-        o_d = tl.arange(0, D)
-        row_q = (start + o_m) * H + i_h
-        p_q = row_q[:, None] * D + o_d[None, :]
-        b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
+        o_m, m_ok, o_d, row_q, p_q, b_q, b_rq, b_gq, b_gk, b_qs = _query_tile(q_ptr, rq_ptr, gq_ptr, gk_ptr, i_h, start,
+                                                                             length, q0, H, scale, D, BM)
         b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
-        b_rq = tl.load(rq_ptr + row_q, mask=m_ok, other=0.0)
         b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
         b_delta = tl.load(delta_ptr + row_q, mask=m_ok, other=0.0)
-        b_gq = tl.load(gq_ptr + o_d).to(tl.float32)
-        b_gk = tl.load(gk_ptr + o_d).to(tl.float32)
-        b_qs = (b_q.to(tl.float32) * b_rq[:, None] * (b_gq * b_gk)[None, :] * (scale * 1.4426950408889634))
-        b_qs = b_qs.to(b_q.dtype)
         b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
         b_dq = tl.zeros([BM, D], dtype=tl.float32)
         if W > 0:
