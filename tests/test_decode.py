@@ -151,3 +151,33 @@ def test_decoding_writes_scores_in_the_compute_dtype_like_the_reference():
             assert getattr(got[2], name).dtype == getattr(ref[2], name).dtype == torch.float64
             assert torch.equal(getattr(got[2], name), getattr(ref[2], name))
         state, cache = ref[1], ref[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("evict", ["score", "recency"])
+def test_decoding_on_cuda_continues_a_triton_prefill_like_the_reference(evict):
+    """On the GPU: a bf16 prefill through the default (Triton) backend, then decoding steps; each step equals the
+    reference's step from the same state and cache (positions exactly; bf16 values to rounding)."""
+    gen = torch.Generator().manual_seed(9)
+    h, d, window, block = 4, 256, 64, 256
+    x = [t.cuda() for t in _tokens_shaped(gen, 2, 700, h, d, torch.bfloat16)]
+    params = [p.cuda() for p in (1 + 0.3 * torch.randn(d, generator=gen), 1 + 0.3 * torch.randn(d, generator=gen),
+                                 torch.randn(h, generator=gen), torch.randn(h, generator=gen))]
+    kw = dict(window=window, block=block, evict=evict, output_final_state=True, output_final_cache=True)
+    _, state, cache = hola_attention(*x, *params, **kw)
+    for step in range(block + 3):  # across a block boundary: rows sit at offset 700 % 256 = 188
+        y = [t.cuda() for t in _tokens_shaped(gen, 2, 1, h, d, torch.bfloat16)]
+        ref = hola_attention(*y, *params, **kw, initial_state=state, initial_cache=cache, backend="reference")
+        got = hola_attention(*y, *params, **kw, initial_state=state, initial_cache=cache)
+        _assert_close(got[0], ref[0], f"step {step} o", 2e-2)
+        _assert_close(got[1], ref[1], f"step {step} state", 1e-4)
+        assert torch.equal(got[2].positions, ref[2].positions) and torch.equal(got[2].seen, ref[2].seen)
+        state, cache = got[1], got[2]
+
+
+def _tokens_shaped(gen, b, t, h, d, dtype):
+    q, k, v = (torch.randn(b, t, h, d, generator=gen) for _ in range(3))
+    g = -0.5 * torch.rand(b, t, h, generator=gen)
+    beta = torch.rand(b, t, h, generator=gen)
+    return [x.to(dtype) for x in (q, k, v, g, beta)]
