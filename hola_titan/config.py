@@ -143,6 +143,10 @@ class Training:
     loss_chunk_size: int = 0
     """Rows (tokens) per chunk of the chunked output-head cross-entropy, used without tensor parallelism; 0: auto
     (about 256 MiB of float32 logits per chunk)."""
+    gc_freq: int = 50
+    """Collect Python garbage (generation 1) every this many steps, with automatic collection off while training:
+    an automatic collection pauses one rank at a random step and every rank waits for it at the next collective
+    (torchtitan does the same). 0 leaves Python's automatic collection on."""
 
 
 @dataclass
@@ -289,6 +293,7 @@ _MINIMUM: dict[str, float] = {
     "training.seq_len": 1,
     "training.local_batch_size": 1,
     "training.max_norm": 0,
+    "training.gc_freq": 0,
     "training.seed": 0,
     "parallelism.data_parallel_replicate_degree": 1,
     "parallelism.tensor_parallel_degree": 1,

@@ -306,6 +306,19 @@ class Trainer:
         config = self.config
         if self.checkpointer is not None:
             self.checkpointer.load()
+        gc_freq = config.training.gc_freq
+        was_enabled = gc.isenabled()
+        if gc_freq:
+            gc.disable()
+            gc.collect(1)
+        try:
+            return self._train_loop(gc_freq)
+        finally:
+            if gc_freq and was_enabled:
+                gc.enable()
+
+    def _train_loop(self, gc_freq: int) -> list[dict]:
+        config = self.config
         rows = []
         data_iter = iter(self.dataloader)
         self.model.train()
@@ -315,6 +328,8 @@ class Trainer:
         while self.state.step < config.training.steps:
             micro = [next(data_iter) for _ in range(self.degrees.grad_accum_steps)]
             result = self.train_step(micro)
+            if gc_freq and self.state.step % gc_freq == 0:
+                gc.collect(1)
             window_tokens += self.degrees.global_batch_size * config.training.seq_len
             step = self.state.step
             if step % config.metrics.log_freq == 0 or step == config.training.steps or step == 1:

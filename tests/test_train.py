@@ -58,6 +58,31 @@ def test_debug_run_loss_falls_and_writes_metrics(tmp_path):
     assert "seq_len = 128" in resolved
 
 
+@pytest.mark.parametrize("gc_freq", [0, 2])
+def test_garbage_collection_runs_every_gc_freq_steps_and_is_restored(tmp_path, monkeypatch, gc_freq):
+    """training.gc_freq: automatic collection off while training, generation-1 collections at the start and every
+    gc_freq steps, automatic collection back on afterwards (also after an error); 0 leaves it alone."""
+    import gc
+    calls, enabled_during = [], []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: (calls.append(generation), real_collect(generation))[1])
+    config = parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), "--training.steps", "5",
+                           "--validation.enable", "false", "--metrics.enable_tensorboard", "false",
+                           "--training.gc_freq", str(gc_freq), *FAST])
+    trainer = Trainer(config)
+    real_step = trainer.train_step
+    trainer.train_step = lambda micro: (enabled_during.append(gc.isenabled()), real_step(micro))[1]
+    assert gc.isenabled()
+    trainer.train()
+    assert gc.isenabled()
+    if gc_freq:
+        assert calls == [1, 1, 1] and enabled_during == [False] * 5  # start, steps 2 and 4
+    else:
+        assert calls == [] and enabled_during == [True] * 5
+    with pytest.raises(ValueError, match=r"training\.gc_freq"):
+        parse_config(["--training.gc_freq", "-1"])
+
+
 def _torchrun_losses(tmp_path: Path, nproc: int, extra: list[str]) -> list[float]:
     env = _env() | {"NGPU": str(nproc), "CONFIG_FILE": DEBUG, "LOG_RANK": "0", "PYTHON": sys.executable}
     result = subprocess.run([str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp_path), "--training.steps", "4",
