@@ -79,10 +79,12 @@ def to_rows(x_flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def gated_delta_chunked(qh: torch.Tensor, kh: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        state: torch.Tensor, scale: float, chunk: int = STATE_CHUNK):
+                        state: torch.Tensor, scale: float, chunk: int = STATE_CHUNK, with_output: bool = True):
     """The GDN state path on rows: qh, kh, v [N, L, H, D]; g, beta [N, L, H]; state [N, H, D, D].
 
-    Returns ``(o [N, L, H, D] without the cache, e [N, L, H, D], final state [N, H, D, D])``.
+    Returns ``(o [N, L, H, D] without the cache, e [N, L, H, D], final state [N, H, D, D])``; with
+    ``with_output=False`` (context parallelism's summaries need only e and the state) ``o`` is None and its
+    per-chunk work is skipped.
     """
     n, length, h, d = qh.shape
     c = max(1, min(chunk, length))
@@ -106,23 +108,25 @@ def gated_delta_chunked(qh: torch.Tensor, kh: torch.Tensor, v: torch.Tensor, g: 
     tmat = a + torch.eye(c, dtype=a.dtype, device=a.device)
     u = torch.linalg.solve_triangular(tmat, v, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(tmat, kh * cum.exp()[..., None], upper=False, unitriangular=True)
-    qk = (qh @ kh.transpose(-1, -2)) * decay_beta
-    q_decayed = qh * cum.exp()[..., None]
+    if with_output:
+        qk = (qh @ kh.transpose(-1, -2)) * decay_beta
+        q_decayed = qh * cum.exp()[..., None]
     k_to_end = kh * (torch.exp(cum[..., -1:] - cum) * beta)[..., None]
     end_decay = cum[..., -1].exp()[..., None, None]
     outs, errs = [], []
     for i in range(nc):
         e = u[:, :, i] - w[:, :, i] @ state
-        outs.append(q_decayed[:, :, i] @ state + qk[:, :, i] @ e)
+        if with_output:
+            outs.append(q_decayed[:, :, i] @ state + qk[:, :, i] @ e)
         errs.append(e)
         state = end_decay[:, :, i] * state + k_to_end[:, :, i].transpose(-1, -2) @ e
-    o = torch.stack(outs, 2) * scale
     e = torch.stack(errs, 2)
 
     def unchunk(x):  # [N, H, nc, c, D] -> [N, L, H, D]
         return x.transpose(2, 3).transpose(1, 3).reshape(n, nc * c, h, d)[:, :length]
 
-    return unchunk(o), unchunk(e), state
+    o = unchunk(torch.stack(outs, 2) * scale) if with_output else None
+    return o, unchunk(e), state
 
 
 def _top_w_merge(cand_key: torch.Tensor, window: int, block: int, num_blocks: int) -> list[torch.Tensor]:

@@ -485,7 +485,7 @@ def _summaries(rows: _Crossing, k_f, v_f, g_f, beta_f, h: int, d: int):
     state0 = torch.cat([zero, eye][:runs])
     values = torch.cat([v, torch.zeros_like(v)][:runs])
     kh, g, beta_runs = (torch.cat([x] * runs) for x in (kh, g, beta))
-    _, err, final = gated_delta_chunked(kh, kh, values, g, beta_runs, state0, d ** -0.5)
+    _, err, final = gated_delta_chunked(kh, kh, values, g, beta_runs, state0, d ** -0.5, with_output=False)
     x_state, err_x = final[:chains], err[:chains].detach()
     m_map, err_m = zero, None
     if rows.needs_map:
