@@ -63,17 +63,16 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             chosen = "reference"  # e.g. float64 or an odd head dim on a GPU
         else:
             check_supported(q, chosen)
-    if backend != "reference" and hola_decode.applies(q, (q, k, v, g, beta, gamma_q, gamma_k, sink, gate),
-                                                      cu_seqlens=cu_seqlens, initial_state=initial_state,
+    args = (q, k, v, g, beta, gamma_q, gamma_k, sink, gate)
+    if backend != "reference" and hola_decode.applies(args, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                                       initial_cache=initial_cache, evict=evict):
         # Decoding: one token per row through a fixed, small set of tensor ops (kernels/hola_decode.py); the
         # blocked paths below cost about 1,500 ATen calls per layer for a single token.
         o, final_state, final_cache = hola_decode.decode_step(
-            q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
-            initial_state=initial_state, initial_cache=initial_cache, output_final_state=output_final_state,
+            *args, window=window, block=block, evict=evict, initial_state=initial_state,
+            initial_cache=initial_cache, output_final_state=output_final_state,
             output_final_cache=output_final_cache)
         return (o, final_state, final_cache) if output_final_cache else (o, final_state)
-    args = (q, k, v, g, beta, gamma_q, gamma_k, sink, gate)
     kw = dict(window=window, block=block, evict=evict, cu_seqlens=cu_seqlens, initial_state=initial_state,
               output_final_state=output_final_state, output_final_cache=output_final_cache)
     if chosen == "reference" or (chosen == "sdpa" and initial_cache is not None):

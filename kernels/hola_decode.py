@@ -25,33 +25,22 @@ import math
 import torch
 
 from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.hola_reference import compute_dtype, l2norm, rms_norm
+from hola_titan.kernels.hola_reference import compute_dtype, l2norm, rms_norm, selection_order
 
 
-def applies(q: torch.Tensor, tensors: tuple, *, cu_seqlens, initial_state, initial_cache, evict: str) -> bool:
-    """Whether a call is a decoding step this module computes: one token per row, no ``cu_seqlens``, continuing
-    from a state (and, for HOLA, a cache), and no gradient wanted."""
-    if q.shape[1] != 1 or cu_seqlens is not None or initial_state is None:
+def applies(args: tuple, *, cu_seqlens, initial_state, initial_cache, evict: str) -> bool:
+    """Whether a call on ``args`` (q, k, v, g, beta, gamma_q, gamma_k, sink, gate) is a decoding step this module
+    computes: one token per row, no ``cu_seqlens``, continuing from a state (and, for HOLA, a cache), and no
+    gradient wanted."""
+    if args[0].shape[1] != 1 or cu_seqlens is not None or initial_state is None:
         return False
     if evict != "none" and initial_cache is None:
         return False
     if torch.is_grad_enabled():
         cache_tensors = () if initial_cache is None else (initial_cache.k, initial_cache.v)
-        if any(t is not None and t.requires_grad for t in (*tensors, initial_state, *cache_tensors)):
+        if any(t is not None and t.requires_grad for t in (*args, initial_state, *cache_tensors)):
             return False
     return True
-
-
-def _selection_order(cache: HolaCache, cdt: torch.dtype):
-    """The persistent entries sorted as the reference sorts an initial cache: by position (empty slots last),
-    then stably by the key, descending. Returns (scores, positions, k, v) in that order."""
-    pos = cache.positions
-    score = cache.scores.to(cdt)
-    key = pos if cache.evict == "recency" else score
-    order = torch.sort(pos.masked_fill(pos < 0, torch.iinfo(torch.int64).max), dim=-1, stable=True).indices
-    order = order.gather(-1, torch.sort(key.gather(-1, order), dim=-1, descending=True, stable=True).indices)
-    rows = order[..., None].expand(*order.shape, cache.k.shape[-1])
-    return score.gather(-1, order), pos.gather(-1, order), cache.k.gather(2, rows), cache.v.gather(2, rows)
 
 
 def decode_step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int, evict: str,
@@ -91,7 +80,7 @@ def _step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evic
     m = e.norm(dim=-1) * beta1  # [B, H] the token's score
     r = cache.seen % c  # [B] the token's slot in its block
     slots = torch.arange(c, device=q.device)
-    c_score, c_pos, c_k, c_v = _selection_order(cache, cdt)
+    c_score, c_pos, c_k, c_v = selection_order(cache, cdt)
     c_valid = c_pos >= 0
 
     # Read: persistent entries, the block's earlier tokens, the token itself, and the sink.

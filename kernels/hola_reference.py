@@ -151,6 +151,18 @@ def _top_w_merge(cand_key: torch.Tensor, window: int, block: int, num_blocks: in
     return history
 
 
+def selection_order(cache: HolaCache, cdt: torch.dtype):
+    """A cache's persistent entries in selection order: by position (empty slots last), then stably by the key
+    (score, or position for recency), descending. Returns ``(scores in cdt, positions, k, v)``, ``[N, H, W]`` and
+    ``[N, H, W, D]`` (k, v in the cache's dtype)."""
+    pos = cache.positions
+    score = cache.scores.to(cdt)
+    key = pos if cache.evict == "recency" else score
+    order = torch.sort(pos.masked_fill(pos < 0, torch.iinfo(torch.int64).max), dim=-1, stable=True).indices
+    order = order.gather(-1, torch.sort(key.gather(-1, order), dim=-1, descending=True, stable=True).indices)
+    return score.gather(-1, order), pos.gather(-1, order), _gather_rows(cache.k, order), _gather_rows(cache.v, order)
+
+
 def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x [N, H, E, ...], idx [N, H, K] -> [N, H, K, ...]."""
     if x.dim() == 3:
@@ -297,15 +309,8 @@ def _cache_path(q_f, k_f, v_f, m_rows, index, lengths, gamma_q, gamma_k, sink, *
     base = seen0 - nb0
     pos_rows = torch.where(is_buf | is_tok, base[:, None] + r, torch.full_like(r.expand(n, r_pad), -1))
 
-    # Initial persistent cache in selection order: sort by position, then stably by key.
-    c_pos = cache.positions
-    c_score = cache.scores.to(cdt)
-    c_key = c_pos if evict == "recency" else c_score
-    order = torch.sort(c_pos.masked_fill(c_pos < 0, torch.iinfo(torch.int64).max), dim=-1, stable=True).indices
-    order = order.gather(-1, torch.sort(c_key.gather(-1, order), dim=-1, descending=True, stable=True).indices)
-    c_pos, c_score = c_pos.gather(-1, order), c_score.gather(-1, order)
-    c_k = _gather_rows(cache.k.to(cdt), order)
-    c_v = _gather_rows(cache.v.to(cdt), order)
+    c_score, c_pos, c_k, c_v = selection_order(cache, cdt)
+    c_k, c_v = c_k.to(cdt), c_v.to(cdt)
     c_valid = c_pos >= 0
 
     if evict == "recency":
