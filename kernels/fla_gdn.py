@@ -26,7 +26,6 @@ import contextlib
 import importlib.metadata
 import logging
 import math
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -228,34 +227,29 @@ def prepare_backward(head_dim: int, device: torch.device) -> None:
 # The adapter: custom ops over fla's stages.
 
 
-# The last device chunk indices made from a registered host copy: (weak reference to cu_seqlens, its version,
-# the host copy they came from, the indices); every layer of a step reuses them.
-_INDICES: tuple | None = None
-
-
 def _chunk_indices(cu_seqlens):
-    global _INDICES
     if cu_seqlens is None:
         return None
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from hola_titan.kernels.seqlens import host_copy, tensor_version
-    host = host_copy(cu_seqlens)
-    if host is None or torch.compiler.is_compiling():
-        # Computed from the device tensor, fla reads its values back to the host (a synchronisation).
-        return prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=host)
-    last = _INDICES
-    if last is not None and last[0]() is cu_seqlens and last[1] == tensor_version(cu_seqlens) and last[2] is host:
-        return last[3]
-    # From the registered host copy, sent with a pinned, non-blocking copy: fla's path with cu_seqlens_cpu still
-    # ends in a copy from pageable memory, which waits for the device (tests/test_step_gpu.py caught it).
-    # A fresh tensor: fla memoises by argument identity, and a caller may refill its host copy in place.
-    fresh = host.clone()
-    indices = prepare_chunk_indices(fresh, CHUNK, cu_seqlens_cpu=fresh)
-    if cu_seqlens.device.type == "cuda":
-        indices = indices.pin_memory().to(cu_seqlens.device, non_blocking=True)
-    _INDICES = (weakref.ref(cu_seqlens), tensor_version(cu_seqlens), host, indices)
-    return indices
+    from hola_titan.kernels import seqlens
+
+    def from_host(host):
+        # Sent with a pinned, non-blocking copy: fla's path with cu_seqlens_cpu still ends in a copy from pageable
+        # memory, which waits for the device (tests/test_step_gpu.py caught it). A fresh tensor: fla memoises by
+        # argument identity, and a caller may refill its host copy in place.
+        fresh = host.clone()
+        indices = prepare_chunk_indices(fresh, CHUNK, cu_seqlens_cpu=fresh)
+        if cu_seqlens.device.type == "cuda":
+            indices = indices.pin_memory().to(cu_seqlens.device, non_blocking=True)
+        return indices
+
+    if not torch.compiler.is_compiling():
+        indices = seqlens.derived(cu_seqlens, ("fla_chunk_indices", CHUNK), from_host)
+        if indices is not None:
+            return indices
+    # Computed from the device tensor, fla reads its values back to the host (a synchronisation).
+    return prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=seqlens.host_copy(cu_seqlens))
 
 
 def _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):

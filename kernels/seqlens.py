@@ -10,7 +10,8 @@ layer) and, when the caller registered one, its host copy, so that neither reads
 
 - :func:`check_values` checks a tensor once (reading it if it is on the device and unregistered);
 - :func:`register` (the trainer, once per batch) checks the host copy and registers the device tensor with it;
-- :func:`host_copy` hands the host copy to fla (``cu_seqlens_cpu``).
+- :func:`host_copy` hands the host copy to fla (``cu_seqlens_cpu``);
+- :func:`derived` keeps a value made from the host copy (fla's chunk indices) for every layer of the batch.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ import weakref
 
 import torch
 
-# (weak reference to the checked tensor, its version counter or None, T, host copy or None)
+# (weak reference to the checked tensor, its version counter or None, T, host copy or None, derived values)
 _LAST: tuple | None = None
 
 
-def tensor_version(cu_seqlens: torch.Tensor):
-    """The version counter that tells an in-place change apart (None for inference tensors)."""
+def _version(cu_seqlens: torch.Tensor):
     # Inference tensors (made under torch.inference_mode) keep no version counter: they are known by identity.
     return None if cu_seqlens.is_inference() else cu_seqlens._version
 
@@ -38,7 +38,7 @@ def _check_list(cu: list[int], seq_len: int) -> None:
 
 def _is_last(cu_seqlens: torch.Tensor) -> bool:
     last = _LAST
-    return last is not None and last[0]() is cu_seqlens and last[1] == tensor_version(cu_seqlens)
+    return last is not None and last[0]() is cu_seqlens and last[1] == _version(cu_seqlens)
 
 
 def check_values(cu_seqlens: torch.Tensor, seq_len: int) -> None:
@@ -50,7 +50,7 @@ def check_values(cu_seqlens: torch.Tensor, seq_len: int) -> None:
     if _is_last(cu_seqlens) and _LAST[2] == seq_len:
         return
     _check_list(cu_seqlens.tolist(), seq_len)
-    _LAST = (weakref.ref(cu_seqlens), tensor_version(cu_seqlens), seq_len, None)
+    _LAST = (weakref.ref(cu_seqlens), _version(cu_seqlens), seq_len, None, {})
 
 
 def register(cu_seqlens: torch.Tensor, *, host: torch.Tensor, seq_len: int) -> None:
@@ -61,9 +61,20 @@ def register(cu_seqlens: torch.Tensor, *, host: torch.Tensor, seq_len: int) -> N
         raise ValueError(f"cu_seqlens: the host copy must be a CPU tensor of shape {list(cu_seqlens.shape)}, got "
                          f"{host.device} {list(host.shape)}")
     _check_list(host.tolist(), seq_len)
-    _LAST = (weakref.ref(cu_seqlens), tensor_version(cu_seqlens), seq_len, host.to(torch.int64))
+    _LAST = (weakref.ref(cu_seqlens), _version(cu_seqlens), seq_len, host.to(torch.int64), {})
 
 
 def host_copy(cu_seqlens: torch.Tensor) -> torch.Tensor | None:
     """The registered host copy of ``cu_seqlens`` (int64), or None."""
     return _LAST[3] if _is_last(cu_seqlens) else None
+
+
+def derived(cu_seqlens: torch.Tensor, key, make):
+    """``make(host copy)``, made once per registration of ``cu_seqlens`` and kept under ``key``; None when
+    ``cu_seqlens`` is not the registered tensor."""
+    if not _is_last(cu_seqlens) or _LAST[3] is None:
+        return None
+    values = _LAST[4]
+    if key not in values:
+        values[key] = make(_LAST[3])
+    return values[key]
