@@ -8,12 +8,13 @@ and the state-gradient pass, about 2.2 ms of the 6.3 ms GDN forward + backward a
 H200) have only N * H * (D / 64) programs, one or two per multiprocessor, and leave most of the chip waiting on
 latency, while the cache-attention backward (about 2 ms there) is fully parallel. Here one backward op launches
 the cache-attention backward on a side stream and fla's backward on the current one, joins them, and adds the two
-paths' gradients of q, k and v. Expected: most of the cache backward hidden (HOLA from about 9.7 toward 8 ms);
-to be measured (``scripts/bench_hola_attention.py`` times both forms).
+paths' gradients of q, k and v. Measured (``scripts/bench_hola_attention.py``, H200, docs/LOG.md 2026-11-30):
+bit-equal to the layered form, 9.17 -> 8.90 ms at T 2k and 11.59 -> 10.72 ms at T 32k (the side-stream kernels
+slow down on the shared multiprocessors, so less is hidden than their 2 ms).
 
 Scope: evict "score" or "recency" from an empty cache, on CUDA through fla, head dims fla runs unpadded
-(D >= 128 on Hopper with Triton < 3.7.1, see ``fla_gdn``). Opt in with ``HOLA_OVERLAP_BACKWARD=1`` until the GPU
-measurements are in; the layered form stays the default.
+(D >= 128 on Hopper with Triton < 3.7.1, see ``fla_gdn``). Opt in with ``HOLA_OVERLAP_BACKWARD=1`` until it is
+measured in whole-model training; the layered form stays the default.
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ H, D = 2, 16
 FIELDS = ("scores", "positions", "k", "v", "buf_scores", "buf_k", "buf_v", "seen")
 
 
-def _tokens(gen, b, t, dtype, *, tie_scores=False):
-    q, k, v = (torch.randn(b, t, H, D, generator=gen) for _ in range(3))
-    g = -0.5 * torch.rand(b, t, H, generator=gen)
-    beta = torch.zeros(b, t, H) if tie_scores else torch.rand(b, t, H, generator=gen)
+def _tokens(gen, b, t, dtype, *, tie_scores=False, h=H, d=D):
+    q, k, v = (torch.randn(b, t, h, d, generator=gen) for _ in range(3))
+    g = -0.5 * torch.rand(b, t, h, generator=gen)
+    beta = torch.zeros(b, t, h) if tie_scores else torch.rand(b, t, h, generator=gen)
     return [x.to(dtype) for x in (q, k, v, g, beta)]
 
 
@@ -161,13 +161,13 @@ def test_decoding_on_cuda_continues_a_triton_prefill_like_the_reference(evict):
     reference's step from the same state and cache (positions exactly; bf16 values to rounding)."""
     gen = torch.Generator().manual_seed(9)
     h, d, window, block = 4, 256, 64, 256
-    x = [t.cuda() for t in _tokens_shaped(gen, 2, 700, h, d, torch.bfloat16)]
+    x = [t.cuda() for t in _tokens(gen, 2, 700, torch.bfloat16, h=h, d=d)]
     params = [p.cuda() for p in (1 + 0.3 * torch.randn(d, generator=gen), 1 + 0.3 * torch.randn(d, generator=gen),
                                  torch.randn(h, generator=gen), torch.randn(h, generator=gen))]
     kw = dict(window=window, block=block, evict=evict, output_final_state=True, output_final_cache=True)
     _, state, cache = hola_attention(*x, *params, **kw)
     for step in range(block + 3):  # across a block boundary: rows sit at offset 700 % 256 = 188
-        y = [t.cuda() for t in _tokens_shaped(gen, 2, 1, h, d, torch.bfloat16)]
+        y = [t.cuda() for t in _tokens(gen, 2, 1, torch.bfloat16, h=h, d=d)]
         ref = hola_attention(*y, *params, **kw, initial_state=state, initial_cache=cache, backend="reference")
         got = hola_attention(*y, *params, **kw, initial_state=state, initial_cache=cache)
         _assert_close(got[0], ref[0], f"step {step} o", 2e-2)
@@ -175,9 +175,3 @@ def test_decoding_on_cuda_continues_a_triton_prefill_like_the_reference(evict):
         assert torch.equal(got[2].positions, ref[2].positions) and torch.equal(got[2].seen, ref[2].seen)
         state, cache = got[1], got[2]
 
-
-def _tokens_shaped(gen, b, t, h, d, dtype):
-    q, k, v = (torch.randn(b, t, h, d, generator=gen) for _ in range(3))
-    g = -0.5 * torch.rand(b, t, h, generator=gen)
-    beta = torch.rand(b, t, h, generator=gen)
-    return [x.to(dtype) for x in (q, k, v, g, beta)]

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-
 def identity_view(param: torch.Tensor) -> torch.Tensor:
     return param
 
