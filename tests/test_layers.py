@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hola_titan.models.layers import FeedForward, RMSNorm, ShortConvolution
+from hola_titan.models.layers import FeedForward, RMSNorm, ShortConvolution, _SwiGLUFunction
 
 torch.manual_seed(0)
 
@@ -131,3 +131,32 @@ def test_short_convolution_keeps_a_nan_in_its_document_both_ways():
     upstream[0, 4:] = float("nan")
     grad_x, = torch.autograd.grad(y, [x], upstream)
     assert torch.isfinite(grad_x[0, :4]).all()
+
+
+def test_bf16_backwards_match_autograd_of_the_expressions():
+    """In bf16 the hand-written backwards compute as autograd of the plain expressions does: SwiGLU's gradients
+    bit for bit, the convolution's weight gradient bit for bit and its input gradient within bf16 rounding (the
+    taps' contributions are summed in another order)."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(8, 96, generator=gen).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(8, 96, generator=gen).to(torch.bfloat16).requires_grad_()
+    got = _SwiGLUFunction.apply(a, b)
+    want = F.silu(a) * b
+    assert torch.equal(got, want)
+    up = torch.randn(8, 96, generator=gen).to(torch.bfloat16)
+    for g, w in zip(torch.autograd.grad(got, [a, b], up), torch.autograd.grad(want, [a, b], up)):
+        assert torch.equal(g, w)
+
+    conv = ShortConvolution(64, 4)
+    conv.init_weights()
+    x = torch.randn(2, 300, 64, generator=gen).to(torch.bfloat16).requires_grad_()
+    positions = torch.cat([torch.arange(150), torch.arange(150)]).expand(2, 300)
+    weight = conv.weight.to(torch.bfloat16)
+    y, _ = conv(x, positions=positions)
+    y_ref, _ = _plain_conv(x, weight, positions, None, None, 4)
+    assert torch.equal(y, y_ref)
+    up = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
+    got = torch.autograd.grad(y, [x, conv.weight], up)
+    want = torch.autograd.grad(y_ref, [x, conv.weight], up)
+    assert torch.equal(got[1], want[1])
+    assert (got[0].float() - want[0].float()).abs().max() <= 2 ** -6 * want[0].float().abs().max()
