@@ -35,11 +35,13 @@ The scan (one HOLA layer, every rank at once; the numbers are the order of the c
 Each message has a constant size (H*D*2D, C or W entries per head and chain), independent of T.
 
 Cost. Besides the shard itself, the state path runs over the crossing sequence once from zero and, when it
-spans the shard, once more from the identity (both in one batched call of the reference chunked form). On
-CUDA the shard itself runs on the Triton backend, which takes initial states (fla) and caches (an extended row
-layout, ``hola_titan.kernels.hola_triton``). There the crossing sequences' scores come from the fp32 reference
-and the shard's from fla's bf16 kernels, so a score tie that bf16 rounding decides can be decided differently
-than in one process; in fp32 on the reference backend the run is the one-process function.
+spans the shard, once more from the identity (both runs as one batch of rows). On CUDA both the shard (the
+Triton backend, which takes initial states and caches: ``hola_titan.kernels.hola_triton``) and the summaries
+(:func:`hola_titan.kernels.fla_gdn.gdn_summary`) run through fla's kernels; elsewhere the summaries run the
+fp32 reference chunked form (a Python loop over 64-token chunks: on a GPU that loop, not the exchange, was
+the step's cost). On CUDA the crossing sequences' scores are composed from bf16 updates, ``e_X + S^T e_M``,
+while one process reads them from the shard's own pass, so a score tie that bf16 rounding decides can be
+decided differently than in one process; in fp32 on the reference backend the run is the one-process function.
 
 Gradients. The exchanged ``M, X, k, v`` travel through autograd-aware all-gathers, whose backward returns
 the gradients of borrowed rows to their owners and the gradient of ``S_in`` along the chain, so every
@@ -65,7 +67,7 @@ from torch.overrides import TorchFunctionMode
 
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.kernels.hola_reference import compute_dtype, gated_delta_chunked, l2norm
-from hola_titan.ops import hola_attention
+from hola_titan.ops import hola_attention, resolve_backend
 
 
 @dataclass(frozen=True)
@@ -387,12 +389,14 @@ def _scan(cp: ContextParallel, layout: CPLayout, q, k, v, g, beta, gamma_q, gamm
         return torch.cat([x, x.new_zeros(1, *x.shape[1:])], dim=0)
 
     rows = _Crossing.of(layout, ntok, device)
-    k_f, v_f, g_f, beta_f = (flat(x, cdt) for x in (k, v, g, beta))
+    # fla's kernels where the shard itself runs on them; they take the inputs in their own dtypes.
+    fla = q.is_cuda and q.dtype != torch.float64 and resolve_backend(backend, device) != "reference"
+    k_f, v_f, g_f, beta_f = (flat(x, x.dtype if fla else cdt) for x in (k, v, g, beta))
 
     # 1. State: summaries of the crossing sequences, all-gathered and chained into the incoming states. The
     # tie to the tails (to k without them) makes the message require grad on every rank, so that its
     # all-gather has a backward everywhere, even where there is nothing to summarise.
-    summary, err_x, err_m, beta_rows = _summaries(rows, k_f, v_f, g_f, beta_f, h, d)
+    summary, err_x, err_m, beta_rows = _summaries(rows, k_f, v_f, g_f, beta_f, h, d, fla=fla, cdt=cdt)
     summaries = cp._gather(_tie(summary, tails if tails is not None else k), differentiable=True)
     last = summaries  # [R, chains, H, D, 2D]
     s_in = torch.zeros(layout.num_rows, h, d, d, dtype=cdt, device=device)
@@ -408,7 +412,7 @@ def _scan(cp: ContextParallel, layout: CPLayout, q, k, v, g, beta, gamma_q, gamm
     if evict != "none":
         prev = (r - 1) % cp_size
         # Entries travel as [k | v] in the input dtype (what the cache stores), scores and positions in float64.
-        kv_rows = torch.cat([flat(k, k.dtype), flat(v, v.dtype)], dim=-1)[rows.index].transpose(1, 2)
+        kv_rows = _take(torch.cat([flat(k, k.dtype), flat(v, v.dtype)], dim=-1), rows.index).transpose(1, 2)
         m_rows = _crossing_scores(rows, err_x, err_m, beta_rows, s_in.detach(), h, cdt)
 
         # 2. The head of the block that contains the shard end, from the last block start of its document.
@@ -470,22 +474,30 @@ class _Crossing:
                    present=any(length))
 
 
-def _summaries(rows: _Crossing, k_f, v_f, g_f, beta_f, h: int, d: int):
-    """``[M | X]`` per chain ([chains, H, D, 2D]), the errors from zero and from the identity (detached,
-    [chains, L, H, D]) and beta on the rows. X: the final state from zero; M: the final state with ``v = 0``
-    from the identity, zero unless the chain passes through (then the crossing sequence is the continuing one)."""
+def _summaries(rows: _Crossing, k_f, v_f, g_f, beta_f, h: int, d: int, *, fla: bool, cdt: torch.dtype):
+    """``[M | X]`` per chain ([chains, H, D, 2D], ``cdt``), the errors from zero and from the identity (detached,
+    [chains, L, H, D]) and the factor that turns their norms into scores: beta on the rows, or None where the
+    errors already carry it (fla's per-token updates are ``beta_t e_t``). X: the final state from zero; M: the
+    final state with ``v = 0`` from the identity, zero unless the chain passes through (then the crossing
+    sequence is the continuing one)."""
     chains, shard = rows.index.shape[0], rows.index.shape[1] - 1
-    zero = torch.zeros(chains, h, d, d, dtype=k_f.dtype, device=k_f.device)
+    zero = torch.zeros(chains, h, d, d, dtype=cdt, device=k_f.device)
     if not rows.present:
         return torch.cat([zero, zero], dim=-1), None, None, None
     index = rows.index[:, :shard]
-    kh, v, g, beta = l2norm(k_f)[index], v_f[index], g_f[index], beta_f[index]
+    k, v, g, beta = (_take(x, index) for x in (k_f, v_f, g_f, beta_f))
     runs = 2 if rows.needs_map else 1  # both runs as one batch of rows
-    eye = torch.eye(d, dtype=k_f.dtype, device=k_f.device).expand(chains, h, d, d)
+    eye = torch.eye(d, dtype=cdt, device=k_f.device).expand(chains, h, d, d)
     state0 = torch.cat([zero, eye][:runs])
     values = torch.cat([v, torch.zeros_like(v)][:runs])
-    kh, g, beta_runs = (torch.cat([x] * runs) for x in (kh, g, beta))
-    _, err, final = gated_delta_chunked(kh, kh, values, g, beta_runs, state0, d ** -0.5, with_output=False)
+    k, g, beta_runs = (torch.cat([x] * runs) for x in (k, g, beta))
+    if fla:
+        from hola_titan.kernels.fla_gdn import gdn_summary
+        final, err = gdn_summary(k, values, g, beta_runs, state0)
+        final, err, beta = final.to(cdt), err.to(cdt), None
+    else:
+        kh = l2norm(k)
+        _, err, final = gated_delta_chunked(kh, kh, values, g, beta_runs, state0, d ** -0.5, with_output=False)
     x_state, err_x = final[:chains], err[:chains].detach()
     m_map, err_m = zero, None
     if rows.needs_map:
@@ -497,7 +509,7 @@ def _summaries(rows: _Crossing, k_f, v_f, g_f, beta_f, h: int, d: int):
 @torch.no_grad()
 def _crossing_scores(rows: _Crossing, err_x, err_m, beta, s_in, h: int, cdt) -> torch.Tensor:
     """Scores m of the crossing rows under the true incoming state ([chains, L + 1, H], -inf empty): the error is
-    affine in the incoming state, ``e(S) = e_X + S^T e_M``."""
+    affine in the incoming state, ``e(S) = e_X + S^T e_M`` (``beta`` None: the errors are already scaled by it)."""
     chains, slots = rows.index.shape
     m_rows = torch.full((chains, slots, h), float("-inf"), dtype=cdt, device=rows.index.device)
     if rows.present:
@@ -506,7 +518,8 @@ def _crossing_scores(rows: _Crossing, err_x, err_m, beta, s_in, h: int, cdt) -> 
             err = err + torch.where(rows.passthrough[:, None, None, None],
                                     torch.einsum("chkv,clhk->clhv", s_in, err_m), 0)
         empty = rows.positions[:, :slots - 1, None] < 0
-        m_rows[:, :slots - 1] = (err.norm(dim=-1) * beta).masked_fill(empty, float("-inf"))
+        m = err.norm(dim=-1) if beta is None else err.norm(dim=-1) * beta
+        m_rows[:, :slots - 1] = m.masked_fill(empty, float("-inf"))
     return m_rows
 
 
@@ -560,6 +573,12 @@ def _merge_candidates(layout: CPLayout, cont: list[int], cands_meta, cands_kv, *
     order = torch.sort(pos.masked_fill(pos < 0, torch.iinfo(torch.int64).max), dim=-1, stable=True).indices
     top = _top_w(m.gather(-1, order), pos.gather(-1, order), _gather_entries(kv, order), window, evict)
     return dict(zip(("m", "pos", "kv"), top))
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` for rows of flat tokens, through ``index_select``: its backward is an ``index_add``, where
+    advanced indexing's backward sorts the indices (on a GPU, 4 ms per call at 32k tokens, 8 calls per layer)."""
+    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
 
 
 def _gather_entries(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
