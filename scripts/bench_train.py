@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,8 +292,18 @@ def bench_reference(*, name: str, seq_len: int, batch_size: int, args, device) -
     def forward():
         return run(input_ids=tokens, labels=tokens).loss
 
+    guard = contextlib.nullcontext
+    if name == "fla_gdn":
+        # fla 0.6.0 refuses this backward on Hopper with Triton < 3.7.1 (its issue #640). The same explicit
+        # handling as our own GDN path: a gradient check on this GPU first, then the guard lifted per call.
+        from hola_titan.kernels import fla_gdn
+
+        fla_gdn.prepare_backward(256, device)
+        guard = partial(fla_gdn.fla_backward_allowed, fla_gdn.padded_head_dim(256, device), device)
+
     def backward(loss):
-        loss.backward()
+        with guard():
+            loss.backward()
 
     def optimizer():
         opt.step()
