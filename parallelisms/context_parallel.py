@@ -65,6 +65,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
+from hola_titan.kernels import seqlens
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.kernels.hola_reference import compute_dtype, gated_delta_chunked, l2norm
 from hola_titan.ops import hola_attention, resolve_backend
@@ -275,6 +276,7 @@ class ContextParallel:
         self.conv_size = conv_size
         self.block = block
         self.layout: CPLayout | None = None
+        self._memo: dict = {}
         self.bytes_received = 0
         # Benchmarks set time_collectives to add each forward all-gather's wall time (device synchronised before
         # and after, so it serialises the layer: time with it off) to comm_seconds.
@@ -294,6 +296,15 @@ class ContextParallel:
             raise ValueError(f"cp_layout: built for rank {layout.cp_rank} of {layout.cp_size}, this is rank "
                              f"{self.cp_rank} of {self.cp_size}")
         self.layout = layout
+        self._memo = {}
+
+    def memo(self, key, make):
+        """``make()``, made once per batch (per :meth:`set_layout`) and kept under ``key``: the index tensors that
+        every layer builds from the layout on the host. Made per layer, each one's copy to the GPU synchronised
+        the host with the device (a copy from pageable memory waits for the stream), several times per layer."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def _current(self) -> CPLayout:
         if self.layout is None:
@@ -332,22 +343,27 @@ class ContextParallel:
         bsz, seq_len = xs[0].shape[:2]
         gathered = self._gather(torch.stack([x[:, seq_len - k1:] for x in xs]), differentiable=True)
         self._tails = gathered
-        valid = torch.zeros(bsz, k1, dtype=torch.bool)
-        continues = torch.zeros(bsz, seq_len, dtype=torch.bool)
-        if r > 0:
-            shard = layout.shard_len
-            for c in range(layout.num_rows):
-                # The crossing document's tokens on rank r-1: all of them if it began earlier.
-                held = min(layout.end_offset[r - 1][c], shard)
-                valid[0 if layout.packed else c, max(0, k1 - held):] = held > 0
-            for n in layout.in_seq:
-                if n >= 0:
-                    start = layout.seq_start[n]
-                    row, col = (0, start) if layout.packed else (n, 0)
-                    continues[row, col:col + layout.seq_len[n]] = True
         device = xs[0].device
-        tails = torch.where(valid.to(device)[None, :, :, None], gathered[(r - 1) % self.cp_size], 0)
-        return list(tails.unbind(0)), continues.to(device)
+
+        def masks():
+            valid = torch.zeros(bsz, k1, dtype=torch.bool)
+            continues = torch.zeros(bsz, seq_len, dtype=torch.bool)
+            if r > 0:
+                shard = layout.shard_len
+                for c in range(layout.num_rows):
+                    # The crossing document's tokens on rank r-1: all of them if it began earlier.
+                    held = min(layout.end_offset[r - 1][c], shard)
+                    valid[0 if layout.packed else c, max(0, k1 - held):] = held > 0
+                for n in layout.in_seq:
+                    if n >= 0:
+                        start = layout.seq_start[n]
+                        row, col = (0, start) if layout.packed else (n, 0)
+                        continues[row, col:col + layout.seq_len[n]] = True
+            return _to_device(valid, device), _to_device(continues, device)
+
+        valid, continues = self.memo(("conv", bsz, seq_len, k1, device), masks)
+        tails = torch.where(valid[None, :, :, None], gathered[(r - 1) % self.cp_size], 0)
+        return list(tails.unbind(0)), continues
 
     def attention(self, q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int = 64, block: int = 256,
                   evict: str = "score", cu_seqlens=None, initial_state=None, output_final_state: bool = False,
@@ -370,7 +386,7 @@ class ContextParallel:
         if tuple(q.shape[:2]) != expected:
             raise ValueError(f"q: shape {list(q.shape)} does not match the cp layout {list(expected)} + [H, D]")
         if layout.packed != (cu_seqlens is not None) or (
-                cu_seqlens is not None and cu_seqlens.tolist() != layout.local_cu_seqlens):
+                cu_seqlens is not None and _values(cu_seqlens) != layout.local_cu_seqlens):
             raise ValueError("cu_seqlens: differs from the cp layout's local sequences")
         if shard % block:
             raise ValueError(f"block: the shard of {shard} tokens is not a multiple of block {block}")
@@ -388,7 +404,7 @@ def _scan(cp: ContextParallel, layout: CPLayout, q, k, v, g, beta, gamma_q, gamm
         x = x.reshape(ntok, *x.shape[2:]).to(dtype)
         return torch.cat([x, x.new_zeros(1, *x.shape[1:])], dim=0)
 
-    rows = _Crossing.of(layout, ntok, device)
+    rows = cp.memo(("crossing", ntok, device), lambda: _Crossing.of(layout, ntok, device))
     # fla's kernels where the shard itself runs on them; they take the inputs in their own dtypes.
     fla = q.is_cuda and q.dtype != torch.float64 and resolve_backend(backend, device) != "reference"
     k_f, v_f, g_f, beta_f = (flat(x, x.dtype if fla else cdt) for x in (k, v, g, beta))
@@ -403,10 +419,12 @@ def _scan(cp: ContextParallel, layout: CPLayout, q, k, v, g, beta, gamma_q, gamm
     for j in range(r):  # in fp32 (fp64 for fp64 inputs): the chain of maps amplifies rounding
         s_in = summaries[j, ..., :d] @ s_in + summaries[j, ..., d:]
     cont = [c for c, n in enumerate(layout.in_seq) if n >= 0]
-    cont_seqs = torch.tensor([layout.in_seq[c] for c in cont], dtype=torch.int64, device=device)
+    cont_chains, cont_seqs = cp.memo(("cont", device), lambda: (
+        _to_device(torch.tensor(cont, dtype=torch.int64), device),
+        _to_device(torch.tensor([layout.in_seq[c] for c in cont], dtype=torch.int64), device)))
     initial_state = torch.zeros(len(layout.seq_start), h, d, d, dtype=cdt, device=device)
     if cont:
-        initial_state = initial_state.index_put((cont_seqs,), s_in[cont])
+        initial_state = initial_state.index_put((cont_seqs,), s_in.index_select(0, cont_chains))
 
     initial_cache = None
     if evict != "none":
@@ -416,7 +434,7 @@ def _scan(cp: ContextParallel, layout: CPLayout, q, k, v, g, beta, gamma_q, gamm
         m_rows = _crossing_scores(rows, err_x, err_m, beta_rows, s_in.detach(), h, cdt)
 
         # 2. The head of the block that contains the shard end, from the last block start of its document.
-        head_m, head_kv = _block_head(layout, rows, m_rows, kv_rows, block)
+        head_m, head_kv = _block_head(cp, layout, rows, m_rows, kv_rows, block)
         heads_m = cp._gather(head_m.double(), differentiable=False)  # [R, chains, H, C]
         heads_kv = cp._gather(_tie(head_kv, last), differentiable=True)  # [R, chains, H, C, 2D]
         last = heads_kv
@@ -424,18 +442,22 @@ def _scan(cp: ContextParallel, layout: CPLayout, q, k, v, g, beta, gamma_q, gamm
         # 3. Top-W candidates before that block start, counting the head received from rank r-1.
         top = None
         if window > 0:
-            top_m, top_pos, top_kv = _candidates(layout, rows, m_rows, kv_rows, heads_m[prev].to(cdt),
+            top_m, top_pos, top_kv = _candidates(cp, layout, rows, m_rows, kv_rows, heads_m[prev].to(cdt),
                                                  heads_kv[prev], block=block, window=window, evict=evict)
             cands_meta = cp._gather(torch.stack([top_m.double(), top_pos.double()], dim=-1), differentiable=False)
             cands_kv = cp._gather(_tie(top_kv, last), differentiable=True)  # [R, chains, H, W, 2D]
             last = cands_kv
             if cont:
-                top = _merge_candidates(layout, cont, cands_meta, cands_kv, window=window, evict=evict, cdt=cdt)
+                top = _merge_candidates(cp, layout, cont, cont_chains, cands_meta, cands_kv, window=window,
+                                        evict=evict, cdt=cdt)
 
         # 4. Initial caches of the continuing sequences: merged candidates, the received head, tokens seen.
+        seen = cp.memo(("seen", device), lambda: _to_device(
+            torch.tensor([layout.first_offset[r][c] for c in cont], dtype=torch.int64), device))
         initial_cache = _initial_cache(len(layout.seq_start), h, d, window, block, evict, cont_seqs, top,
-                                       heads_m[prev][cont], heads_kv[prev][cont],
-                                       [layout.first_offset[r][c] for c in cont], q.dtype, cdt, device)
+                                       heads_m[prev].index_select(0, cont_chains),
+                                       heads_kv[prev].index_select(0, cont_chains), seen if cont else None,
+                                       q.dtype, cdt, device)
 
     o, _ = hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
                           cu_seqlens=cu_seqlens, initial_state=initial_state, initial_cache=initial_cache,
@@ -469,8 +491,8 @@ class _Crossing:
                 positions[c, :size] = torch.arange(layout.seq_offset[n], layout.seq_offset[n] + size)
             length.append(size)
         passthrough = [layout.passthrough(r, c) for c in range(rows)]
-        return cls(index=index.to(device), positions=positions.to(device), length=tuple(length),
-                   passthrough=torch.tensor(passthrough, device=device), needs_map=any(passthrough),
+        return cls(index=_to_device(index, device), positions=_to_device(positions, device), length=tuple(length),
+                   passthrough=_to_device(torch.tensor(passthrough), device), needs_map=any(passthrough),
                    present=any(length))
 
 
@@ -523,56 +545,81 @@ def _crossing_scores(rows: _Crossing, err_x, err_m, beta, s_in, h: int, cdt) -> 
     return m_rows
 
 
-def _block_head(layout: CPLayout, rows: _Crossing, m_rows, kv_rows, block: int):
+def _block_head(cp: ContextParallel, layout: CPLayout, rows: _Crossing, m_rows, kv_rows, block: int):
     """Scores [chains, H, C] and [k | v] [chains, H, C, 2D] of the crossing rows' last ``E % C`` tokens (E: the
     document position at the shard end), in the first slots; the rest empty."""
     chains, h = m_rows.shape[0], m_rows.shape[2]
-    cols = torch.full((chains, block), rows.index.shape[1] - 1, dtype=torch.int64)
-    for c in range(chains):
-        size = layout.end_offset[layout.cp_rank][c] % block if rows.length[c] else 0
-        cols[c, :size] = torch.arange(rows.length[c] - size, rows.length[c])
-    cols = cols.to(m_rows.device)
+
+    def columns():
+        cols = torch.full((chains, block), rows.index.shape[1] - 1, dtype=torch.int64)
+        for c in range(chains):
+            size = layout.end_offset[layout.cp_rank][c] % block if rows.length[c] else 0
+            cols[c, :size] = torch.arange(rows.length[c] - size, rows.length[c])
+        return _to_device(cols, m_rows.device)
+
+    cols = cp.memo(("head_cols", block, m_rows.device), columns)
     head_m = m_rows.gather(1, cols[..., None].expand(chains, block, h)).transpose(1, 2)
     head_kv = kv_rows.gather(2, cols[:, None, :, None].expand(chains, h, block, kv_rows.shape[-1]))
     return head_m, head_kv
 
 
-def _candidates(layout: CPLayout, rows: _Crossing, m_rows, kv_rows, recv_m, recv_kv, *, block: int, window: int,
-                evict: str):
+def _candidates(cp: ContextParallel, layout: CPLayout, rows: _Crossing, m_rows, kv_rows, recv_m, recv_kv, *,
+                block: int, window: int, evict: str):
     """This rank's top-W list per chain ([chains, H, W] scores and positions, [chains, H, W, 2D] entries): among
     the crossing document's tokens before the last block start, the received head (only when the chain passes
     through, so that the head belongs to the same document) and this rank's own tokens."""
     r, chains, shard = layout.cp_rank, layout.num_rows, layout.shard_len
-    recv_pos = torch.full((chains, block), -1, dtype=torch.int64)
-    limit = []
-    for c in range(chains):
-        if layout.passthrough(r, c):
-            count = layout.first_offset[r][c] % block
-            recv_pos[c, :count] = torch.arange(layout.first_offset[r][c] - count, layout.first_offset[r][c])
-        end = layout.end_offset[r][c]
-        limit.append(end - end % block)
     device = m_rows.device
-    pos = torch.cat([recv_pos.to(device), rows.positions[:, :shard]], dim=1)  # ascending
-    pos = torch.where((pos >= 0) & (pos < torch.tensor(limit, device=device)[:, None]), pos, -1)
+
+    def positions():
+        recv_pos = torch.full((chains, block), -1, dtype=torch.int64)
+        limit = []
+        for c in range(chains):
+            if layout.passthrough(r, c):
+                count = layout.first_offset[r][c] % block
+                recv_pos[c, :count] = torch.arange(layout.first_offset[r][c] - count, layout.first_offset[r][c])
+            end = layout.end_offset[r][c]
+            limit.append(end - end % block)
+        pos = torch.cat([_to_device(recv_pos, device), rows.positions[:, :shard]], dim=1)  # ascending
+        limit = _to_device(torch.tensor(limit, dtype=torch.int64), device)
+        return torch.where((pos >= 0) & (pos < limit[:, None]), pos, -1)
+
+    pos = cp.memo(("candidate_positions", block, device), positions)
     m = torch.cat([recv_m, m_rows[:, :shard].transpose(1, 2)], dim=-1)
     kv = torch.cat([recv_kv, kv_rows[:, :, :shard]], dim=2)
     return _top_w(m, pos[:, None, :].expand_as(m), kv, window, evict)
 
 
-def _merge_candidates(layout: CPLayout, cont: list[int], cands_meta, cands_kv, *, window: int, evict: str, cdt):
-    """Persistent caches of the continuing sequences of chains ``cont``: top-W of the lists of the ranks their
-    document spans (``merge_ranks``), as a dict of scores, positions and entries."""
-    size = cands_meta.shape[0]
-    use = torch.tensor([[j in layout.merge_ranks(c) for j in range(size)] for c in cont], device=cands_kv.device)
-    meta = cands_meta[:, cont].permute(1, 2, 0, 3, 4)  # [n, H, R, W, 2]
+def _merge_candidates(cp: ContextParallel, layout: CPLayout, cont: list[int], cont_chains, cands_meta, cands_kv, *,
+                      window: int, evict: str, cdt):
+    """Persistent caches of the continuing sequences of chains ``cont`` (``cont_chains`` on the device): top-W of
+    the lists of the ranks their document spans (``merge_ranks``), as a dict of scores, positions and entries."""
+    size, device = cands_meta.shape[0], cands_kv.device
+    use = cp.memo(("merge_ranks", size, device), lambda: _to_device(
+        torch.tensor([[j in layout.merge_ranks(c) for j in range(size)] for c in cont]), device))
+    meta = cands_meta.index_select(1, cont_chains).permute(1, 2, 0, 3, 4)  # [n, H, R, W, 2]
     m = meta[..., 0].flatten(2).to(cdt)
     pos = torch.where(use[:, None, :, None], meta[..., 1], -1).flatten(2).long()
-    kv = cands_kv[:, cont].permute(1, 2, 0, 3, 4).flatten(2, 3)
+    kv = cands_kv.index_select(1, cont_chains).permute(1, 2, 0, 3, 4).flatten(2, 3)
     # Position order first (the lists of different ranks interleave nothing, but come rank by rank), so that
     # the stable sort by key in _top_w breaks ties by position.
     order = torch.sort(pos.masked_fill(pos < 0, torch.iinfo(torch.int64).max), dim=-1, stable=True).indices
     top = _top_w(m.gather(-1, order), pos.gather(-1, order), _gather_entries(kv, order), window, evict)
     return dict(zip(("m", "pos", "kv"), top))
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built tensor on ``device``; to a GPU through pinned memory without waiting (the caching host
+    allocator keeps the pinned block until the copy is done)."""
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _values(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens`` as a list, from its registered host copy where there is one (no read from the device)."""
+    host = seqlens.host_copy(cu_seqlens) if cu_seqlens.device.type != "cpu" else None
+    return (host if host is not None else cu_seqlens).tolist()
 
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -612,7 +659,7 @@ def _initial_cache(num_seqs, h, d, w, c_blk, evict, cont_seqs, top, head_m, head
     """A :class:`HolaCache` for the local sequences: empty, except for the continuing ones (rows ``cont_seqs``)."""
     cache = HolaCache.empty(num_seqs, h, d, window=w, block=c_blk, evict=evict, dtype=in_dtype, device=device,
                             score_dtype=cdt)
-    if not seen:
+    if seen is None:
         return cache
     put = lambda base, value: base.index_put((cont_seqs,), value.to(base.dtype))  # noqa: E731
     if top is not None:
@@ -623,7 +670,7 @@ def _initial_cache(num_seqs, h, d, w, c_blk, evict, cont_seqs, top, head_m, head
     cache.buf_scores = put(cache.buf_scores, head_m)
     cache.buf_k = put(cache.buf_k, head_kv[..., :d])
     cache.buf_v = put(cache.buf_v, head_kv[..., d:])
-    cache.seen = put(cache.seen, torch.tensor(seen, dtype=torch.int64, device=device))
+    cache.seen = put(cache.seen, seen)
     return cache
 
 

@@ -104,6 +104,22 @@ class Timer:
         return sorted(times)[len(times) // 2], peak
 
 
+def count_host_syncs(fn, device) -> int | None:
+    """How many times one call of ``fn`` made the host wait for the GPU (CUDA's sync debug mode), None on CPU.
+    Each wait leaves the GPU idle while the host issues what comes next."""
+    if device.type != "cuda":
+        return None
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def _cell(row: dict, key: str, fmt: str) -> str:
     val = row.get(key)
     if val is None or (isinstance(val, float) and math.isnan(val)):
@@ -123,6 +139,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if use_cuda else torch.float32
     from hola_titan import hola_attention
+    from hola_titan.kernels import seqlens
     from hola_titan.parallelisms.context_parallel import ContextParallel, build_layout
 
     cp = None
@@ -147,6 +164,8 @@ def main(argv=None) -> int:
             local = {n: (x[n][:, cols] if n in ("q", "k", "v", "g", "beta") else x[n]).contiguous()
                      .requires_grad_() for n in NAMES}
             cu_local = torch.tensor(layout.local_cu_seqlens, dtype=torch.int64, device=device)
+            # As the trainer does: registered with its host copy, so no layer reads it back from the device.
+            seqlens.register(cu_local, host=torch.tensor(layout.local_cu_seqlens), seq_len=layout.shard_len)
             do_local = do[:, cols].contiguous()
 
             def cp_step():
@@ -162,6 +181,7 @@ def main(argv=None) -> int:
                 cp_step()
                 row["comm_ms"], row["comm_bytes"] = 1e3 * cp.comm_seconds, cp.bytes_received
                 cp.time_collectives = False
+                row["cp_host_syncs"] = count_host_syncs(cp_step, device)
                 if args.profile:
                     from profiling import kernel_profile
                     row["cp_profile"] = kernel_profile(cp_step, device=device, timed_ms=row["cp_ms"], iters=2,
@@ -181,6 +201,7 @@ def main(argv=None) -> int:
 
             try:
                 row["single_ms"], row["single_peak_gib"] = timer(single_step, args.reps)
+                row["single_host_syncs"] = count_host_syncs(single_step, device)
                 if args.profile:
                     from profiling import kernel_profile
                     row["single_profile"] = kernel_profile(single_step, device=device, timed_ms=row["single_ms"],
@@ -202,13 +223,13 @@ def main(argv=None) -> int:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
                                         "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
         print(f"\n{'T':>8} {'docs':>5} {'CP ms':>10} {'1 GPU ms':>10} {'speedup':>8} {'comm ms':>9} "
-              f"{'comm KiB':>9} {'CP GiB':>8} {'1 GPU GiB':>10}")
+              f"{'comm KiB':>9} {'CP GiB':>8} {'1 GPU GiB':>10} {'CP syncs':>9}")
         for r in rows:
             r = dict(r, comm_kib=r["comm_bytes"] / 1024) if "comm_bytes" in r else r
             print(f"{r['T']:>8} {r['docs']:>5} {_cell(r, 'cp_ms', '{:.2f}'):>10} {_cell(r, 'single_ms', '{:.2f}'):>10} "
                   f"{_cell(r, 'speedup', '{:.2f}x'):>8} {_cell(r, 'comm_ms', '{:.2f}'):>9} "
                   f"{_cell(r, 'comm_kib', '{:.1f}'):>9} {_cell(r, 'cp_peak_gib', '{:.2f}'):>8} "
-                  f"{_cell(r, 'single_peak_gib', '{:.2f}'):>10}")
+                  f"{_cell(r, 'single_peak_gib', '{:.2f}'):>10} {_cell(r, 'cp_host_syncs', '{}'):>9}")
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

@@ -38,6 +38,41 @@ def _env() -> dict:
 # Layout and sharding (no processes)
 # ----------------------------------------------------------------------------------------------------------------
 
+class _OneRankMesh:
+    """What ContextParallel reads of its mesh outside collectives."""
+
+    def get_local_rank(self):
+        return 1
+
+    def size(self):
+        return 2
+
+
+def test_layout_tensors_are_made_once_per_batch():
+    """Index tensors built from the layout are made once per batch and remade for the next batch's layout (a
+    stale one would point the next batch's layers at the previous batch's documents)."""
+    from hola_titan.parallelisms.context_parallel import ContextParallel
+
+    cp = ContextParallel(_OneRankMesh(), recurrent=True, conv_size=4, block=8)
+    made = []
+
+    def make():
+        made.append(cp.layout)
+        return torch.tensor(cp.layout.local_cu_seqlens)
+
+    first = build_layout(cp_rank=1, cp_size=2, num_rows=1, row_len=32, cu_seqlens=[0, 20, 32])
+    second = build_layout(cp_rank=1, cp_size=2, num_rows=1, row_len=32, cu_seqlens=[0, 8, 32])
+    cp.set_layout(first)
+    a = cp.memo("cu", make)
+    assert cp.memo("cu", make) is a and made == [first]  # every later layer of the batch reuses it
+    cp.set_layout(second)
+    b = cp.memo("cu", make)
+    assert made == [first, second]
+    assert a.tolist() == [0, 4, 16] and b.tolist() == [0, 16]
+    with pytest.raises(ValueError, match="built for rank 0 of 2"):
+        cp.set_layout(build_layout(cp_rank=0, cp_size=2, num_rows=1, row_len=32, cu_seqlens=[0, 32]))
+
+
 def test_layout_of_documents_crossing_shards():
     # 4 shards of 8: [0,3) [3,13) crosses 8 with 5 tokens before it; [13,16) ends on the boundary 16;
     # [23,25) crosses 24 with one token before it.
