@@ -424,7 +424,7 @@ def gdn_summary(k, v, g, beta, initial_state):
     _require_fla()
     d = k.shape[-1]
     dp = padded_head_dim(d, k.device)
-    initial_state = initial_state.to(torch.float32)
+    initial_state = initial_state.to(torch.float32).contiguous()  # fla reads it as a dense [N, H, K, V]
     if dp != d:
         k, v = (F.pad(x, (0, dp - d)) for x in (k, v))
         initial_state = F.pad(initial_state, (0, dp - d, 0, dp - d))

@@ -303,7 +303,10 @@ class ContextParallel:
         every layer builds from the layout on the host. Made per layer, each one's copy to the GPU synchronised
         the host with the device (a copy from pageable memory waits for the stream), several times per layer."""
         if key not in self._memo:
-            self._memo[key] = make()
+            # Plain tensors even when first made under inference_mode (validation), so that a later forward of the
+            # same batch that records gradients can save them.
+            with torch.inference_mode(False):
+                self._memo[key] = make()
         return self._memo[key]
 
     def _current(self) -> CPLayout:

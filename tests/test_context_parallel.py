@@ -69,6 +69,10 @@ def test_layout_tensors_are_made_once_per_batch():
     b = cp.memo("cu", make)
     assert made == [first, second]
     assert a.tolist() == [0, 4, 16] and b.tolist() == [0, 16]
+    with torch.inference_mode():  # first made during validation, then used by a forward that records gradients
+        cp.set_layout(first)
+        c = cp.memo("cu", make)
+    assert not c.is_inference()
     with pytest.raises(ValueError, match="built for rank 0 of 2"):
         cp.set_layout(build_layout(cp_rank=0, cp_size=2, num_rows=1, row_len=32, cu_seqlens=[0, 32]))
 
