@@ -455,12 +455,17 @@ def _scan(cp: ContextParallel, layout: CPLayout, q, k, v, g, beta, gamma_q, gamm
                                         evict=evict, cdt=cdt)
 
         # 4. Initial caches of the continuing sequences: merged candidates, the received head, tokens seen.
-        seen = cp.memo(("seen", device), lambda: _to_device(
-            torch.tensor([layout.first_offset[r][c] for c in cont], dtype=torch.int64), device))
-        initial_cache = _initial_cache(len(layout.seq_start), h, d, window, block, evict, cont_seqs, top,
-                                       heads_m[prev].index_select(0, cont_chains),
-                                       heads_kv[prev].index_select(0, cont_chains), seen if cont else None,
-                                       q.dtype, cdt, device)
+        if cont:
+            seen = cp.memo(("seen", device), lambda: _to_device(
+                torch.tensor([layout.first_offset[r][c] for c in cont], dtype=torch.int64), device))
+            initial_cache = _initial_cache(len(layout.seq_start), h, d, window, block, evict, cont_seqs, top,
+                                           heads_m[prev].index_select(0, cont_chains),
+                                           heads_kv[prev].index_select(0, cont_chains), seen, q.dtype, cdt, device)
+    if not cont:
+        # Nothing continues into this shard (rank 0, or a shard that starts a document): the plain call. With an
+        # empty cache the Triton backend would take its extended row layout, the same function at ~200 more
+        # operations and copies of q, k, v per layer.
+        initial_state = initial_cache = None
 
     o, _ = hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
                           cu_seqlens=cu_seqlens, initial_state=initial_state, initial_cache=initial_cache,
@@ -662,8 +667,6 @@ def _initial_cache(num_seqs, h, d, w, c_blk, evict, cont_seqs, top, head_m, head
     """A :class:`HolaCache` for the local sequences: empty, except for the continuing ones (rows ``cont_seqs``)."""
     cache = HolaCache.empty(num_seqs, h, d, window=w, block=c_blk, evict=evict, dtype=in_dtype, device=device,
                             score_dtype=cdt)
-    if seen is None:
-        return cache
     put = lambda base, value: base.index_put((cont_seqs,), value.to(base.dtype))  # noqa: E731
     if top is not None:
         cache.scores = put(cache.scores, top["m"])
