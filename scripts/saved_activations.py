@@ -41,18 +41,20 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(margs, device="cpu", backend="reference")
     running = ["model"]
 
-    def enter(name):
-        def hook(module, inputs):
-            running.append(name)
-        return hook
+    names = {id(module): name for name, module in model.named_modules() if name}
+
+    # Global hooks, not hooks on the modules: a module with its own hooks is run through its call (the MLP folds
+    # w2 into its backward otherwise), which would change what is measured.
+    def enter(module, inputs):
+        if id(module) in names:
+            running.append(names[id(module)])
 
     def leave(module, inputs, output):
-        running.pop()
+        if id(module) in names:
+            running.pop()
 
-    for name, module in model.named_modules():
-        if name and not list(module.children()):
-            module.register_forward_pre_hook(enter(name))
-            module.register_forward_hook(leave)
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+    handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
     core = "hola_attention (reference backend on the CPU)"
     in_core = [False]
     mixer = model_module.hola_attention
@@ -67,9 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     model_module.hola_attention = wrapped
     seen, nbytes, shapes = set(), collections.Counter(), collections.defaultdict(list)
 
+    # Parameters saved as they are (a hand-written backward may keep the float32 weight and cast it again) are
+    # not activation memory.
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
     def pack(t):
         key = (t.untyped_storage().data_ptr(), t.dtype)
-        if key not in seen:
+        if key[0] not in params and key not in seen:
             seen.add(key)
             label = core if in_core[0] else running[-1]
             nbytes[label] += t.untyped_storage().nbytes()
@@ -82,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             model.hidden_states(tokens)
     finally:
         model_module.hola_attention = mixer
+        for handle in handles:
+            handle.remove()
     outside = 0
     print(f"{'module':<48}{'MiB':>9}  saved tensors")
     for label, size in nbytes.most_common():

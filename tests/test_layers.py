@@ -70,7 +70,48 @@ def test_swiglu_gradients_and_saved_tensors():
     for a, b in zip(_grads(out, params, w), _grads(plain, params, w)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     hidden = [s for s in saved if s == (4, 16)]
-    assert len(hidden) == 3  # w1 x, w3 x and the product fed to w2; not silu(w1 x)
+    assert len(hidden) == 2  # w1 x and w3 x; neither silu(w1 x) nor the product fed to w2 (recomputed)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_folded_down_projection_is_bit_identical_to_the_modules(autocast, monkeypatch):
+    """The MLP with the product recomputed in the backward against the same MLP through w2's module call: output
+    and every gradient bit for bit, in float32 and under bf16 autocast with float32 weights (the training setup)."""
+    from hola_titan.models import layers
+
+    torch.manual_seed(0)
+    ff = FeedForward(32, 96)
+    ff.init_weights(0.1, 0.1)
+    x = torch.randn(2, 50, 32)
+    up = torch.randn(2, 50, 32)
+
+    def run():
+        inp = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = ff(inp)
+        out.backward(up.to(out.dtype))
+        grads = [inp.grad] + [p.grad.clone() for p in (ff.w1.weight, ff.w2.weight, ff.w3.weight)]
+        ff.zero_grad(set_to_none=True)
+        return [out.detach()] + grads
+
+    folded = run()
+    monkeypatch.setattr(layers, "_is_plain_linear", lambda module: False)
+    modules = run()
+    assert folded[0].dtype == (torch.bfloat16 if autocast else torch.float32)
+    for name, got, want in zip(["out", "x", "w1", "w2", "w3"], folded, modules):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def test_down_projection_with_a_hook_runs_through_its_module():
+    """A hooked (or converted) w2 keeps its module call, so parallelisms and conversions still apply."""
+    ff = FeedForward(8, 16)
+    ff.init_weights(0.1, 0.1)
+    calls = []
+    ff.w2.register_forward_hook(lambda module, args, out: calls.append(out.shape) or out * 2)
+    x = torch.randn(3, 8)
+    out = ff(x)
+    assert calls == [torch.Size([3, 8])]
+    torch.testing.assert_close(out, 2 * F.linear(F.silu(ff.w1(x)) * ff.w3(x), ff.w2.weight))
 
 
 def _plain_conv(x, weight, positions, tail, continues, k):

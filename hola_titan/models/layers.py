@@ -195,6 +195,37 @@ class _SwiGLUFunction(torch.autograd.Function):
         return torch.ops.aten.silu_backward(dp * b, a), dp * F.silu(a)
 
 
+class _SwiGLUDownFunction(torch.autograd.Function):
+    """``linear(silu(a) * b, weight)`` saving ``a``, ``b`` and the weight: the product, the down projection's
+    input, is recomputed in the backward instead of kept (a third activation of the hidden width per block:
+    4.1 GiB at 340M, 16 x 2048 tokens). Forward and gradients are those of the two ops, bit for bit: the same
+    kernels on the same operands, the weight cast to the activations' dtype as autocast casts it."""
+
+    @staticmethod
+    def forward(ctx, a, b, weight):
+        ctx.save_for_backward(a, b, weight)
+        return F.linear(F.silu(a) * b, weight.to(a.dtype))
+
+    @staticmethod
+    def backward(ctx, dout):
+        a, b, weight = ctx.saved_tensors
+        w = weight.to(a.dtype)
+        silu_a = F.silu(a)
+        hidden = silu_a * b
+        # As autograd's linear backward: grad_weight = dout^T h over the flattened rows, grad_input = dout w.
+        dweight = dout.reshape(-1, dout.shape[-1]).t().mm(hidden.reshape(-1, hidden.shape[-1]))
+        dhidden = dout.matmul(w)
+        return torch.ops.aten.silu_backward(dhidden * b, a), dhidden * silu_a, dweight.to(weight.dtype)
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    """A bias-free ``nn.Linear`` with a plain weight and no hooks, whose forward can be folded into another op.
+    Not when a parallelism or a conversion changed it: tensor parallelism (DTensor weight, module hooks),
+    float8 (another class), or any forward hook."""
+    return (type(module) is nn.Linear and module.bias is None and type(module.weight) in (nn.Parameter, torch.Tensor)
+            and not module._forward_hooks and not module._forward_pre_hooks)
+
+
 class FeedForward(nn.Module):
     """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
 
@@ -205,7 +236,10 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(_SwiGLUFunction.apply(self.w1(x), self.w3(x)))
+        a, b = self.w1(x), self.w3(x)
+        if _is_plain_linear(self.w2):
+            return _SwiGLUDownFunction.apply(a, b, self.w2.weight)
+        return self.w2(_SwiGLUFunction.apply(a, b))
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.w1.weight, std=std)
