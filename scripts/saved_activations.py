@@ -5,7 +5,8 @@ Builds a model of a flavour and size with ``--layers`` blocks on the CPU, runs o
 tensor autograd saves (``torch.autograd.graph.saved_tensors_hooks``), each storage once, attributed to the leaf
 module running then. The token mixer's core (``hola_attention``) is reported as one line: on the CPU it runs the
 reference backend, which saves other tensors than the GPU's Triton path. Prints a table and the sum outside the
-core, scaled to ``--rows`` rows and the size's depth.
+core, split by a second forward at half the length into what grows with the tokens (scaled to ``--rows`` rows)
+and what does not (bf16 copies of weights, once per block), scaled to the size's depth.
 
     python scripts/saved_activations.py --flavour hola --size 340M --seq-len 2048 --rows 16
 """
@@ -67,38 +68,54 @@ def main(argv: list[str] | None = None) -> int:
             in_core[0] = False
 
     model_module.hola_attention = wrapped
-    seen, nbytes, shapes = set(), collections.Counter(), collections.defaultdict(list)
-
     # Parameters saved as they are (a hand-written backward may keep the float32 weight and cast it again) are
     # not activation memory.
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
-    def pack(t):
-        key = (t.untyped_storage().data_ptr(), t.dtype)
-        if key[0] not in params and key not in seen:
-            seen.add(key)
-            label = core if in_core[0] else running[-1]
-            nbytes[label] += t.untyped_storage().nbytes()
-            shapes[label].append(f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}")
-        return t
+    def measure(seq_len: int):
+        seen, nbytes, shapes = set(), collections.Counter(), collections.defaultdict(list)
 
-    tokens = torch.randint(0, margs.vocab_size, (1, args.seq_len))
-    try:
+        def pack(t):
+            key = (t.untyped_storage().data_ptr(), t.dtype)
+            if key[0] not in params and key not in seen:
+                seen.add(key)
+                label = core if in_core[0] else running[-1]
+                nbytes[label] += t.untyped_storage().nbytes()
+                shapes[label].append(f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}")
+            return t
+
+        tokens = torch.randint(0, margs.vocab_size, (1, seq_len))
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.hidden_states(tokens)
+        return nbytes, shapes
+
+    try:
+        nbytes, shapes = measure(args.seq_len)
+        half, _ = measure(args.seq_len // 2)
     finally:
         model_module.hola_attention = mixer
         for handle in handles:
             handle.remove()
-    outside = 0
     print(f"{'module':<48}{'MiB':>9}  saved tensors")
     for label, size in nbytes.most_common():
-        if label != core:
-            outside += size
         print(f"{label:<48}{size / 2**20:>9.1f}  {', '.join(shapes[label][:4])}")
-    print(f"outside the core: {outside / 2**20:.1f} MiB per {args.layers} block(s) per {args.seq_len} tokens; "
-          f"x {args.rows} rows x {depth // args.layers} = {outside / 2**30 * args.rows * depth / args.layers:.1f} GiB "
-          f"(weights' bf16 copies counted per block, not per row)")
+    # What grows with the tokens (activations, per row) and what does not (the weights' bf16 copies, per block),
+    # from the same model at T and T / 2.
+    # Blocks' lines scale with the depth; the rest (embedding, final norm) is the model's, once.
+    def split(counts, in_blocks):
+        return sum(size for label, size in counts.items()
+                   if label != core and label.startswith("layers.") == in_blocks)
+
+    blocks = depth / args.layers
+    total = 0.0
+    for in_blocks, where in ((True, f"per {args.layers} block(s)"), (False, "outside the blocks")):
+        full, part = split(nbytes, in_blocks), split(half, in_blocks)
+        per_row, fixed = 2 * (full - part), 2 * part - full
+        times = blocks if in_blocks else 1
+        total += (per_row * args.rows + fixed) * times
+        print(f"{where}, outside the core: {per_row / 2**20:.1f} MiB per row of {args.seq_len} tokens "
+              f"+ {fixed / 2**20:.1f} MiB of weight copies")
+    print(f"x {args.rows} rows, {depth} blocks: {total / 2**30:.1f} GiB outside the core")
     return 0
 
 
