@@ -134,8 +134,13 @@ def run(layout: Layout, out: Path) -> None:
     if result.returncode != 0:
         print(f"   failed (exit {result.returncode}); log: {out / (layout.name + '.log')}", flush=True)
         return
-    metrics = folder / "metrics.jsonl"
-    layout.rows = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
+    read_metrics(layout, folder / "metrics.jsonl")
+
+
+def read_metrics(layout: Layout, metrics: Path) -> None:
+    """The training rows (those with a loss) of a run's ``metrics.jsonl``; none when it does not exist."""
+    if metrics.is_file():
+        layout.rows = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
 
 
 def summarise(layouts: list[Layout], parity_bound: float) -> dict:
@@ -196,6 +201,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=None, help="steps per layout (default: 50 GPU, 4 CPU)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these layout names")
+    parser.add_argument("--summarise-only", action="store_true",
+                        help="run nothing: tabulate the layouts whose <out>/<layout>/metrics.jsonl exist (runs made "
+                             "by several calls, e.g. on machines lent for a limited time)")
     args = parser.parse_args()
     steps = args.steps or (50 if args.mode == "gpu" else 4)
     layouts = {"gpu": gpu_layouts, "gpu2": gpu2_layouts, "cpu": cpu_layouts}[args.mode](steps)
@@ -206,8 +214,16 @@ def main() -> int:
         layouts = [layout for layout in layouts if layout.name in args.only]
     args.out.mkdir(parents=True, exist_ok=True)
     bound = 1e-5 if args.mode == "cpu" else 0.005
+    if args.summarise_only:
+        for layout in layouts:
+            read_metrics(layout, args.out / layout.name / "metrics.jsonl")
+        layouts = [layout for layout in layouts if layout.rows]
+        if not layouts:
+            parser.error(f"--summarise-only: no <layout>/metrics.jsonl under {args.out}")
+    summary = None
     for layout in layouts:
-        run(layout, args.out)
+        if not args.summarise_only:
+            run(layout, args.out)
         # Rewritten after every layout, so that a run cut short by a time limit keeps what finished.
         summary = summarise(layouts, parity_bound=bound)
         summary["mode"] = args.mode

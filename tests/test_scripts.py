@@ -1,0 +1,90 @@
+"""The benchmark and measurement scripts of ``scripts/`` on the CPU: they run, write what they say, and compute their
+summaries right. (Their numbers are measured on GPUs and logged in docs/LOG.md; here only tiny shapes.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args: list[str], *, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def _write_metrics(folder: Path, tokens_per_s: list[float], losses: list[float]) -> None:
+    folder.mkdir(parents=True)
+    rows = [{"step": i + 1, "loss": loss, "tokens_per_s": tps, "mfu": 0.1, "memory_gib": 1.0}
+            for i, (tps, loss) in enumerate(zip(tokens_per_s, losses))]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_composition_summary_uses_declared_baselines(tmp_path):
+    """Runs made by separate calls are tabulated together; each scaling row is against its declared baseline
+    (here FSDP 2 against one GPU, not against the T 64k single-GPU row that comes later in the list)."""
+    losses = [9.0, 8.5, 8.0, 7.5]
+    _write_metrics(tmp_path / "340M_1gpu", [1.0, 50.0, 100.0, 100.0], losses)
+    _write_metrics(tmp_path / "340M_fsdp2", [1.0, 90.0, 180.0, 180.0], [x * 1.001 for x in losses])
+    _write_metrics(tmp_path / "340M_T64k_1gpu", [1.0, 10.0, 40.0, 40.0], losses)
+    result = _run([sys.executable, "scripts/composition_run.py", "--mode", "gpu2", "--out", str(tmp_path),
+                   "--summarise-only"])
+    summary = json.loads((tmp_path / "composition.json").read_text())
+    names = [e["layout"] for e in summary["layouts"]]
+    assert names == ["340M_1gpu", "340M_fsdp2", "340M_T64k_1gpu"]
+    scaling = {s["layout"]: s for s in summary["scaling"]}
+    assert set(scaling) == {"340M_fsdp2"}  # single-process rows without a declared baseline get none
+    assert scaling["340M_fsdp2"]["baseline"] == "340M_1gpu"
+    assert scaling["340M_fsdp2"]["total_vs_1"] == pytest.approx(1.8)  # means after the first two steps
+    assert scaling["340M_fsdp2"]["per_device_vs_1"] == pytest.approx(0.9)
+    assert "| 340M_fsdp2 | 2 | 340M_1gpu | 1.80x |" in result.stdout
+
+
+def test_composition_summary_without_runs_is_an_error(tmp_path):
+    result = subprocess.run([sys.executable, "scripts/composition_run.py", "--mode", "gpu2", "--out", str(tmp_path),
+                             "--summarise-only"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "no <layout>/metrics.jsonl" in result.stderr
+
+
+def test_saved_activations_reports_the_folded_mlp():
+    result = _run([sys.executable, "scripts/saved_activations.py", "--flavour", "hola", "--size", "debug",
+                   "--seq-len", "64", "--rows", "2"])
+    lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("layers.0")}
+    # SwiGLU's two inputs, not the product fed to w2 (recomputed in the backward), not silu(w1 x)
+    assert lines["layers.0.feed_forward"].count("[1, 64, 512]") == 2
+    assert "layers.0.feed_forward.w2" not in lines
+    assert "x 2 rows, 2 blocks:" in result.stdout and "GiB outside the core" in result.stdout
+
+
+def test_bench_decode_writes_rows(tmp_path):
+    out = tmp_path / "decode.json"
+    _run([sys.executable, "scripts/bench_decode.py", "--flavours", "hola,gdn", "--size", "debug", "--prompt", "20",
+          "--steps", "2", "--warmup", "1", "--device", "cpu", "--out", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(r["flavour"], r["backend"]) for r in rows] == [("hola", "auto"), ("hola", "reference"),
+                                                           ("gdn", "auto"), ("gdn", "reference")]
+    assert all(r["tokens_per_s"] > 0 and r["aten_calls_per_step"] > 0 for r in rows)
+    by = {(r["flavour"], r["backend"]): r["aten_calls_per_step"] for r in rows}
+    assert by[("hola", "auto")] < by[("hola", "reference")]  # the one-token path
+
+
+def test_bench_context_parallel_runs_under_torchrun(tmp_path):
+    out = tmp_path / "cp.json"
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "scripts/bench_context_parallel.py",
+          "--device", "cpu", "--seq-lens", "64", "--block", "8", "--window", "4", "--heads", "2", "--dim", "16",
+          "--reps", "1", "--out", str(out)], timeout=600)
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["T"] == 64 and row["cp"] == 2
+    assert row["cp_ms"] > 0 and row["single_ms"] > 0 and row["comm_bytes"] > 0
+    assert row["cp_host_syncs"] is None  # counted on CUDA only
