@@ -600,6 +600,11 @@ def validate(config: JobConfig, *, world_size: int) -> None:
                               f"{seq_len} is not a multiple of context_parallel_degree {degrees.cp}")
         if config.data.varlen:
             raise ConfigError("data.varlen", "must be false for transformer with context_parallel_degree > 1")
+    if degrees.cp > 1 and config.compile.enable and config.compile.fullgraph:
+        # The context-parallel hooks read the batch layout in Python and run collectives: they run eagerly between
+        # the compiled parts of a block, i.e. a graph break each.
+        raise ConfigError("compile.fullgraph", "must be false with context_parallel_degree > 1 (the sequence-"
+                          "parallel scan runs eagerly between the compiled parts of each block)")
     if config.float8.enable and config.training.device != "cuda":
         raise ConfigError("float8.enable", f"needs training.device cuda, got {config.training.device!r}")
 

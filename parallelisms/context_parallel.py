@@ -336,6 +336,9 @@ class ContextParallel:
 
     # ------------------------------------------------------------------ the mixer hooks
 
+    # Under a compiled block, the two hooks run eagerly (a graph break each): they read the batch's layout in Python
+    # and run collectives; the block's other work (norms, convolutions, MLP) is still compiled.
+    @torch.compiler.disable
     def conv_tails(self, xs: list[torch.Tensor], positions: torch.Tensor | None):
         """The previous shard's last ``K-1`` inputs of each short convolution and, per token, whether its
         document began on an earlier rank. Inputs of another document are zero in the tails."""
@@ -368,6 +371,7 @@ class ContextParallel:
         tails = torch.where(valid[None, :, :, None], gathered[(r - 1) % self.cp_size], 0)
         return list(tails.unbind(0)), continues
 
+    @torch.compiler.disable
     def attention(self, q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int = 64, block: int = 256,
                   evict: str = "score", cu_seqlens=None, initial_state=None, output_final_state: bool = False,
                   initial_cache=None, output_final_cache: bool = False, backend: str = "auto"):

@@ -191,6 +191,7 @@ def test_resolve_degrees_fills_shard_and_accumulates():
     (["--model.flavour", "transformer", "--parallelism.context_parallel_degree", "2"], 2, "data.varlen", "false"),
     (["--training.global_batch_size", "12"], 2, "training.global_batch_size", "multiple"),
     (["--float8.enable"], 1, "float8.enable", "cuda"),
+    (["--parallelism.context_parallel_degree", "2", "--compile.enable"], 2, "compile.fullgraph", "must be false"),
 ])
 def test_validate_errors(argv, world_size, key, match):
     _invalid(key, ["--training.seq_len", "256", *argv], world_size=world_size, match=match)
@@ -215,6 +216,8 @@ def test_validate_accepts_cross_field_layouts():
              world_size=1)
     validate(parse_config(["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.context_parallel_degree",
                            "2", "--training.seq_len", "256", "--training.global_batch_size", "64"]), world_size=8)
+    validate(parse_config(["--parallelism.context_parallel_degree", "2", "--compile.enable", "--compile.fullgraph",
+                           "false", "--training.seq_len", "256"]), world_size=2)
 
 
 def test_validate_checks_programmatic_configs():

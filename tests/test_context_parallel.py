@@ -227,3 +227,16 @@ def test_training_with_context_parallel_matches_one_process(tmp_path, nproc, cp,
                                                   "--parallelism.data_parallel_shard_degree", str(shard)])
     assert len(one) == len(many) == 4
     assert max(abs(a - b) for a, b in zip(one, many)) < 1e-5, (one, many)
+
+
+@pytest.mark.slow
+def test_training_with_context_parallel_and_compile_matches_one_process(tmp_path):
+    """Compiled blocks around the eager sequence-parallel scan (compile.fullgraph false; true is refused by the
+    config check) train the one-process function."""
+    one = _one_process_losses(2)
+    many = _train_losses(tmp_path / "cp", 2, ["--training.local_batch_size", "2",  # every cp rank reads the rows
+                                              "--parallelism.context_parallel_degree", "2",
+                                              "--parallelism.data_parallel_shard_degree", "1",
+                                              "--compile.enable", "true", "--compile.fullgraph", "false"])
+    assert len(one) == len(many) == 4
+    assert max(abs(a - b) for a, b in zip(one, many)) < 1e-5, (one, many)
