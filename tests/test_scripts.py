@@ -88,3 +88,14 @@ def test_bench_context_parallel_runs_under_torchrun(tmp_path):
     assert row["T"] == 64 and row["cp"] == 2
     assert row["cp_ms"] > 0 and row["single_ms"] > 0 and row["comm_bytes"] > 0
     assert row["cp_host_syncs"] is None  # counted on CUDA only
+
+
+def test_bench_collectives_runs_under_torchrun(tmp_path):
+    out = tmp_path / "collectives.json"
+    result = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "scripts/bench_collectives.py", "--device", "cpu", "--params", "4e6", "--blocks", "4", "--reps", "2",
+                   "--out", str(out)], timeout=600)
+    data = json.loads(out.read_text())
+    assert data["world"] == 2 and len(data["rows"]) == 6
+    assert all(r["ms"] > 0 and r["bus_gb_s"] > 0 for r in data["rows"])
+    assert data["fsdp_step_ms_unoverlapped"] > 0 and "if none overlapped compute" in result.stdout
