@@ -221,6 +221,19 @@ class Metrics:
 
 
 @dataclass
+class Profiling:
+    enable: bool = False
+    """Record ``torch.profiler`` traces of training steps on every rank."""
+    freq: int = 100
+    """Trace one step in every this many: the last of each window, after ``warmup`` traced-and-dropped steps."""
+    warmup: int = 2
+    """Steps recorded before each traced one and dropped (the profiler's own start-up)."""
+    traces_folder: str = "profile_traces"
+    """Relative to ``job.dump_folder``: ``step-N/rank{R}.json.gz`` (a Chrome trace; Perfetto opens it) and
+    ``step-N/rank{R}.txt`` (the operators with the most self time, on the device where there is one)."""
+
+
+@dataclass
 class Validation:
     enable: bool = False
     """Measure validation loss during training."""
@@ -267,6 +280,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
     data: Data = field(default_factory=Data)
     dry_run: bool = False
@@ -294,6 +308,8 @@ _MINIMUM: dict[str, float] = {
     "training.local_batch_size": 1,
     "training.max_norm": 0,
     "training.gc_freq": 0,
+    "profiling.freq": 1,
+    "profiling.warmup": 0,
     "training.seed": 0,
     "parallelism.data_parallel_replicate_degree": 1,
     "parallelism.tensor_parallel_degree": 1,
@@ -605,6 +621,9 @@ def validate(config: JobConfig, *, world_size: int) -> None:
         # the compiled parts of a block, i.e. a graph break each.
         raise ConfigError("compile.fullgraph", "must be false with context_parallel_degree > 1 (the sequence-"
                           "parallel scan runs eagerly between the compiled parts of each block)")
+    if config.profiling.enable and config.profiling.freq <= config.profiling.warmup:
+        raise ConfigError("profiling.freq", f"must exceed profiling.warmup = {config.profiling.warmup} (each window "
+                          f"is warmup steps, then the traced one), got {config.profiling.freq}")
     if config.float8.enable and config.training.device != "cuda":
         raise ConfigError("float8.enable", f"needs training.device cuda, got {config.training.device!r}")
 

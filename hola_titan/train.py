@@ -43,6 +43,7 @@ from hola_titan.models.model import HolaTitanLM, num_params
 from hola_titan.parallelisms.context_parallel import context_parallel_of
 from hola_titan.parallelisms.parallel_dims import ParallelDims, mesh_rank_and_size, submesh
 from hola_titan.parallelisms.parallelize import parallelize_model
+from hola_titan.profiling import step_profiler
 
 logger = logging.getLogger("hola_titan")
 IGNORE_INDEX = -100
@@ -325,34 +326,39 @@ class Trainer:
         window_start, window_tokens = time.perf_counter(), 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        while self.state.step < config.training.steps:
-            micro = [next(data_iter) for _ in range(self.degrees.grad_accum_steps)]
-            result = self.train_step(micro)
-            if gc_freq and self.state.step % gc_freq == 0:
-                gc.collect(1)
-            window_tokens += self.degrees.global_batch_size * config.training.seq_len
-            step = self.state.step
-            if step % config.metrics.log_freq == 0 or step == config.training.steps or step == 1:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                elapsed = time.perf_counter() - window_start
-                tps_device = window_tokens / elapsed / self.world_size
-                row = {"step": step, "loss": result["loss"], "grad_norm": result["grad_norm"],
-                       "lr": result["lr"], "tokens_per_s": tps_device * self.world_size,
-                       "tokens_per_s_per_device": tps_device,
-                       "mfu": self.flops["total"] * tps_device / (self.peak_tflops * 1e12),
-                       "mfu_datasheet": (self.flops["total"] * tps_device / (self.datasheet_tflops * 1e12)
-                                         if self.datasheet_tflops else None),
-                       "memory_gib": peak_memory_gib(self.device), "tokens_seen": self.state.tokens_seen}
-                rows.append(row)
-                self.metrics.log(row)
-                window_start, window_tokens = time.perf_counter(), 0
-            if config.validation.enable and (step % config.validation.freq == 0 or step == config.training.steps):
-                row = {"step": step, **self.validate()}
-                rows.append(row)
-                self.metrics.log(row)
-            if self.checkpointer is not None:
-                self.checkpointer.maybe_save(step, final=step == config.training.steps)
+        profiler = step_profiler(config.profiling, folder=self.dump / config.profiling.traces_folder, rank=self.rank,
+                                 device=self.device, step_of=lambda: self.state.step)
+        with profiler as prof:
+            while self.state.step < config.training.steps:
+                micro = [next(data_iter) for _ in range(self.degrees.grad_accum_steps)]
+                result = self.train_step(micro)
+                if gc_freq and self.state.step % gc_freq == 0:
+                    gc.collect(1)
+                window_tokens += self.degrees.global_batch_size * config.training.seq_len
+                step = self.state.step
+                if step % config.metrics.log_freq == 0 or step == config.training.steps or step == 1:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    elapsed = time.perf_counter() - window_start
+                    tps_device = window_tokens / elapsed / self.world_size
+                    row = {"step": step, "loss": result["loss"], "grad_norm": result["grad_norm"],
+                           "lr": result["lr"], "tokens_per_s": tps_device * self.world_size,
+                           "tokens_per_s_per_device": tps_device,
+                           "mfu": self.flops["total"] * tps_device / (self.peak_tflops * 1e12),
+                           "mfu_datasheet": (self.flops["total"] * tps_device / (self.datasheet_tflops * 1e12)
+                                             if self.datasheet_tflops else None),
+                           "memory_gib": peak_memory_gib(self.device), "tokens_seen": self.state.tokens_seen}
+                    rows.append(row)
+                    self.metrics.log(row)
+                    window_start, window_tokens = time.perf_counter(), 0
+                if config.validation.enable and (step % config.validation.freq == 0
+                                                 or step == config.training.steps):
+                    row = {"step": step, **self.validate()}
+                    rows.append(row)
+                    self.metrics.log(row)
+                if self.checkpointer is not None:
+                    self.checkpointer.maybe_save(step, final=step == config.training.steps)
+                prof.step()
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.metrics.close()

@@ -83,6 +83,28 @@ def test_garbage_collection_runs_every_gc_freq_steps_and_is_restored(tmp_path, m
         parse_config(["--training.gc_freq", "-1"])
 
 
+def test_profiling_traces_one_step_per_window(tmp_path):
+    """[profiling]: with freq 3 and warmup 1, steps 3 and 6 of 7 are traced; each trace is a gzipped Chrome trace
+    with the step's operators, plus a table of the operators with the most self time."""
+    import gzip
+
+    config = parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), "--training.steps", "7",
+                           "--validation.enable", "false", "--metrics.enable_tensorboard", "false",
+                           "--profiling.enable", "--profiling.freq", "3", "--profiling.warmup", "1", *FAST])
+    Trainer(config).train()
+    traces = tmp_path / "profile_traces"
+    assert sorted(p.name for p in traces.iterdir()) == ["step-3", "step-6"]
+    for step in ("step-3", "step-6"):
+        events = json.loads(gzip.decompress((traces / step / "rank0.json.gz").read_bytes()))["traceEvents"]
+        names = {e.get("name", "") for e in events}
+        assert any(n.startswith("aten::mm") or n.startswith("aten::addmm") for n in names), sorted(names)[:20]
+        assert "Self CPU" in (traces / step / "rank0.txt").read_text()
+    with pytest.raises(ValueError, match=r"profiling\.freq: must exceed profiling\.warmup"):
+        from hola_titan.config import validate
+        validate(parse_config(["--profiling.enable", "--profiling.freq", "2", "--profiling.warmup", "2"]),
+                 world_size=1)
+
+
 def _torchrun_losses(tmp_path: Path, nproc: int, extra: list[str]) -> list[float]:
     env = _env() | {"NGPU": str(nproc), "CONFIG_FILE": DEBUG, "LOG_RANK": "0", "PYTHON": sys.executable}
     result = subprocess.run([str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp_path), "--training.steps", "4",
