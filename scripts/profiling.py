@@ -10,6 +10,15 @@ from __future__ import annotations
 import torch
 
 
+def is_device_kernel(evt) -> bool:
+    """Whether a ``key_averages()`` row is work on the GPU itself (a kernel, copy or fill). The rest also carry
+    device time and would count it twice: host-side ops (ATen and custom ops, autograd nodes, NCCL's
+    ``record_param_comms``) report their kernels' time as theirs, and GPU-side annotations of ranges span them."""
+    from torch.autograd import DeviceType
+
+    return evt.device_type == DeviceType.CUDA and not getattr(evt, "is_user_annotation", False)
+
+
 def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: int = 5, top: int = 12,
                    label: str = "call") -> dict:
     """Profile ``iters`` calls of ``run()`` (warmed up by the caller); per-call numbers, printed and returned."""
@@ -29,10 +38,10 @@ def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: 
         if evt.key.startswith("aten::"):
             aten_calls += evt.count
         if cuda:
+            if not is_device_kernel(evt):
+                continue
             us = getattr(evt, "self_device_time_total", None)
             us = evt.self_cuda_time_total if us is None else us
-            if evt.key.startswith("aten::"):
-                continue  # an ATen op's device time is its kernels', listed under their own names
         else:
             if not evt.key.startswith("aten::"):
                 continue

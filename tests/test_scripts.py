@@ -99,3 +99,24 @@ def test_bench_collectives_runs_under_torchrun(tmp_path):
     assert data["world"] == 2 and len(data["rows"]) == 6
     assert all(r["ms"] > 0 and r["bus_gb_s"] > 0 for r in data["rows"])
     assert data["fsdp_step_ms_unoverlapped"] > 0 and "if none overlapped compute" in result.stdout
+
+
+def test_kernel_profile_counts_device_kernels_once():
+    """A custom op, an autograd node or an NCCL wrapper on the host reports its kernels' device time as its own,
+    and a GPU-side range annotation spans them: only the kernels themselves count."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from profiling import is_device_kernel
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+    def event(device_type, annotation=False):
+        return SimpleNamespace(device_type=device_type, is_user_annotation=annotation)
+
+    assert is_device_kernel(event(DeviceType.CUDA))  # chunk_bwd_kernel_dqkwg, ncclDevKernel_AllGather, ...
+    assert not is_device_kernel(event(DeviceType.CPU))  # hola::gdn_bwd, GeneratedBackwardFor_..., record_param_comms
+    assert not is_device_kernel(event(DeviceType.CUDA, annotation=True))  # a range on the GPU timeline
