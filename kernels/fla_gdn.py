@@ -239,10 +239,7 @@ def _chunk_indices(cu_seqlens):
         # memory, which waits for the device (tests/test_step_gpu.py caught it). A fresh tensor: fla memoises by
         # argument identity, and a caller may refill its host copy in place.
         fresh = host.clone()
-        indices = prepare_chunk_indices(fresh, CHUNK, cu_seqlens_cpu=fresh)
-        if cu_seqlens.device.type == "cuda":
-            indices = indices.pin_memory().to(cu_seqlens.device, non_blocking=True)
-        return indices
+        return seqlens.to_device(prepare_chunk_indices(fresh, CHUNK, cu_seqlens_cpu=fresh), cu_seqlens.device)
 
     if not torch.compiler.is_compiling():
         indices = seqlens.derived(cu_seqlens, ("fla_chunk_indices", CHUNK), from_host)
@@ -252,27 +249,36 @@ def _chunk_indices(cu_seqlens):
     return prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=seqlens.host_copy(cu_seqlens))
 
 
-def _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+def _state_stages(k, v, g, beta, initial_state, cu_seqlens, chunk_indices, output_final_state):
+    """fla's forward up to the state pass (on contiguous inputs, inside the device's context): the in-kernel
+    l2norm of k, the gates' chunk cumsum, the intra-chunk WY form and the chunked state recurrence.
+    Returns ``(h, v_new, final_state, kn, k_rstd, g_cum, a)``."""
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
+
+    kn, k_rstd = l2norm_fwd(k)
+    g_cum = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    w, u, a = chunk_gated_delta_rule_fwd_intra(k=kn, v=v, g=g_cum, beta=beta, cu_seqlens=cu_seqlens,
+                                               chunk_indices=chunk_indices, chunk_size=CHUNK)
+    h, v_new, final_state = chunk_gated_delta_rule_fwd_h(
+        k=kn, w=w, u=u, g=g_cum, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK)
+    return h, v_new, final_state, kn, k_rstd, g_cum, a
+
+
+def _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.common.chunk_o import chunk_fwd_o
 
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     with torch.cuda.device(q.device.index):
         chunk_indices = _chunk_indices(cu_seqlens)
         qn, q_rstd = l2norm_fwd(q)
-        kn, k_rstd = l2norm_fwd(k)
-        g_cum = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
-                                   chunk_indices=chunk_indices)
-        w, u, a = chunk_gated_delta_rule_fwd_intra(k=kn, v=v, g=g_cum, beta=beta, cu_seqlens=cu_seqlens,
-                                                   chunk_indices=chunk_indices, chunk_size=CHUNK)
-        h, v_new, final_state = chunk_gated_delta_rule_fwd_h(
-            k=kn, w=w, u=u, g=g_cum, initial_state=initial_state, output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK)
-        del w, u
+        h, v_new, final_state, kn, k_rstd, g_cum, a = _state_stages(k, v, g, beta, initial_state, cu_seqlens,
+                                                                    chunk_indices, output_final_state)
         o = chunk_fwd_o(q=qn, k=kn, v=v_new, h=h, g=g_cum, scale=scale, cu_seqlens=cu_seqlens,
                         chunk_indices=chunk_indices, chunk_size=CHUNK)
         del h
@@ -373,30 +379,15 @@ class _GDNFunction:
         return o, m, (final_state if output_final_state else None)
 
 
-def _summary_fwd_impl(k, v, g, beta, initial_state):
-    """fla's state stages without the output: ``(final_state, v_new, kn, k_rstd, g_cum, a)``."""
-    from fla.modules.norm.l2norm import l2norm_fwd
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
-
-    k, v, g, beta = (x.contiguous() for x in (k, v, g, beta))
-    with torch.cuda.device(k.device.index):
-        kn, k_rstd = l2norm_fwd(k)
-        g_cum = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2)
-        w, u, a = chunk_gated_delta_rule_fwd_intra(k=kn, v=v, g=g_cum, beta=beta, chunk_size=CHUNK)
-        _, v_new, final_state = chunk_gated_delta_rule_fwd_h(k=kn, w=w, u=u, g=g_cum, initial_state=initial_state,
-                                                              output_final_state=True, chunk_size=CHUNK)
-    return final_state, v_new, kn, k_rstd, g_cum, a
-
-
 class _SummaryFunction(torch.autograd.Function):
     """Final state (with gradients) and per-token updates ``v_new`` (without) of rows from a given state."""
 
     @staticmethod
     def forward(ctx, k, v, g, beta, initial_state):
-        final_state, v_new, kn, k_rstd, g_cum, a = _summary_fwd_impl(k, v, g, beta, initial_state)
+        # The state stages without the output (no q), on rows (no cu_seqlens).
+        with torch.cuda.device(k.device.index):
+            _, v_new, final_state, kn, k_rstd, g_cum, a = _state_stages(
+                *(x.contiguous() for x in (k, v, g, beta)), initial_state, None, None, True)
         ctx.save_for_backward(kn, k_rstd, v, g_cum, beta, a, initial_state)
         ctx.dtypes = (k.dtype, v.dtype, g.dtype, beta.dtype)
         ctx.mark_non_differentiable(v_new)
