@@ -11,7 +11,8 @@ layer) and, when the caller registered one, its host copy, so that neither reads
 - :func:`check_values` checks a tensor once (reading it if it is on the device and unregistered);
 - :func:`register` (the trainer, once per batch) checks the host copy and registers the device tensor with it;
 - :func:`host_copy` hands the host copy to fla (``cu_seqlens_cpu``);
-- :func:`derived` keeps a value made from the host copy (fla's chunk indices) for every layer of the batch.
+- :func:`derived` keeps a value made from the host copy (fla's chunk indices) for every layer of the batch;
+- :func:`to_device` sends a tensor made on the host to the device without waiting.
 """
 
 from __future__ import annotations
@@ -78,3 +79,12 @@ def derived(cu_seqlens: torch.Tensor, key, make):
     if key not in values:
         values[key] = make(_LAST[3])
     return values[key]
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``; to a GPU through pinned memory, without waiting (a copy from
+    pageable memory waits for the device's queue). The caching host allocator keeps the pinned block until the
+    copy is done."""
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

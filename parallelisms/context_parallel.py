@@ -365,7 +365,7 @@ class ContextParallel:
                         start = layout.seq_start[n]
                         row, col = (0, start) if layout.packed else (n, 0)
                         continues[row, col:col + layout.seq_len[n]] = True
-            return _to_device(valid, device), _to_device(continues, device)
+            return seqlens.to_device(valid, device), seqlens.to_device(continues, device)
 
         valid, continues = self.memo(("conv", bsz, seq_len, k1, device), masks)
         tails = torch.where(valid[None, :, :, None], gathered[(r - 1) % self.cp_size], 0)
@@ -427,11 +427,15 @@ def _scan(cp: ContextParallel, layout: CPLayout, q, k, v, g, beta, gamma_q, gamm
         s_in = summaries[j, ..., :d] @ s_in + summaries[j, ..., d:]
     cont = [c for c, n in enumerate(layout.in_seq) if n >= 0]
     cont_chains, cont_seqs = cp.memo(("cont", device), lambda: (
-        _to_device(torch.tensor(cont, dtype=torch.int64), device),
-        _to_device(torch.tensor([layout.in_seq[c] for c in cont], dtype=torch.int64), device)))
-    initial_state = torch.zeros(len(layout.seq_start), h, d, d, dtype=cdt, device=device)
+        seqlens.to_device(torch.tensor(cont, dtype=torch.int64), device),
+        seqlens.to_device(torch.tensor([layout.in_seq[c] for c in cont], dtype=torch.int64), device)))
+    # Without a continuing sequence (rank 0, or a shard that starts a document) the shard makes the plain call:
+    # no initial state, and no cache, with which the Triton backend would take its extended row layout (the same
+    # function at ~200 more operations and copies of q, k, v per layer).
+    initial_state = None
     if cont:
-        initial_state = initial_state.index_put((cont_seqs,), s_in.index_select(0, cont_chains))
+        initial_state = torch.zeros(len(layout.seq_start), h, d, d, dtype=cdt, device=device).index_put(
+            (cont_seqs,), s_in.index_select(0, cont_chains))
 
     initial_cache = None
     if evict != "none":
@@ -460,16 +464,11 @@ def _scan(cp: ContextParallel, layout: CPLayout, q, k, v, g, beta, gamma_q, gamm
 
         # 4. Initial caches of the continuing sequences: merged candidates, the received head, tokens seen.
         if cont:
-            seen = cp.memo(("seen", device), lambda: _to_device(
+            seen = cp.memo(("seen", device), lambda: seqlens.to_device(
                 torch.tensor([layout.first_offset[r][c] for c in cont], dtype=torch.int64), device))
             initial_cache = _initial_cache(len(layout.seq_start), h, d, window, block, evict, cont_seqs, top,
                                            heads_m[prev].index_select(0, cont_chains),
                                            heads_kv[prev].index_select(0, cont_chains), seen, q.dtype, cdt, device)
-    if not cont:
-        # Nothing continues into this shard (rank 0, or a shard that starts a document): the plain call. With an
-        # empty cache the Triton backend would take its extended row layout, the same function at ~200 more
-        # operations and copies of q, k, v per layer.
-        initial_state = initial_cache = None
 
     o, _ = hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
                           cu_seqlens=cu_seqlens, initial_state=initial_state, initial_cache=initial_cache,
@@ -503,9 +502,9 @@ class _Crossing:
                 positions[c, :size] = torch.arange(layout.seq_offset[n], layout.seq_offset[n] + size)
             length.append(size)
         passthrough = [layout.passthrough(r, c) for c in range(rows)]
-        return cls(index=_to_device(index, device), positions=_to_device(positions, device), length=tuple(length),
-                   passthrough=_to_device(torch.tensor(passthrough), device), needs_map=any(passthrough),
-                   present=any(length))
+        return cls(index=seqlens.to_device(index, device), positions=seqlens.to_device(positions, device),
+                   length=tuple(length), passthrough=seqlens.to_device(torch.tensor(passthrough), device),
+                   needs_map=any(passthrough), present=any(length))
 
 
 def _summaries(rows: _Crossing, k_f, v_f, g_f, beta_f, h: int, d: int, *, fla: bool, cdt: torch.dtype):
@@ -567,7 +566,7 @@ def _block_head(cp: ContextParallel, layout: CPLayout, rows: _Crossing, m_rows, 
         for c in range(chains):
             size = layout.end_offset[layout.cp_rank][c] % block if rows.length[c] else 0
             cols[c, :size] = torch.arange(rows.length[c] - size, rows.length[c])
-        return _to_device(cols, m_rows.device)
+        return seqlens.to_device(cols, m_rows.device)
 
     cols = cp.memo(("head_cols", block, m_rows.device), columns)
     head_m = m_rows.gather(1, cols[..., None].expand(chains, block, h)).transpose(1, 2)
@@ -592,8 +591,8 @@ def _candidates(cp: ContextParallel, layout: CPLayout, rows: _Crossing, m_rows, 
                 recv_pos[c, :count] = torch.arange(layout.first_offset[r][c] - count, layout.first_offset[r][c])
             end = layout.end_offset[r][c]
             limit.append(end - end % block)
-        pos = torch.cat([_to_device(recv_pos, device), rows.positions[:, :shard]], dim=1)  # ascending
-        limit = _to_device(torch.tensor(limit, dtype=torch.int64), device)
+        pos = torch.cat([seqlens.to_device(recv_pos, device), rows.positions[:, :shard]], dim=1)  # ascending
+        limit = seqlens.to_device(torch.tensor(limit, dtype=torch.int64), device)
         return torch.where((pos >= 0) & (pos < limit[:, None]), pos, -1)
 
     pos = cp.memo(("candidate_positions", block, device), positions)
@@ -607,7 +606,7 @@ def _merge_candidates(cp: ContextParallel, layout: CPLayout, cont: list[int], co
     """Persistent caches of the continuing sequences of chains ``cont`` (``cont_chains`` on the device): top-W of
     the lists of the ranks their document spans (``merge_ranks``), as a dict of scores, positions and entries."""
     size, device = cands_meta.shape[0], cands_kv.device
-    use = cp.memo(("merge_ranks", size, device), lambda: _to_device(
+    use = cp.memo(("merge_ranks", size, device), lambda: seqlens.to_device(
         torch.tensor([[j in layout.merge_ranks(c) for j in range(size)] for c in cont]), device))
     meta = cands_meta.index_select(1, cont_chains).permute(1, 2, 0, 3, 4)  # [n, H, R, W, 2]
     m = meta[..., 0].flatten(2).to(cdt)
@@ -618,14 +617,6 @@ def _merge_candidates(cp: ContextParallel, layout: CPLayout, cont: list[int], co
     order = torch.sort(pos.masked_fill(pos < 0, torch.iinfo(torch.int64).max), dim=-1, stable=True).indices
     top = _top_w(m.gather(-1, order), pos.gather(-1, order), _gather_entries(kv, order), window, evict)
     return dict(zip(("m", "pos", "kv"), top))
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host-built tensor on ``device``; to a GPU through pinned memory without waiting (the caching host
-    allocator keeps the pinned block until the copy is done)."""
-    if torch.device(device).type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _values(cu_seqlens: torch.Tensor) -> list[int]:
