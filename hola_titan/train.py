@@ -326,9 +326,8 @@ class Trainer:
         window_start, window_tokens = time.perf_counter(), 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        profiler = step_profiler(config.profiling, folder=self.dump / config.profiling.traces_folder, rank=self.rank,
-                                 device=self.device, step_of=lambda: self.state.step)
-        with profiler as prof:
+        with step_profiler(config.profiling, folder=self.dump / config.profiling.traces_folder, rank=self.rank,
+                           device=self.device, step_of=lambda: self.state.step) as prof:
             while self.state.step < config.training.steps:
                 micro = [next(data_iter) for _ in range(self.degrees.grad_accum_steps)]
                 result = self.train_step(micro)

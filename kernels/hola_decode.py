@@ -10,8 +10,9 @@ sink, a write into its block's buffer slot and, when the token completes its blo
 number of tensor operations with static shapes and no host synchronisation.
 
 The arithmetic is the reference's for a one-token call, term by term (the state, the scores and the cache come
-out equal; the output's read sums its keys in another order, so it can differ in the last bit): ``gated_delta_chunked`` with a chunk of
-one token (``e = v - (alpha kh) S``, ``o = s ((alpha qh) S + beta (qh . kh) e)``, ``S' = alpha S + beta kh^T e``),
+out equal; the output's read sums its keys in another order, so it can differ in the last bit):
+``gated_delta_chunked`` with a chunk of one token (``e = v - (alpha kh) S``,
+``o = s ((alpha qh) S + beta (qh . kh) e)``, ``S' = alpha S + beta kh^T e``),
 the cache read of ``cache_read`` (persistent entries, the block's earlier tokens and the token itself, the sink;
 RMSNorm-gamma on q and k; logits over sqrt(D)), and the merge of ``_top_w_merge`` (persistent entries in
 selection order, then the block's tokens by position; a stable descending sort by the key, so ties go to the
