@@ -120,3 +120,14 @@ def test_kernel_profile_counts_device_kernels_once():
     assert is_device_kernel(event(DeviceType.CUDA))  # chunk_bwd_kernel_dqkwg, ncclDevKernel_AllGather, ...
     assert not is_device_kernel(event(DeviceType.CPU))  # hola::gdn_bwd, GeneratedBackwardFor_..., record_param_comms
     assert not is_device_kernel(event(DeviceType.CUDA, annotation=True))  # a range on the GPU timeline
+
+
+def test_count_cp_ops_runs_under_torchrun():
+    result = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "scripts/count_cp_ops.py",
+                   "--seq-len", "128", "--block", "16", "--window", "4"], timeout=600)
+    counts = {int(line.split()[1].rstrip(":")): int(line.split()[2]) for line in result.stdout.splitlines()
+              if line.startswith("rank ")}
+    assert set(counts) == {0, 1} and all(n > 0 for n in counts.values())
+    # Rank 1 continues rank 0's document: its call runs the cached (extended row) layout, rank 0 the plain one.
+    assert counts[1] > counts[0]
+    assert "hola_triton.py:_continue_from_cache" in result.stdout
