@@ -114,6 +114,28 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+KERNELS = ("auto", "triton", "reference")
+
+
+def resolve_kernels(kernels: str, device: torch.device) -> str:
+    """``model.kernels`` for ``device``: ``"triton"`` (the fused short convolution and cross-entropy kernels) or
+    ``"reference"`` (their PyTorch forms). ``"auto"`` is ``"triton"`` on CUDA with Triton installed; ``"triton"``
+    also runs on a CPU under ``TRITON_INTERPRET=1`` (tests). Raises ``ValueError`` naming ``kernels`` when the
+    requested one cannot run here."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels: unknown {kernels!r}; expected one of {KERNELS}")
+    device = torch.device(device)
+    if kernels == "reference":
+        return kernels
+    from hola_titan.kernels.hola_triton import interpreting, triton_importable
+    if kernels == "auto":
+        return "triton" if device.type == "cuda" and triton_importable() else "reference"
+    if not triton_importable() or not (device.type == "cuda" or interpreting()):
+        raise ValueError("kernels: 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on a CPU); use "
+                         "'reference' or 'auto'")
+    return kernels
+
+
 def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, cu_seqlens, initial_state,
               initial_cache, output_final_cache, backend) -> None:
     if evict not in EVICT_MODES:

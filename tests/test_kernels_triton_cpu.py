@@ -35,27 +35,9 @@ from hola_titan.kernels.hola_reference import hola_attention_reference  # noqa: 
 from hola_titan.kernels.hola_sdpa import hola_attention_sdpa  # noqa: E402
 from hola_titan.kernels.hola_triton import hola_attention_triton  # noqa: E402
 from hola_titan.ops import resolve_backend  # noqa: E402
+from helpers import define_kernels_for_the_interpreter  # noqa: E402
 
-
-
-def _define_kernels_for_the_interpreter():
-    """``triton.jit`` picks the interpreter when a function is defined. If another test module imported Triton or
-    these kernels before this file set ``TRITON_INTERPRET``, define Triton's own jit library (``tl.sort``,
-    ``tl.max``, ...) and the kernels again, so that interpreted kernels call interpreted helpers."""
-    import triton.language as tl
-    import triton.language.standard as standard
-    if type(standard.sort).__name__ != "InterpretedFunction":
-        importlib.reload(standard)
-        for name in dir(standard):
-            obj = getattr(standard, name)
-            if type(obj).__name__ == "InterpretedFunction" and type(getattr(tl, name, None)).__name__ == "JITFunction":
-                setattr(tl, name, obj)
-    for mod, kernel in ((hola_triton_select, "_merge_topw_kernel"), (hola_triton_attn, "_rstd_kernel")):
-        if type(getattr(mod, kernel)).__name__ != "InterpretedFunction":
-            importlib.reload(mod)
-
-
-_define_kernels_for_the_interpreter()
+define_kernels_for_the_interpreter(((hola_triton_select, "_merge_topw_kernel"), (hola_triton_attn, "_rstd_kernel")))
 
 NAMES = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate")
 TOL_FP32 = 1e-5

@@ -21,8 +21,8 @@ from torch import nn
 
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.models.args import ModelArgs
-from hola_titan.models.layers import (FeedForward, RMSNorm, ShortConvolution, apply_rope, document_ids,
-                                      document_positions, identity_view)
+from hola_titan.models.layers import (FeedForward, RMSNorm, ShortConvolution, _is_plain_linear, apply_rope,
+                                      document_ids, document_positions, identity_view)
 from hola_titan.ops import hola_attention
 
 INIT_STD = 0.02
@@ -78,12 +78,15 @@ class GatedDeltaMixer(nn.Module):
     param_view = staticmethod(identity_view)
     context_parallel = None
 
-    def __init__(self, args: ModelArgs, *, backend: str = "auto"):
+    def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference"):
         super().__init__()
         dim, h, d = args.dim, args.n_heads, args.head_dim
         self.num_heads, self.head_dim = h, d
         self.evict, self.window, self.block = args.evict, args.window, args.block
         self.backend = backend
+        if kernels not in ("triton", "reference"):
+            raise ValueError(f"kernels: expected 'triton' or 'reference' (resolved), got {kernels!r}")
+        self.kernels = kernels
         self.q_proj = nn.Linear(dim, h * d, bias=False)
         self.k_proj = nn.Linear(dim, h * d, bias=False)
         self.v_proj = nn.Linear(dim, h * d, bias=False)
@@ -125,12 +128,17 @@ class GatedDeltaMixer(nn.Module):
     def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None,
                 cache: RecurrentLayerCache | None) -> torch.Tensor:
         """x ``[B, T, dim]`` (B = 1 with ``cu_seqlens``); ``positions`` in-document positions ``[B, T]``."""
-        bsz, seq_len, _ = x.shape
-        pv = self.param_view
         cp = self.context_parallel
         if cp is not None and cache is not None:
             raise ValueError("cache: decoding does not run under context parallelism")
         continuing = cache is not None and cache.state is not None
+        if self._fused_conv_applies(cp, cache):
+            # One q|k|v projection and one convolution kernel each way (kernels/short_conv.py).
+            from hola_titan.kernels.short_conv import short_conv_qkv
+            w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            q, k, v = short_conv_qkv(F.linear(x, w_qkv), [self.q_conv.weight, self.k_conv.weight,
+                                                           self.v_conv.weight], positions=positions)
+            return self._mix(x, q, k, v, cu_seqlens=cu_seqlens, cache=None, cp=None, continuing=False, tails=None)
         projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
         if cp is not None:
             tails, continues = cp.conv_tails(projected, positions)
@@ -140,6 +148,25 @@ class GatedDeltaMixer(nn.Module):
             conv_inputs = [dict(positions=None if continuing else positions, tail=t) for t in tails]
         (q, tail_q), (k, tail_k), (v, tail_v) = (
             conv(p, **kw) for conv, p, kw in zip((self.q_conv, self.k_conv, self.v_conv), projected, conv_inputs))
+        return self._mix(x, q, k, v, cu_seqlens=cu_seqlens, cache=cache, cp=cp, continuing=continuing,
+                         tails=(tail_q, tail_k, tail_v))
+
+    def _fused_conv_applies(self, cp, cache) -> bool:
+        """The fused convolution serves a plain forward (no context parallelism, no decoding cache) of plain
+        projections and convolutions (not tensor-parallel, not converted); the PyTorch path serves the rest."""
+        if self.kernels != "triton" or cp is not None or cache is not None:
+            return False
+        if self.param_view is not identity_view or any(
+                c.param_view is not identity_view for c in (self.q_conv, self.k_conv, self.v_conv)):
+            return False  # tensor parallelism computes with local shards
+        from hola_titan.kernels.short_conv import supports
+        return (all(_is_plain_linear(p) for p in (self.q_proj, self.k_proj, self.v_proj))
+                and supports(self.q_proj.out_features, self.q_proj.weight.device))
+
+    def _mix(self, x, q, k, v, *, cu_seqlens, cache, cp, continuing: bool, tails) -> torch.Tensor:
+        """Gates, the attention op, the output norm and projection, from the convolved ``q, k, v [B, T, H*D]``."""
+        bsz, seq_len, _ = x.shape
+        pv = self.param_view
         # -1: under tensor parallelism only the local heads are here.
         q, k, v = (t.view(bsz, seq_len, -1, self.head_dim) for t in (q, k, v))
         gate_dtype = torch.promote_types(x.dtype, torch.float32)  # gates in at least float32
@@ -158,7 +185,7 @@ class GatedDeltaMixer(nn.Module):
             output_final_cache=want_cache, backend=self.backend)
         o = result[0]
         if cache is not None:
-            cache.conv_q, cache.conv_k, cache.conv_v, cache.state = tail_q, tail_k, tail_v, result[1]
+            (cache.conv_q, cache.conv_k, cache.conv_v), cache.state = tails, result[1]
             cache.hola = result[2] if want_cache else None
         o = self.o_norm(o)
         if self.g_proj is not None:
@@ -213,10 +240,10 @@ class Attention(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, args: ModelArgs, *, backend: str):
+    def __init__(self, args: ModelArgs, *, backend: str, kernels: str):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attn = GatedDeltaMixer(args, backend=backend) if args.is_recurrent else Attention(args)
+        self.attn = GatedDeltaMixer(args, backend=backend, kernels=kernels) if args.is_recurrent else Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.mlp_hidden)
 
@@ -234,11 +261,13 @@ class TransformerBlock(nn.Module):
 class HolaTitanLM(nn.Module):
     """Decoder-only language model of any flavour (see the module docstring)."""
 
-    def __init__(self, args: ModelArgs, *, backend: str = "auto"):
+    def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference"):
         super().__init__()
         self.args = args
+        self.kernels = kernels
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, backend=backend) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, backend=backend, kernels=kernels)
+                                     for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied embeddings reuse ``tok_embeddings.weight`` in ``forward``: one parameter, so that ``to_empty``
         # and sharding cannot untie it.
@@ -315,10 +344,11 @@ class HolaTitanLM(nn.Module):
         return {name for name, _ in self.named_parameters() if name.endswith(("A_log", "dt_bias"))}
 
 
-def build_model(args: ModelArgs, *, device: torch.device | str = "meta", backend: str = "auto") -> HolaTitanLM:
+def build_model(args: ModelArgs, *, device: torch.device | str = "meta", backend: str = "auto",
+                kernels: str = "reference") -> HolaTitanLM:
     """Allocate ``HolaTitanLM`` on ``device``; on a real device the weights are also initialised."""
     with torch.device(device):
-        model = HolaTitanLM(args, backend=backend)
+        model = HolaTitanLM(args, backend=backend, kernels=kernels)
     if torch.device(device).type != "meta":
         model.init_weights()
     return model
