@@ -347,10 +347,14 @@ class Checkpointer:
         return {**self.states, "rng": {f"rank{self.rank}": rng_state()},
                 "info": {"format": FORMAT_VERSION, "world_size": self.world_size}}
 
+    def due(self, step: int, *, final: bool = False) -> bool:
+        """Whether :meth:`maybe_save` writes a checkpoint at ``step``."""
+        return final or step % self.interval == 0
+
     def maybe_save(self, step: int, *, final: bool = False) -> None:
         """Called after every step: finish a background save that is done, and save when ``step`` is due."""
         self._poll_pending()
-        if final or step % self.interval == 0:
+        if self.due(step, final=final):
             self.save(step)
         if self._fault_at_step == step and self.rank == self._fault_rank:
             if self._pending is not None:

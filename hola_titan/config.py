@@ -87,6 +87,11 @@ class Model:
     attention_backend: Literal["auto", "reference", "sdpa", "triton"] = "auto"
     """Token-mixer implementation: ``auto`` picks the fastest available for flavour and device, ``reference`` is
     pure PyTorch, ``sdpa`` PyTorch scaled-dot-product attention, ``triton`` the Triton kernels."""
+    kernels: Literal["auto", "triton", "reference"] = "auto"
+    """The rest of the step: the fused q|k|v short convolution and the head's cross-entropy. ``triton``: this
+    project's Triton kernels (``kernels/short_conv.py``, ``kernels/cross_entropy.py``; CUDA); ``reference``: the
+    PyTorch forms they are tested against; ``auto``: ``triton`` on CUDA, ``reference`` elsewhere. The run's log
+    names what ran (``paths``)."""
 
 
 @dataclass

@@ -13,16 +13,16 @@ Per token, forward (backward is twice the forward, so training is 3x):
   ``n_vis(t) = min(W, C * floor(t / C)) + (t mod C) + 1`` (the sink is not a key).
 - Transformer++ attention, per head: ``4 D n_vis`` with the causal ``n_vis(t) = t + 1``.
 
-MFU divides ``flops_per_token * tokens_per_second`` by the dense matmul rate measured on the running device at
-start-up (bf16 on GPU, float32 on CPU), cached per device model; the datasheet bf16 peak is reported beside it.
+MFU divides ``flops_per_token * tokens_per_second`` by the datasheet dense bf16 peak of the GPU (989.5 TFLOP/s for
+the H100 and H200: the convention torchtitan and the papers use), see :func:`mfu_peak`. The dense matmul rate
+measured on the running device is reported beside it (``mfu_measured``); it is measured afresh by every process
+and never stored, so a rate taken while other jobs shared the GPU cannot leak into a later run's numbers. On a CPU
+or an unknown GPU, the measured rate is the only denominator, and the run says so.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -80,26 +80,13 @@ def datasheet_tflops(device: torch.device) -> float | None:
     return None
 
 
-def _cache_file() -> Path:
-    root = os.environ.get("HOLA_TITAN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hola_titan")
-    return Path(root) / "matmul_peak.json"
-
-
-def measured_matmul_tflops(device: torch.device, *, use_cache: bool = True) -> float:
-    """Dense matmul rate of ``device`` in TFLOP/s (bf16 on GPU, float32 on CPU), measured once per device model."""
+def measured_matmul_tflops(device: torch.device) -> float:
+    """Dense matmul rate of ``device`` in TFLOP/s (bf16 8192^3 on GPU, float32 1024^3 on CPU), measured now on
+    random operands (zeros run faster than real data); nothing is cached between processes."""
     if device.type == "cuda":
-        key, dtype, size, reps = f"cuda:{torch.cuda.get_device_name(device)}", torch.bfloat16, 8192, 10
+        dtype, size, reps = torch.bfloat16, 8192, 10
     else:
-        key, dtype, size, reps = f"cpu:{os.cpu_count()}", torch.float32, 1024, 5
-    path = _cache_file()
-    cached = {}
-    if use_cache and path.exists():
-        try:
-            cached = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cached = {}
-        if key in cached:
-            return float(cached[key])
+        dtype, size, reps = torch.float32, 1024, 5
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(2):
@@ -111,12 +98,13 @@ def measured_matmul_tflops(device: torch.device, *, use_cache: bool = True) -> f
         a @ b
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    tflops = 2 * size**3 * reps / (time.perf_counter() - start) / 1e12
-    if use_cache:
-        cached[key] = tflops
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(cached, indent=1))
-        except OSError:
-            pass  # a read-only home only costs a re-measurement next time
-    return tflops
+    return 2 * size**3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def mfu_peak(device: torch.device, measured_tflops: float) -> tuple[float, str]:
+    """The MFU denominator in TFLOP/s and where it comes from: the datasheet bf16 dense peak of a known GPU, else
+    the measured matmul rate (CPU, unknown GPU)."""
+    sheet = datasheet_tflops(device)
+    if sheet is not None:
+        return sheet, f"datasheet bf16 dense peak of {torch.cuda.get_device_name(device)}"
+    return measured_tflops, f"measured matmul rate on {device.type} (no datasheet peak known)"

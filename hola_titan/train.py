@@ -7,7 +7,15 @@ One process or many (``torchrun``; gloo on CPU, NCCL on GPU). The step:
 2. count the valid targets of the whole global batch (all-reduced), so the loss is the mean over every valid
    target of the global batch at any layout and any accumulation, exactly as one process would compute it;
 3. forward and backward every micro-batch, scaled so that FSDP's gradient averaging gives that mean;
-4. clip the global gradient norm, skip or stop on a non-finite loss or norm, step AdamW and the schedule.
+4. clip the global gradient norm, step AdamW and the schedule; a non-finite loss or norm skips the update.
+
+Nothing in a step waits for the GPU (batches go up through pinned memory, the loss, the target count, the gradient
+norm and the finite check stay on the device, and the fused AdamW skips a non-finite step on the device through
+its ``found_inf`` input), so the host queues step N+1 while the GPU still runs step N. A step's numbers reach the
+host when the loop needs them (a log, checkpoint or validation step, the end) or, at the latest, just before the
+next step's optimizer update, which is when a non-finite step stops the run (``training.skip_nan_inf`` off)
+with nothing written for it. With a non-fused optimizer (the CPU default) the check reads the device at once,
+which costs nothing on a CPU.
 
 Weights are initialised once from ``training.seed`` on the CPU, identically at every layout, then moved to
 the device and sharded.
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import math
 import os
@@ -33,7 +42,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from hola_titan.checkpoint import Checkpointer
 from hola_titan.config import (ConfigError, JobConfig, parse_config, resolve_degrees, to_toml, validate,
                                write_resolved)
-from hola_titan.flops import datasheet_tflops, flops_per_token, measured_matmul_tflops
+from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
 from hola_titan.kernels import seqlens
 from hola_titan.kernels.fla_gdn import prepare_backward
 from hola_titan.loss import chunked_linear_cross_entropy
@@ -68,6 +77,42 @@ class TrainState:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+class PendingStep:
+    """The numbers of one queued step, on the device until :meth:`result` reads them (once, through a pinned
+    buffer and an event recorded after the step's work, so reading waits for that step and not for the work
+    queued after it)."""
+
+    def __init__(self, *, step: int, tokens_before: int, lr: float, loss_sum: torch.Tensor,
+                 targets: torch.Tensor | float, grad_norm: torch.Tensor, finite: torch.Tensor):
+        self.step, self.tokens_before, self.lr = step, tokens_before, lr
+        # A target count known on the host stays there (sending it would be a copy from pageable memory).
+        self._targets = None if isinstance(targets, torch.Tensor) else float(targets)
+        parts = [loss_sum.double().reshape(()), grad_norm.double().reshape(()), finite.double().reshape(())]
+        if self._targets is None:
+            parts.append(targets.double().reshape(()))
+        values = torch.stack(parts)
+        self._event = None
+        if values.device.type == "cuda":
+            self._host = torch.empty(len(parts), dtype=torch.float64, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = values
+        self._result: dict | None = None
+
+    def result(self) -> dict:
+        """``{"loss", "grad_norm", "lr", "global_targets", "finite"}`` of the step (waits for it once)."""
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            loss_sum, grad_norm, finite, *device_targets = self._host.tolist()
+            targets = max(device_targets[0] if self._targets is None else self._targets, 1.0)
+            self._result = {"loss": loss_sum / targets, "grad_norm": grad_norm, "lr": self.lr,
+                            "global_targets": targets, "finite": bool(finite)}
+        return self._result
 
 
 def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_factor: float) -> float:
@@ -125,7 +170,12 @@ class Trainer:
         torch.manual_seed(config.training.seed)
         # The full model is initialised once on the CPU from the seed, identically at every layout, and then
         # moved and sharded: random DTensor initialisation is not available on CPU meshes.
-        model = HolaTitanLM(self.model_args, backend=config.model.attention_backend)
+        from hola_titan.ops import resolve_kernels
+        try:
+            self.kernels = resolve_kernels(config.model.kernels, self.device)
+        except ValueError as err:
+            raise ConfigError("model.kernels", str(err).removeprefix("kernels: ")) from None
+        model = HolaTitanLM(self.model_args, backend=config.model.attention_backend, kernels=self.kernels)
         model.init_weights()
         self.num_params = num_params(model)
         model.to(self.device)
@@ -151,7 +201,12 @@ class Trainer:
         # fp32 matmuls would run at a fraction of the tensor-core rate), float32 otherwise.
         self.head_matmul_dtype = (torch.bfloat16 if self.device.type == "cuda"
                                   and config.training.mixed_precision_param == "bfloat16" else torch.float32)
+        # The cross-entropy kernel works on the head's low-precision logits.
+        self.loss_kernel = self.kernels == "triton" and self.head_matmul_dtype != torch.float32
         self.optimizer = self._build_optimizer()
+        # A fused AdamW skips a non-finite step on the device (found_inf); otherwise the step reads the check.
+        self._fused_optimizer = bool(self.optimizer.defaults.get("fused"))
+        self._pending: PendingStep | None = None
         schedule = dict(warmup_steps=config.lr_scheduler.warmup_steps, total_steps=config.training.steps,
                         decay_type=config.lr_scheduler.decay_type, min_lr_factor=config.lr_scheduler.min_lr_factor)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
@@ -171,16 +226,43 @@ class Trainer:
         self._build_val = build_validation_dataloader
         self.state = TrainState()
         self.flops = flops_per_token(self.model_args, config.training.seq_len)
-        self.peak_tflops = measured_matmul_tflops(self.device)
-        self.datasheet_tflops = datasheet_tflops(self.device)
+        self.measured_tflops = measured_matmul_tflops(self.device)
+        self.peak_tflops, peak_source = mfu_peak(self.device, self.measured_tflops)
+        if self.rank == 0:
+            logger.info("MFU against %.1f TFLOP/s (%s); measured matmul rate %.1f TFLOP/s, logged as mfu_measured",
+                        self.peak_tflops, peak_source, self.measured_tflops)
         self.metrics = MetricsLogger(self.dump, enabled=self.rank == 0, tensorboard=config.metrics.enable_tensorboard,
                                      tb_folder=config.metrics.save_tb_folder)
         if self.rank == 0:
             write_resolved(config, self.dump)
+        self.paths = self._resolved_paths()
+        if self.rank == 0:
+            logger.info("paths: %s", "; ".join(f"{k}: {v}" for k, v in self.paths.items()))
+            self.dump.mkdir(parents=True, exist_ok=True)
+            (self.dump / "paths.json").write_text(json.dumps(self.paths, indent=1) + "\n")
         self.checkpointer = Checkpointer.for_trainer(self) if config.checkpoint.enable else None
         # Called with the trainer after the backward pass of every step, before clipping (parity tests read the
         # gradients there).
         self.gradient_probe = None
+
+    def _resolved_paths(self) -> dict[str, str]:
+        """Which implementation runs each part of the step, as resolved for this run (logged at start-up)."""
+        from hola_titan.ops import resolve_backend
+
+        config = self.config
+        paths = {"precision": ("fp32_master (float32 weights, bf16 autocast)" if self.autocast else
+                               f"param {config.training.mixed_precision_param} (FSDP mixed precision)"
+                               if self.dims.fsdp_enabled or self.dims.hsdp_enabled else "float32"),
+                 "compile": "per block" if config.compile.enable else "off"}
+        if self.model_args.is_recurrent:
+            paths["attention_backend"] = resolve_backend(config.model.attention_backend, self.device)
+            paths["short_conv"] = ("triton (fused q|k|v, kernels/short_conv.py) where it applies, else PyTorch"
+                                   if self.kernels == "triton" else "PyTorch reference")
+        paths["cross_entropy"] = ("triton (kernels/cross_entropy.py, bf16 logits)" if self.loss_kernel else
+                                  f"PyTorch (chunked, {str(self.head_matmul_dtype).removeprefix('torch.')} matmuls)")
+        paths["optimizer"] = ("fused AdamW (non-finite steps skipped on the device)" if self._fused_optimizer
+                              else "AdamW (foreach)")
+        return paths
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         opt = self.config.optimizer
@@ -206,14 +288,15 @@ class Trainer:
         return value
 
     def _loss_sum(self, batch: dict) -> torch.Tensor:
-        tokens = batch["input_ids"].to(self.device, non_blocking=True)
-        labels = batch["labels"].to(self.device, non_blocking=True)
+        # Through pinned memory: a copy from pageable host memory waits for everything queued on the device.
+        tokens = _to_device(batch["input_ids"], self.device)
+        labels = _to_device(batch["labels"], self.device)
         cu_seqlens = batch.get("cu_seqlens")
         if cu_seqlens is not None:
             # Checked here from the loader's host copy and registered with it, so no layer reads the device copy
             # back (a host-device synchronisation); int64 is what fla takes, so no layer converts it either.
             host = cu_seqlens.to(torch.int64)
-            cu_seqlens = host.to(self.device, non_blocking=True)
+            cu_seqlens = _to_device(host, self.device)
             seqlens.register(cu_seqlens, host=host, seq_len=tokens.numel())
         if self.cp is not None:
             self.cp.set_layout(batch["cp_layout"])  # stays current through this batch's backward
@@ -232,17 +315,18 @@ class Trainer:
             hidden = self.model.hidden_states(tokens, cu_seqlens=cu_seqlens)
         return chunked_linear_cross_entropy(hidden.flatten(0, 1), self.model.output_weight(), labels.flatten(),
                                             chunk_size=self.config.training.loss_chunk_size,
-                                            ignore_index=IGNORE_INDEX, matmul_dtype=self.head_matmul_dtype)
+                                            ignore_index=IGNORE_INDEX, matmul_dtype=self.head_matmul_dtype,
+                                            kernel=self.loss_kernel)
 
-    def train_step(self, micro_batches: list[dict]) -> dict:
-        """One optimizer step over this rank's micro-batches; returns the reduced metrics of the step."""
+    def train_step(self, micro_batches: list[dict]) -> PendingStep:
+        """Queue one optimizer step over this rank's micro-batches; its reduced numbers arrive through the
+        returned :class:`PendingStep` (see the module docstring: nothing here waits for the GPU)."""
         if self.cp is not None:
             micro_batches = [self.cp.shard_batch(b) for b in micro_batches]
-        local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
-        counts = self._all_reduce_sum(torch.tensor([float(local_targets)], dtype=torch.float64, device=self.device))
-        global_targets = max(float(counts.item()), 1.0)
+        targets = self._global_targets(micro_batches)
         # FSDP averages gradients over its ranks; scale so that the average is the global-batch mean.
-        grad_scale = self.dims.dp * self.dims.cp / global_targets if self.mesh is not None else 1.0 / global_targets
+        ranks = self.dims.dp * self.dims.cp if self.mesh is not None else 1
+        grad_scale = ranks / targets
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in micro_batches:
             loss_sum = self._loss_sum(batch)
@@ -252,36 +336,75 @@ class Trainer:
             loss_total += _full(loss_sum.detach()).double()
         if self.gradient_probe is not None:
             self.gradient_probe(self)
-        loss = float(self._all_reduce_sum(loss_total.reshape(1)).item()) / global_targets
-        grad_norm = self._clip_grad_norm()
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if finite:
+        loss_total = self._all_reduce_sum(loss_total.reshape(1)).reshape(())
+        grad_norm = self._clip_grad_norm_tensor()
+        finite = torch.isfinite(loss_total) & torch.isfinite(grad_norm)
+        # The previous step's numbers are due now, before this step can update the weights.
+        self.resolve_pending()
+        if self._fused_optimizer:
+            # The fused AdamW leaves weights, moments and its step count unchanged where found_inf is 1.
+            self.optimizer.found_inf = (~finite).float()
             self.optimizer.step()
-        elif self.config.training.skip_nan_inf:
-            self.state.skipped_steps += 1
-            logger.warning("step %d: loss %s, grad norm %s: step skipped (training.skip_nan_inf)",
-                           self.state.step + 1, loss, grad_norm)
-        else:
-            raise NonFiniteLossError(
-                f"training: loss {loss} / grad norm {grad_norm} at step {self.state.step + 1} is not finite; stopped "
-                "before the optimizer step, nothing was written for this step (set training.skip_nan_inf = true "
-                "to skip such steps)")
+        elif bool(finite):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step()
+        tokens_before = self.state.tokens_seen
         self.state.step += 1
         self.state.tokens_seen += self.degrees.global_batch_size * self.config.training.seq_len
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "global_targets": global_targets}
+        self._pending = PendingStep(step=self.state.step, tokens_before=tokens_before, lr=lr, loss_sum=loss_total,
+                                    targets=targets, grad_norm=grad_norm, finite=finite)
+        return self._pending
 
-    def _clip_grad_norm(self) -> float:
+    def resolve_pending(self) -> dict | None:
+        """Read the last queued step's numbers (waiting for that step only) and act on a non-finite one: count it
+        as skipped (``training.skip_nan_inf``) or raise :class:`NonFiniteLossError`. Idempotent."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        result = pending.result()
+        if not result["finite"]:
+            if self.config.training.skip_nan_inf:
+                self.state.skipped_steps += 1
+                logger.warning("step %d: loss %s, grad norm %s: step skipped (training.skip_nan_inf)",
+                               pending.step, result["loss"], result["grad_norm"])
+            else:
+                # The counters end at the last step that updated the weights (the run stops here).
+                self.state.step, self.state.tokens_seen = pending.step - 1, pending.tokens_before
+                raise NonFiniteLossError(
+                    f"training: loss {result['loss']} / grad norm {result['grad_norm']} at step {pending.step} is "
+                    "not finite; stopped before its optimizer update, nothing was written for this step (set "
+                    "training.skip_nan_inf = true to skip such steps)")
+        return result
+
+    def _global_targets(self, micro_batches: list[dict]) -> float | torch.Tensor:
+        """Valid targets of the whole global batch: counted on the host from the loader's host tensors (a float
+        when this rank's count is the global one), else summed over the data- and context-parallel ranks on the
+        device (a tensor, never read back)."""
+        labels = [b["labels"] for b in micro_batches]
+        if all(x.device.type == "cpu" for x in labels):
+            local = sum(int((x != IGNORE_INDEX).sum()) for x in labels)
+            group_mesh = submesh(self.mesh, "dp_cp")
+            if group_mesh is None or group_mesh.size() == 1:
+                return max(float(local), 1.0)
+            value = seqlens.to_device(torch.tensor([float(local)], dtype=torch.float64), self.device)
+        else:
+            value = sum((x != IGNORE_INDEX).sum() for x in labels).double().reshape(1)
+        return self._all_reduce_sum(value).reshape(()).clamp_min(1.0)
+
+    def _clip_grad_norm_tensor(self) -> torch.Tensor:
+        """Global gradient norm as a (device) tensor; clips to ``training.max_norm`` without reading it."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if hasattr(total, "full_tensor"):
             total = total.full_tensor()
-        if self.config.training.max_norm > 0 and torch.isfinite(total):
+        if self.config.training.max_norm > 0:
+            # A non-finite norm zeroes or poisons the gradients here; that step's update is skipped anyway.
             torch.nn.utils.clip_grads_with_norm_(params, self.config.training.max_norm, total)
-        return float(total.item())
+        return total
+
 
     # ------------------------------------------------------------------ validation
 
@@ -330,12 +453,21 @@ class Trainer:
                            device=self.device, step_of=lambda: self.state.step) as prof:
             while self.state.step < config.training.steps:
                 micro = [next(data_iter) for _ in range(self.degrees.grad_accum_steps)]
-                result = self.train_step(micro)
+                pending = self.train_step(micro)
                 if gc_freq and self.state.step % gc_freq == 0:
                     gc.collect(1)
                 window_tokens += self.degrees.global_batch_size * config.training.seq_len
                 step = self.state.step
-                if step % config.metrics.log_freq == 0 or step == config.training.steps or step == 1:
+                final = step == config.training.steps
+                validating = config.validation.enable and (step % config.validation.freq == 0 or final)
+                saving = self.checkpointer is not None and self.checkpointer.due(step, final=final)
+                logging_now = step % config.metrics.log_freq == 0 or final or step == 1
+                if logging_now or validating or saving:
+                    # The step's numbers are needed on the host (and a non-finite step must stop the run before
+                    # anything is written for it); other steps are checked by the next step.
+                    self.resolve_pending()
+                if logging_now:
+                    result = pending.result()
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     elapsed = time.perf_counter() - window_start
@@ -344,24 +476,30 @@ class Trainer:
                            "lr": result["lr"], "tokens_per_s": tps_device * self.world_size,
                            "tokens_per_s_per_device": tps_device,
                            "mfu": self.flops["total"] * tps_device / (self.peak_tflops * 1e12),
-                           "mfu_datasheet": (self.flops["total"] * tps_device / (self.datasheet_tflops * 1e12)
-                                             if self.datasheet_tflops else None),
+                           "mfu_measured": self.flops["total"] * tps_device / (self.measured_tflops * 1e12),
                            "memory_gib": peak_memory_gib(self.device), "tokens_seen": self.state.tokens_seen}
                     rows.append(row)
                     self.metrics.log(row)
                     window_start, window_tokens = time.perf_counter(), 0
-                if config.validation.enable and (step % config.validation.freq == 0
-                                                 or step == config.training.steps):
+                if validating:
                     row = {"step": step, **self.validate()}
                     rows.append(row)
                     self.metrics.log(row)
                 if self.checkpointer is not None:
-                    self.checkpointer.maybe_save(step, final=step == config.training.steps)
+                    self.checkpointer.maybe_save(step, final=final)
                 prof.step()
+        self.resolve_pending()
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.metrics.close()
         return rows
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on ``device`` without waiting for the device (host tensors go through pinned memory)."""
+    if tensor.device == device or tensor.device.type != "cpu":
+        return tensor.to(device, non_blocking=True)
+    return seqlens.to_device(tensor, device)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 A host-device synchronisation inside the step leaves the GPU idle while the host issues the next launches (the
 profile in docs/LOG.md measured 3.6 ms per layer call when ``cu_seqlens`` was read back in every layer). After
 warm-up steps (autotuning, fla's #640 check), the forward and backward of a packed batch with new document
-boundaries run under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising call. The
-loss and grad-norm reads at the end of ``Trainer.train_step`` are outside (they decide whether to step).
+boundaries, and then a whole ``Trainer.train_step`` (optimizer included), run under
+``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising call. The step's numbers are read
+afterwards, outside.
 """
 
 from __future__ import annotations
@@ -37,15 +38,19 @@ def packed_batch(rows: int, seq_len: int, vocab: int, seed: int) -> dict:
     return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "cu_seqlens": cu}
 
 
-@pytest.mark.parametrize("flavour", ["hola", "gdn"])
-def test_forward_and_backward_of_a_step_do_not_synchronise(flavour, tmp_path):
-    config = parse_config([
+def _trainer(flavour: str, folder: Path) -> Trainer:
+    """A 2-layer model of the 340M width on the GPU, T 2048 x 2 rows."""
+    return Trainer(parse_config([
         "--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--model.flavour", flavour,
         "--model.size", "340M", "--model.n_layers", "2", "--training.device", "cuda",
         "--training.mixed_precision_param", "bfloat16", "--training.seq_len", "2048",
         "--training.local_batch_size", "2", "--training.steps", "10", "--validation.enable", "false",
-        "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path)])
-    trainer = Trainer(config)
+        "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(folder)]))
+
+
+@pytest.mark.parametrize("flavour", ["hola", "gdn"])
+def test_forward_and_backward_of_a_step_do_not_synchronise(flavour, tmp_path):
+    trainer = _trainer(flavour, tmp_path)
     vocab = trainer.model_args.vocab_size
     for step in range(2):
         trainer.train_step([packed_batch(2, 2048, vocab, seed=step)])
@@ -58,3 +63,24 @@ def test_forward_and_backward_of_a_step_do_not_synchronise(flavour, tmp_path):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss).item()
+
+
+@pytest.mark.parametrize("flavour", ["hola", "gdn"])
+def test_a_whole_training_step_does_not_synchronise(flavour, tmp_path):
+    """The whole ``train_step`` (batch upload, forward, backward, gradient norm, clipping, the fused AdamW with
+    its on-device skip, the schedule) after warm-up: the previous step's numbers are read before, outside."""
+    trainer = _trainer(flavour, tmp_path)
+    assert trainer.paths["short_conv"].startswith("triton") and trainer.paths["cross_entropy"].startswith("triton")
+    vocab = trainer.model_args.vocab_size
+    for step in range(2):
+        trainer.train_step([packed_batch(2, 2048, vocab, seed=step)])
+    first = trainer.resolve_pending()
+    batch = packed_batch(2, 2048, vocab, seed=7)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = trainer.train_step([batch])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    result = pending.result()
+    assert result["finite"] and result["loss"] < first["loss"] + 1.0 and trainer.state.step == 3

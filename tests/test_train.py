@@ -16,7 +16,7 @@ from tokenizers.models import WordLevel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from hola_titan.config import parse_config
+from hola_titan.config import ConfigError, parse_config
 from hola_titan.flops import flops_per_token, matmul_params, mean_visible_keys
 from hola_titan.models.args import model_args, replace
 from hola_titan.models.model import build_model
@@ -245,6 +245,59 @@ def test_nan_loss_skipped_when_allowed(tmp_path):
     assert any(changed)  # steps 1 and 2 updated the weights
     for p in trainer.model.parameters():
         assert torch.isfinite(p).all()
+
+
+def test_fused_optimizer_skips_non_finite_steps_on_the_device(tmp_path):
+    """With the fused AdamW (the GPU default; also on a CPU), a non-finite step is skipped by the optimizer itself
+    (``found_inf``): weights, moments and AdamW's step count stay as they were, and the skip is counted when the
+    step's numbers are read."""
+    config = parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), "--training.steps", "4",
+                           "--metrics.log_freq", "10", "--validation.enable", "false", "--training.skip_nan_inf",
+                           "--optimizer.fused", "true", *FAST])
+    trainer = Trainer(config)
+    assert trainer.paths["optimizer"].startswith("fused AdamW")
+    batches = iter(trainer.dataloader)
+    trainer.train_step([next(batches)])
+    trainer.train_step([next(batches)])
+    trainer.resolve_pending()
+    weights = [p.detach().clone() for p in trainer.model.parameters()]
+    moments = [trainer.optimizer.state[p]["exp_avg"].clone() for p in trainer.model.parameters()]
+    steps = [trainer.optimizer.state[p]["step"].clone() for p in trainer.model.parameters()]
+    _poison_after(trainer, 3)
+    pending = trainer.train_step([next(batches)])
+    assert trainer.resolve_pending()["finite"] is False and pending.result()["finite"] is False
+    assert trainer.state.skipped_steps == 1 and trainer.state.step == 3
+    for p, w, m, n in zip(trainer.model.parameters(), weights, moments, steps):
+        assert torch.equal(p, w) and torch.equal(trainer.optimizer.state[p]["exp_avg"], m)
+        assert torch.equal(trainer.optimizer.state[p]["step"], n)
+
+
+def test_a_step_is_read_by_the_next_step_not_by_itself(tmp_path):
+    """``train_step`` queues its work and returns; its numbers are read by the next step, before that step's
+    update (or by the loop when it logs, saves or validates)."""
+    config = parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), "--training.steps", "4",
+                           "--validation.enable", "false", *FAST])
+    trainer = Trainer(config)
+    batches = iter(trainer.dataloader)
+    first = trainer.train_step([next(batches)])
+    assert first._result is None and trainer._pending is first
+    second = trainer.train_step([next(batches)])
+    assert first._result is not None and first._result["finite"] and second._result is None
+    assert trainer.resolve_pending() == second.result() and trainer.resolve_pending() is None
+
+
+def test_the_run_folder_names_the_paths_that_ran(tmp_path, monkeypatch):
+    config = parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), "--training.steps", "1",
+                           "--validation.enable", "false", *FAST])
+    trainer = Trainer(config)
+    paths = json.loads((tmp_path / "paths.json").read_text())
+    assert paths == trainer.paths
+    assert paths["short_conv"] == "PyTorch reference" and paths["attention_backend"] == "reference"
+    assert paths["cross_entropy"].startswith("PyTorch") and paths["precision"] == "float32"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="model.kernels"):
+        Trainer(parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path / "b"),
+                              "--model.kernels", "triton", *FAST]))
 
 
 @pytest.mark.parametrize("wrap", [[], ["--activation_checkpoint.mode", "full"]])
