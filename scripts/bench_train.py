@@ -12,15 +12,24 @@ synchronisations remove overlap. The chunked head loss computes the head's gradi
 hola_titan rows that work is counted under forward, not backward.
 
 Outside references, in the same process and timed the same way (GPU only; skipped with a message when the
-package or a GPU is missing, or with ``--references none``), at REFERENCES.md's 340M shapes with bf16 weights and
-AdamW (fused), no activation checkpointing:
+package or a GPU is missing, or with ``--references none``), at REFERENCES.md's 340M shapes with fused AdamW and
+no activation checkpointing, under each precision policy of ``--reference-precision``:
+
+- ``bf16_weights``: the model's weights, gradients and optimizer state in bf16 (how fla's and transformers'
+  examples train, and how the references were first measured);
+- ``fp32_master``: the trainer's policy: float32 weights, gradients and AdamW state, bf16 compute through
+  ``torch.autocast``. Rows of this project's trainer are always ``fp32_master`` on a GPU.
+
+The references:
 
 - ``fla_gdn``: flash-linear-attention's ``GatedDeltaNetForCausalLM`` (hidden 1024, 24 layers, 4 heads x 256,
-  expand_v 1, no output gate, tied, vocab 32000);
+  expand_v 1, no output gate, tied, vocab 32000), eager (fla's ops are ``compiler.disable``);
 - ``llama`` and ``llama_compile``: transformers' ``LlamaForCausalLM`` (1024 x 24, 8 x 128 heads, SwiGLU 2816,
   tied, SDPA), eager and under ``torch.compile(model)``.
 
-Their MFU uses this project's FLOPs formula for the same shapes (``gdn`` without gate; ``transformer``).
+Every row records its ``precision``. MFU (``mfu``) is the FLOP count (this project's formula, ``gdn`` without gate
+for fla's model, ``transformer`` for Llama) over the datasheet dense bf16 peak (989.5 TFLOP/s on an H100 or
+H200); ``mfu_measured`` divides by the matmul rate measured in this process at start-up (never cached).
 
 Rows are appended to one JSON list (``--out``), so several calls build one table; the table of this call is
 printed at the end. Examples::
@@ -57,6 +66,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCES = ("fla_gdn", "llama", "llama_compile")
+PRECISIONS = ("bf16_weights", "fp32_master")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -81,6 +91,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--references", default=",".join(REFERENCES),
                         help=f"comma-separated outside references ({', '.join(REFERENCES)}) or 'none'; "
                              "measured at each (seq_len, batch) pair, 340M shapes, GPU only")
+    parser.add_argument("--reference-precision", default="bf16_weights,fp32_master",
+                        help="comma-separated precision policies of the outside references (bf16_weights, "
+                             "fp32_master); each reference is measured under each")
+    parser.add_argument("--profile-keep", type=int, default=200,
+                        help="with --profile, how many kernels (by time) each row's JSON keeps")
     parser.add_argument("--vocab-size", type=int, default=32000, help="vocabulary (a synthetic tokenizer)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--out", type=Path, default=Path("results.json"), help="JSON list to append rows to")
@@ -140,14 +155,14 @@ def _reset_peak(device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _random_batch(batch_size: int, seq_len: int, vocab_size: int, device, generator, packed: bool = False) -> dict:
-    """Random tokens; ``packed``: every row also holds documents of random lengths (3 random cuts per row, the
-    trainer's ``data.varlen`` layout, ``cu_seqlens`` over the flattened rows, kept on the host as the loader
-    does)."""
+def _random_batch(batch_size: int, seq_len: int, vocab_size: int, generator, packed: bool = False) -> dict:
+    """Random tokens on the host, as the data loader yields them (the trainer moves them to the device);
+    ``packed``: every row also holds documents of random lengths (3 random cuts per row, the trainer's
+    ``data.varlen`` layout, ``cu_seqlens`` over the flattened rows)."""
     import torch
 
     tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=generator)
-    batch = {"input_ids": tokens[:, :-1].contiguous().to(device), "labels": tokens[:, 1:].contiguous().to(device)}
+    batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     if packed:
         cuts = {0, batch_size * seq_len}
         for row in range(batch_size):
@@ -158,7 +173,7 @@ def _random_batch(batch_size: int, seq_len: int, vocab_size: int, device, genera
 
 
 def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, warmup: int,
-             profile: bool = False) -> dict:
+             profile: bool = False, profile_keep: int = 200) -> dict:
     """Warm up, time ``steps`` calls of ``step``, then profile ``steps`` calls of the three ``phases`` (and, with
     ``profile``, ``steps`` whole steps under ``torch.profiler``)."""
     from hola_titan.metrics import peak_memory_gib
@@ -192,8 +207,8 @@ def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, w
     row.update({f"{name}_ms": 1e3 * value / steps for name, value in totals.items()})
     if profile:
         from profiling import kernel_profile
-        row["profile"] = kernel_profile(step, device=device, timed_ms=row["step_ms"], iters=steps, top=15,
-                                        label="training step")
+        row["profile"] = kernel_profile(step, device=device, timed_ms=row["step_ms"], iters=steps, top=25,
+                                        label="training step", keep=profile_keep)
     return row
 
 
@@ -223,10 +238,12 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
     clock = _Clock(device)
     generator = torch.Generator().manual_seed(0)
     vocab = trainer.model_args.vocab_size
-    batch = _random_batch(batch_size, seq_len, vocab, device, generator, packed=args.packed)
+    batch = _random_batch(batch_size, seq_len, vocab, generator, packed=args.packed)
     scale = 1.0 / (batch_size * seq_len)
 
     def step():
+        # As the training loop does between log steps: the step's numbers stay on the device (the next step's
+        # optimizer update reads them); _Clock's synchronisations bound the timed window.
         trainer.train_step([batch])
 
     def forward():
@@ -236,17 +253,20 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
         (loss * scale).backward()
 
     def optimizer():
-        trainer._clip_grad_norm()
+        trainer._clip_grad_norm_tensor()
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
 
     assert int((batch["labels"] == IGNORE_INDEX).sum()) == 0
     row = _measure(step=step, phases=(forward, backward, optimizer), clock=clock, device=device,
-                   tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup, profile=args.profile)
+                   tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup, profile=args.profile,
+                   profile_keep=args.profile_keep)
+    flops = trainer.flops["total"]
     row.update(system="hola_titan", flavour=flavour, size=size, num_params=trainer.num_params,
-               mfu=trainer.flops["total"] * row["tokens_per_s"] / (trainer.peak_tflops * 1e12),
-               flops_per_token=trainer.flops["total"], compile=args.compile, ac=args.ac, float8=args.float8,
-               packed=args.packed)
+               mfu=flops * row["tokens_per_s"] / (trainer.peak_tflops * 1e12),
+               mfu_measured=flops * row["tokens_per_s"] / (trainer.measured_tflops * 1e12),
+               flops_per_token=flops, compile=args.compile, ac=args.ac, float8=args.float8, packed=args.packed,
+               precision="fp32_master" if trainer.autocast else "float32", paths=trainer.paths)
     del trainer
     return row
 
@@ -273,24 +293,29 @@ def _reference_model(name: str, vocab_size: int):
     return LlamaForCausalLM(config), flops_args
 
 
-def bench_reference(*, name: str, seq_len: int, batch_size: int, args, device) -> dict:
-    """One row for an outside reference: bf16 weights, fused AdamW, ``model(ids, labels=...).loss``."""
+def bench_reference(*, name: str, precision: str, seq_len: int, batch_size: int, args, device,
+                    measured_tflops: float) -> dict:
+    """One row for an outside reference under ``precision`` (see the module docstring): fused AdamW,
+    ``model(ids, labels=...).loss``."""
     import torch
 
-    from hola_titan.flops import flops_per_token, measured_matmul_tflops
+    from hola_titan.flops import flops_per_token, mfu_peak
 
     torch.manual_seed(0)
     model, flops_args = _reference_model(name, args.vocab_size)
-    model = model.to(device=device, dtype=torch.bfloat16)
+    model = model.to(device=device, dtype=torch.bfloat16 if precision == "bf16_weights" else torch.float32)
     num_params = sum(p.numel() for p in model.parameters())
     run = torch.compile(model) if name == "llama_compile" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=generator).to(device)
     clock = _Clock(device)
+    autocast = (partial(torch.autocast, "cuda", dtype=torch.bfloat16) if precision == "fp32_master"
+                else contextlib.nullcontext)
 
     def forward():
-        return run(input_ids=tokens, labels=tokens).loss
+        with autocast():
+            return run(input_ids=tokens, labels=tokens).loss
 
     guard = contextlib.nullcontext
     if name == "fla_gdn":
@@ -315,11 +340,14 @@ def bench_reference(*, name: str, seq_len: int, batch_size: int, args, device) -
         optimizer()
 
     row = _measure(step=step, phases=(forward, backward, optimizer), clock=clock, device=device,
-                   tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup, profile=args.profile)
+                   tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup, profile=args.profile,
+                   profile_keep=args.profile_keep)
     flops = flops_per_token(flops_args, seq_len)["total"]
+    peak, _ = mfu_peak(device, measured_tflops)
     row.update(system=name, flavour=name, size="340M", num_params=num_params, flops_per_token=flops,
-               mfu=flops * row["tokens_per_s"] / (measured_matmul_tflops(device) * 1e12),
-               compile=name == "llama_compile", ac="none")
+               mfu=flops * row["tokens_per_s"] / (peak * 1e12),
+               mfu_measured=flops * row["tokens_per_s"] / (measured_tflops * 1e12),
+               compile=name == "llama_compile", ac="none", precision=precision)
     del model, run, opt
     return row
 
@@ -346,7 +374,7 @@ def _reference_skip_reason(device, names: list[str]) -> dict[str, str]:
 
 def _print_table(rows: list[dict]) -> None:
     header = (f"{'system':<13}{'flavour':<14}{'size':<6}{'T':>6}{'B':>4}{'params':>9}{'tok/s':>11}{'MFU':>7}"
-              f"{'mem GiB':>9}{'step ms':>9}{'fwd':>8}{'bwd':>8}{'opt':>7}  note")
+              f"{'mem GiB':>9}{'step ms':>9}{'fwd':>8}{'bwd':>8}{'opt':>7}  precision, note")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -354,8 +382,9 @@ def _print_table(rows: list[dict]) -> None:
             print(f"{r['system']:<13}{r['flavour']:<14}{r['size']:<6}{r['seq_len']:>6}{r['batch_size']:>4}"
                   f"  {r['error']}")
             continue
-        note = ",".join(n for n, on in (("compile", r.get("compile")), (f"ac={r.get('ac')}", r.get("ac") != "none"),
-                                                ("float8", r.get("float8")))
+        note = ",".join(n for n, on in ((r.get("precision", "?"), True), ("compile", r.get("compile")),
+                                        (f"ac={r.get('ac')}", r.get("ac") != "none"), ("float8", r.get("float8")),
+                                        ("unpacked", r.get("packed") is False))
                         if on)
         print(f"{r['system']:<13}{r['flavour']:<14}{r['size']:<6}{r['seq_len']:>6}{r['batch_size']:>4}"
               f"{r['num_params'] / 1e6:>8.1f}M{r['tokens_per_s']:>11,.0f}{100 * r['mfu']:>6.1f}%"
@@ -391,12 +420,22 @@ def main(argv: list[str] | None = None) -> int:
              "torch": torch.__version__, "steps": args.steps, "warmup": args.warmup}
     references = _split(args.references)
     skipped = _reference_skip_reason(device, references)
+    precisions = _split(args.reference_precision)
+    for precision in precisions:
+        if precision not in PRECISIONS:
+            raise SystemExit(f"error: --reference-precision: unknown {precision!r}; expected some of "
+                             f"{', '.join(PRECISIONS)}")
+    measured_tflops = 0.0
+    if references and len(skipped) < len(references):
+        from hola_titan.flops import measured_matmul_tflops
+        measured_tflops = measured_matmul_tflops(device)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         tokenizer_dir = _write_tokenizer(Path(tmp) / "tokenizer", args.vocab_size)
         jobs = [("ours", flavour, size, t, b) for size in _split(args.sizes) for flavour in _split(args.flavours)
                 for t, b in pairs]
-        jobs += [("ref", name, "340M", t, b) for name in references if name not in skipped for t, b in pairs]
+        jobs += [(f"ref:{precision}", name, "340M", t, b) for name in references if name not in skipped
+                 for precision in precisions for t, b in pairs]
         for kind, name, size, seq_len, batch_size in jobs:
             base = dict(stamp, seq_len=seq_len, batch_size=batch_size)
             try:
@@ -404,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
                     row = bench_hola_titan(flavour=name, size=size, seq_len=seq_len, batch_size=batch_size,
                                            args=args, tokenizer_dir=tokenizer_dir, dump=Path(tmp) / "run")
                 else:
-                    row = bench_reference(name=name, seq_len=seq_len, batch_size=batch_size, args=args,
-                                          device=device)
+                    row = bench_reference(name=name, precision=kind.split(":", 1)[1], seq_len=seq_len,
+                                          batch_size=batch_size, args=args, device=device,
+                                          measured_tflops=measured_tflops)
             except torch.OutOfMemoryError:
                 row = {"system": "hola_titan" if kind == "ours" else name, "flavour": name, "size": size,
                        "error": "out of memory"}

@@ -1,8 +1,10 @@
 """Where a call's time goes, through ``torch.profiler``: shared by the benchmark scripts beside it.
 
 On CUDA: the summed device time of the call's kernels by name, against the call's timed wall time (the rest is
-time the GPU idled: launch gaps, host work, synchronisations), and the number of ATen calls the host made (the
-measure of host-bound work). On the CPU: self CPU time by ATen op.
+time the GPU idled: launch gaps, host work, synchronisations), the same time by kind of kernel (matrix products,
+fla's kernels, this project's cache kernels, Inductor's generated kernels, ATen's own, copies), the GPU's idle time
+read off the kernels' timeline with the largest gaps and the kernels on either side of them, and the number of ATen
+calls the host made (the measure of host-bound work). On the CPU: self CPU time by ATen op.
 """
 
 from __future__ import annotations
@@ -19,9 +21,54 @@ def is_device_kernel(evt) -> bool:
     return evt.device_type == DeviceType.CUDA and not getattr(evt, "is_user_annotation", False)
 
 
+# Kinds of kernels by name, first match wins. This project's own Triton kernels are named in kernels/*.py; fla's are
+# the remaining Triton kernels of the GDN stages (chunk_*, l2norm, WY, solve_tril, causal_conv1d, ...).
+_KINDS = (
+    ("inductor", ("triton_poi", "triton_red", "triton_per", "triton_tem")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
+    ("hola_cache", ("_cache_", "_rstd_kernel", "_bwd_pre_kernel", "_merge_topw", "_select", "_topw", "_recency")),
+    ("hola_fused", ("_short_conv_", "_xent_")),
+    ("fla", ("chunk", "l2norm", "recompute_w_u", "prepare_wy", "solve_tril", "merge_16", "kkt", "causal_conv",
+             "layer_norm", "rms_norm", "swiglu", "cross_entropy", "logsumexp", "fused_")),
+    ("copy", ("memcpy", "memset", "copy_kernel", "Memcpy", "Memset", "CatArray", "fill")),
+    ("aten", ("at::native", "at_cuda_detail", "cub::", "void at::")),
+    ("nccl", ("nccl",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a device kernel by its name (see ``_KINDS``); ``other`` when nothing matches."""
+    for kind, needles in _KINDS:
+        if any(n in name for n in needles):
+            return kind
+    return "other"
+
+
+def idle_gaps(intervals: list[tuple[float, float, str]], *, min_gap_us: float = 5.0, top: int = 10) -> dict:
+    """GPU idle time between kernels: ``intervals`` are (start us, end us, kernel name) of every kernel of the
+    profiled window. Returns the busy span, the idle time inside it (gaps of at least ``min_gap_us``) and the
+    ``top`` largest gaps with the kernels before and after them."""
+    if not intervals:
+        return {"span_ms": 0.0, "idle_ms": 0.0, "gaps": []}
+    intervals = sorted(intervals)
+    gaps, end, before = [], intervals[0][1], intervals[0][2]
+    for start, stop, name in intervals[1:]:
+        if start - end >= min_gap_us:
+            gaps.append((start - end, before, name))
+        if stop > end:
+            end, before = stop, name
+    span = end - intervals[0][0]
+    gaps.sort(key=lambda g: -g[0])
+    return {"span_ms": span / 1e3, "idle_ms": sum(g[0] for g in gaps) / 1e3, "num_gaps": len(gaps),
+            "gaps": [dict(us=round(g, 1), after=a[:70], before=b[:70]) for g, a, b in gaps[:top]]}
+
+
 def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: int = 5, top: int = 12,
-                   label: str = "call") -> dict:
-    """Profile ``iters`` calls of ``run()`` (warmed up by the caller); per-call numbers, printed and returned."""
+                   label: str = "call", keep: int = 200) -> dict:
+    """Profile ``iters`` calls of ``run()`` (warmed up by the caller); per-call numbers, printed and returned.
+
+    ``top`` kernels are printed; ``keep`` are kept in the returned ``kernels`` list (all kinds are summed in
+    ``by_kind`` whatever ``keep`` is)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -33,7 +80,11 @@ def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: 
             run()
         if cuda:
             torch.cuda.synchronize(device)
-    per_name, aten_calls = {}, 0
+    per_name, aten_calls, intervals = {}, 0, []
+    if cuda:
+        for evt in prof.events():
+            if is_device_kernel(evt) and evt.time_range.end > evt.time_range.start:
+                intervals.append((evt.time_range.start, evt.time_range.end, evt.name))
     for evt in prof.key_averages():
         if evt.key.startswith("aten::"):
             aten_calls += evt.count
@@ -50,13 +101,29 @@ def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: 
             per_name[evt.key[:90]] = (us / iters / 1000, evt.count // iters)
     busy_ms = sum(ms for ms, _ in per_name.values())
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    by_kind: dict[str, float] = {}
+    for name, (ms, _) in per_name.items():
+        kind = kernel_kind(name) if cuda else "cpu"
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
     out = dict(kernel_ms=busy_ms, timed_ms=timed_ms, launches=sum(n for _, n in per_name.values()),
                aten_calls=aten_calls // iters,
-               top=[dict(kernel=k, ms=round(ms, 4), launches=n) for k, (ms, n) in ranked[:top]])
+               by_kind={k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+               top=[dict(kernel=k, ms=round(ms, 4), launches=n) for k, (ms, n) in ranked[:top]],
+               kernels=[dict(kernel=k, kind=kernel_kind(k) if cuda else "cpu", ms=round(ms, 4), launches=n)
+                        for k, (ms, n) in ranked[:keep]])
+    if cuda:
+        gaps = idle_gaps(intervals)
+        # Per call: the window holds ``iters`` calls back to back.
+        out["gpu_idle"] = dict(gaps, span_ms=gaps["span_ms"] / iters, idle_ms=gaps["idle_ms"] / iters)
     what = "kernels" if cuda else "ATen self CPU"
     timed = f"{timed_ms:.3f}" if timed_ms is not None else "-"
     print(f"profile ({label}): {what} {busy_ms:.3f} ms per call, timed {timed} ms, launches {out['launches']}, "
           f"ATen calls {out['aten_calls']}", flush=True)
+    print("    by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in out["by_kind"].items()), flush=True)
+    if "gpu_idle" in out:
+        idle = out["gpu_idle"]
+        print(f"    GPU idle {idle['idle_ms']:.2f} ms of a {idle['span_ms']:.2f} ms span per call; largest gaps: "
+              + "; ".join(f"{g['us']:.0f} us after {g['after'][:40]}" for g in idle["gaps"][:4]), flush=True)
     for item in out["top"]:
         print(f"    {item['ms']:8.3f} ms  x{item['launches']:<4d} {item['kernel']}", flush=True)
     return out
