@@ -131,3 +131,35 @@ def test_count_cp_ops_runs_under_torchrun():
     # Rank 1 continues rank 0's document: its call runs the cached (extended row) layout, rank 0 the plain one.
     assert counts[1] > counts[0]
     assert "hola_triton.py:_continue_from_cache" in result.stdout
+
+
+def test_profile_kinds_and_idle_gaps():
+    """Kernels are sorted into kinds by name (Inductor's generated names first: they quote the ops they fuse, e.g.
+    ``select``), and the GPU's idle time is the sum of the gaps between kernels, overlaps merged."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from profiling import idle_gaps, kernel_kind
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    assert kernel_kind("triton_poi_fused__to_copy_add_mul_select_slice_view_where_zeros_12") == "inductor"
+    assert kernel_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert kernel_kind("_cache_bwd_dkdv_kernel") == "hola_cache"
+    assert kernel_kind("_short_conv_bwd_dz_kernel") == "hola_fused"
+    assert kernel_kind("chunk_bwd_kernel_dqkwg") == "fla"
+    assert kernel_kind("something_else") == "other"
+    # Kernels [0, 10], [5, 20] (overlapping), a gap of 30 us, [50, 60], a gap of 2 us (below 5: not counted), [62, 70].
+    gaps = idle_gaps([(0, 10, "a"), (5, 20, "b"), (50, 60, "c"), (62, 70, "d")])
+    assert gaps["span_ms"] == pytest.approx(0.070) and gaps["idle_ms"] == pytest.approx(0.030)
+    assert gaps["num_gaps"] == 1 and gaps["gaps"][0] == dict(us=30.0, after="b", before="c")
+
+
+def test_compare_losses_runs_two_trainers_on_the_same_batches(tmp_path):
+    out = tmp_path / "compare.json"
+    result = _run([sys.executable, "scripts/compare_losses.py", "--steps", "2", "--kernels-a", "reference",
+                   "--kernels-b", "auto", "--out", str(out), "--", "--job.config_file",
+                   "train_configs/debug_model.toml", "--training.device", "cpu", "--training.seq_len", "64",
+                   "--training.local_batch_size", "2"])
+    data = json.loads(out.read_text())
+    a, b = data["losses"]["reference"], data["losses"]["auto"]
+    assert len(a) == len(b) == 2 and a == b  # auto is the reference on a CPU: the same function, bit for bit
+    assert data["paths"]["auto"]["short_conv"] == "PyTorch reference" and "max |diff| 0.000e+00" in result.stdout
