@@ -268,8 +268,14 @@ def test_corrupt_checkpoint_falls_back_or_fails_naming_it(one_process, tmp_path,
     with pytest.raises(CheckpointCorruptError, match="step-12.*truncated"):
         explicit.checkpointer.load()
 
-    # Whole files of garbage pass the size check and fail inside DCP's read: the same fallback.
+    # Whole files of garbage pass the size check: the checksums catch them; without a manifest DCP's read fails.
+    # The same fallback either way.
     data.write_bytes(bytes(size))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        assert Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path)])).checkpointer.load() == 6
+    assert "does not match its checksum" in caplog.text and "resuming from step 6" in caplog.text
+    (step_folder(folder, 12) / "manifest.json").unlink()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="hola_titan"):
         assert Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path)])).checkpointer.load() == 6
@@ -281,6 +287,33 @@ def test_corrupt_checkpoint_falls_back_or_fails_naming_it(one_process, tmp_path,
     with pytest.raises(CheckpointCorruptError, match="step-6: no .metadata"):
         Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path),
                               "--checkpoint.load_step", "6"])).checkpointer.load()
+
+
+def test_changed_bytes_are_caught_by_the_checksums(one_process, tmp_path, caplog):
+    """A few KiB flipped in the middle of the newest checkpoint's data file (size unchanged, DCP reads it without
+    complaint): the manifest names the file, the run falls back to the previous checkpoint, and an explicit
+    load_step refuses. Each checkpoint carries its manifest; the seed checkpoint too."""
+    for step in (6, 12):
+        _copy_step(one_process["dump"], step, tmp_path)
+        assert (step_folder(tmp_path / "checkpoint", step) / "manifest.json").is_file()
+    data = _data_file(step_folder(tmp_path / "checkpoint", 12))
+    raw = bytearray(data.read_bytes())
+    middle = len(raw) // 2
+    raw[middle:middle + 4096] = bytes(b ^ 0xFF for b in raw[middle:middle + 4096])
+    data.write_bytes(bytes(raw))
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        assert Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path)])).checkpointer.load() == 6
+    assert f"{data.name} does not match its checksum" in caplog.text and "falling back" in caplog.text
+    assert "step-6 verified" in caplog.text and "resuming from step 6" in caplog.text
+    explicit = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path), "--checkpoint.load_step", "12"]))
+    with pytest.raises(CheckpointCorruptError, match=f"step-12: {data.name} does not match its checksum"):
+        explicit.checkpointer.load()
+    # A folder from before manifests loads, saying that it is not verified.
+    (step_folder(tmp_path / "checkpoint", 6) / "manifest.json").unlink()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        assert Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path)])).checkpointer.load() == 6
+    assert "step-6 has no manifest.json" in caplog.text and "not verified" in caplog.text
 
 
 def test_checkpoint_of_another_model_is_a_mismatch_not_a_fallback(one_process, tmp_path):
