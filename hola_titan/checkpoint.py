@@ -767,8 +767,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    write_resolved(config, config.job.dump_folder)
-    print(create_seed_checkpoint(config))
+    from hola_titan.runfolder import FolderInUseError, RunFolderLock
+    try:
+        lock = RunFolderLock(config.job.dump_folder).acquire()
+    except FolderInUseError as error:
+        print(f"error: job.dump_folder: {error}", file=sys.stderr)
+        return 2
+    try:
+        write_resolved(config, config.job.dump_folder)
+        print(create_seed_checkpoint(config))
+    finally:
+        lock.release()
     return 0
 
 

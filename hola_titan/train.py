@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
-from hola_titan.checkpoint import Checkpointer
+from hola_titan.checkpoint import CheckpointError, Checkpointer
 from hola_titan.config import (ConfigError, JobConfig, parse_config, resolve_degrees, to_toml, validate,
                                write_resolved)
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
@@ -53,6 +53,7 @@ from hola_titan.parallelisms.context_parallel import context_parallel_of
 from hola_titan.parallelisms.parallel_dims import ParallelDims, mesh_rank_and_size, submesh
 from hola_titan.parallelisms.parallelize import parallelize_model
 from hola_titan.profiling import step_profiler
+from hola_titan.runfolder import FolderInUseError, RunFolderLock, die_with_parent
 
 logger = logging.getLogger("hola_titan")
 IGNORE_INDEX = -100
@@ -160,6 +161,13 @@ class Trainer:
                                  cp=self.degrees.cp, tp=self.degrees.tp, world_size=self.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dump = Path(config.job.dump_folder)
+        # One writer per run folder: rank 0 writes it (config, metrics, checkpoint renames) and holds its lock.
+        self._folder_lock = None
+        if self.rank == 0:
+            try:
+                self._folder_lock = RunFolderLock(self.dump).acquire()
+            except FolderInUseError as err:
+                raise ConfigError("job.dump_folder", str(err)) from None
         if config.training.deterministic:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
@@ -231,15 +239,11 @@ class Trainer:
         if self.rank == 0:
             logger.info("MFU against %.1f TFLOP/s (%s); measured matmul rate %.1f TFLOP/s, logged as mfu_measured",
                         self.peak_tflops, peak_source, self.measured_tflops)
-        self.metrics = MetricsLogger(self.dump, enabled=self.rank == 0, tensorboard=config.metrics.enable_tensorboard,
-                                     tb_folder=config.metrics.save_tb_folder)
-        if self.rank == 0:
-            write_resolved(config, self.dump)
+        # Opened by train() once the run's start is settled (a refused resume must leave the folder as it was).
+        self.metrics: MetricsLogger | None = None
         self.paths = self._resolved_paths()
         if self.rank == 0:
             logger.info("paths: %s", "; ".join(f"{k}: {v}" for k, v in self.paths.items()))
-            self.dump.mkdir(parents=True, exist_ok=True)
-            (self.dump / "paths.json").write_text(json.dumps(self.paths, indent=1) + "\n")
         self.checkpointer = Checkpointer.for_trainer(self) if config.checkpoint.enable else None
         # Called with the trainer after the backward pass of every step, before clipping (parity tests read the
         # gradients there).
@@ -430,6 +434,7 @@ class Trainer:
         config = self.config
         if self.checkpointer is not None:
             self.checkpointer.load()
+        self._write_run_record()
         gc_freq = config.training.gc_freq
         was_enabled = gc.isenabled()
         if gc_freq:
@@ -440,6 +445,18 @@ class Trainer:
         finally:
             if gc_freq and was_enabled:
                 gc.enable()
+
+    def _write_run_record(self) -> None:
+        """The run's record in its folder (rank 0): the resolved ``config.toml`` and ``paths.json``, and the metrics
+        files opened for appending. Only after the checkpoint loaded: a resume that fails leaves the record of the
+        run that wrote the checkpoints, which export and conversion read."""
+        if self.rank == 0:
+            write_resolved(self.config, self.dump)
+            (self.dump / "paths.json").write_text(json.dumps(self.paths, indent=1) + "\n")
+        if self.metrics is None:
+            self.metrics = MetricsLogger(self.dump, enabled=self.rank == 0,
+                                         tensorboard=self.config.metrics.enable_tensorboard,
+                                         tb_folder=self.config.metrics.save_tb_folder)
 
     def _train_loop(self, gc_freq: int) -> list[dict]:
         config = self.config
@@ -534,6 +551,8 @@ def dry_run(config: JobConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", 0))
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()  # torchrun's workers run in their own sessions: end with the launcher, not after it
     setup_logging(rank)
     try:
         config = parse_config(argv)
@@ -549,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if dist.is_initialized():
             dist.barrier()
-    except (ConfigError, NonFiniteLossError, FileNotFoundError) as err:
+    except (ConfigError, NonFiniteLossError, FileNotFoundError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:

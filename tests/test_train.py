@@ -290,6 +290,7 @@ def test_the_run_folder_names_the_paths_that_ran(tmp_path, monkeypatch):
     config = parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path), "--training.steps", "1",
                            "--validation.enable", "false", *FAST])
     trainer = Trainer(config)
+    trainer.train()
     paths = json.loads((tmp_path / "paths.json").read_text())
     assert paths == trainer.paths
     assert paths["short_conv"] == "PyTorch reference" and paths["attention_backend"] == "reference"

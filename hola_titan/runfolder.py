@@ -1,0 +1,139 @@
+"""One writer per run folder: an exclusive lock on ``<job.dump_folder>/.lock``, and workers that die with their
+launcher.
+
+Two trainers writing one dump folder interleave ``metrics.jsonl`` and race each other's checkpoint saves. The
+process that writes the folder (rank 0) holds an exclusive ``flock`` on ``<dump_folder>/.lock`` for as long as its
+trainer lives; the file names the holder (pid, host, start time, command). A second run on the folder fails at
+start with an error naming the holder. The kernel releases the lock when the holding process ends in any way
+(``kill -9`` included), so a lock left by a dead run never blocks: the next run takes it and says whose it was.
+Inside one process the lock is shared (a notebook or a test that builds a second trainer on the same folder).
+``flock`` holds on local file systems and on NFS v4; on file systems without it the lock may not be exclusive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("hola_titan")
+
+LOCK_NAME = ".lock"
+
+
+class FolderInUseError(RuntimeError):
+    """Another live process holds the run folder's lock; the message names it."""
+
+
+class _Held:
+    def __init__(self, handle, path: Path):
+        self.handle, self.path, self.users = handle, path, 0
+
+
+_HELD: dict[str, _Held] = {}
+
+
+def _holder_info() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(),
+            "started": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)[:300]}
+
+
+def _describe(info: dict) -> str:
+    return (f"process {info.get('pid', '?')} on {info.get('host', '?')} (started {info.get('started', '?')}: "
+            f"{info.get('command', '?')})")
+
+
+class RunFolderLock:
+    """The exclusive lock of one run folder, held until :meth:`release` (or the process ends)."""
+
+    def __init__(self, folder: str | os.PathLike[str]):
+        self.folder = Path(folder)
+        self._key: str | None = None
+
+    def acquire(self) -> RunFolderLock:
+        """Take the lock; raises :class:`FolderInUseError` naming the holder when another process has it."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / LOCK_NAME
+        key = str(path.resolve())
+        held = _HELD.get(key)
+        if held is None:
+            handle = open(path, "a+")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    handle.close()
+                    raise
+                handle.seek(0)
+                info = _read(handle.read())
+                handle.close()
+                raise FolderInUseError(f"{self.folder} is in use by {_describe(info)}; stop that run or choose "
+                                       "another job.dump_folder") from None
+            handle.seek(0)
+            previous = _read(handle.read())
+            if previous.get("pid") is not None and previous.get("pid") != os.getpid():
+                logger.info("run folder: taking over %s, last held by %s, which has ended", path,
+                            _describe(previous))
+            handle.seek(0)
+            handle.truncate()
+            handle.write(json.dumps(_holder_info()) + "\n")
+            handle.flush()
+            held = _HELD[key] = _Held(handle, path)
+        held.users += 1
+        self._key = key
+        return self
+
+    def release(self) -> None:
+        """Give the lock back (the last user in this process closes it). Idempotent."""
+        key, self._key = self._key, None
+        held = _HELD.get(key) if key else None
+        if held is None:
+            return
+        held.users -= 1
+        if held.users == 0:
+            del _HELD[key]
+            fcntl.flock(held.handle, fcntl.LOCK_UN)
+            held.handle.close()
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _read(text: str) -> dict:
+    try:
+        value = json.loads(text or "{}")
+        return value if isinstance(value, dict) else {}
+    except ValueError:
+        return {}
+
+
+def die_with_parent() -> None:
+    """Ask the kernel (Linux) to SIGKILL this process when its parent ends.
+
+    torchrun starts its workers in their own sessions, so ``kill -9`` of ``run_train.sh``'s process group would
+    leave a worker training on, still holding the run folder; a relaunch then meets it. Called by the trainer's
+    entry point when torchrun launched it. No-op where ``prctl`` is unavailable.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent ended before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
