@@ -623,6 +623,11 @@ class Checkpointer:
             return None
         keys = _keys(metadata)
         state = dict(self.states)
+        train_state = self.states["train_state"]
+        saved_counters = {k.split(".", 1)[1] for k in keys if k.startswith("train_state.")}
+        if set(train_state.state_dict()) - saved_counters:
+            # A checkpoint from before a counter existed: load the counters it has, keep the others' defaults.
+            state["train_state"] = _Subset(train_state, saved_counters)
         own = f"rng.rank{self.rank}"
         rng_key = own if own in keys else ("rng.rank0" if "rng.rank0" in keys else None)
         if rng_key is not None:
@@ -638,7 +643,6 @@ class Checkpointer:
             if rng_key != own:
                 logger.info("checkpoint: %s not in %s; using rank 0's RNG state", own, path)
         saved_world = state.get("info", info)["world_size"]
-        train_state = self.states["train_state"]
         logger.info("checkpoint: resuming from step %d (%s, saved by %s process(es), loaded by %d, in %.2f s)",
                     train_state.step, path, saved_world or "?", self.world_size, time.perf_counter() - begin)
         if train_state.step != step:
@@ -665,6 +669,19 @@ class Checkpointer:
                 dcp.load({"model": self.states["model"]}, checkpoint_id=str(path), no_dist=not self.distributed)
         logger.info("checkpoint: weights from %s %s (model only; optimizer, schedule and data start fresh at step "
                     "0) in %.2f s", what, path, time.perf_counter() - begin)
+
+
+class _Subset:
+    """A stateful object seen through the keys a checkpoint has (DCP refuses keys the checkpoint lacks)."""
+
+    def __init__(self, inner: Any, keys: set[str]):
+        self.inner, self.keys = inner, keys
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.inner.state_dict().items() if k in self.keys}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict({**self.inner.state_dict(), **state})
 
 
 def _first_failure(error: BaseException) -> str:

@@ -142,7 +142,17 @@ class Training:
     deterministic: bool = False
     """Use deterministic algorithms (slower); for parallel-equals-serial comparisons."""
     skip_nan_inf: bool = False
-    """Skip (and log) an optimizer step whose gradient norm is NaN or inf instead of stopping the run."""
+    """Skip (and log) an optimizer step whose loss or gradient norm is NaN or inf, or whose loss spikes (see
+    ``loss_spike_factor``), instead of stopping the run."""
+    max_consecutive_skips: int = 10
+    """With ``skip_nan_inf``: stop the run once this many consecutive steps were skipped (a run that skips every
+    step is diverging, not recovering)."""
+    loss_spike_factor: float = 4.0
+    """Treat a step as failed (stop, or skip with ``skip_nan_inf``) when its loss exceeds this factor times the
+    running mean (exponential, decay 0.9) of the accepted steps' losses; checked from step
+    ``loss_spike_warmup + 1`` on, before the optimizer update. 0 turns the guard off."""
+    loss_spike_warmup: int = 20
+    """Accepted steps before the loss-spike guard starts (the running mean settles first)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: CUDA when available, else CPU."""
     loss_chunk_size: int = 0
@@ -313,6 +323,9 @@ _MINIMUM: dict[str, float] = {
     "training.local_batch_size": 1,
     "training.max_norm": 0,
     "training.gc_freq": 0,
+    "training.max_consecutive_skips": 1,
+    "training.loss_spike_factor": 0,
+    "training.loss_spike_warmup": 0,
     "profiling.freq": 1,
     "profiling.warmup": 0,
     "training.seed": 0,

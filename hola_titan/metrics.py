@@ -2,7 +2,8 @@
 
 Only the process that owns the logger writes (rank 0 by default); the numbers it writes are already reduced
 over all ranks by the trainer. ``metrics.jsonl`` rows have at least ``step``, ``loss``, ``grad_norm``, ``lr``,
-``tokens_per_s``, ``mfu`` and ``memory_gib``; validation rows have ``step``, ``val_loss`` and ``val_ppl``.
+``tokens_per_s``, ``mfu`` and ``memory_gib``; validation rows have ``step``, ``val_loss`` and ``val_ppl``. The file is
+strict JSON: a non-finite number is written as ``null``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         step = row["step"]
-        self.jsonl.write(json.dumps({k: _plain(v) for k, v in row.items()}) + "\n")
+        # Strict JSON: NaN and inf (which json.dumps would write bare) become null.
+        self.jsonl.write(json.dumps({k: _plain(v) for k, v in row.items()}, allow_nan=False) + "\n")
         if self.writer is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
@@ -74,7 +76,8 @@ class MetricsLogger:
 
 
 def _plain(value):
-    return float(value) if isinstance(value, torch.Tensor) else value
+    value = float(value) if isinstance(value, torch.Tensor) else value
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def _format(row: dict) -> str:

@@ -70,14 +70,20 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     skipped_steps: int = 0
+    # The loss-spike guard's running mean and the accepted steps it has seen (training.loss_spike_factor).
+    loss_ema: float = 0.0
+    loss_ema_steps: int = 0
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
+                "loss_ema": self.loss_ema, "loss_ema_steps": self.loss_ema_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.loss_ema = float(state.get("loss_ema", 0.0))
+        self.loss_ema_steps = int(state.get("loss_ema_steps", 0))
 
 
 class PendingStep:
@@ -86,11 +92,13 @@ class PendingStep:
     queued after it)."""
 
     def __init__(self, *, step: int, tokens_before: int, lr: float, loss_sum: torch.Tensor,
-                 targets: torch.Tensor | float, grad_norm: torch.Tensor, finite: torch.Tensor):
+                 targets: torch.Tensor | float, grad_norm: torch.Tensor, finite: torch.Tensor, spike: torch.Tensor,
+                 loss_ema: torch.Tensor):
         self.step, self.tokens_before, self.lr = step, tokens_before, lr
         # A target count known on the host stays there (sending it would be a copy from pageable memory).
         self._targets = None if isinstance(targets, torch.Tensor) else float(targets)
-        parts = [loss_sum.double().reshape(()), grad_norm.double().reshape(()), finite.double().reshape(())]
+        parts = [loss_sum.double().reshape(()), grad_norm.double().reshape(()), finite.double().reshape(()),
+                 spike.double().reshape(()), loss_ema.double().reshape(())]
         if self._targets is None:
             parts.append(targets.double().reshape(()))
         values = torch.stack(parts)
@@ -105,14 +113,16 @@ class PendingStep:
         self._result: dict | None = None
 
     def result(self) -> dict:
-        """``{"loss", "grad_norm", "lr", "global_targets", "finite"}`` of the step (waits for it once)."""
+        """``{"loss", "grad_norm", "lr", "global_targets", "finite", "spike", "loss_ema", "ok"}`` of the step
+        (waits for it once); ``ok``: the step updated the weights."""
         if self._result is None:
             if self._event is not None:
                 self._event.synchronize()
-            loss_sum, grad_norm, finite, *device_targets = self._host.tolist()
+            loss_sum, grad_norm, finite, spike, loss_ema, *device_targets = self._host.tolist()
             targets = max(device_targets[0] if self._targets is None else self._targets, 1.0)
             self._result = {"loss": loss_sum / targets, "grad_norm": grad_norm, "lr": self.lr,
-                            "global_targets": targets, "finite": bool(finite)}
+                            "global_targets": targets, "finite": bool(finite), "spike": bool(spike),
+                            "loss_ema": loss_ema, "ok": bool(finite) and not bool(spike)}
         return self._result
 
 
@@ -215,6 +225,7 @@ class Trainer:
         # A fused AdamW skips a non-finite step on the device (found_inf); otherwise the step reads the check.
         self._fused_optimizer = bool(self.optimizer.defaults.get("fused"))
         self._pending: PendingStep | None = None
+        self._consecutive_skips = 0
         schedule = dict(warmup_steps=config.lr_scheduler.warmup_steps, total_steps=config.training.steps,
                         decay_type=config.lr_scheduler.decay_type, min_lr_factor=config.lr_scheduler.min_lr_factor)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
@@ -233,6 +244,7 @@ class Trainer:
                                         split="validation", max_batches=config.validation.steps)
         self._build_val = build_validation_dataloader
         self.state = TrainState()
+        self._restore_guard_state()
         self.flops = flops_per_token(self.model_args, config.training.seq_len)
         self.measured_tflops = measured_matmul_tflops(self.device)
         self.peak_tflops, peak_source = mfu_peak(self.device, self.measured_tflops)
@@ -343,13 +355,15 @@ class Trainer:
         loss_total = self._all_reduce_sum(loss_total.reshape(1)).reshape(())
         grad_norm = self._clip_grad_norm_tensor()
         finite = torch.isfinite(loss_total) & torch.isfinite(grad_norm)
+        spike, ema_before = self._loss_spike_guard(loss_total / targets, finite)
+        ok = finite & ~spike
         # The previous step's numbers are due now, before this step can update the weights.
         self.resolve_pending()
         if self._fused_optimizer:
             # The fused AdamW leaves weights, moments and its step count unchanged where found_inf is 1.
-            self.optimizer.found_inf = (~finite).float()
+            self.optimizer.found_inf = (~ok).float()
             self.optimizer.step()
-        elif bool(finite):
+        elif bool(ok):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -358,7 +372,8 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += self.degrees.global_batch_size * self.config.training.seq_len
         self._pending = PendingStep(step=self.state.step, tokens_before=tokens_before, lr=lr, loss_sum=loss_total,
-                                    targets=targets, grad_norm=grad_norm, finite=finite)
+                                    targets=targets, grad_norm=grad_norm, finite=finite, spike=spike,
+                                    loss_ema=ema_before)
         return self._pending
 
     def resolve_pending(self) -> dict | None:
@@ -368,19 +383,55 @@ class Trainer:
         if pending is None:
             return None
         result = pending.result()
-        if not result["finite"]:
-            if self.config.training.skip_nan_inf:
-                self.state.skipped_steps += 1
-                logger.warning("step %d: loss %s, grad norm %s: step skipped (training.skip_nan_inf)",
-                               pending.step, result["loss"], result["grad_norm"])
-            else:
-                # The counters end at the last step that updated the weights (the run stops here).
+        if result["ok"]:
+            self._consecutive_skips = 0
+            return result
+        cfg = self.config.training
+        if result["finite"]:
+            why = (f"loss {result['loss']:.4g} at step {pending.step} is more than {cfg.loss_spike_factor:g} times the "
+                   f"running mean {result['loss_ema']:.4g} of the previous steps (training.loss_spike_factor)")
+        else:
+            why = f"loss {result['loss']} / grad norm {result['grad_norm']} at step {pending.step} is not finite"
+        if cfg.skip_nan_inf:
+            self.state.skipped_steps += 1
+            self._consecutive_skips += 1
+            logger.warning("step %d skipped (training.skip_nan_inf): %s", pending.step, why)
+            if self._consecutive_skips >= cfg.max_consecutive_skips:
                 self.state.step, self.state.tokens_seen = pending.step - 1, pending.tokens_before
                 raise NonFiniteLossError(
-                    f"training: loss {result['loss']} / grad norm {result['grad_norm']} at step {pending.step} is "
-                    "not finite; stopped before its optimizer update, nothing was written for this step (set "
-                    "training.skip_nan_inf = true to skip such steps)")
+                    f"training: {self._consecutive_skips} consecutive steps skipped, up to step {pending.step} "
+                    f"(training.max_consecutive_skips = {cfg.max_consecutive_skips}): the run is diverging; last: "
+                    f"{why}")
+            return result
+        # The counters end at the last step that updated the weights (the run stops here).
+        self.state.step, self.state.tokens_seen = pending.step - 1, pending.tokens_before
+        raise NonFiniteLossError(f"training: {why}; stopped before its optimizer update, nothing was written for "
+                                 "this step (set training.skip_nan_inf = true to skip such steps)")
         return result
+
+    def _loss_spike_guard(self, loss: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the device: whether this step's mean loss spikes over the running mean of the accepted steps
+        (``training.loss_spike_factor``), and that mean before the step; updates the mean with an accepted step."""
+        cfg = self.config.training
+        ema, seen = self._loss_ema, self._loss_ema_steps
+        spike = torch.zeros((), dtype=torch.bool, device=self.device)
+        if cfg.loss_spike_factor > 0:
+            spike = finite & (seen >= cfg.loss_spike_warmup) & (loss > cfg.loss_spike_factor * ema)
+        accepted = finite & ~spike
+        updated = torch.where(seen > 0, 0.9 * ema + 0.1 * loss, loss)
+        self._loss_ema = torch.where(accepted, updated, ema)
+        self._loss_ema_steps = seen + accepted.double()
+        return spike, ema
+
+    def _store_guard_state(self) -> None:
+        """Copy the spike guard's device state into the checkpointed counters (reads the device: save steps only)."""
+        self.state.loss_ema = float(self._loss_ema)
+        self.state.loss_ema_steps = int(self._loss_ema_steps)
+
+    def _restore_guard_state(self) -> None:
+        self._loss_ema = torch.tensor(self.state.loss_ema, dtype=torch.float64, device=self.device)
+        self._loss_ema_steps = torch.tensor(float(self.state.loss_ema_steps), dtype=torch.float64,
+                                            device=self.device)
 
     def _global_targets(self, micro_batches: list[dict]) -> float | torch.Tensor:
         """Valid targets of the whole global batch: counted on the host from the loader's host tensors (a float
@@ -434,6 +485,7 @@ class Trainer:
         config = self.config
         if self.checkpointer is not None:
             self.checkpointer.load()
+            self._restore_guard_state()
         self._write_run_record()
         gc_freq = config.training.gc_freq
         was_enabled = gc.isenabled()
@@ -502,6 +554,8 @@ class Trainer:
                     row = {"step": step, **self.validate()}
                     rows.append(row)
                     self.metrics.log(row)
+                if saving:
+                    self._store_guard_state()
                 if self.checkpointer is not None:
                     self.checkpointer.maybe_save(step, final=final)
                 prof.step()

@@ -117,3 +117,77 @@ def test_a_refused_resume_leaves_the_run_record_as_it_was(tmp_path):
                              str(tmp_path / "checkpoint" / "step-3"), str(tmp_path / "export")],
                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert export.returncode == 0, export.stderr[-2000:]
+
+
+def _poison(trainer: Trainer, *, from_step: int, factor: float) -> None:
+    """Multiply every loss from step ``from_step`` on by ``factor`` (nan: non-finite; 100: a finite blow-up)."""
+    original = trainer._loss_sum
+
+    def loss_sum(batch):
+        value = original(batch)
+        return value * factor if trainer.state.step + 1 >= from_step else value
+
+    trainer._loss_sum = loss_sum
+
+
+def _strict_rows(folder: Path) -> list[dict]:
+    def refuse(name):
+        raise ValueError(f"bare {name} in metrics.jsonl")
+    return [json.loads(line, parse_constant=refuse) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+FAST = ["--job.config_file", DEBUG, "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--validation.enable", "false", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"]
+
+
+def test_skipping_stops_after_max_consecutive_skips_and_metrics_stay_strict_json(tmp_path):
+    trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "50",
+                                    "--training.skip_nan_inf", "--training.max_consecutive_skips", "3"]))
+    _poison(trainer, from_step=3, factor=float("nan"))
+    with pytest.raises(RuntimeError, match=r"3 consecutive steps skipped, up to step 5 \(training.max_consecutive"):
+        trainer.train()
+    assert trainer.state.skipped_steps == 3 and trainer.state.step == 4
+    rows = _strict_rows(tmp_path)  # no bare NaN
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[2]["loss"] is None and rows[0]["loss"] > 0
+
+
+def test_a_finite_loss_blow_up_stops_before_its_update(tmp_path):
+    trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "10",
+                                    "--training.loss_spike_warmup", "3"]))
+    _poison(trainer, from_step=6, factor=60.0)
+    with pytest.raises(RuntimeError, match=r"at step 6 is more than 4 times the running mean .*loss_spike_factor"):
+        trainer.train()
+    assert trainer.state.step == 5 and [r["step"] for r in _strict_rows(tmp_path)] == [1, 2, 3, 4, 5]
+    # The guard off: the same blow-up trains on.
+    other = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "off"), "--training.steps", "7",
+                                  "--training.loss_spike_factor", "0"]))
+    _poison(other, from_step=6, factor=60.0)
+    other.train()
+    assert other.state.step == 7
+
+
+def test_the_spike_guard_resumes_with_its_running_mean(tmp_path):
+    """The guard's running mean is part of the checkpoint, so a resumed run judges spikes as the uninterrupted run
+    would."""
+    run = [*FAST, "--checkpoint.enable", "--checkpoint.interval", "4", "--training.loss_spike_warmup", "2"]
+    first = Trainer(parse_config([*run, "--job.dump_folder", str(tmp_path), "--training.steps", "4"]))
+    first.train()
+    ema = first.state.loss_ema
+    assert ema > 0 and first.state.loss_ema_steps == 4
+    second = Trainer(parse_config([*run, "--job.dump_folder", str(tmp_path), "--training.steps", "5"]))
+    second.checkpointer.load()
+    assert second.state.loss_ema == ema and second.state.loss_ema_steps == 4
+
+
+def test_a_checkpoint_from_before_the_guard_counters_loads(tmp_path, monkeypatch):
+    from hola_titan.train import TrainState
+
+    run = [*FAST, "--checkpoint.enable", "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]
+    full = TrainState.state_dict
+    with monkeypatch.context() as patch:  # the counters a checkpoint of an earlier version holds
+        patch.setattr(TrainState, "state_dict", lambda self: {k: v for k, v in full(self).items()
+                                                              if k in ("step", "tokens_seen", "skipped_steps")})
+        Trainer(parse_config([*run, "--training.steps", "2"])).train()
+    resumed = Trainer(parse_config([*run, "--training.steps", "3"]))
+    assert resumed.checkpointer.load() == 2
+    assert resumed.state.loss_ema == 0.0 and resumed.state.loss_ema_steps == 0
