@@ -44,6 +44,20 @@ export PYTHONUNBUFFERED=1
 # Restarted ranks must not reuse the previous attempt's store addresses (torchrun restarts with gloo failed 2 in 3
 # without it: pytorch/pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
-exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${rdzv[@]}" --max-restarts "$MAX_RESTARTS" \
-  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m hola_titan.train --job.config_file "$CONFIG_FILE" "${overrides[@]}"
+# SIGTERM (a scheduler's warning before a kill) and SIGUSR1 go to the workers, which save a checkpoint at the next
+# step boundary and exit cleanly. torchrun itself ignores both (it would otherwise stop the workers at once and end
+# with a traceback), whether the signal is sent to this script or to every process of the job.
+( trap '' TERM USR1; exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${rdzv[@]}" \
+    --max-restarts "$MAX_RESTARTS" --signals-to-handle SIGINT,SIGHUP,SIGQUIT --local-ranks-filter "$LOG_RANK" \
+    --role rank --tee 3 -m hola_titan.train --job.config_file "$CONFIG_FILE" "${overrides[@]}" ) &
+launcher=$!
+forward() { pkill "-$1" -P "$launcher" 2>/dev/null || true; }
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+status=0
+while true; do
+  wait "$launcher" && status=0 || status=$?
+  # wait returns early (status > 128) when a trapped signal arrives; the launcher is still running then.
+  if ! kill -0 "$launcher" 2>/dev/null; then break; fi
+done
+exit "$status"

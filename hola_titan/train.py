@@ -29,7 +29,9 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +172,8 @@ class Trainer:
         self.dims = ParallelDims(dp_replicate=self.degrees.dp_replicate, dp_shard=self.degrees.dp_shard,
                                  cp=self.degrees.cp, tp=self.degrees.tp, world_size=self.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
+        # Host-side agreement between ranks (stop signals) without touching the GPU stream.
+        self._control_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
         self.dump = Path(config.job.dump_folder)
         # One writer per run folder: rank 0 writes it (config, metrics, checkpoint renames) and holds its lock.
         self._folder_lock = None
@@ -493,10 +497,55 @@ class Trainer:
             gc.disable()
             gc.collect(1)
         try:
-            return self._train_loop(gc_freq)
+            with self._stop_signals():
+                return self._train_loop(gc_freq)
         finally:
             if gc_freq and was_enabled:
                 gc.enable()
+
+    STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    @contextlib.contextmanager
+    def _stop_signals(self):
+        """SIGTERM (what schedulers send before a kill) and SIGUSR1 ask the loop to save a checkpoint at the next
+        step boundary and end cleanly (see :meth:`_stop_requested`). Installed in the main thread only."""
+        self._stop_signal = _EARLY_STOP[0] if _EARLY_STOP else None
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            self._stop_signal = signum
+
+        previous = {sig: signal.signal(sig, handler) for sig in self.STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+    def _stop_requested(self) -> int | None:
+        """The stop signal received by any rank (all ranks agree, over a CPU group, so they stop at one step)."""
+        local = self._stop_signal or 0
+        if self._control_group is not None:
+            flag = torch.tensor([local], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control_group)
+            local = int(flag.item())
+        return local or None
+
+    def _stop_at(self, step: int, signum: int, *, saved: bool) -> None:
+        """End the run after ``step`` on a stop signal: that step's checkpoint written (when checkpointing is on)."""
+        name = signal.Signals(signum).name
+        self.resolve_pending()
+        if self.checkpointer is None:
+            logger.warning("%s received: stopping after step %d without a checkpoint (checkpoint.enable is false)",
+                           name, step)
+            return
+        if not saved:
+            self._store_guard_state()
+            self.checkpointer.save(step)
+        logger.info("%s received: stopped after step %d with its checkpoint in %s; run again to resume", name, step,
+                    self.checkpointer.folder)
 
     def _write_run_record(self) -> None:
         """The run's record in its folder (rank 0): the resolved ``config.toml`` and ``paths.json``, and the metrics
@@ -559,11 +608,31 @@ class Trainer:
                 if self.checkpointer is not None:
                     self.checkpointer.maybe_save(step, final=final)
                 prof.step()
+                stop = None if final else self._stop_requested()
+                if stop is not None:
+                    self._stop_at(step, stop, saved=saving)
+                    break
         self.resolve_pending()
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.metrics.close()
         return rows
+
+
+# A stop signal received before the training loop started (set by main's handler, read by Trainer.train).
+_EARLY_STOP: list[int] = []
+
+
+def _remember_stop_signals() -> None:
+    """From the start of the process: a SIGTERM or SIGUSR1 that arrives while the trainer is still being built is
+    kept, and the loop stops after its first step. (Under ``run_train.sh`` torchrun ignores both, so a signal to the
+    whole job reaches the workers and not the agent that would kill them.)"""
+    def handler(signum, frame):
+        if not _EARLY_STOP:
+            _EARLY_STOP.append(signum)
+
+    for sig in Trainer.STOP_SIGNALS:
+        signal.signal(sig, handler)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -607,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()  # torchrun's workers run in their own sessions: end with the launcher, not after it
+    _remember_stop_signals()
     setup_logging(rank)
     try:
         config = parse_config(argv)

@@ -191,3 +191,64 @@ def test_a_checkpoint_from_before_the_guard_counters_loads(tmp_path, monkeypatch
     resumed = Trainer(parse_config([*run, "--training.steps", "3"]))
     assert resumed.checkpointer.load() == 2
     assert resumed.state.loss_ema == 0.0 and resumed.state.loss_ema_steps == 0
+
+
+def _rows_when(folder: Path, count: int, timeout: float = 120.0) -> list[dict]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+            if len(rows) >= count:
+                return rows
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {count} metric rows in {folder} after {timeout} s")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("mode", ["one_process", "run_train_sh", "whole_job"])
+def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(tmp_path, mode):
+    """What a scheduler does before preempting: SIGTERM, to one trainer process, to ``run_train.sh`` with two FSDP
+    ranks, or to every process of that job (as Slurm does). The run saves the step it is at, says so, and exits 0;
+    the ranks agree on the step; torchrun neither kills the workers early nor ends with a traceback."""
+    run = [*LONG[2:], "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "100000",
+           "--job.dump_folder", str(tmp_path)]
+    if mode == "one_process":
+        cmd = [sys.executable, "-m", "hola_titan.train", "--job.config_file", DEBUG, *run]
+        env = _env()
+    else:
+        cmd = [str(ROOT / "run_train.sh"), *run]
+        env = _env() | {"NGPU": "2", "CONFIG_FILE": DEBUG, "PYTHON": sys.executable, "LOG_RANK": "0,1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        _rows_when(tmp_path, 3)
+        if mode == "whole_job":
+            agents = _children(proc.pid)
+            targets = [proc.pid, *agents, *(w for a in agents for w in _children(a))]
+            assert len(targets) >= 4, targets  # the script, torchrun and two workers
+            for pid in targets:
+                os.kill(pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoint").glob("step-*") if "." not in p.name)
+    assert saved and saved[-1] >= steps[-1], (saved, steps, output[-3000:])
+    assert f"SIGTERM received: stopped after step {saved[-1]} with its checkpoint" in output, output[-3000:]
+    assert proc.returncode == 0 and "Traceback" not in output, output[-3000:]
+    resumed = Trainer(parse_config([*LONG, "--job.dump_folder", str(tmp_path), "--checkpoint.enable"]))
+    assert resumed.checkpointer.load() == saved[-1]
