@@ -78,6 +78,9 @@ class Model:
     """Widths and depth (``hola_titan.models.args``); the vocabulary size comes from the tokenizer."""
     tokenizer_path: str = BUNDLED
     """``bundled`` (``hola_titan/assets/tokenizer``) or a folder or ``tokenizer.json`` of a HF tokenizer."""
+    vocab_size: int | None = None
+    """The vocabulary size; None: the tokenizer's. When set, training checks it against the tokenizer (an error
+    names both), and ``--dry-run`` uses it when the tokenizer is not on disk (a dry run needs no data)."""
     window: int | None = None
     """Override of the HOLA cache size in tokens (recurrent flavours); None keeps the size's value."""
     block: int | None = None
@@ -315,6 +318,7 @@ _MINIMUM: dict[str, float] = {
     "model.window": 0,
     "model.block": 1,
     "model.n_layers": 1,
+    "model.vocab_size": 1,
     "optimizer.weight_decay": 0,
     "lr_scheduler.warmup_steps": 0,
     "lr_scheduler.min_lr_factor": 0,

@@ -188,6 +188,9 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
         self.tokenizer = load_tokenizer(config.model.tokenizer_path)
+        if config.model.vocab_size is not None and config.model.vocab_size != self.tokenizer.vocab_size:
+            raise ConfigError("model.vocab_size", f"{config.model.vocab_size} differs from the {self.tokenizer.vocab_size} "
+                              f"entries of the tokenizer {config.model.tokenizer_path!r}; remove the key or fix it")
         self.model_args = build_model_args(config, self.tokenizer.vocab_size)
         torch.manual_seed(config.training.seed)
         # The full model is initialised once on the CPU from the seed, identically at every layout, and then
@@ -660,8 +663,14 @@ def dry_run(config: JobConfig) -> None:
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     validate(config, world_size=world_size)
-    tokenizer = load_tokenizer(config.model.tokenizer_path)
-    args = build_model_args(config, tokenizer.vocab_size)
+    try:
+        vocab_size = load_tokenizer(config.model.tokenizer_path).vocab_size
+    except FileNotFoundError as err:
+        if config.model.vocab_size is None:
+            raise ConfigError("model.vocab_size", f"needed for a dry run without the tokenizer ({err})") from None
+        vocab_size = config.model.vocab_size
+        print(f"note: the tokenizer is not on disk ({err}); vocabulary {vocab_size} from model.vocab_size")
+    args = build_model_args(config, vocab_size)
     with torch.device("meta"):
         model = HolaTitanLM(args)
     flops = flops_per_token(args, config.training.seq_len)

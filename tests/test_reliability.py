@@ -252,3 +252,16 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(tmp_path, mod
     assert proc.returncode == 0 and "Traceback" not in output, output[-3000:]
     resumed = Trainer(parse_config([*LONG, "--job.dump_folder", str(tmp_path), "--checkpoint.enable"]))
     assert resumed.checkpointer.load() == saved[-1]
+
+
+def test_dry_run_of_a_recipe_needs_no_tokenizer(tmp_path, capsys):
+    from hola_titan.train import main
+
+    recipe = str(ROOT / "train_configs" / "hola_340M.toml")
+    assert main(["--dry-run", "--job.config_file", recipe]) == 0  # its Mistral tokenizer is not on disk here
+    out = capsys.readouterr().out
+    assert "341,609,856 parameters, vocab 32000" in out and "vocabulary 32000 from model.vocab_size" in out
+    assert main(["--dry-run", "--job.config_file", DEBUG, "--model.tokenizer_path", str(tmp_path / "none")]) == 2
+    assert "model.vocab_size: needed for a dry run without the tokenizer" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="model.vocab_size: 32000 differs from the 8192 entries"):
+        Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path), "--model.vocab_size", "32000"]))
