@@ -451,13 +451,37 @@ class Checkpointer:
             logger.info("checkpoint: step %d staged in %.2f s; writing in the background to %s", step,
                         time.perf_counter() - begin, tmp)
             return step_folder(self.folder, step)
-        with _single_process_quiet():
+        with self._write_errors(tmp), _single_process_quiet():
             dcp.save(self._save_state(), storage_writer=writer, no_dist=not self.distributed)
         self._barrier()
-        self._finalize(step)
+        with self._write_errors(tmp):
+            self._finalize(step)
         logger.info("checkpoint: saved step %d to %s in %.2f s", step, step_folder(self.folder, step),
                     time.perf_counter() - begin)
         return step_folder(self.folder, step)
+
+    @contextmanager
+    def _write_errors(self, tmp: Path):
+        """A failed write (a full disk above all: DCP then reports only "unexpected pos ...") becomes one
+        :class:`CheckpointError` naming the folder, the free space and the fix; the partial folder is removed and
+        the earlier checkpoints stay as they were."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException; torch.save raises many types
+            free = shutil.disk_usage(self.folder if self.folder.exists() else self.folder.parent).free
+            cause, seen = error, [str(error)]
+            while cause.__cause__ is not None or cause.__context__ is not None:
+                cause = cause.__cause__ or cause.__context__
+                seen.append(str(cause))
+            full = free < (64 << 20) or any("No space" in text or "unexpected pos" in text for text in seen)
+            shutil.rmtree(tmp, ignore_errors=True)
+            what = "no space left on the device" if full else f"{type(error).__name__}: {str(error)[:200]}"
+            raise CheckpointError(
+                f"checkpoint: writing {tmp} failed ({what}; {free / 2**30:.2f} GiB free there); free space or set "
+                f"job.dump_folder / checkpoint.folder elsewhere; the earlier checkpoints in {self.folder} are "
+                "intact") from error
 
     def _poll_pending(self) -> None:
         """Rank 0 finalises a background save as soon as it is done (the other ranks only join it later)."""
@@ -470,8 +494,10 @@ class Checkpointer:
         if pending is None:
             return
         begin = time.perf_counter()
-        pending.future.result()
-        self._finalize(pending.step)
+        tmp = self.folder / f"{STEP_PREFIX}{pending.step}{TMP_SUFFIX}"
+        with self._write_errors(tmp):
+            pending.future.result()
+            self._finalize(pending.step)
         logger.info("checkpoint: background save of step %d complete (waited %.2f s)", pending.step,
                     time.perf_counter() - begin)
 
@@ -624,10 +650,12 @@ class Checkpointer:
         keys = _keys(metadata)
         state = dict(self.states)
         train_state = self.states["train_state"]
-        saved_counters = {k.split(".", 1)[1] for k in keys if k.startswith("train_state.")}
-        if set(train_state.state_dict()) - saved_counters:
-            # A checkpoint from before a counter existed: load the counters it has, keep the others' defaults.
-            state["train_state"] = _Subset(train_state, saved_counters)
+        for name in ("train_state", "dataloader"):
+            saved = {k.split(".", 1)[1] for k in keys if k.startswith(name + ".")}
+            if set(self.states[name].state_dict()) - saved:
+                # A checkpoint from before a field existed: load the fields it has; the part's load_state_dict
+                # decides what a missing one means.
+                state[name] = _Subset(self.states[name], saved)
         own = f"rng.rank{self.rank}"
         rng_key = own if own in keys else ("rng.rank0" if "rng.rank0" in keys else None)
         if rng_key is not None:
@@ -636,8 +664,11 @@ class Checkpointer:
         if "info.world_size" in keys:
             state["info"] = info
         begin = time.perf_counter()
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not self.distributed)
+        try:
+            with _single_process_quiet():
+                dcp.load(state, checkpoint_id=str(path), no_dist=not self.distributed)
+        except ValueError as error:  # a part's load_state_dict refused the saved state (e.g. the data loader's)
+            raise CheckpointMismatchError(f"checkpoint {path} does not fit this run: {error}") from error
         if rng_key is not None:
             set_rng_state(state["rng"][rng_key.split(".", 1)[1]])
             if rng_key != own:
@@ -681,7 +712,7 @@ class _Subset:
         return {k: v for k, v in self.inner.state_dict().items() if k in self.keys}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict({**self.inner.state_dict(), **state})
+        self.inner.load_state_dict(state)
 
 
 def _first_failure(error: BaseException) -> str:

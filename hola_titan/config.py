@@ -279,6 +279,10 @@ class Data:
     varlen: bool = True
     """Pack documents into rows with document boundaries (no attention or state across documents); false:
     plain concatenation, every row one causal sequence."""
+    holdout_every: int = 100
+    """Local data without ``train``/``validation`` sub-folders (one file, a glob, a plain folder): every N-th
+    document in reading order is held out for validation and never trained on. 0: no hold-out (validation on
+    such data is then refused: it would read training documents). Bundled and hub data have their own splits."""
     num_workers: int = 0
     """Data-loader worker processes per rank."""
 
@@ -343,6 +347,7 @@ _MINIMUM: dict[str, float] = {
     "validation.freq": 1,
     "validation.steps": 1,
     "data.num_workers": 0,
+    "data.holdout_every": 0,
 }
 _POSITIVE = ("optimizer.lr", "optimizer.eps")
 
@@ -591,9 +596,13 @@ def resolve_degrees(parallelism: Parallelism, training: Training, *, world_size:
     others = rep * tp * cp
     if shard == -1:
         if world_size % others:
-            raise ConfigError("parallelism.data_parallel_shard_degree",
-                              f"cannot fill world size {world_size}: replicate {rep} x tensor {tp} x context {cp} "
-                              f"= {others} does not divide it")
+            # The shard degree is filled in automatically: the keys at fault are the degrees that were set.
+            key = next((k for k, v in (("parallelism.tensor_parallel_degree", tp),
+                                       ("parallelism.context_parallel_degree", cp),
+                                       ("parallelism.data_parallel_replicate_degree", rep)) if v > 1),
+                       "parallelism.tensor_parallel_degree")
+            raise ConfigError(key, f"replicate {rep} x tensor {tp} x context {cp} = {others} does not divide the "
+                              f"{world_size} processes of this run")
         shard = world_size // others
     if shard * others != world_size:
         raise ConfigError("parallelism.data_parallel_shard_degree",

@@ -24,6 +24,7 @@ the device and sharded.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import logging
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hola_titan.checkpoint import CheckpointError, Checkpointer
+from hola_titan.data.sources import DataError
 from hola_titan.config import (ConfigError, JobConfig, parse_config, resolve_degrees, to_toml, validate,
                                write_resolved)
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
@@ -242,13 +244,17 @@ class Trainer:
         common = dict(dataset=data.dataset, tokenizer=self.tokenizer, seq_len=config.training.seq_len,
                       local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
                       dp_world_size=self.dp_size, varlen=data.varlen, text_field=data.text_field,
-                      dataset_config=data.dataset_config, streaming=data.streaming)
+                      dataset_config=data.dataset_config, streaming=data.streaming,
+                      holdout_every=data.holdout_every)
         self.dataloader = build_dataloader(split=data.split, seed=config.training.seed, **common)
         self.val_loader_args = None
         if config.validation.enable:
             # The held-out split of the training data, or another dataset's validation split.
+            # A separate validation dataset is read whole; the training data gives its held-out documents.
+            separate = config.validation.dataset not in (None, data.dataset)
             self.val_loader_args = dict(common, dataset=config.validation.dataset or data.dataset,
-                                        split="validation", max_batches=config.validation.steps)
+                                        split="validation", max_batches=config.validation.steps,
+                                        holdout_every=None if separate else data.holdout_every)
         self._build_val = build_validation_dataloader
         self.state = TrainState()
         self._restore_guard_state()
@@ -701,8 +707,14 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if dist.is_initialized():
             dist.barrier()
-    except (ConfigError, NonFiniteLossError, FileNotFoundError, CheckpointError) as err:
+    except (ConfigError, NonFiniteLossError, FileNotFoundError, CheckpointError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        print(f"error: no space left on the device writing {err.filename or 'the run folder'}: free space or set "
+              "job.dump_folder elsewhere (the checkpoints written so far are intact)", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():

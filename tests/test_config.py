@@ -183,7 +183,7 @@ def test_resolve_degrees_fills_shard_and_accumulates():
 
 @pytest.mark.parametrize("argv, world_size, key, match", [
     (["--parallelism.data_parallel_shard_degree", "2"], 4, "parallelism.data_parallel_shard_degree", "world size is 4"),
-    (["--parallelism.tensor_parallel_degree", "3"], 4, "parallelism.data_parallel_shard_degree", "cannot fill"),
+    (["--parallelism.tensor_parallel_degree", "3"], 4, "parallelism.tensor_parallel_degree", "does not divide the 4"),
     (["--parallelism.tensor_parallel_degree", "4"], 4, "parallelism.tensor_parallel_degree", "2 heads"),
     (["--training.seq_len", "100"], 1, "training.seq_len", "block 32"),
     (["--training.seq_len", "64", "--parallelism.context_parallel_degree", "4"], 4, "training.seq_len", "128"),

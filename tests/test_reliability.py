@@ -265,3 +265,72 @@ def test_dry_run_of_a_recipe_needs_no_tokenizer(tmp_path, capsys):
     assert "model.vocab_size: needed for a dry run without the tokenizer" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="model.vocab_size: 32000 differs from the 8192 entries"):
         Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path), "--model.vocab_size", "32000"]))
+
+
+@pytest.mark.parametrize("case", ["empty", "not_json", "other_field", "no_such_folder", "tp_degree"])
+def test_data_and_layout_errors_are_one_line_with_exit_2(tmp_path, case):
+    data = tmp_path / "data.jsonl"
+    extra = ["--data.dataset", str(data)]
+    if case == "empty":
+        data.write_text("")
+        expected = "has no document with at least one token"
+    elif case == "not_json":
+        data.write_text('{"text": "one two three"}\nnot json\n')
+        expected = f"{data} line 2: not valid JSON"
+    elif case == "other_field":
+        data.write_text("".join(json.dumps({"body": f"document {i} of words"}) + "\n" for i in range(20)))
+        expected = "no text field 'text' (fields: body); set data.text_field"
+    elif case == "no_such_folder":
+        extra = ["--data.dataset", "my_corpus_folder"]
+        expected = "'my_corpus_folder' is no local file or folder"
+    else:
+        extra = ["--parallelism.tensor_parallel_degree", "3"]
+        expected = "parallelism.tensor_parallel_degree: replicate 1 x tensor 3 x context 1 = 3 does not divide the 2"
+    env = _env() | ({"WORLD_SIZE": "2"} if case == "tp_degree" else {})
+    begin = time.time()
+    result = subprocess.run([sys.executable, "-m", "hola_titan.train", *FAST, "--job.dump_folder", str(tmp_path / "run"),
+                             "--training.steps", "2", *extra], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and expected in lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and time.time() - begin < 60
+
+
+def test_validation_never_reads_the_training_documents(tmp_path):
+    from hola_titan.data.sources import DataError, read_documents, resolve_source
+
+    docs = [f"document number {i} with a few words, and some more of them to fill the rows" for i in range(250)]
+    path = tmp_path / "one_file.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    train = list(read_documents(resolve_source(str(path), split="train", holdout_every=10)))
+    held = list(read_documents(resolve_source(str(path), split="validation", holdout_every=10)))
+    assert held == docs[9::10] and len(train) == 225 and not set(train) & set(held)
+    with pytest.raises(DataError, match="without a hold-out its validation rows would be training documents"):
+        resolve_source(str(path), split="validation", holdout_every=0)
+    # Through the trainer: validation on the one file is the held-out tenth.
+    trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "run"), "--data.dataset", str(path),
+                                    "--data.holdout_every", "10", "--validation.enable", "true",
+                                    "--training.seq_len", "32", "--validation.steps", "1"]))
+    assert trainer.val_loader_args["holdout_every"] == 10
+    val = trainer._build_val(**trainer.val_loader_args)
+    assert val.holdout == "validation/10" and trainer.dataloader.holdout == "train/10"
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from hola_titan.checkpoint import CheckpointError
+
+    run = [*FAST, "--checkpoint.enable", "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]
+    Trainer(parse_config([*run, "--training.steps", "2"])).train()
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    trainer = Trainer(parse_config([*run, "--training.steps", "4"]))
+    with pytest.raises(CheckpointError, match=r"writing .*step-4.tmp failed \(no space left on the device; .* GiB "
+                                              r"free there\).* earlier checkpoints .* are intact"):
+        trainer.train()
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from hola_titan.data.packing import Batch, RowLoader, pack_rows
-from hola_titan.data.sources import Source, TxtDocuments, hub_documents, read_documents, resolve_source
+from hola_titan.data.sources import DataError, Source, TxtDocuments, hub_documents, read_documents, resolve_source
 from hola_titan.data.synthetic import MqarLoader, build_synthetic_dataloader, is_synthetic
 from hola_titan.data.token_stream import InMemoryTokenStream, StreamingTokenStream, tokenize_documents
 from hola_titan.data.tokenizer import Tokenizer
@@ -63,11 +63,14 @@ class PackedDataLoader(RowLoader):
         seed: recorded in the state (it decides the document order of shuffled data).
         num_batches: None: endless and stateful (training); an int: every iteration yields the same first
             ``num_batches`` batches (validation).
+        holdout: the source's hold-out (``Source.holdout_tag``), recorded and checked on resume.
     """
 
     def __init__(self, stream: TokenStream, *, seq_len: int, local_batch_size: int, dp_rank: int,
-                 dp_world_size: int, eos_id: int, varlen: bool, seed: int, num_batches: int | None = None) -> None:
+                 dp_world_size: int, eos_id: int, varlen: bool, seed: int, num_batches: int | None = None,
+                 holdout: str = "none") -> None:
         self.stream = stream
+        self.holdout = holdout
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
@@ -114,6 +117,7 @@ class PackedDataLoader(RowLoader):
             "seq_len": self.seq_len,
             "seed": self.seed,
             "shuffle": self.shuffle,
+            "holdout": self.holdout,
             **{f"stream_{key}": value for key, value in self._resume_point.items()},
         }
 
@@ -130,6 +134,11 @@ class PackedDataLoader(RowLoader):
             if state_dict.get(key) != getattr(self, key):
                 raise ValueError(f"data loader state was saved with {key}={state_dict.get(key)}, this loader has "
                                  f"{key}={getattr(self, key)}")
+        saved_holdout = state_dict.get("holdout", "none")  # states from before the hold-out had none
+        if saved_holdout != self.holdout:
+            raise ValueError(f"data.holdout_every: the checkpoint's run read the documents with hold-out "
+                             f"{saved_holdout}, this run with {self.holdout} (another document stream); set "
+                             "data.holdout_every to what the run used (0 for a run from before the hold-out)")
         rows = int(state_dict["global_rows_consumed"])
         point = {key[len("stream_"):]: int(value) for key, value in state_dict.items() if key.startswith("stream_")}
         if isinstance(self.stream, StreamingTokenStream):
@@ -188,6 +197,10 @@ def _build_stream(source: Source, tokenizer: Tokenizer, *, streaming: bool | Non
             return hub_documents(source, streaming=True, skip=skip)
         return StreamingTokenStream(open_documents, tokenizer, epochs=epochs)
     tokens, offsets = _tokenized(source, tokenizer, streaming=False)
+    if len(offsets) < 2 or offsets[-1] == 0:
+        files = ", ".join(str(f) for f in source.files[:3]) + (" ..." if len(source.files) > 3 else "")
+        raise DataError(f"data.dataset: {source.dataset!r} split {source.split!r} ({files}) has no document with at "
+                        "least one token: is the file empty, or is the text under another field (data.text_field)?")
     return InMemoryTokenStream(tokens, offsets, shuffle=shuffle, seed=seed, epochs=epochs)
 
 
@@ -207,6 +220,7 @@ def build_dataloader(
     dataset_config: str | None = None,
     streaming: bool | None = None,
     txt_documents: TxtDocuments = "paragraph",
+    holdout_every: int | None = None,
 ) -> PackedDataLoader | MqarLoader:
     """Endless, resumable training loader for one data-parallel rank (module docstring).
 
@@ -227,6 +241,8 @@ def build_dataloader(
         streaming: hub data only: stream (True, also when None) or download the split and hold it in memory
             (False; then it is shuffled like local data). Bundled and local data are always held in memory.
         txt_documents: ``.txt`` files: ``paragraph`` (blank-line separated blocks) or ``file``.
+        holdout_every: local data without split folders: every N-th document is held out for validation and
+            never read here (``hola_titan.data.sources``); 0 or None: none.
     """
     _check_args(tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
                 dp_world_size=dp_world_size)
@@ -235,10 +251,11 @@ def build_dataloader(
                                           local_batch_size=local_batch_size, dp_rank=dp_rank,
                                           dp_world_size=dp_world_size, seed=seed, split=split)
     source = resolve_source(dataset, split=split, text_field=text_field, dataset_config=dataset_config,
-                            txt_documents=txt_documents)
+                            txt_documents=txt_documents, holdout_every=holdout_every)
     stream = _build_stream(source, tokenizer, streaming=streaming, shuffle=shuffle, seed=seed, epochs=None)
     return PackedDataLoader(stream, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
-                            dp_world_size=dp_world_size, eos_id=tokenizer.eos_id, varlen=varlen, seed=seed)
+                            dp_world_size=dp_world_size, eos_id=tokenizer.eos_id, varlen=varlen, seed=seed,
+                            holdout=source.holdout_tag)
 
 
 def build_validation_dataloader(
@@ -256,6 +273,7 @@ def build_validation_dataloader(
     streaming: bool | None = None,
     txt_documents: TxtDocuments = "paragraph",
     max_batches: int | None = None,
+    holdout_every: int | None = None,
 ) -> PackedDataLoader | MqarLoader:
     """Loader over fixed held-out rows: the first epoch of ``split`` in stored order, the same every iteration.
 
@@ -276,7 +294,7 @@ def build_validation_dataloader(
                                           dp_world_size=dp_world_size, seed=0, split=split, num_batches=max_batches,
                                           validation=True)
     source = resolve_source(dataset, split=split, text_field=text_field, dataset_config=dataset_config,
-                            txt_documents=txt_documents)
+                            txt_documents=txt_documents, holdout_every=holdout_every)
     stream = _build_stream(source, tokenizer, streaming=streaming, shuffle=False, seed=0, epochs=1)
     global_rows = dp_world_size * local_batch_size
     if isinstance(stream, InMemoryTokenStream):
@@ -284,8 +302,9 @@ def build_validation_dataloader(
         available_rows = (stream.epoch_len - 1) // seq_len
         num_batches = available_rows // global_rows
         if num_batches == 0:
-            raise ValueError(f"validation data {dataset!r} split {split!r} has {stream.epoch_len} tokens, fewer "
-                             f"than one global batch of {global_rows} rows x {seq_len} tokens")
+            raise DataError(f"validation data {dataset!r} split {split!r} ({source.holdout_tag} hold-out) has "
+                            f"{stream.epoch_len} tokens, fewer than one global batch of {global_rows} rows x {seq_len} "
+                            "tokens; lower data.holdout_every, or use validation.dataset")
         if max_batches is not None:
             num_batches = min(num_batches, max_batches)
     elif max_batches is None:
@@ -294,4 +313,4 @@ def build_validation_dataloader(
         num_batches = max_batches
     return PackedDataLoader(stream, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
                             dp_world_size=dp_world_size, eos_id=tokenizer.eos_id, varlen=varlen, seed=0,
-                            num_batches=num_batches)
+                            num_batches=num_batches, holdout=source.holdout_tag)

@@ -13,11 +13,19 @@ A ``dataset`` string is resolved by :func:`resolve_source`:
   A string is taken as local when it exists, contains a glob character, starts with ``/``, ``.`` or ``~``, ends
   with one of the suffixes above, or has more than one ``/``; a local path that does not exist raises
   ``FileNotFoundError``.
-* Anything else is a hub name (``owner/name``), read with ``datasets.load_dataset(name, dataset_config,
-  split=split, streaming=...)``. ``datasets`` is imported only here, so bundled and local data work without it.
+* Anything else with one ``/`` is a hub name (``owner/name``), read with ``datasets.load_dataset(name,
+  dataset_config, split=split, streaming=...)``. ``datasets`` is imported only here, so bundled and local data work
+  without it. A name without ``/`` that is no local path is refused at once (a mistyped folder would otherwise
+  spend half a minute retrying the hub); the hub's legacy short names have ``owner/name`` forms (``wikitext`` is
+  ``Salesforce/wikitext``).
 
-A record whose text field is missing or not a string raises ``ValueError`` naming the file, the record and the
-field.
+Hold-out: local data without a split sub-folder has no validation documents of its own. With ``holdout_every = N``
+(``data.holdout_every``), every N-th document in reading order (index N-1, 2N-1, ...) belongs to the
+``validation`` split and is never read for any other split; with 0 there is no hold-out and asking such data for
+its ``validation`` split is an error (it would read the training documents).
+
+Problems with the data raise :class:`DataError` (a ``ValueError``) with one line naming the file, the record and
+the fix; a path that does not exist raises ``FileNotFoundError``.
 """
 
 from __future__ import annotations
@@ -41,6 +49,10 @@ TEXT_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt", ".jsonl.gz", ".json.gz",
 TxtDocuments = Literal["paragraph", "file"]
 
 
+class DataError(ValueError):
+    """A problem with the documents or their location; one line naming the file (and the record) and the fix."""
+
+
 @dataclass(frozen=True)
 class Source:
     """A resolved ``dataset`` argument."""
@@ -55,11 +67,20 @@ class Source:
     dataset_config: str | None = None
     """Hub only: the configuration (subset) name."""
     txt_documents: TxtDocuments = "paragraph"
+    holdout: Literal["train", "validation"] | None = None
+    """Local data without split folders: which side of the hold-out this source reads (module docstring)."""
+    holdout_every: int = 0
+
+    @property
+    def holdout_tag(self) -> str:
+        """``"none"`` or e.g. ``"train/100"``: what a resumed loader checks."""
+        return "none" if self.holdout is None else f"{self.holdout}/{self.holdout_every}"
 
     def cache_key(self) -> tuple[Any, ...]:
         """Identifies the documents this source yields (file sizes and modification times included)."""
         stats = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in self.files)
-        return (self.kind, self.dataset, self.split, self.text_field, self.dataset_config, self.txt_documents, stats)
+        return (self.kind, self.dataset, self.split, self.text_field, self.dataset_config, self.txt_documents, stats,
+                self.holdout_tag)
 
 
 def _looks_local(dataset: str) -> bool:
@@ -72,11 +93,16 @@ def _has_text_suffix(path: Path) -> bool:
 
 
 def resolve_source(dataset: str, *, split: str, text_field: str = "text", dataset_config: str | None = None,
-                   txt_documents: TxtDocuments = "paragraph") -> Source:
+                   txt_documents: TxtDocuments = "paragraph", holdout_every: int | None = None) -> Source:
     """Resolve ``dataset`` (module docstring) without reading any document.
+
+    ``holdout_every``: the hold-out of local data without split folders (module docstring); None reads such
+    data whole (an evaluation file, a separate validation dataset).
 
     Raises:
         FileNotFoundError: a local path that does not exist or holds no readable file.
+        DataError: a name that is neither a local path nor ``owner/name``; the ``validation`` split of local data
+            without one when ``holdout_every`` is 0.
         ValueError: an unknown bundled split, an empty ``text_field``, or an unknown ``txt_documents``.
     """
     if not text_field:
@@ -92,16 +118,22 @@ def resolve_source(dataset: str, *, split: str, text_field: str = "text", datase
                                     "scripts/build_bundled_data.py")
         return Source(kind="bundled", dataset=dataset, split=split, text_field="text", files=(file,))
     if not _looks_local(dataset):
+        if "/" not in dataset:
+            raise DataError(f"data.dataset: {dataset!r} is no local file or folder, and hub datasets are named "
+                            "owner/name (e.g. Salesforce/wikitext); for a local folder check the path")
         return Source(kind="hub", dataset=dataset, split=split, text_field=text_field,
                       dataset_config=dataset_config)
 
     path = Path(dataset).expanduser()
+    split_folder = False
     if path.is_file():
         if not _has_text_suffix(path):
-            raise ValueError(f"dataset {dataset!r}: unsupported file type (expected one of {TEXT_SUFFIXES})")
+            raise DataError(f"data.dataset: {dataset!r} has an unsupported file type (expected one of "
+                            f"{', '.join(TEXT_SUFFIXES)})")
         files = [path]
     elif path.is_dir():
-        folder = path / split if (path / split).is_dir() else path
+        split_folder = (path / split).is_dir()
+        folder = path / split if split_folder else path
         files = sorted(p for p in folder.rglob("*") if p.is_file() and _has_text_suffix(p))
     elif any(c in dataset for c in "*?["):
         files = sorted(p for p in map(Path, glob.glob(os.path.expanduser(dataset), recursive=True))
@@ -110,8 +142,16 @@ def resolve_source(dataset: str, *, split: str, text_field: str = "text", datase
         raise FileNotFoundError(f"dataset path {dataset!r} does not exist")
     if not files:
         raise FileNotFoundError(f"dataset path {dataset!r} matches no {'/'.join(TEXT_SUFFIXES)} file")
+    holdout = None
+    if not split_folder and holdout_every is not None:
+        if holdout_every > 0:
+            holdout = "validation" if split == "validation" else "train"
+        elif split == "validation":
+            raise DataError(f"data: {dataset!r} has no validation folder, and without a hold-out its validation "
+                            "rows would be training documents; set data.holdout_every (every N-th document held "
+                            "out) or validation.dataset, or validation.enable = false")
     return Source(kind="local", dataset=dataset, split=split, text_field=text_field, files=tuple(files),
-                  txt_documents=txt_documents)
+                  txt_documents=txt_documents, holdout=holdout, holdout_every=holdout_every if holdout else 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -127,12 +167,14 @@ def _open_text(path: Path) -> io.TextIOBase:
 
 def _field(record: Any, field: str, where: str) -> str:
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object with a {field!r} field, got {type(record).__name__}")
+        raise DataError(f"{where}: expected a JSON object with a {field!r} field, got {type(record).__name__}")
     if field not in record:
-        raise ValueError(f"{where}: no text field {field!r} (fields: {', '.join(map(str, record)) or 'none'})")
+        raise DataError(f"{where}: no text field {field!r} (fields: {', '.join(map(str, record)) or 'none'}); set "
+                        "data.text_field to the field that holds the text")
     value = record[field]
     if not isinstance(value, str):
-        raise ValueError(f"{where}: text field {field!r} holds {type(value).__name__}, not a string")
+        raise DataError(f"{where}: text field {field!r} holds {type(value).__name__}, not a string (data.text_field "
+                        "names the text)")
     return value
 
 
@@ -146,7 +188,7 @@ def _json_documents(path: Path, field: str) -> Iterator[str]:
             records = None  # several values: JSON Lines in a .json file
         if records is not None:
             if not isinstance(records, list):
-                raise ValueError(f"{path}: expected a JSON list of objects or JSON Lines")
+                raise DataError(f"{path}: expected a JSON list of objects or JSON Lines")
             for index, record in enumerate(records):
                 yield _field(record, field, f"{path} item {index}")
             return
@@ -155,7 +197,7 @@ def _json_documents(path: Path, field: str) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path} line {number}: not valid JSON ({error})") from error
+                raise DataError(f"{path} line {number}: not valid JSON ({error}); fix or remove the line") from error
             yield _field(record, field, f"{path} line {number}")
 
 
@@ -167,12 +209,13 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
     parquet = pq.ParquetFile(path)
     names = parquet.schema_arrow.names
     if field not in names:
-        raise ValueError(f"{path}: no text field {field!r} (columns: {', '.join(names)})")
+        raise DataError(f"{path}: no text field {field!r} (columns: {', '.join(names)}); set data.text_field to the "
+                        "column that holds the text")
     row = 0
     for batch in parquet.iter_batches(columns=[field], batch_size=4096):
         for value in batch.column(0).to_pylist():
             if not isinstance(value, str):
-                raise ValueError(f"{path} row {row}: text field {field!r} holds {type(value).__name__}, not a string")
+                raise DataError(f"{path} row {row}: text field {field!r} holds {type(value).__name__}, not a string")
             row += 1
             yield value
 
@@ -191,9 +234,20 @@ def _txt_documents(path: Path, mode: TxtDocuments) -> Iterator[str]:
 
 
 def read_documents(source: Source) -> Iterator[str]:
-    """Documents of a bundled or local source, in order (a finite iterator)."""
+    """Documents of a bundled or local source, in order (a finite iterator), the hold-out applied."""
     if source.kind == "hub":
         raise ValueError(f"dataset {source.dataset!r} is a hub dataset; use hub_documents")
+    documents = _all_documents(source)
+    if source.holdout is None:
+        yield from documents
+        return
+    held_out = source.holdout == "validation"
+    for index, text in enumerate(documents):
+        if (index % source.holdout_every == source.holdout_every - 1) == held_out:
+            yield text
+
+
+def _all_documents(source: Source) -> Iterator[str]:
     for path in source.files:
         name = path.name
         if name.endswith(".parquet"):
@@ -214,8 +268,8 @@ def hub_documents(source: Source, *, streaming: bool, skip: int = 0) -> Iterator
     data = datasets.load_dataset(source.dataset, source.dataset_config, split=source.split, streaming=streaming)
     columns = getattr(data, "column_names", None)
     if columns is not None and source.text_field not in columns:
-        raise ValueError(f"dataset {source.dataset!r}: no text field {source.text_field!r} "
-                         f"(columns: {', '.join(columns)})")
+        raise DataError(f"dataset {source.dataset!r}: no text field {source.text_field!r} "
+                        f"(columns: {', '.join(columns)}); set data.text_field to the column that holds the text")
     if skip:
         data = data.skip(skip) if hasattr(data, "skip") else data.select(range(skip, len(data)))
     records: Iterable[Any] = data
