@@ -44,12 +44,38 @@ export PYTHONUNBUFFERED=1
 # Restarted ranks must not reuse the previous attempt's store addresses (torchrun restarts with gloo failed 2 in 3
 # without it: pytorch/pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# Check the launch in one process first: a config, data or run-folder mistake ends here, in one line, exit 2.
+folder_check=()
+[ "$NODE_RANK" -gt 0 ] && folder_check=(--no-folder-check)
+WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m hola_titan.preflight "${folder_check[@]}" \
+  --job.config_file "$CONFIG_FILE" "${overrides[@]}" || exit $?
+# A worker that stops on an error of its own (exit 2, one line) leaves the line here; torchrun's failure report is
+# then dropped, and this script exits 2.
+work=$(mktemp -d "${TMPDIR:-/tmp}/run_train.XXXXXX")
+export HOLA_TITAN_ERROR_FILE="$work/error"
+mkfifo "$work/stderr"
+# torchrun's own lines (no [rankN] prefix) wait until the next worker line or the end; the rest passes at once.
+filter() {
+  local held=() line
+  while IFS= read -r line || [ -n "$line" ]; do
+    if [[ $line == \[rank* ]]; then
+      if [ ${#held[@]} -gt 0 ]; then printf '%s\n' "${held[@]}"; held=(); fi
+      printf '%s\n' "$line"
+    else
+      held+=("$line")
+    fi
+  done
+  if [ ! -s "$HOLA_TITAN_ERROR_FILE" ] && [ ${#held[@]} -gt 0 ]; then printf '%s\n' "${held[@]}"; fi
+}
+# The filter outlives a signal to the whole job (it must print the workers' last lines).
+( trap '' TERM USR1; filter ) < "$work/stderr" >&2 &
+filtering=$!
 # SIGTERM (a scheduler's warning before a kill) and SIGUSR1 go to the workers, which save a checkpoint at the next
 # step boundary and exit cleanly. torchrun itself ignores both (it would otherwise stop the workers at once and end
 # with a traceback), whether the signal is sent to this script or to every process of the job.
 ( trap '' TERM USR1; exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${rdzv[@]}" \
     --max-restarts "$MAX_RESTARTS" --signals-to-handle SIGINT,SIGHUP,SIGQUIT --local-ranks-filter "$LOG_RANK" \
-    --role rank --tee 3 -m hola_titan.train --job.config_file "$CONFIG_FILE" "${overrides[@]}" ) &
+    --role rank --tee 3 -m hola_titan.train --job.config_file "$CONFIG_FILE" "${overrides[@]}" ) 2> "$work/stderr" &
 launcher=$!
 forward() { pkill "-$1" -P "$launcher" 2>/dev/null || true; }
 trap 'forward TERM' TERM
@@ -60,4 +86,7 @@ while true; do
   # wait returns early (status > 128) when a trapped signal arrives; the launcher is still running then.
   if ! kill -0 "$launcher" 2>/dev/null; then break; fi
 done
+wait "$filtering" || true
+if [ -s "$HOLA_TITAN_ERROR_FILE" ]; then status=2; fi
+rm -rf "$work"
 exit "$status"

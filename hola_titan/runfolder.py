@@ -91,6 +91,21 @@ class RunFolderLock:
         self._key = key
         return self
 
+    def probe(self) -> None:
+        """Raise :class:`FolderInUseError` when another process holds the lock; take nothing and write nothing."""
+        path = self.folder / LOCK_NAME
+        if not path.is_file() or str(path.resolve()) in _HELD:
+            return
+        with open(path) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as error:
+                if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                raise FolderInUseError(f"{self.folder} is in use by {_describe(_read(handle.read()))}; stop that run "
+                                       "or choose another job.dump_folder") from None
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
     def release(self) -> None:
         """Give the lock back (the last user in this process closes it). Idempotent."""
         key, self._key = self._key, None
@@ -100,6 +115,10 @@ class RunFolderLock:
         held.users -= 1
         if held.users == 0:
             del _HELD[key]
+            # A clean release empties the file: what is left in it names a holder that ended without releasing.
+            held.handle.seek(0)
+            held.handle.truncate()
+            held.handle.flush()
             fcntl.flock(held.handle, fcntl.LOCK_UN)
             held.handle.close()
 

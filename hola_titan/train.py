@@ -686,6 +686,22 @@ def dry_run(config: JobConfig) -> None:
     print(f"training FLOPs per token: {flops['total'] / 1e9:.3f} GFLOP ({parts}) at seq_len {config.training.seq_len}")
 
 
+def _one_line_error(message: str) -> int:
+    """Print ``error: <message>`` and return exit status 2; under ``run_train.sh`` also leave the line in the file
+    it names (``HOLA_TITAN_ERROR_FILE``), so that the launcher ends with status 2 and without torchrun's failure
+    report."""
+    line = f"error: {message}"
+    print(line, file=sys.stderr)
+    target = os.environ.get("HOLA_TITAN_ERROR_FILE")
+    if target:
+        try:
+            with open(target, "a") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass  # a full disk may be why we are here; the printed line stands
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", 0))
@@ -708,14 +724,12 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.barrier()
     except (ConfigError, NonFiniteLossError, FileNotFoundError, CheckpointError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _one_line_error(str(err))
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise
-        print(f"error: no space left on the device writing {err.filename or 'the run folder'}: free space or set "
-              "job.dump_folder elsewhere (the checkpoints written so far are intact)", file=sys.stderr)
-        return 2
+        return _one_line_error(f"no space left on the device writing {err.filename or 'the run folder'}: free space "
+                               "or set job.dump_folder elsewhere (the checkpoints written so far are intact)")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -334,3 +334,24 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_earlier_checkpoints
                                               r"free there\).* earlier checkpoints .* are intact"):
         trainer.train()
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
+
+
+@pytest.mark.parametrize("case", ["config", "data"])
+def test_run_train_sh_ends_a_one_line_error_with_exit_2_and_no_torchrun_report(tmp_path, case):
+    """A config mistake stops in the preflight, before torchrun starts; an error a worker stops on (here the
+    data) is its one line, without torchrun's failure report."""
+    if case == "config":
+        extra, expected = ["--parallelism.tensor_parallel_degree", "3"], "parallelism.tensor_parallel_degree:"
+    else:
+        data = tmp_path / "data.jsonl"
+        data.write_text('{"text": "one two three"}\nnot json\n')
+        extra, expected = ["--data.dataset", str(data)], "line 2: not valid JSON"
+    env = _env() | {"NGPU": "2", "CONFIG_FILE": DEBUG, "PYTHON": sys.executable, "LOG_RANK": "0"}
+    result = subprocess.run([str(ROOT / "run_train.sh"), *FAST[2:], "--job.dump_folder", str(tmp_path / "run"),
+                             "--training.steps", "2", *extra], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and expected in errors[0], output[-3000:]
+    assert "ChildFailedError" not in output and "Traceback" not in output, output[-3000:]

@@ -1,0 +1,66 @@
+"""Checks a launch before ``torchrun`` starts: ``python -m hola_titan.preflight [--no-folder-check] [--section.key
+value ...]``.
+
+``run_train.sh`` runs it once, in one process, with ``WORLD_SIZE`` set to the processes the launch will start, so
+that a mistake ends in one line and exit status 2 instead of a worker's error inside torchrun's failure report.
+It checks what can be checked without building the model: the config and its cross-field rules at that world
+size, the parallel degrees, the tokenizer, the training (and validation) data source, and that no other run holds
+the run folder. A dry run (``--dry-run``) needs only the config.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def preflight(argv: list[str], *, folder_check: bool = True) -> None:
+    """Raise ``ConfigError``, ``DataError`` or ``FileNotFoundError`` with one line; return when the launch looks
+    sound. ``folder_check``: also check that no other run holds the run folder (the launching node of a
+    multi-node run; on the others the run's own rank 0 may already hold it)."""
+    from hola_titan.config import ConfigError, parse_config, resolve_degrees, validate
+
+    config = parse_config(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    validate(config, world_size=world_size)
+    resolve_degrees(config.parallelism, config.training, world_size=world_size)
+    if config.dry_run:
+        return
+    from hola_titan.data import load_tokenizer
+    from hola_titan.data.sources import resolve_source
+    from hola_titan.data.synthetic import is_synthetic
+    from hola_titan.runfolder import FolderInUseError, RunFolderLock
+
+    load_tokenizer(config.model.tokenizer_path)
+    data = config.data
+    if not is_synthetic(data.dataset):
+        resolve_source(data.dataset, split=data.split, text_field=data.text_field, dataset_config=data.dataset_config,
+                       holdout_every=data.holdout_every)
+        if config.validation.enable and config.validation.dataset in (None, data.dataset):
+            resolve_source(data.dataset, split="validation", text_field=data.text_field,
+                           dataset_config=data.dataset_config, holdout_every=data.holdout_every)
+    if folder_check:
+        try:
+            RunFolderLock(config.job.dump_folder).probe()
+        except FolderInUseError as err:
+            raise ConfigError("job.dump_folder", str(err)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hola_titan.checkpoint import CheckpointError
+    from hola_titan.config import ConfigError
+    from hola_titan.data.sources import DataError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    folder_check = "--no-folder-check" not in argv
+    argv = [a for a in argv if a != "--no-folder-check"]
+    try:
+        preflight(argv, folder_check=folder_check)
+    except (ConfigError, DataError, FileNotFoundError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
