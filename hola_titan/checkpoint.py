@@ -355,11 +355,16 @@ class Checkpointer:
         model, optimizer, lr_scheduler, dataloader, train_state: what is saved; the last three need
             ``state_dict()`` / ``load_state_dict()``.
         interval, keep_latest_k, async_mode, initial_load_path, load_step: the ``[checkpoint]`` settings.
+        run_info: saved under ``info.*`` with every checkpoint (the trainer's resolved config, global batch and
+            tokenizer fingerprint), read back as :attr:`loaded_info` by :meth:`load`.
+        check_resume: called with the saved ``run_info`` of a checkpoint before its state is read; raises
+            :class:`CheckpointMismatchError` to refuse the resume.
     """
 
     def __init__(self, *, folder: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any, dataloader: Any, train_state: Any, interval: int, keep_latest_k: int = 0,
-                 async_mode: str = "disabled", initial_load_path: str | None = None, load_step: int = -1):
+                 async_mode: str = "disabled", initial_load_path: str | None = None, load_step: int = -1,
+                 run_info: dict[str, Any] | None = None, check_resume: Any = None):
         if async_mode not in ("disabled", "async"):
             raise ValueError(f"checkpoint.async_mode: expected 'disabled' or 'async', got {async_mode!r}")
         self.folder = Path(folder)
@@ -369,6 +374,9 @@ class Checkpointer:
         self.async_mode = async_mode
         self.initial_load_path = initial_load_path
         self.load_step = load_step
+        self.run_info = dict(run_info or {})
+        self.check_resume = check_resume
+        self.loaded_info: dict[str, Any] | None = None
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -394,7 +402,8 @@ class Checkpointer:
         return cls(folder=Path(trainer.config.job.dump_folder) / ckpt.folder, model=trainer.model,
                    optimizer=trainer.optimizer, lr_scheduler=trainer.lr_scheduler, dataloader=trainer.dataloader,
                    train_state=trainer.state, interval=ckpt.interval, keep_latest_k=ckpt.keep_latest_k,
-                   async_mode=ckpt.async_mode, initial_load_path=ckpt.initial_load_path, load_step=ckpt.load_step)
+                   async_mode=ckpt.async_mode, initial_load_path=ckpt.initial_load_path, load_step=ckpt.load_step,
+                   run_info=trainer.run_info(), check_resume=trainer.check_resume)
 
     # ------------------------------------------------------------------ collective helpers
 
@@ -414,7 +423,7 @@ class Checkpointer:
 
     def _save_state(self) -> dict[str, Any]:
         return {**self.states, "rng": {f"rank{self.rank}": rng_state()},
-                "info": {"format": FORMAT_VERSION, "world_size": self.world_size}}
+                "info": {"format": FORMAT_VERSION, "world_size": self.world_size, **self.run_info}}
 
     def due(self, step: int, *, final: bool = False) -> bool:
         """Whether :meth:`maybe_save` writes a checkpoint at ``step``."""
@@ -663,6 +672,17 @@ class Checkpointer:
         info = {"format": 0, "world_size": 0}
         if "info.world_size" in keys:
             state["info"] = info
+        saved_info = None
+        if self.run_info and all(f"info.{k}" in keys for k in self.run_info):
+            saved_info = {k: type(v)() if v is not None else None for k, v in self.run_info.items()}
+            with _single_process_quiet():
+                dcp.load({"info": saved_info}, checkpoint_id=str(path), no_dist=not self.distributed)
+        elif self.run_info:
+            logger.warning("checkpoint: %s does not record its run's settings (an earlier version wrote it): settings "
+                           "changed since cannot be checked", path)
+        if saved_info is not None and self.check_resume is not None:
+            self.check_resume(saved_info, path)
+        self.loaded_info = saved_info
         begin = time.perf_counter()
         try:
             with _single_process_quiet():

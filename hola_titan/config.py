@@ -504,6 +504,27 @@ def _apply_toml(config: JobConfig, path: str) -> None:
                 raise ConfigError(e.key, f"{str(e).removeprefix(e.key + ': ')} (in {path!r})") from None
 
 
+def config_from_text(text: str, *, source: str) -> JobConfig:
+    """The config of TOML ``text`` over the defaults (e.g. the resolved config a checkpoint carries); keys this
+    version does not know are skipped, so an older run's record still reads."""
+    config = JobConfig()
+    for section, table in tomllib.loads(text).items():
+        if section not in SECTIONS or not isinstance(table, dict):
+            continue
+        for name, value in table.items():
+            try:
+                _set(config, f"{section}.{name}", value, text=False)
+            except ConfigError as e:
+                if "unknown" not in str(e):
+                    raise ConfigError(e.key, f"{str(e).removeprefix(e.key + ': ')} (in {source})") from None
+    return config
+
+
+def flat_items(config: JobConfig) -> dict[str, Any]:
+    """``{"section.key": value}`` of every config key."""
+    return {f"{section}.{name}": value for section, table in to_dict(config).items() for name, value in table.items()}
+
+
 def load_toml(path: str | os.PathLike[str]) -> JobConfig:
     """The config of a TOML file over the defaults, with no command line (e.g. a resolved ``config.toml``)."""
     config = JobConfig()

@@ -24,6 +24,7 @@ the device and sharded.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import gc
 import json
@@ -44,8 +45,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from hola_titan.checkpoint import CheckpointError, Checkpointer
 from hola_titan.data.sources import DataError
-from hola_titan.config import (ConfigError, JobConfig, parse_config, resolve_degrees, to_toml, validate,
-                               write_resolved)
+from hola_titan.config import (ConfigError, JobConfig, config_from_text, flat_items, parse_config, resolve_degrees,
+                               to_toml, validate, write_resolved)
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
 from hola_titan.kernels import seqlens
 from hola_titan.kernels.fla_gdn import prepare_backward
@@ -142,6 +143,39 @@ def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, decay_type: str
     return min_lr_factor + (1.0 - min_lr_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class Schedule:
+    """The learning-rate multiplier of each step: linear warmup, then decay to ``min_lr_factor`` at ``total_steps``
+    (:func:`lr_lambda`). A callable object, not a closure: ``LambdaLR`` saves and restores it by its attributes, so
+    a checkpoint carries the schedule it ran.
+
+    ``anchor_step`` / ``anchor_factor``: set when a resumed run changes the schedule after its warmup (more steps,
+    another decay): from ``anchor_step`` on, the factor decays from ``anchor_factor`` (the old schedule's factor at
+    that step) to ``min_lr_factor`` at ``total_steps`` with the chosen decay, so the learning rate continues
+    without a jump.
+    """
+
+    def __init__(self, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_factor: float,
+                 anchor_step: int | None = None, anchor_factor: float | None = None):
+        self.warmup_steps, self.total_steps = warmup_steps, total_steps
+        self.decay_type, self.min_lr_factor = decay_type, min_lr_factor
+        self.anchor_step, self.anchor_factor = anchor_step, anchor_factor
+
+    def settings(self) -> dict:
+        return dict(warmup_steps=self.warmup_steps, total_steps=self.total_steps, decay_type=self.decay_type,
+                    min_lr_factor=self.min_lr_factor)
+
+    def __call__(self, step: int) -> float:
+        if self.anchor_step is None or step < self.anchor_step:
+            return lr_lambda(step, **self.settings())
+        if self.decay_type == "constant":
+            return self.anchor_factor
+        progress = min(1.0, (step - self.anchor_step) / max(1, self.total_steps - self.anchor_step))
+        low, high = self.min_lr_factor, self.anchor_factor
+        if self.decay_type == "linear":
+            return high - (high - low) * progress
+        return low + (high - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -235,10 +269,11 @@ class Trainer:
         self._fused_optimizer = bool(self.optimizer.defaults.get("fused"))
         self._pending: PendingStep | None = None
         self._consecutive_skips = 0
-        schedule = dict(warmup_steps=config.lr_scheduler.warmup_steps, total_steps=config.training.steps,
-                        decay_type=config.lr_scheduler.decay_type, min_lr_factor=config.lr_scheduler.min_lr_factor)
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
-                                                              lambda step: lr_lambda(step, **schedule))
+        self._resume_changes: dict = {}
+        self.schedule = Schedule(warmup_steps=config.lr_scheduler.warmup_steps, total_steps=config.training.steps,
+                                 decay_type=config.lr_scheduler.decay_type,
+                                 min_lr_factor=config.lr_scheduler.min_lr_factor)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         self.dp_rank, self.dp_size = mesh_rank_and_size(self.mesh, "dp")
         data = config.data
         common = dict(dataset=data.dataset, tokenizer=self.tokenizer, seq_len=config.training.seq_len,
@@ -273,6 +308,86 @@ class Trainer:
         # Called with the trainer after the backward pass of every step, before clipping (parity tests read the
         # gradients there).
         self.gradient_probe = None
+
+    # ------------------------------------------------------------------ resuming (hola_titan/resume.py)
+
+    def run_info(self) -> dict:
+        """What every checkpoint records of the run that wrote it, for :meth:`check_resume`."""
+        return {"config": to_toml(self.config), "global_batch_size": self.degrees.global_batch_size,
+                "tokenizer": self.tokenizer.fingerprint}
+
+    def check_resume(self, saved: dict, path) -> None:
+        """Before a checkpoint's state is read: refuse settings a resume cannot change, settle the global batch,
+        and keep the changes for :meth:`_apply_resume_changes` (rules in ``hola_titan/resume.py``)."""
+        from hola_titan.checkpoint import CheckpointMismatchError
+        from hola_titan.resume import FIXED, changed_settings
+
+        old = flat_items(config_from_text(saved["config"], source=f"the config recorded in {path}"))
+        changes = changed_settings(old, flat_items(self.config))
+        for key in FIXED:
+            if key in changes:
+                was, now = changes[key]
+                raise CheckpointMismatchError(
+                    f"{key}: {was!r} in the run that wrote {path}, {now!r} now; a resumed run cannot change it (it "
+                    "changes the model or the documents it reads): set it back, or start a new run in another "
+                    "job.dump_folder")
+        if saved["tokenizer"] != self.tokenizer.fingerprint:
+            raise CheckpointMismatchError(
+                f"model.tokenizer_path: {self.config.model.tokenizer_path!r} is another tokenizer than the one the run "
+                f"that wrote {path} used (their fingerprints differ); use that tokenizer")
+        self._settle_global_batch(int(saved["global_batch_size"]), path)
+        self._resume_changes = changes
+
+    def _settle_global_batch(self, saved: int, path) -> None:
+        from hola_titan.checkpoint import CheckpointMismatchError
+
+        current = self.degrees.global_batch_size
+        if current == saved:
+            return
+        if self.config.training.global_batch_size not in (None, -1):
+            logger.info("resume: training.global_batch_size changed: %d -> %d rows (set explicitly)", saved, current)
+            return
+        micro_rows = self.config.training.local_batch_size * self.degrees.dp_replicate * self.degrees.dp_shard
+        if saved % micro_rows:
+            raise CheckpointMismatchError(
+                f"training.global_batch_size: the run that wrote {path} trained with a global batch of {saved} rows; "
+                f"{micro_rows} rows per micro-step here (local batch {self.config.training.local_batch_size} x "
+                f"{micro_rows // self.config.training.local_batch_size} data-parallel ranks) do not divide it. Set "
+                "training.global_batch_size to the batch you want, or a local batch that divides it")
+        self.degrees = dataclasses.replace(self.degrees, global_batch_size=saved, grad_accum_steps=saved // micro_rows)
+        if self.checkpointer is not None:
+            self.checkpointer.run_info["global_batch_size"] = saved
+        logger.info("resume: keeping the global batch of %d rows of the run that wrote %s: %d rows per micro-step, "
+                    "%d accumulation steps", saved, path, micro_rows, self.degrees.grad_accum_steps)
+
+    def _apply_resume_changes(self) -> None:
+        """After the checkpoint loaded: apply the schedule and optimizer settings that changed, and log every
+        change (``hola_titan/resume.py``)."""
+        changes, self._resume_changes = self._resume_changes, {}
+        for key, (was, now) in changes.items():
+            logger.info("resume: %s changed: %r -> %r", key, was, now)
+        config = self.config
+        step = self.lr_scheduler.last_epoch
+        wanted = dict(warmup_steps=config.lr_scheduler.warmup_steps, total_steps=config.training.steps,
+                      decay_type=config.lr_scheduler.decay_type, min_lr_factor=config.lr_scheduler.min_lr_factor)
+        if self.schedule.settings() != wanted:
+            factor = self.schedule(step)
+            self.schedule.__init__(**wanted)
+            if step > wanted["warmup_steps"]:
+                # No jump: the remaining decay starts from where the old schedule was.
+                self.schedule.anchor_step, self.schedule.anchor_factor = step, factor
+            logger.info("resume: schedule from step %d: %s, learning-rate factor %.4f there (was %.4f)", step,
+                        ", ".join(f"{k} {v}" for k, v in wanted.items()), self.schedule(step), factor)
+        base = config.optimizer.lr
+        if any(b != base for b in self.lr_scheduler.base_lrs):
+            self.lr_scheduler.base_lrs = [base] * len(self.optimizer.param_groups)
+        for index, group in enumerate(self.optimizer.param_groups):
+            group["initial_lr"] = base
+            group["betas"], group["eps"] = tuple(config.optimizer.betas), config.optimizer.eps
+            if index == 0:  # the decay group (see _build_optimizer)
+                group["weight_decay"] = config.optimizer.weight_decay
+        for group in self.optimizer.param_groups:  # the rate of the next step, as LambdaLR would set it
+            group["lr"] = base * self.schedule(step)
 
     def _resolved_paths(self) -> dict[str, str]:
         """Which implementation runs each part of the step, as resolved for this run (logged at start-up)."""
@@ -496,21 +611,33 @@ class Trainer:
     def train(self) -> list[dict]:
         """Train to ``training.steps``; returns the logged rows (also written to ``metrics.jsonl``)."""
         config = self.config
-        if self.checkpointer is not None:
-            self.checkpointer.load()
-            self._restore_guard_state()
-        self._write_run_record()
-        gc_freq = config.training.gc_freq
-        was_enabled = gc.isenabled()
-        if gc_freq:
-            gc.disable()
-            gc.collect(1)
+        if self.rank == 0 and self._folder_lock is None:  # a second train() of this trainer
+            try:
+                self._folder_lock = RunFolderLock(self.dump).acquire()
+            except FolderInUseError as err:
+                raise ConfigError("job.dump_folder", str(err)) from None
         try:
-            with self._stop_signals():
-                return self._train_loop(gc_freq)
+            if self.checkpointer is not None:
+                if self.checkpointer.load() is not None:
+                    self._apply_resume_changes()
+                self._restore_guard_state()
+            self._write_run_record()
+            gc_freq = config.training.gc_freq
+            was_enabled = gc.isenabled()
+            if gc_freq:
+                gc.disable()
+                gc.collect(1)
+            try:
+                with self._stop_signals():
+                    return self._train_loop(gc_freq)
+            finally:
+                if gc_freq and was_enabled:
+                    gc.enable()
         finally:
-            if gc_freq and was_enabled:
-                gc.enable()
+            # The run is over (or failed): its folder is free for the next one, whenever this object is collected.
+            if self._folder_lock is not None:
+                self._folder_lock.release()
+                self._folder_lock = None
 
     STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -355,3 +355,80 @@ def test_run_train_sh_ends_a_one_line_error_with_exit_2_and_no_torchrun_report(t
     errors = [line for line in output.splitlines() if "error:" in line]
     assert len(errors) == 1 and expected in errors[0], output[-3000:]
     assert "ChildFailedError" not in output and "Traceback" not in output, output[-3000:]
+
+
+RESUME = [*FAST, "--checkpoint.enable", "--checkpoint.interval", "4", "--lr_scheduler.warmup_steps", "2",
+          "--optimizer.lr", "1e-3"]
+
+
+def _lrs(folder: Path) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in _strict_rows(folder) if "lr" in r}
+
+
+def test_a_changed_learning_rate_is_applied_on_resume_and_logged(tmp_path, caplog):
+    Trainer(parse_config([*RESUME, "--job.dump_folder", str(tmp_path), "--training.steps", "4"])).train()
+    reference = tmp_path / "reference"
+    Trainer(parse_config([*RESUME, "--job.dump_folder", str(reference), "--training.steps", "4"])).train()
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        Trainer(parse_config([*RESUME, "--job.dump_folder", str(tmp_path), "--training.steps", "6",
+                              "--optimizer.lr", "5e-4"])).train()
+    assert "resume: optimizer.lr changed: 0.001 -> 0.0005" in caplog.text
+    from hola_titan.train import Schedule
+    schedule = Schedule(warmup_steps=2, total_steps=4, decay_type="cosine", min_lr_factor=0.1)
+    # Step 5 runs at the new peak times the factor the old schedule had reached at step 4 (its end: 0.1), and
+    # the longer run continues from there without a jump.
+    assert _lrs(tmp_path)[5] == pytest.approx(5e-4 * schedule(4))
+    assert "schedule from step 4" in caplog.text  # training.steps 4 -> 6 after the warmup: anchored at step 4
+
+
+def test_more_steps_on_resume_continue_the_decay_without_a_jump(tmp_path, caplog):
+    uninterrupted = tmp_path / "uninterrupted"
+    Trainer(parse_config([*RESUME, "--job.dump_folder", str(uninterrupted), "--training.steps", "8",
+                          "--checkpoint.enable", "false"])).train()
+    Trainer(parse_config([*RESUME, "--job.dump_folder", str(tmp_path), "--training.steps", "8"])).train()
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        Trainer(parse_config([*RESUME, "--job.dump_folder", str(tmp_path), "--training.steps", "16",
+                              "--checkpoint.load_step", "4"])).train()
+    assert "resume: training.steps changed: 8 -> 16" in caplog.text and "schedule from step 4" in caplog.text
+    lrs, before = _lrs(tmp_path), _lrs(uninterrupted)
+    assert lrs[5] == pytest.approx(before[5])  # the first resumed step keeps the learning rate it would have had
+    assert all(lrs[s + 1] <= lrs[s] + 1e-12 for s in range(5, 16))  # and it decays monotonically
+    from hola_titan.train import Schedule
+    old = Schedule(warmup_steps=2, total_steps=8, decay_type="cosine", min_lr_factor=0.1)
+    new = Schedule(warmup_steps=2, total_steps=16, decay_type="cosine", min_lr_factor=0.1, anchor_step=4,
+                   anchor_factor=old(4))
+    assert lrs[16] == pytest.approx(1e-3 * new(15)) and lrs[8] > before[8]  # toward the floor, over 16 steps
+    assert new(16) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("key, value", [("training.seq_len", "32"), ("model.flavour", "hola_recency"),
+                                        ("data.holdout_every", "7"), ("model.window", "4")])
+def test_a_resume_that_would_change_the_model_or_the_data_is_refused_naming_the_key(tmp_path, key, value):
+    from hola_titan.checkpoint import CheckpointMismatchError
+
+    Trainer(parse_config([*RESUME, "--job.dump_folder", str(tmp_path), "--training.steps", "4"])).train()
+    record = (tmp_path / "config.toml").read_text()
+    trainer = Trainer(parse_config([*RESUME, "--job.dump_folder", str(tmp_path), "--training.steps", "6",
+                                    f"--{key}", value]))
+    with pytest.raises(CheckpointMismatchError, match=rf"^{key}: .* in the run that wrote .*step-4, .* now; a resumed "
+                                                      "run cannot change it"):
+        trainer.train()
+    assert (tmp_path / "config.toml").read_text() == record
+
+
+def test_the_global_batch_is_kept_across_layouts_unless_set(tmp_path, caplog):
+    from hola_titan.checkpoint import CheckpointMismatchError
+
+    run = [*RESUME, "--job.dump_folder", str(tmp_path)]
+    Trainer(parse_config([*run, "--training.steps", "4", "--training.local_batch_size", "4"])).train()
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        half = Trainer(parse_config([*run, "--training.steps", "5", "--training.local_batch_size", "2"]))
+        half.checkpointer.load()
+    assert half.degrees.global_batch_size == 4 and half.degrees.grad_accum_steps == 2
+    assert "keeping the global batch of 4 rows" in caplog.text
+    with pytest.raises(CheckpointMismatchError, match="training.global_batch_size: .* global batch of 4 rows; 3 rows"):
+        Trainer(parse_config([*run, "--training.steps", "5", "--training.local_batch_size", "3"])).checkpointer.load()
+    explicit = Trainer(parse_config([*run, "--training.steps", "5", "--training.local_batch_size", "2",
+                                     "--training.global_batch_size", "2"]))
+    explicit.checkpointer.load()
+    assert explicit.degrees.global_batch_size == 2 and explicit.degrees.grad_accum_steps == 1
