@@ -22,13 +22,36 @@ Tested with transformers 5.x (the cache argument is called ``cache``; ``past_key
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+
+
+@contextlib.contextmanager
+def _quiet_torchao():
+    """transformers imports torchao when it is installed (this project's float8 dependency). On a machine whose CUDA
+    or CPU does not match torchao's prebuilt extensions, torchao logs a warning per extension it cannot load, and
+    torch logs deprecation notes for the enums torchao registers: none of it concerns a model that does not use
+    torchao's quantized ops, so those records are dropped while transformers loads. (float8 training imports
+    torchao itself, warnings included.) A filter, not a level: torch's logging setup resets levels meanwhile."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    drop = logging.Filter("no record has this name")
+    for log in loggers:
+        log.addFilter(drop)
+    try:
+        yield
+    finally:
+        for log in loggers:
+            log.removeFilter(drop)
+
+
+with _quiet_torchao():  # transformers resolves these names lazily: the import of torchao happens here
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hola_titan.export import FORMAT_VERSION, MODEL_TYPE
 from hola_titan.models.args import ModelArgs

@@ -211,6 +211,9 @@ class Trainer:
         # Host-side agreement between ranks (stop signals) without touching the GPU stream.
         self._control_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
         self.dump = Path(config.job.dump_folder)
+        if self.rank == 0:
+            logger.info("starting a %s %s run in %s on %d process(es): building the model and reading the data",
+                        config.model.flavour, config.model.size, self.dump, self.world_size)
         # One writer per run folder: rank 0 writes it (config, metrics, checkpoint renames) and holds its lock.
         self._folder_lock = None
         if self.rank == 0:
@@ -225,8 +228,9 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(config.model.tokenizer_path)
         if config.model.vocab_size is not None and config.model.vocab_size != self.tokenizer.vocab_size:
-            raise ConfigError("model.vocab_size", f"{config.model.vocab_size} differs from the {self.tokenizer.vocab_size} "
-                              f"entries of the tokenizer {config.model.tokenizer_path!r}; remove the key or fix it")
+            raise ConfigError("model.vocab_size", f"{config.model.vocab_size} differs from the "
+                              f"{self.tokenizer.vocab_size} entries of the tokenizer "
+                              f"{config.model.tokenizer_path!r}; remove the key or fix it")
         self.model_args = build_model_args(config, self.tokenizer.vocab_size)
         torch.manual_seed(config.training.seed)
         # The full model is initialised once on the CPU from the seed, identically at every layout, and then
@@ -295,15 +299,10 @@ class Trainer:
         self._restore_guard_state()
         self.flops = flops_per_token(self.model_args, config.training.seq_len)
         self.measured_tflops = measured_matmul_tflops(self.device)
-        self.peak_tflops, peak_source = mfu_peak(self.device, self.measured_tflops)
-        if self.rank == 0:
-            logger.info("MFU against %.1f TFLOP/s (%s); measured matmul rate %.1f TFLOP/s, logged as mfu_measured",
-                        self.peak_tflops, peak_source, self.measured_tflops)
+        self.peak_tflops, self._peak_source = mfu_peak(self.device, self.measured_tflops)
         # Opened by train() once the run's start is settled (a refused resume must leave the folder as it was).
         self.metrics: MetricsLogger | None = None
         self.paths = self._resolved_paths()
-        if self.rank == 0:
-            logger.info("paths: %s", "; ".join(f"{k}: {v}" for k, v in self.paths.items()))
         self.checkpointer = Checkpointer.for_trainer(self) if config.checkpoint.enable else None
         # Called with the trainer after the backward pass of every step, before clipping (parity tests read the
         # gradients there).
@@ -453,11 +452,11 @@ class Trainer:
                 return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                        reduction="sum")
         # Otherwise the head and the loss run in chunks of rows and the [B*T, V] logits never exist (see
-        # hola_titan/loss.py). ``hidden_states`` is registered as an FSDP forward method (apply_fsdp), and the root
-        # keeps its parameters gathered after forward, so ``output_weight()`` is the unsharded (tied) head here.
+        # hola_titan/loss.py). ``flat_hidden_states`` is registered as an FSDP forward method (apply_fsdp), and the
+        # root keeps its parameters gathered after forward, so ``output_weight()`` is the unsharded (tied) head here.
         with ctx:
-            hidden = self.model.hidden_states(tokens, cu_seqlens=cu_seqlens)
-        return chunked_linear_cross_entropy(hidden.flatten(0, 1), self.model.output_weight(), labels.flatten(),
+            hidden = self.model.flat_hidden_states(tokens, cu_seqlens=cu_seqlens)
+        return chunked_linear_cross_entropy(hidden, self.model.output_weight(), labels.flatten(),
                                             chunk_size=self.config.training.loss_chunk_size,
                                             ignore_index=IGNORE_INDEX, matmul_dtype=self.head_matmul_dtype,
                                             kernel=self.loss_kernel)
@@ -617,11 +616,15 @@ class Trainer:
             except FolderInUseError as err:
                 raise ConfigError("job.dump_folder", str(err)) from None
         try:
+            resumed = None
             if self.checkpointer is not None:
-                if self.checkpointer.load() is not None:
+                resumed = self.checkpointer.load()
+                if resumed is not None:
                     self._apply_resume_changes()
                 self._restore_guard_state()
             self._write_run_record()
+            if self.rank == 0:
+                logger.info("%s", self._summary(resumed))
             gc_freq = config.training.gc_freq
             was_enabled = gc.isenabled()
             if gc_freq:
@@ -682,6 +685,43 @@ class Trainer:
             self.checkpointer.save(step)
         logger.info("%s received: stopped after step %d with its checkpoint in %s; run again to resume", name, step,
                     self.checkpointer.folder)
+
+    def _summary(self, resumed: int | None) -> str:
+        """The start-up block: what runs, where, on what data, from where."""
+        config, d = self.config, self.degrees
+        paths = self.paths
+        backend = config.model.attention_backend
+        if self.model_args.is_recurrent:
+            chosen = paths["attention_backend"]
+            why = ("CUDA with Triton and fla-core" if chosen == "triton" else "no CUDA device" if
+                   self.device.type != "cuda" else "Triton or fla-core missing") if backend == "auto" else "as set"
+            mixer = f"{chosen} ({why})"
+        else:
+            mixer = "PyTorch SDPA"
+        data = config.data
+        val = ("off" if not config.validation.enable else
+               f"{config.validation.dataset or data.dataset} ({config.validation.steps} batches every "
+               f"{config.validation.freq} steps)")
+        tag = getattr(self.dataloader, "holdout", "none")  # local data without split folders only
+        holdout = f", every {tag.split('/')[1]}th document held out for validation" if tag != "none" else ""
+        start = f"resuming after step {resumed}" if resumed is not None else "step 0"
+        ckpt = (f"every {config.checkpoint.interval} steps to {self.checkpointer.folder}"
+                if self.checkpointer is not None else "off")
+        lines = [
+            f"run in {self.dump}: {start}, training to step {config.training.steps}",
+            f"  model: {self.model_args.flavour} {self.model_args.size}, {self.num_params:,} parameters, vocabulary "
+            f"{self.model_args.vocab_size} (tokenizer {config.model.tokenizer_path})",
+            f"  layout: {self.world_size} process(es) on {self.device.type}: data-parallel {d.dp_replicate} x "
+            f"{d.dp_shard}, tensor {d.tp}, context {d.cp}; global batch {d.global_batch_size} rows x "
+            f"{config.training.seq_len} tokens, {d.grad_accum_steps} accumulation step(s)",
+            f"  compute: {paths['precision']}; compile {paths['compile']}; token mixer {mixer}; short convolution "
+            f"{paths.get('short_conv', '-')}; cross-entropy {paths['cross_entropy']}; {paths['optimizer']}",
+            f"  data: {data.dataset} split {data.split} (text field {data.text_field}{holdout}); validation {val}",
+            f"  checkpoints: {ckpt}",
+            f"  MFU against {self.peak_tflops:.1f} TFLOP/s ({self._peak_source}); matmul rate measured here "
+            f"{self.measured_tflops:.1f} TFLOP/s (mfu_measured)",
+        ]
+        return "\n".join(lines)
 
     def _write_run_record(self) -> None:
         """The run's record in its folder (rank 0): the resolved ``config.toml`` and ``paths.json``, and the metrics
@@ -752,6 +792,12 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.metrics.close()
+        if self.rank == 0:
+            last = next((r for r in reversed(rows) if "loss" in r), None)
+            logger.info("run ended at step %d of %d%s; %s", self.state.step, config.training.steps,
+                        f", last logged loss {last['loss']:.4f}" if last and last["loss"] is not None else "",
+                        f"checkpoints in {self.checkpointer.folder}" if self.checkpointer is not None
+                        else "no checkpoints (checkpoint.enable is false)")
         return rows
 
 

@@ -23,7 +23,6 @@ partial sums reduced by torch in a fixed order: the whole backward is determinis
 
 from __future__ import annotations
 
-import math
 
 import torch
 

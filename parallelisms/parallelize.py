@@ -111,7 +111,9 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype, 
         # The last block's parameters are needed again right away by the root's backward: keep them gathered.
         fully_shard(block, reshard_after_forward=index < len(blocks) - 1, **kwargs)
     fully_shard(model, **kwargs)
-    # The trainer calls ``hidden_states`` (the chunked loss applies the head itself): register it so that FSDP's
-    # pre- and post-forward logic (unshard, backward hooks) runs around it as around ``forward``.
-    if hasattr(model, "hidden_states"):
-        register_fsdp_forward_method(model, "hidden_states")
+    # The trainer calls ``flat_hidden_states`` (the chunked loss applies the head itself), evaluations
+    # ``hidden_states``: register them so that FSDP's pre- and post-forward logic (unshard, backward hooks) runs
+    # around them as around ``forward``.
+    for method in ("hidden_states", "flat_hidden_states"):
+        if hasattr(model, method):
+            register_fsdp_forward_method(model, method)

@@ -18,7 +18,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -27,7 +26,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels", allow_module_level=True)
 pytest.importorskip("triton")
 
-from hola_titan import hola_attention  # noqa: E402
 from hola_titan.kernels import fla_gdn, hola_triton_attn, hola_triton_select  # noqa: E402
 from hola_titan.kernels.hola_reference import hola_attention_reference  # noqa: E402
 from hola_titan.kernels.hola_sdpa import hola_attention_sdpa  # noqa: E402

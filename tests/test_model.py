@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hola_titan.models.args import FLAVOURS, model_args, replace
-from hola_titan.models.model import GatedDeltaMixer, HolaTitanLM, ModelCache, build_model, num_params
+from hola_titan.models.model import GatedDeltaMixer, HolaTitanLM, ModelCache, num_params
 from helpers import tiny_model as shared_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

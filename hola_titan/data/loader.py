@@ -182,7 +182,8 @@ def _tokenized(source: Source, tokenizer: Tokenizer, *, streaming: bool) -> tupl
         documents = read_documents(source)
     key = (*key, tokenizer.fingerprint)
     if key not in _TOKEN_CACHE:
-        _TOKEN_CACHE[key] = tokenize_documents(documents, tokenizer)
+        label = source.dataset if source.kind != "local" or len(source.files) != 1 else str(source.files[0])
+        _TOKEN_CACHE[key] = tokenize_documents(documents, tokenizer, label=f"{label} ({source.split})")
         if len(_TOKEN_CACHE) > _TOKEN_CACHE_SIZE:
             _TOKEN_CACHE.popitem(last=False)
     _TOKEN_CACHE.move_to_end(key)

@@ -22,6 +22,8 @@ Both give ``window(start, length)``: the tokens at stream positions ``[start, st
 from __future__ import annotations
 
 import collections
+import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
@@ -30,6 +32,10 @@ from hola_titan.data.tokenizer import Tokenizer
 
 _ENCODE_CHUNK = 512
 """Documents per ``encode_batch`` call."""
+_PROGRESS_S = 10.0
+"""Seconds between progress lines while tokenising."""
+
+logger = logging.getLogger("hola_titan")
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -51,25 +57,38 @@ def epoch_permutation(num_docs: int, *, seed: int, epoch: int) -> np.ndarray:
     return np.argsort(hashes, kind="stable")
 
 
-def tokenize_documents(texts: Iterable[str], tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_documents(texts: Iterable[str], tokenizer: Tokenizer, *,
+                       label: str = "documents") -> tuple[np.ndarray, np.ndarray]:
     """Tokenise documents into ``(tokens, offsets)``: document ``i`` (with its EOS) is
-    ``tokens[offsets[i]:offsets[i + 1]]``; documents with no token are left out."""
+    ``tokens[offsets[i]:offsets[i + 1]]``; documents with no token are left out. Logs its progress every
+    ``_PROGRESS_S`` seconds (naming ``label``) when it takes that long, and a summary then."""
     pieces: list[np.ndarray] = []
     chunk: list[str] = []
     eos = np.array([tokenizer.eos_id], dtype=np.int32)
+    begin = last = time.perf_counter()
+    count = [0, 0]  # documents, tokens
 
     def flush() -> None:
         for ids in tokenizer.encode_batch(chunk):
             if ids:
                 pieces.append(np.asarray(ids, dtype=np.int32))
                 pieces.append(eos)
+                count[1] += len(ids) + 1
+        count[0] += len(chunk)
         chunk.clear()
 
     for text in texts:
         chunk.append(text)
         if len(chunk) == _ENCODE_CHUNK:
             flush()
+            if time.perf_counter() - last > _PROGRESS_S:
+                last = time.perf_counter()
+                logger.info("tokenising %s: %s documents, %s tokens so far (%.0f s)", label, f"{count[0]:,}",
+                            f"{count[1]:,}", last - begin)
     flush()
+    if time.perf_counter() - begin > _PROGRESS_S:
+        logger.info("tokenised %s: %s documents, %s tokens in %.0f s", label, f"{count[0]:,}", f"{count[1]:,}",
+                    time.perf_counter() - begin)
     if not pieces:
         return np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64)
     lengths = np.array([len(p) for p in pieces], dtype=np.int64).reshape(-1, 2).sum(axis=1)

@@ -297,8 +297,10 @@ class HolaTitanLM(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def _trunk(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None, cache: ModelCache | None) -> torch.Tensor:
-        """Final-norm hidden states; ``[1, B*T, dim]`` for packed recurrent rows, else ``[B, T, dim]``."""
+    def _trunk(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None, cache: ModelCache | None,
+               flat: bool = False) -> torch.Tensor:
+        """Final-norm hidden states; ``[1, B*T, dim]`` for packed recurrent rows, else ``[B, T, dim]``; with
+        ``flat``, ``[B*T, dim]`` made by the norm itself (not a view of its output)."""
         bsz, seq_len = tokens.shape
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens: decoding with a cache takes unpacked rows")
@@ -326,12 +328,18 @@ class HolaTitanLM(nn.Module):
                 h = block(h, doc_ids=doc_ids, positions=positions, cache=layer_cache)
         if cache is not None:
             cache.seen += seq_len
-        return self.norm(h)
+        return self.norm(h.reshape(-1, h.shape[-1]) if flat else h)
 
     def hidden_states(self, tokens: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                       cache: ModelCache | None = None) -> torch.Tensor:
         """Final-norm hidden states ``[B, T, dim]`` for token ids ``[B, T]``."""
         return self._trunk(tokens, cu_seqlens, cache).reshape(*tokens.shape, -1)
+
+    def flat_hidden_states(self, tokens: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states ``[B*T, dim]`` for token ids ``[B, T]``, as the training loss takes them. Not a
+        view: FSDP registers its backward hooks on a forward method's output, and warns that in-place ops on a
+        view could bypass them."""
+        return self._trunk(tokens, cu_seqlens, None, flat=True)
 
     def forward(self, tokens: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                 cache: ModelCache | None = None) -> torch.Tensor:
