@@ -7,6 +7,9 @@
 #   LOG_RANK      local ranks whose output is shown (default 0; e.g. 0,1), same as --local-ranks-filter
 #   MAX_RESTARTS  torchrun --max-restarts (default 0)
 # Arguments are passed on as config overrides (--section.key value) or flags (--dry-run).
+# Before torchrun starts, the launch is checked in one process (hola_titan.preflight): a mistake ends there in one
+# line with exit status 2. SIGTERM or SIGUSR1 to this script (or to the whole job) makes the workers save a
+# checkpoint at the next step boundary and exit 0.
 #
 # Multi-node example (2 nodes x 8 GPUs), on node 0 and node 1 respectively:
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 CONFIG_FILE=train_configs/hola_1.3B.toml ./run_train.sh

@@ -457,3 +457,35 @@ def test_importing_the_hf_model_prints_nothing():
     result = subprocess.run([sys.executable, "-c", "import hola_titan.hf_model"], cwd=ROOT, env=_env(),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout == "" and result.stderr == "", result.stderr[-2000:]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_a_two_node_run_on_one_host_equals_one_process(tmp_path):
+    """Two ``run_train.sh`` launches with ``NNODES=2`` and ``NODE_RANK`` 0 and 1 (one process each, FSDP over
+    both, gloo) train the same steps as one process with the same global batch: the multi-node launch path."""
+    steps = ["--training.steps", "3", "--training.global_batch_size", "4", "--training.deterministic",
+             "--model.attention_backend", "sdpa"]
+    single = Trainer(parse_config([*FAST, *steps, "--job.dump_folder", str(tmp_path / "one"),
+                                   "--training.local_batch_size", "4"]))
+    expected = [r["loss"] for r in single.train() if "loss" in r]
+    port = str(_free_port())
+    env = _env() | {"NGPU": "1", "NNODES": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": port,
+                    "CONFIG_FILE": DEBUG, "PYTHON": sys.executable}
+    launches = [subprocess.Popen([str(ROOT / "run_train.sh"), *FAST[2:], *steps, "--training.local_batch_size", "2",
+                                  "--job.dump_folder", str(tmp_path / "two")], cwd=ROOT,
+                                 env=env | {"NODE_RANK": str(node)}, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+                for node in (0, 1)]
+    outputs = [p.communicate(timeout=300)[0] for p in launches]
+    for p, out in zip(launches, outputs):
+        assert p.returncode == 0, out[-3000:]
+    assert "layout: 2 process(es) on cpu: data-parallel 1 x 2" in outputs[0]
+    losses = [r["loss"] for r in _strict_rows(tmp_path / "two") if "loss" in r]
+    assert len(losses) == len(expected) == 3
+    assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(losses, expected)), (losses, expected)
