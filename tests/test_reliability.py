@@ -489,3 +489,16 @@ def test_a_two_node_run_on_one_host_equals_one_process(tmp_path):
     losses = [r["loss"] for r in _strict_rows(tmp_path / "two") if "loss" in r]
     assert len(losses) == len(expected) == 3
     assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(losses, expected)), (losses, expected)
+
+
+def test_a_full_disk_while_logging_is_one_line_with_exit_2(tmp_path, monkeypatch, capsys):
+    from hola_titan.metrics import MetricsLogger
+    from hola_titan.train import main
+
+    def full(self, row):
+        raise OSError(28, "No space left on device", str(tmp_path / "metrics.jsonl"))
+
+    monkeypatch.setattr(MetricsLogger, "log", full)
+    assert main([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: no space left on the device writing {tmp_path / 'metrics.jsonl'}: free space" in err
