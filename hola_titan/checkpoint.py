@@ -803,14 +803,13 @@ def create_seed_checkpoint(config: Any) -> Path:
     ``<dump_folder>/<checkpoint.folder>/step-0`` (model only). Every layout that starts from it starts identically.
     """
     from hola_titan.data import load_tokenizer
-    from hola_titan.models.model import HolaTitanLM
+    from hola_titan.models.model import build_model
     from hola_titan.train import build_model_args
 
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     args = build_model_args(config, tokenizer.vocab_size)
     torch.manual_seed(config.training.seed)
-    model = HolaTitanLM(args, backend=config.model.attention_backend)
-    model.init_weights()
+    model = build_model(args, device="cpu", backend=config.model.attention_backend)
     path = step_folder(Path(config.job.dump_folder) / config.checkpoint.folder, 0)
     save_model_only(model.state_dict(), path)
     logger.info("checkpoint: seed checkpoint written to %s", path)

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from hola_titan.data.tokenizer import Tokenizer, load_tokenizer
+from hola_titan.fqn import strip_wrappers
 from hola_titan.models.args import ModelArgs
 from hola_titan.models.model import HolaTitanLM
 
@@ -60,7 +61,6 @@ ARCHITECTURE = "HolaTitanForCausalLM"
 SAFETENSORS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -75,9 +75,7 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 def clean_fqn(name: str) -> str:
     """A parameter name without the prefixes that activation checkpointing, compile and FSDP1 insert."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    return strip_wrappers(name)
 
 
 def _native(model: nn.Module) -> nn.Module:

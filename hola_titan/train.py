@@ -47,6 +47,7 @@ from hola_titan.checkpoint import CheckpointError, Checkpointer
 from hola_titan.data.sources import DataError
 from hola_titan.config import (ConfigError, JobConfig, config_from_text, flat_items, parse_config, resolve_degrees,
                                to_toml, validate, write_resolved)
+from hola_titan.fqn import strip_wrappers
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
 from hola_titan.kernels import seqlens
 from hola_titan.kernels.fla_gdn import prepare_backward
@@ -56,6 +57,7 @@ from hola_titan.models.args import model_args
 from hola_titan.models.model import HolaTitanLM, num_params
 from hola_titan.parallelisms.context_parallel import context_parallel_of
 from hola_titan.parallelisms.parallel_dims import ParallelDims, mesh_rank_and_size, submesh
+from hola_titan.parallelisms.init import init_like_one_process
 from hola_titan.parallelisms.parallelize import parallelize_model
 from hola_titan.profiling import step_profiler
 from hola_titan.runfolder import FolderInUseError, RunFolderLock, die_with_parent
@@ -232,18 +234,18 @@ class Trainer:
                               f"{self.tokenizer.vocab_size} entries of the tokenizer "
                               f"{config.model.tokenizer_path!r}; remove the key or fix it")
         self.model_args = build_model_args(config, self.tokenizer.vocab_size)
-        torch.manual_seed(config.training.seed)
-        # The full model is initialised once on the CPU from the seed, identically at every layout, and then
-        # moved and sharded: random DTensor initialisation is not available on CPU meshes.
         from hola_titan.ops import resolve_kernels
         try:
             self.kernels = resolve_kernels(config.model.kernels, self.device)
         except ValueError as err:
             raise ConfigError("model.kernels", str(err).removeprefix("kernels: ")) from None
-        model = HolaTitanLM(self.model_args, backend=config.model.attention_backend, kernels=self.kernels)
-        model.init_weights()
+        # Built on the meta device, parallelised, materialised with to_empty (each rank holds only its shards, on its
+        # device), then initialised with the values one process draws from the seed (parallelisms/init.py): the
+        # same initial weights at every layout, and never the whole model on a rank's host or GPU.
+        with torch.device("meta"):
+            model = HolaTitanLM(self.model_args, backend=config.model.attention_backend, kernels=self.kernels)
+            template = HolaTitanLM(self.model_args, backend=config.model.attention_backend, kernels=self.kernels)
         self.num_params = num_params(model)
-        model.to(self.device)
         if self.device.type == "cuda" and self.model_args.flavour != "transformer" \
                 and config.model.attention_backend != "reference":
             # fla's #640 gradient check runs real kernels under autograd: now, not while compile traces a block
@@ -256,6 +258,12 @@ class Trainer:
             float8_enable=config.float8.enable, param_dtype=config.training.mixed_precision_param,
             reduce_dtype=config.training.mixed_precision_reduce, cpu_offload=config.parallelism.fsdp_cpu_offload,
             float8_recipe=config.float8.recipe, float8_filter=tuple(config.float8.filter_fqns))
+        # FSDP's CPU offload keeps the sharded parameters in host memory.
+        self.model.to_empty(device="cpu" if config.parallelism.fsdp_cpu_offload else self.device)
+        torch.manual_seed(config.training.seed)
+        init_like_one_process(self.model, template)
+        del template
+        self.model.check_finite()
         # Context parallel: every rank of a cp group reads the same rows and keeps its shard of each batch.
         self.cp = context_parallel_of(self.model)
         # Without FSDP (one GPU, or tensor parallelism alone) a GPU run gets bf16 compute from autocast; FSDP's
@@ -413,10 +421,10 @@ class Trainer:
             raise ConfigError("optimizer.name", f"unknown optimizer {opt.name!r}; expected AdamW")
         no_decay = self.model.no_weight_decay_names() if hasattr(self.model, "no_weight_decay_names") else set()
         # Both sides without wrapper prefixes: checkpoint and compile wrappers insert them into every name.
-        no_decay = {_strip_wrappers(name) for name in no_decay}
+        no_decay = {strip_wrappers(name) for name in no_decay}
         decay, plain = [], []
         for name, param in self.model.named_parameters():
-            (plain if _strip_wrappers(name) in no_decay else decay).append(param)
+            (plain if strip_wrappers(name) in no_decay else decay).append(param)
         groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": plain, "weight_decay": 0.0}]
         fused = opt.fused if opt.fused is not None else self.device.type == "cuda"
         return torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, fused=fused,
@@ -827,13 +835,6 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a (replicated) DTensor result, e.g. the loss-parallel loss."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _strip_wrappers(name: str) -> str:
-    """A parameter name without the prefixes that checkpoint and compile wrappers insert."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(wrapper, "")
-    return name
 
 
 def dry_run(config: JobConfig) -> None:

@@ -66,6 +66,25 @@ def test_layout_matches_single_process(single, layout, tmp_path):
         assert diff <= 1e-4, f"{layout} {flavour}: gradient of {name} differs by {diff:.2e} (relative L2)"
 
 
+INIT_LAYOUTS = {**{name: LAYOUTS[name] for name in ("fsdp2", "tp2", "fsdp2_tp2")},
+                # Transformer++ under context parallelism takes unpacked rows; the data does not touch the init.
+                "cp2": (2, ["--parallelism.data_parallel_shard_degree", "1",
+                            "--parallelism.context_parallel_degree", "2", "--data.varlen", "false"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(INIT_LAYOUTS))
+def test_initial_weights_are_identical_at_every_layout(single, layout, tmp_path):
+    """Built on the meta device and initialised shard by shard (parallelisms/init.py): the gathered initial
+    weights equal the single process's bit for bit."""
+    flavour, ref = single
+    nproc, args = INIT_LAYOUTS[layout]
+    got = _run(tmp_path, nproc, [*args, "--model.flavour", flavour, "--training.steps", "1"])
+    assert set(got["init"]) == set(ref["init"])
+    for name, value in ref["init"].items():
+        assert torch.equal(got["init"][name], value), f"{layout} {flavour}: {name}"
+
+
 def _losses(tmp_path: Path, extra: list[str]) -> list[float]:
     config = parse_config([*COMMON, "--job.dump_folder", str(tmp_path), *extra])
     return [r["loss"] for r in Trainer(config).train() if "loss" in r]

@@ -163,3 +163,13 @@ def test_compare_losses_runs_two_trainers_on_the_same_batches(tmp_path):
     a, b = data["losses"]["reference"], data["losses"]["auto"]
     assert len(a) == len(b) == 2 and a == b  # auto is the reference on a CPU: the same function, bit for bit
     assert data["paths"]["auto"]["short_conv"] == "PyTorch reference" and "max |diff| 0.000e+00" in result.stdout
+
+
+def test_init_memory_reports_every_rank(tmp_path):
+    out = tmp_path / "init.json"
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
+          "--rdzv_endpoint", "localhost:0", "scripts/init_memory.py", "--out", str(out), "--", "--job.config_file",
+          "train_configs/debug_model.toml", "--training.device", "cpu"], timeout=600)
+    rows = json.loads(out.read_text())
+    assert [r["rank"] for r in rows] == [0, 1] and all(0 < r["peak_rss_gib"] < 8 for r in rows)
+    assert rows[0]["num_params"] == 1_578_000

@@ -1,7 +1,7 @@
 """The language model: HOLA, HOLA+recency, GDN and Transformer++ from one block structure (HOLA_SPEC 1, 5).
 
-``HolaTitanLM(args)`` allocates only (no random draws), so it can be built on the meta device, sharded,
-materialised with ``to_empty`` and then initialised by ``init_weights``. Blocks live in an ``nn.ModuleDict``
+``HolaTitanLM(args)`` is built on the meta device (:func:`build_model`; on a real device the ``nn`` layers would
+draw their default init), sharded, materialised with ``to_empty`` and then initialised by ``init_weights``. Blocks live in an ``nn.ModuleDict``
 keyed by layer index, so fully qualified names are stable at every parallel layout, e.g.
 ``layers.3.attn.q_proj.weight``. Model code never touches ``torch.distributed``.
 
@@ -273,16 +273,24 @@ class HolaTitanLM(nn.Module):
         # and sharding cannot untie it.
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
 
+    def init_parts(self):
+        """``(fully qualified prefix, module, init)`` in the order :meth:`init_weights` draws them from the global
+        RNG: the embedding, each block, the final norm, an untied head. ``init(module)`` initialises that module's
+        parameters; :func:`hola_titan.parallelisms.init.init_like_one_process` replays the same sequence part by
+        part for a sharded model."""
+        out_std = INIT_STD / math.sqrt(2 * self.args.n_layers)
+        yield "tok_embeddings", self.tok_embeddings, lambda m: nn.init.normal_(m.weight, std=INIT_STD)
+        for name, block in self.layers.items():
+            yield f"layers.{name}", block, lambda m: m.init_weights(INIT_STD, out_std)
+        yield "norm", self.norm, lambda m: m.init_weights()
+        if self.output is not None:
+            yield "output", self.output, lambda m: nn.init.normal_(m.weight, std=INIT_STD)
+
     def init_weights(self) -> None:
         """Draw every parameter from the global RNG (call after ``to_empty``); then check all are finite."""
-        out_std = INIT_STD / math.sqrt(2 * self.args.n_layers)
         with torch.no_grad():
-            nn.init.normal_(self.tok_embeddings.weight, std=INIT_STD)
-            for block in self.layers.values():
-                block.init_weights(INIT_STD, out_std)
-            self.norm.init_weights()
-            if self.output is not None:
-                nn.init.normal_(self.output.weight, std=INIT_STD)
+            for _, module, init in self.init_parts():
+                init(module)
         self.check_finite()
 
     def check_finite(self) -> None:
@@ -354,10 +362,16 @@ class HolaTitanLM(nn.Module):
 
 def build_model(args: ModelArgs, *, device: torch.device | str = "meta", backend: str = "auto",
                 kernels: str = "reference") -> HolaTitanLM:
-    """Allocate ``HolaTitanLM`` on ``device``; on a real device the weights are also initialised."""
-    with torch.device(device):
+    """``HolaTitanLM`` on ``device``; on a real device the weights are also initialised.
+
+    Always built on the meta device first (``nn.Linear`` and ``nn.Embedding`` would otherwise draw their own
+    default init from the global RNG in ``__init__``), then materialised with ``to_empty`` and initialised by
+    ``init_weights``: the weights depend only on the RNG state and the arguments, so they equal the trainer's at
+    every parallel layout (``hola_titan.parallelisms.init``)."""
+    with torch.device("meta"):
         model = HolaTitanLM(args, backend=backend, kernels=kernels)
     if torch.device(device).type != "meta":
+        model.to_empty(device=device)
         model.init_weights()
     return model
 
