@@ -76,6 +76,8 @@ class MetricsLogger:
 
 
 def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     value = float(value) if isinstance(value, torch.Tensor) else value
     return None if isinstance(value, float) and not math.isfinite(value) else value
 

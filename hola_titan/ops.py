@@ -31,7 +31,8 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    gate: torch.Tensor | None, *, window: int = 64, block: int = 256, evict: str = "score",
                    cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
                    output_final_state: bool = False, initial_cache: HolaCache | None = None,
-                   output_final_cache: bool = False, backend: str = "auto"):
+                   output_final_cache: bool = False, backend: str = "auto",
+                   overlap_backward: bool = False):
     """HOLA attention over ``[B, T, H, D]`` inputs.
 
     Args:
@@ -48,6 +49,8 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         backend: ``"auto"``, ``"reference"``, ``"sdpa"`` or ``"triton"``. A decoding step (one token per row,
             no ``cu_seqlens``, continuing from a state and cache, no gradient wanted) runs the same arithmetic
             as the reference through ``kernels/hola_decode.py`` with every backend but ``"reference"``.
+        overlap_backward: Triton backend on CUDA: the layer as one op whose backward overlaps the cache
+            attention's backward (a side stream) with fla's (``kernels/hola_triton_layer.py``); same results.
 
     Returns:
         ``(o, final_state)``, or ``(o, final_state, final_cache)`` when ``output_final_cache`` is set;
@@ -81,7 +84,8 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         o, final_state, final_cache = hola_attention_reference(*args, initial_cache=initial_cache, **kw)
     elif chosen == "triton":
         from hola_titan.kernels.hola_triton import hola_attention_triton
-        o, final_state, final_cache = hola_attention_triton(*args, initial_cache=initial_cache, **kw)
+        o, final_state, final_cache = hola_attention_triton(*args, initial_cache=initial_cache,
+                                                            overlap_backward=overlap_backward, **kw)
     else:
         from hola_titan.kernels.hola_sdpa import hola_attention_sdpa
         o, final_state, final_cache = hola_attention_sdpa(*args, **kw)
@@ -112,6 +116,41 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError("backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 with triton installed); "
                          "use 'reference' or 'auto'")
     return backend
+
+
+def explain_backend(backend: str, device: torch.device, *, head_dim: int,
+                    dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
+    """``(backend that runs, why)`` for a model of head dim ``head_dim`` on ``device``, resolved once at build.
+
+    Unlike :func:`resolve_backend` (what a call can use), this names the reason an ``"auto"`` choice fell back:
+    no CUDA device, fla-core missing or not the pinned version, Triton not importable, a head dim or dtype the
+    kernels do not take. An explicit backend that cannot run raises ``ValueError`` as there.
+    """
+    device = torch.device(device)
+    chosen = resolve_backend(backend, device)
+    from hola_titan.kernels.hola_triton import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, triton_importable
+    if chosen in ("triton", "sdpa"):
+        if head_dim not in SUPPORTED_HEAD_DIMS or dtype not in SUPPORTED_DTYPES:
+            problem = f"head dim {head_dim} / {dtype} is not taken by the kernels (head dims {SUPPORTED_HEAD_DIMS})"
+            if backend != "auto":
+                raise ValueError(f"backend: {backend!r}: {problem}; use 'reference'")
+            return "reference", f"auto: {problem}"
+        why = "as set" if backend != "auto" else ("CUDA with Triton and fla-core" if device.type == "cuda" else
+                                                   "Triton's interpreter")
+        return chosen, why
+    if backend != "auto":
+        return chosen, "as set"
+    if device.type != "cuda":
+        return chosen, "auto: no CUDA device"
+    from hola_titan.kernels.fla_gdn import FLA_VERSION, fla_version
+    found = fla_version()
+    if not triton_importable():
+        return chosen, "auto: Triton does not import"
+    if found is None:
+        return chosen, f"auto: fla-core is not installed (the state path needs fla-core=={FLA_VERSION})"
+    if found != FLA_VERSION:
+        return chosen, f"auto: fla-core {found} is installed, the adapter is written against {FLA_VERSION}"
+    return chosen, "auto: fla-core's kernels do not import"
 
 
 KERNELS = ("auto", "triton", "reference")

@@ -133,6 +133,17 @@ class PendingStep:
         return self._result
 
 
+def fast_path_check(chosen: str, why: str, *, device_type: str, backend: str, require: bool) -> str | None:
+    """The warning for an ``auto`` attention backend that fell back to the reference on a GPU (None when it did
+    not); raises :class:`ConfigError` instead with ``model.require_fast_path``."""
+    if device_type != "cuda" or chosen != "reference" or backend != "auto":
+        return None
+    if require:
+        raise ConfigError("model.require_fast_path", f"the Triton kernels cannot run here ({why})")
+    return (f"attention backend: auto falls back to the PyTorch reference on this GPU ({why}); it is far slower "
+            "than the Triton kernels. Set model.require_fast_path = true to refuse such a start")
+
+
 def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_factor: float) -> float:
     """Multiplier of the peak learning rate after ``step`` optimizer steps: linear warmup, then decay."""
     if step < warmup_steps:
@@ -239,15 +250,18 @@ class Trainer:
             self.kernels = resolve_kernels(config.model.kernels, self.device)
         except ValueError as err:
             raise ConfigError("model.kernels", str(err).removeprefix("kernels: ")) from None
+        self.attention_backend, self._backend_why = self._resolve_attention_backend()
         # Built on the meta device, parallelised, materialised with to_empty (each rank holds only its shards, on its
         # device), then initialised with the values one process draws from the seed (parallelisms/init.py): the
         # same initial weights at every layout, and never the whole model on a rank's host or GPU.
         with torch.device("meta"):
-            model = HolaTitanLM(self.model_args, backend=config.model.attention_backend, kernels=self.kernels)
-            template = HolaTitanLM(self.model_args, backend=config.model.attention_backend, kernels=self.kernels)
+            build = dict(backend=self.attention_backend, kernels=self.kernels,
+                         overlap_backward=config.model.overlap_backward)
+            model = HolaTitanLM(self.model_args, **build)
+            template = HolaTitanLM(self.model_args, **build)
         self.num_params = num_params(model)
         if self.device.type == "cuda" and self.model_args.flavour != "transformer" \
-                and config.model.attention_backend != "reference":
+                and self.attention_backend != "reference":
             # fla's #640 gradient check runs real kernels under autograd: now, not while compile traces a block
             # or inside an activation-checkpointed forward.
             prepare_backward(self.model_args.head_dim, self.device)
@@ -396,17 +410,36 @@ class Trainer:
         for group in self.optimizer.param_groups:  # the rate of the next step, as LambdaLR would set it
             group["lr"] = base * self.schedule(step)
 
+    def _resolve_attention_backend(self) -> tuple[str, str]:
+        """The token mixer's backend, decided once for this model and device (``hola_titan.ops.explain_backend``);
+        an ``auto`` that falls back to the reference on a GPU warns, or refuses with ``model.require_fast_path``."""
+        from hola_titan.ops import explain_backend
+
+        config = self.config
+        if not self.model_args.is_recurrent:
+            return config.model.attention_backend, "Transformer++ uses SDPA"
+        dtype = torch.bfloat16 if config.training.mixed_precision_param == "bfloat16" else torch.float32
+        try:
+            chosen, why = explain_backend(config.model.attention_backend, self.device,
+                                          head_dim=self.model_args.head_dim, dtype=dtype)
+        except ValueError as err:
+            raise ConfigError("model.attention_backend", str(err).removeprefix("backend: ")) from None
+        warning = fast_path_check(chosen, why, device_type=self.device.type, backend=config.model.attention_backend,
+                                  require=config.model.require_fast_path)
+        if warning and self.rank == 0:
+            logger.warning("%s", warning)
+        return chosen, why
+
     def _resolved_paths(self) -> dict[str, str]:
         """Which implementation runs each part of the step, as resolved for this run (logged at start-up)."""
-        from hola_titan.ops import resolve_backend
-
         config = self.config
         paths = {"precision": ("fp32_master (float32 weights, bf16 autocast)" if self.autocast else
                                f"param {config.training.mixed_precision_param} (FSDP mixed precision)"
                                if self.dims.fsdp_enabled or self.dims.hsdp_enabled else "float32"),
                  "compile": "per block" if config.compile.enable else "off"}
         if self.model_args.is_recurrent:
-            paths["attention_backend"] = resolve_backend(config.model.attention_backend, self.device)
+            paths["attention_backend"] = f"{self.attention_backend} ({self._backend_why})" + (
+                ", overlapped backward" if config.model.overlap_backward and self.attention_backend == "triton" else "")
             paths["short_conv"] = ("triton (fused q|k|v, kernels/short_conv.py) where it applies, else PyTorch"
                                    if self.kernels == "triton" else "PyTorch reference")
         paths["cross_entropy"] = ("triton (kernels/cross_entropy.py, bf16 logits)" if self.loss_kernel else
@@ -698,14 +731,7 @@ class Trainer:
         """The start-up block: what runs, where, on what data, from where."""
         config, d = self.config, self.degrees
         paths = self.paths
-        backend = config.model.attention_backend
-        if self.model_args.is_recurrent:
-            chosen = paths["attention_backend"]
-            why = ("CUDA with Triton and fla-core" if chosen == "triton" else "no CUDA device" if
-                   self.device.type != "cuda" else "Triton or fla-core missing") if backend == "auto" else "as set"
-            mixer = f"{chosen} ({why})"
-        else:
-            mixer = "PyTorch SDPA"
+        mixer = paths["attention_backend"] if self.model_args.is_recurrent else "PyTorch SDPA"
         data = config.data
         val = ("off" if not config.validation.enable else
                f"{config.validation.dataset or data.dataset} ({config.validation.steps} batches every "
@@ -736,7 +762,7 @@ class Trainer:
         files opened for appending. Only after the checkpoint loaded: a resume that fails leaves the record of the
         run that wrote the checkpoints, which export and conversion read."""
         if self.rank == 0:
-            write_resolved(self.config, self.dump)
+            write_resolved(self.config, self.dump, resolved=self.paths)
             (self.dump / "paths.json").write_text(json.dumps(self.paths, indent=1) + "\n")
         if self.metrics is None:
             self.metrics = MetricsLogger(self.dump, enabled=self.rank == 0,
@@ -780,6 +806,8 @@ class Trainer:
                            "mfu": self.flops["total"] * tps_device / (self.peak_tflops * 1e12),
                            "mfu_measured": self.flops["total"] * tps_device / (self.measured_tflops * 1e12),
                            "memory_gib": peak_memory_gib(self.device), "tokens_seen": self.state.tokens_seen}
+                    if not rows:  # the first row of this run says what ran (as paths.json and config.toml do)
+                        row["paths"] = self.paths
                     rows.append(row)
                     self.metrics.log(row)
                     window_start, window_tokens = time.perf_counter(), 0

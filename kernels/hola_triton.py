@@ -195,19 +195,22 @@ def select(m: torch.Tensor, table: BlockTable, *, window: int, evict: str, num_h
 def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int, evict: str,
                           cu_seqlens=None, initial_state=None, output_final_state: bool = False,
                           initial_cache: HolaCache | None = None, output_final_cache: bool = False,
-                          selected: torch.Tensor | None = None, return_aux: bool = False, state_impl: str = "auto"):
+                          selected: torch.Tensor | None = None, return_aux: bool = False, state_impl: str = "auto",
+                          overlap_backward: bool = False):
     """The Triton backend (arguments validated by ``hola_titan.ops.hola_attention``).
 
     ``selected`` (``[NB, H, W]`` int32 flat token indices, ``-1`` empty) replaces the selection, for tests that
     compare reading given the same indices. With ``return_aux`` the result gains a dict with the scores ``m``
     ``[B, T, H]``, the selection ``sel`` and the block table. ``state_impl``: see :func:`state_path`.
+    ``overlap_backward``: the layer as one op whose backward overlaps the two paths (:mod:`hola_triton_layer`).
     A call with an ``initial_cache`` runs on an extended row layout (:func:`_continue_from_cache`).
     Returns ``(o, final_state, final_cache[, aux])``.
     """
     bsz, seq_len, h, d = q.shape
     from hola_titan.kernels import hola_triton_layer
-    if hola_triton_layer.applies(q, evict=evict, initial_cache=initial_cache, selected=selected, state_impl=state_impl,
-                                 output_final_cache=output_final_cache, return_aux=return_aux):
+    if hola_triton_layer.applies(q, overlap_backward=overlap_backward, evict=evict, initial_cache=initial_cache,
+                                 selected=selected, state_impl=state_impl, output_final_cache=output_final_cache,
+                                 return_aux=return_aux):
         o, final_state, _, _ = hola_triton_layer.hola_layer(
             q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
             cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state)

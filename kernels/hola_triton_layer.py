@@ -13,13 +13,12 @@ bit-equal to the layered form, 9.17 -> 8.90 ms at T 2k and 11.59 -> 10.72 ms at 
 slow down on the shared multiprocessors, so less is hidden than their 2 ms).
 
 Scope: evict "score" or "recency" from an empty cache, on CUDA through fla, head dims fla runs unpadded
-(D >= 128 on Hopper with Triton < 3.7.1, see ``fla_gdn``). Opt in with ``HOLA_OVERLAP_BACKWARD=1`` until it is
-measured in whole-model training; the layered form stays the default.
+(D >= 128 on Hopper with Triton < 3.7.1, see ``fla_gdn``). Opt in with ``hola_attention(..., overlap_backward=True)``
+(the trainer's ``model.overlap_backward``) until it is measured in whole-model training; the layered form stays the
+default.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -27,14 +26,10 @@ from hola_titan.kernels import hola_triton_select as _select
 from hola_titan.kernels.fla_gdn import _gdn_bwd_impl, _gdn_fwd_impl, ensure_backward_checked, padded_head_dim
 
 
-def overlap_enabled() -> bool:
-    return os.environ.get("HOLA_OVERLAP_BACKWARD", "0") == "1"
-
-
-def applies(q: torch.Tensor, *, evict: str, initial_cache, selected, state_impl: str, output_final_cache: bool,
-            return_aux: bool) -> bool:
+def applies(q: torch.Tensor, *, overlap_backward: bool, evict: str, initial_cache, selected, state_impl: str,
+            output_final_cache: bool, return_aux: bool) -> bool:
     """Whether :func:`hola_layer` serves this call (see the module docstring); the layered form does the rest."""
-    return (overlap_enabled() and q.device.type == "cuda" and evict in ("score", "recency") and initial_cache is None
+    return (overlap_backward and q.device.type == "cuda" and evict in ("score", "recency") and initial_cache is None
             and selected is None and state_impl in ("auto", "fla") and not output_final_cache and not return_aux
             and padded_head_dim(q.shape[-1], q.device) == q.shape[-1])
 

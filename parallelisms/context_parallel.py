@@ -374,9 +374,11 @@ class ContextParallel:
     @torch.compiler.disable
     def attention(self, q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int = 64, block: int = 256,
                   evict: str = "score", cu_seqlens=None, initial_state=None, output_final_state: bool = False,
-                  initial_cache=None, output_final_cache: bool = False, backend: str = "auto"):
+                  initial_cache=None, output_final_cache: bool = False, backend: str = "auto",
+                  overlap_backward: bool = False):
         """``hola_attention`` over this rank's shard, continuing the states and caches of the earlier ranks
-        (the module docstring); same signature and result as ``hola_attention``, without decoding options."""
+        (the module docstring); same signature and result as ``hola_attention``, without decoding options.
+        ``overlap_backward`` is accepted and not used: the shards run the layered form."""
         if initial_state is not None or initial_cache is not None or output_final_state or output_final_cache:
             raise ValueError("initial_state: context parallelism runs whole training rows; states and caches "
                              "of a call are not available under it")

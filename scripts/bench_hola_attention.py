@@ -7,7 +7,7 @@ Rows (medians of ``triton.testing.do_bench``, CUDA events):
 - ``gdn_fla``: fla's public ``chunk_gated_delta_rule`` (in-kernel l2norm) alone;
 - ``gdn_adapter``: this project's fla adapter (the same GDN plus the score), i.e. ``evict="none"``;
 - ``hola_triton`` / ``hola_sdpa``: ``hola_attention`` with each backend (window 64, block 256, evict score);
-- ``hola_triton_overlap``: the Triton backend with ``HOLA_OVERLAP_BACKWARD=1`` (cache backward on a side stream);
+- ``hola_triton_overlap``: the Triton backend with ``overlap_backward=True`` (cache backward on a side stream);
 - ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` with 16 heads x 64;
 - the forward stages of the Triton backend (state path + score, selection, cache attention) and the cache
   attention backward, to show where the time goes.
@@ -126,10 +126,10 @@ def main():
             with fla_gdn.fla_backward_allowed(dp, device):
                 o.backward(do)
 
-        def hola(backend, evict="score"):
+        def hola(backend, evict="score", overlap_backward=False):
             def fn():
                 o, _ = hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block,
-                                      evict=evict, backend=backend, cu_seqlens=cu)
+                                      evict=evict, backend=backend, cu_seqlens=cu, overlap_backward=overlap_backward)
                 o.backward(do)
             return fn
 
@@ -139,17 +139,8 @@ def main():
         def sdpa_causal():
             F.scaled_dot_product_attention(qa, ka, va, is_causal=True).backward(doa)
 
-        def overlapped(fn):
-            def wrapped():
-                os.environ["HOLA_OVERLAP_BACKWARD"] = "1"
-                try:
-                    fn()
-                finally:
-                    os.environ["HOLA_OVERLAP_BACKWARD"] = "0"
-            return wrapped
-
         items = {"gdn_fla": (gdn_fla, x[:5]), "gdn_adapter": (hola("triton", "none"), x[:5]),
-                 "hola_triton": (hola("triton"), x), "hola_triton_overlap": (overlapped(hola("triton")), x),
+                 "hola_triton": (hola("triton"), x), "hola_triton_overlap": (hola("triton", overlap_backward=True), x),
                  "hola_sdpa": (hola("sdpa"), x),
                  "sdpa_causal": (sdpa_causal, [qa, ka, va])}
         wanted = set(_names(args.items))

@@ -251,7 +251,7 @@ def test_sdpa_backend_matches_reference_given_its_selection(case):
 
 
 def test_overlapped_layer_op_matches_the_layered_form(monkeypatch):
-    """The plumbing of hola_triton_layer (HOLA_OVERLAP_BACKWARD=1: one custom-op pair for the whole layer) in the
+    """The plumbing of hola_triton_layer (overlap_backward=True: one custom-op pair for the whole layer) in the
     interpreter, with fla's stages replaced by the fp32 reference (forward, and its autograd for the backward):
     output, final state and every gradient equal the layered backend's. Streams are GPU-only (tested there)."""
     from hola_titan.kernels import fla_gdn, hola_triton_layer

@@ -323,7 +323,7 @@ def test_continuing_from_a_cache_matches_the_reference(evict):
 
 @pytest.mark.parametrize("evict", ["score", "recency"])
 def test_overlapped_backward_equals_the_layered_form(evict, monkeypatch):
-    """``HOLA_OVERLAP_BACKWARD=1`` (hola_triton_layer): the same kernels and the same sums on two streams, so the
+    """``overlap_backward=True`` (hola_triton_layer): the same kernels and the same sums on two streams, so the
     output, the final state and every gradient equal the layered form's bit for bit; it also compiles as one
     graph."""
     b, t, h, d = 1, 4096, 4, 256
@@ -331,15 +331,14 @@ def test_overlapped_backward_equals_the_layered_form(evict, monkeypatch):
     x = make_inputs(b, t, h, d, num_states=4, seed=31, dtype=torch.bfloat16)
     weights = (torch.randn(b, t, h, d, device=DEVICE), torch.randn(4, h, d, d, device=DEVICE))
     kw = dict(window=64, block=BLOCK, evict=evict, cu_seqlens=cu)
-    monkeypatch.setenv("HOLA_OVERLAP_BACKWARD", "0")
     layered, _ = run(hola_attention_triton, leaves(x), weights, **kw)
-    monkeypatch.setenv("HOLA_OVERLAP_BACKWARD", "1")
-    overlapped, _ = run(hola_attention_triton, leaves(x), weights, **kw)
+    overlapped, _ = run(hola_attention_triton, leaves(x), weights, overlap_backward=True, **kw)
     for name, e in layered.items():
         assert torch.equal(overlapped[name], e), f"{evict} {name}: overlapped differs by {rel(overlapped[name], e):.1e}"
 
     def fn(*args):
-        o, state, _ = hola_attention_triton(*args[:-1], initial_state=args[-1], output_final_state=True, **kw)
+        o, state, _ = hola_attention_triton(*args[:-1], initial_state=args[-1], output_final_state=True,
+                                            overlap_backward=True, **kw)
         return o.float().square().mean() + state.square().mean()
 
     xc = leaves(x)

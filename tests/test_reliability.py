@@ -502,3 +502,29 @@ def test_a_full_disk_while_logging_is_one_line_with_exit_2(tmp_path, monkeypatch
     assert main([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "2"]) == 2
     err = capsys.readouterr().err
     assert f"error: no space left on the device writing {tmp_path / 'metrics.jsonl'}: free space" in err
+
+
+def test_a_fallback_of_auto_is_explained_and_can_be_refused(monkeypatch):
+    """The backend is decided once per model with its reason; an auto fallback to the reference on a GPU warns,
+    or refuses with model.require_fast_path; an explicit backend that cannot take the head dim is an error."""
+    import torch
+
+    from hola_titan.kernels import fla_gdn, hola_triton
+    from hola_titan.ops import explain_backend
+    from hola_titan.train import fast_path_check
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert explain_backend("auto", cpu, head_dim=64) == ("reference", "auto: no CUDA device")
+    assert explain_backend("reference", cpu, head_dim=64) == ("reference", "as set")
+    with pytest.raises(ValueError, match="head dim 48"):
+        explain_backend("sdpa", cpu, head_dim=48)
+    monkeypatch.setattr(hola_triton, "gpu_kernels_available", lambda: False)
+    monkeypatch.setattr(fla_gdn, "fla_version", lambda: "0.5.0")
+    chosen, why = explain_backend("auto", cuda, head_dim=256)
+    assert chosen == "reference" and why == "auto: fla-core 0.5.0 is installed, the adapter is written against 0.6.0"
+    assert "falls back to the PyTorch reference on this GPU (auto: fla-core 0.5.0" in fast_path_check(
+        chosen, why, device_type="cuda", backend="auto", require=False)
+    with pytest.raises(ConfigError, match="model.require_fast_path: the Triton kernels cannot run here"):
+        fast_path_check(chosen, why, device_type="cuda", backend="auto", require=True)
+    assert fast_path_check("reference", "auto: no CUDA device", device_type="cpu", backend="auto",
+                           require=True) is None

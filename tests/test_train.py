@@ -293,7 +293,8 @@ def test_the_run_folder_names_the_paths_that_ran(tmp_path, monkeypatch):
     trainer.train()
     paths = json.loads((tmp_path / "paths.json").read_text())
     assert paths == trainer.paths
-    assert paths["short_conv"] == "PyTorch reference" and paths["attention_backend"] == "reference"
+    assert paths["short_conv"] == "PyTorch reference"
+    assert paths["attention_backend"] == "reference (auto: no CUDA device)"
     assert paths["cross_entropy"].startswith("PyTorch") and paths["precision"] == "float32"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="model.kernels"):

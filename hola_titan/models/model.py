@@ -78,12 +78,14 @@ class GatedDeltaMixer(nn.Module):
     param_view = staticmethod(identity_view)
     context_parallel = None
 
-    def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference"):
+    def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference",
+                 overlap_backward: bool = False):
         super().__init__()
         dim, h, d = args.dim, args.n_heads, args.head_dim
         self.num_heads, self.head_dim = h, d
         self.evict, self.window, self.block = args.evict, args.window, args.block
         self.backend = backend
+        self.overlap_backward = overlap_backward
         if kernels not in ("triton", "reference"):
             raise ValueError(f"kernels: expected 'triton' or 'reference' (resolved), got {kernels!r}")
         self.kernels = kernels
@@ -182,7 +184,7 @@ class GatedDeltaMixer(nn.Module):
             q, k, v, g, beta, *cache_params, window=self.window, block=self.block, evict=self.evict,
             cu_seqlens=cu_seqlens, initial_state=cache.state if continuing else None,
             output_final_state=cache is not None, initial_cache=cache.hola if want_cache and continuing else None,
-            output_final_cache=want_cache, backend=self.backend)
+            output_final_cache=want_cache, backend=self.backend, overlap_backward=self.overlap_backward)
         o = result[0]
         if cache is not None:
             (cache.conv_q, cache.conv_k, cache.conv_v), cache.state = tails, result[1]
@@ -240,10 +242,11 @@ class Attention(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, args: ModelArgs, *, backend: str, kernels: str):
+    def __init__(self, args: ModelArgs, *, backend: str, kernels: str, overlap_backward: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attn = GatedDeltaMixer(args, backend=backend, kernels=kernels) if args.is_recurrent else Attention(args)
+        self.attn = (GatedDeltaMixer(args, backend=backend, kernels=kernels, overlap_backward=overlap_backward)
+                     if args.is_recurrent else Attention(args))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.mlp_hidden)
 
@@ -261,12 +264,14 @@ class TransformerBlock(nn.Module):
 class HolaTitanLM(nn.Module):
     """Decoder-only language model of any flavour (see the module docstring)."""
 
-    def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference"):
+    def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference",
+                 overlap_backward: bool = False):
         super().__init__()
         self.args = args
         self.kernels = kernels
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, backend=backend, kernels=kernels)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, backend=backend, kernels=kernels,
+                                                              overlap_backward=overlap_backward)
                                      for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied embeddings reuse ``tok_embeddings.weight`` in ``forward``: one parameter, so that ``to_empty``
