@@ -53,9 +53,9 @@ with _quiet_torchao():  # transformers resolves these names lazily: the import o
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from hola_titan.export import FORMAT_VERSION, MODEL_TYPE
-from hola_titan.models.args import ModelArgs
-from hola_titan.models.model import AttentionLayerCache, HolaTitanLM, ModelCache, RecurrentLayerCache
+from hola_titan.export import FORMAT_VERSION, MODEL_TYPE  # noqa: E402 - after transformers' quiet import
+from hola_titan.models.args import ModelArgs  # noqa: E402
+from hola_titan.models.model import AttentionLayerCache, HolaTitanLM, ModelCache, RecurrentLayerCache  # noqa: E402
 
 IGNORE_INDEX = -100
 _OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"

@@ -358,7 +358,6 @@ def _history_from_selected(selected, index, lengths, window, block, num_blocks):
 def _final_cache(history, window, block, row_len, r_pad, c_score, c_pos, c_k, c_v, m_rows, pos_rows, kpre_rows,
                  v_rows, seen, evict, in_dtype) -> HolaCache:
     n, h = c_score.shape[:2]
-    d = c_k.shape[-1]
     device = c_k.device
     full_blocks = row_len // block
     top = torch.stack(history, dim=2)  # [N, H, nb + 1, W]

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                              dtype=str(dtype).replace("torch.", ""), batch=args.batch, prompt=args.prompt,
                              step_ms=1e3 * per_step, tokens_per_s=args.batch / per_step,
                              aten_calls_per_step=prof["aten_calls"], profile=prof))
-            del model, cache
+            model = cache = None  # free them before the next flavour
     print(f"\n{'flavour':<14}{'backend':<11}{'step ms':>9}{'tokens/s':>10}{'ATen calls':>12}")
     for r in rows:
         print(f"{r['flavour']:<14}{r['backend']:<11}{r['step_ms']:>9.1f}{r['tokens_per_s']:>10.1f}"

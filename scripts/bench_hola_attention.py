@@ -200,7 +200,7 @@ def main():
         print("row:", json.dumps(row), flush=True)
         if args.sweep_only:
             break
-        del x, q, k, v, g, beta, do, qa, ka, va, doa
+        x = q = k = v = g = beta = do = qa = ka = va = doa = None  # free this T before the next
         torch.cuda.empty_cache()
     report = dict(meta=meta, results=results)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

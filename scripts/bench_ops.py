@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     dst = torch.empty_like(buf)
     copy_ms = bench(lambda: dst.copy_(buf))
     bandwidth = 2 * buf.numel() / (copy_ms * 1e-3)
-    del buf, dst
+    buf = dst = None
     rows = []
 
     def row(name, fn, floor_bytes, note=""):

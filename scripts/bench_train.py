@@ -267,7 +267,7 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
                mfu_measured=flops * row["tokens_per_s"] / (trainer.measured_tflops * 1e12),
                flops_per_token=flops, compile=args.compile, ac=args.ac, float8=args.float8, packed=args.packed,
                precision="fp32_master" if trainer.autocast else "float32", paths=trainer.paths)
-    del trainer
+    trainer = None  # free it before the next row (the closures above hold no other reference)
     return row
 
 
@@ -348,7 +348,7 @@ def bench_reference(*, name: str, precision: str, seq_len: int, batch_size: int,
                mfu=flops * row["tokens_per_s"] / (peak * 1e12),
                mfu_measured=flops * row["tokens_per_s"] / (measured_tflops * 1e12),
                compile=name == "llama_compile", ac="none", precision=precision)
-    del model, run, opt
+    model = run = opt = None  # free them before the next row
     return row
 
 

@@ -99,7 +99,8 @@ def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | Non
         rows, cu_list = batch, None
     layout = build_layout(cp_rank=cp.cp_rank, cp_size=size, num_rows=rows, row_len=row_len, cu_seqlens=cu_list)
     cp.set_layout(layout)
-    cache_args = (lambda d: [None] * 4 if evict == "none" else [d[p] for p in PARAMS])
+    def cache_args(d):
+        return [None] * 4 if evict == "none" else [d[p] for p in PARAMS]
 
     ref = {name: t.clone().requires_grad_() for name, t in x.items() if name != "weight"}
     cu_t = torch.tensor(cu_list, dtype=torch.int64) if cu_list else None
