@@ -212,7 +212,8 @@ class Float8:
     recipe: Literal["tensorwise", "rowwise"] = "rowwise"
     """torchao float8 scaling recipe."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """Linear layers whose fully-qualified name contains one of these strings stay in high precision."""
+    """Linear layers that stay in high precision: those whose fully qualified name is one of these or ends with
+    ``.<entry>`` (``output`` keeps an untied head, ``attn.o_proj`` every block's output projection)."""
 
 
 @dataclass
@@ -290,8 +291,6 @@ class Data:
     """Local data without ``train``/``validation`` sub-folders (one file, a glob, a plain folder): every N-th
     document in reading order is held out for validation and never trained on. 0: no hold-out (validation on
     such data is then refused: it would read training documents). Bundled and hub data have their own splits."""
-    num_workers: int = 0
-    """Data-loader worker processes per rank."""
 
 
 @dataclass
@@ -353,7 +352,6 @@ _MINIMUM: dict[str, float] = {
     "metrics.log_freq": 1,
     "validation.freq": 1,
     "validation.steps": 1,
-    "data.num_workers": 0,
     "data.holdout_every": 0,
 }
 _POSITIVE = ("optimizer.lr", "optimizer.eps")

@@ -53,15 +53,24 @@ with _quiet_torchao():  # transformers resolves these names lazily: the import o
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from hola_titan.export import FORMAT_VERSION, MODEL_TYPE  # noqa: E402 - after transformers' quiet import
-from hola_titan.models.args import ModelArgs  # noqa: E402
+from hola_titan.data.packing import IGNORE_INDEX  # noqa: E402 - after transformers' quiet import
+from hola_titan.export import FORMAT_VERSION, MODEL_TYPE  # noqa: E402
+from hola_titan.models.args import ModelArgs, model_args  # noqa: E402
 from hola_titan.models.model import AttentionLayerCache, HolaTitanLM, ModelCache, RecurrentLayerCache  # noqa: E402
 
-IGNORE_INDEX = -100
 _OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-class HolaTitanConfig(PreTrainedConfig):
+def _model_args_fields():
+    """A dataclass with every :class:`ModelArgs` field, defaults from the debug HOLA model's ``ModelArgs``: the HF
+    config inherits its fields from it, so the two cannot drift."""
+    defaults = model_args("hola", "debug", vocab_size=8192)
+    return dataclasses.make_dataclass(
+        "ModelArgsFields", [(f.name, f.type, dataclasses.field(default=getattr(defaults, f.name)))
+                            for f in dataclasses.fields(ModelArgs)], kw_only=True)
+
+
+class HolaTitanConfig(PreTrainedConfig, _model_args_fields()):
     """The ``config.json`` of an exported folder: every :class:`ModelArgs` field under its own name.
 
     The usual transformers names (``hidden_size``, ``num_hidden_layers``, ...) read the native fields.
@@ -72,22 +81,6 @@ class HolaTitanConfig(PreTrainedConfig):
                      "intermediate_size": "mlp_hidden", "max_position_embeddings": "max_seq_len",
                      "rms_norm_eps": "norm_eps"}
 
-    flavour: str = "hola"
-    size: str = "debug"
-    vocab_size: int = 8192
-    dim: int = 128
-    n_layers: int = 2
-    n_heads: int = 2
-    head_dim: int = 64
-    mlp_hidden: int = 512
-    tie_embeddings: bool = True
-    norm_eps: float = 1e-6
-    conv_size: int = 4
-    window: int = 64
-    block: int = 256
-    use_gate: bool = False
-    rope_theta: float = 10_000.0
-    max_seq_len: int = 2048
     hola_titan_format: int = FORMAT_VERSION
     attention_backend: str = "auto"
     """Token-mixer implementation (``HolaTitanLM(backend=...)``); not part of the weights."""
@@ -100,6 +93,8 @@ class HolaTitanConfig(PreTrainedConfig):
 
     def model_args(self) -> ModelArgs:
         return ModelArgs(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelArgs)})
+
+
 
 
 @dataclass

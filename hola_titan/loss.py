@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from hola_titan.data.packing import IGNORE_INDEX
+
 # Auto chunk size: the rows whose float32 logits take about this many bytes (256 MiB).
 AUTO_CHUNK_BYTES = 1 << 28
 

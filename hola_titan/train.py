@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hola_titan.checkpoint import CheckpointError, Checkpointer
+from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
 from hola_titan.config import (ConfigError, JobConfig, config_from_text, flat_items, parse_config, resolve_degrees,
                                to_toml, validate, write_resolved)
@@ -63,7 +64,6 @@ from hola_titan.profiling import step_profiler
 from hola_titan.runfolder import FolderInUseError, RunFolderLock, die_with_parent
 
 logger = logging.getLogger("hola_titan")
-IGNORE_INDEX = -100
 
 
 class NonFiniteLossError(RuntimeError):
@@ -741,8 +741,9 @@ class Trainer:
         start = f"resuming after step {resumed}" if resumed is not None else "step 0"
         ckpt = (f"every {config.checkpoint.interval} steps to {self.checkpointer.folder}"
                 if self.checkpointer is not None else "off")
+        about = f" ({config.job.description})" if config.job.description else ""
         lines = [
-            f"run in {self.dump}: {start}, training to step {config.training.steps}",
+            f"run in {self.dump}{about}: {start}, training to step {config.training.steps}",
             f"  model: {self.model_args.flavour} {self.model_args.size}, {self.num_params:,} parameters, vocabulary "
             f"{self.model_args.vocab_size} (tokenizer {config.model.tokenizer_path})",
             f"  layout: {self.world_size} process(es) on {self.device.type}: data-parallel {d.dp_replicate} x "

@@ -67,7 +67,7 @@ def gpu_layouts(steps: int) -> list[Layout]:
 def gpu2_layouts(steps: int) -> list[Layout]:
     common = ["--training.steps", str(steps), "--metrics.log_freq", "1", "--validation.enable", "false",
               "--checkpoint.enable", "false", "--training.seed", "0", "--model.tokenizer_path", "bundled",
-              "--data.dataset", "bundled", "--data.num_workers", "0", "--metrics.enable_tensorboard", "false"]
+              "--data.dataset", "bundled", "--metrics.enable_tensorboard", "false"]
     m340 = str(ROOT / "train_configs" / "hola_340M.toml")
     b13 = str(ROOT / "train_configs" / "hola_1.3B.toml")
 

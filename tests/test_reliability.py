@@ -443,11 +443,13 @@ def test_a_run_says_what_it_runs_at_the_start_and_how_it_ended(tmp_path, caplog,
     docs.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(1200)))
     with caplog.at_level(logging.INFO, logger="hola_titan"):
         Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "2",
-                              "--data.dataset", str(docs), "--data.holdout_every", "10"])).train()
+                              "--data.dataset", str(docs), "--data.holdout_every", "10",
+                              "--job.description", "a test of the summary"])).train()
     text = caplog.text
     order = [text.index(part) for part in ("starting a hola debug run", "tokenising", ": step 0, training to step")]
     assert order == sorted(order)
-    for part in ("model: hola debug, 1,578,000 parameters", "layout: 1 process(es) on cpu", "token mixer reference",
+    for part in ("(a test of the summary): step 0", "model: hola debug, 1,578,000 parameters",
+                 "layout: 1 process(es) on cpu", "token mixer reference",
                  "every 10th document held out for validation", "checkpoints: off", "MFU against"):
         assert part in text, part
     assert "run ended at step 2 of 2, last logged loss" in text

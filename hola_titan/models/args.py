@@ -73,7 +73,8 @@ def model_args(flavour: str, size: str, *, vocab_size: int, window: int | None =
     """The :class:`ModelArgs` of ``flavour`` at ``size``.
 
     ``vocab_size`` comes from the tokenizer. ``window`` and ``block`` override the HOLA cache size and block
-    length (recurrent flavours), ``n_layers`` the depth; ``max_seq_len`` is the Transformer++ RoPE table length.
+    length (recurrent flavours), ``n_layers`` the depth; ``max_seq_len`` is the training context recorded in exports
+    (``max_position_embeddings``): RoPE angles are computed from the positions, so it bounds nothing.
     """
     if flavour not in FLAVOURS:
         raise ValueError(f"model.flavour: unknown flavour {flavour!r}; expected one of {', '.join(FLAVOURS)}")
