@@ -73,13 +73,8 @@ failure, and the restarted ranks resume as above. Set ``TORCH_DISABLE_SHARE_RDZV
 the default shared rendezvous store the restarted ranks can read the previous attempt's addresses and fail to
 connect (pytorch/pytorch#135712; here 2 of 3 gloo restarts failed without it, 0 of 3 with it).
 
-Fault injection, for tests only (read from the environment; ignored after a ``torchrun`` restart, i.e. when
-``TORCHELASTIC_RESTART_COUNT`` > 0):
-
-- ``HOLA_TITAN_FAULT_AT_STEP=N``: after step N (and its save, if any) the rank ``HOLA_TITAN_FAULT_RANK``
-  (default 0) kills itself with SIGKILL.
-- ``HOLA_TITAN_FAULT_IN_SAVE_AT_STEP=N``: rank 0 kills itself with SIGKILL inside the save of step N, after the
-  data files are written and before the metadata is (with ``async`` in the background thread).
+The storage writer is a component (``storage_writer``, default DCP's ``FileSystemWriter``): the tests inject one
+that kills its process mid-save; production code carries no fault injection.
 """
 
 from __future__ import annotations
@@ -91,7 +86,6 @@ import pickle
 import random
 import re
 import shutil
-import signal
 import time
 import warnings
 from contextlib import contextmanager
@@ -121,9 +115,6 @@ STEP_PREFIX = "step-"
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".old"
 _STEP_RE = re.compile(r"^step-(\d+)$")
-FAULT_AT_STEP_ENV = "HOLA_TITAN_FAULT_AT_STEP"
-FAULT_RANK_ENV = "HOLA_TITAN_FAULT_RANK"
-FAULT_IN_SAVE_ENV = "HOLA_TITAN_FAULT_IN_SAVE_AT_STEP"
 
 
 class CheckpointError(RuntimeError):
@@ -311,29 +302,12 @@ def set_rng_state(blob: bytes) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-class _KillingWriter(FileSystemWriter):
-    """A FileSystemWriter that SIGKILLs its process before writing the metadata (fault injection for tests)."""
-
-    def finish(self, metadata, results) -> None:
-        logger.warning("fault injection (%s): killing this process inside the save of %s", FAULT_IN_SAVE_ENV,
-                       self.path)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 @contextmanager
 def _single_process_quiet():
     """DCP warns on every call without a process group, even when asked for exactly that (``no_dist``)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
-
-
-def _fault_env(name: str) -> int | None:
-    """A fault-injection step from the environment; None when unset or after a torchrun restart."""
-    value = os.environ.get(name)
-    if not value or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return None
-    return int(value)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -359,12 +333,14 @@ class Checkpointer:
             tokenizer fingerprint), read back as :attr:`loaded_info` by :meth:`load`.
         check_resume: called with the saved ``run_info`` of a checkpoint before its state is read; raises
             :class:`CheckpointMismatchError` to refuse the resume.
+        storage_writer: the DCP writer class, called with a folder (tests inject one that fails mid-save).
     """
 
     def __init__(self, *, folder: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any, dataloader: Any, train_state: Any, interval: int, keep_latest_k: int = 0,
                  async_mode: str = "disabled", initial_load_path: str | None = None, load_step: int = -1,
-                 run_info: dict[str, Any] | None = None, check_resume: Any = None):
+                 run_info: dict[str, Any] | None = None, check_resume: Any = None,
+                 storage_writer: type[FileSystemWriter] = FileSystemWriter):
         if async_mode not in ("disabled", "async"):
             raise ValueError(f"checkpoint.async_mode: expected 'disabled' or 'async', got {async_mode!r}")
         self.folder = Path(folder)
@@ -391,19 +367,7 @@ class Checkpointer:
         # collectives of the main thread.
         self._async_group = dist.new_group(backend="gloo") if async_mode == "async" and self.distributed else None
         self._pending: _PendingSave | None = None
-        self._fault_at_step = _fault_env(FAULT_AT_STEP_ENV)
-        self._fault_rank = int(os.environ.get(FAULT_RANK_ENV, "0"))
-        self._fault_in_save = _fault_env(FAULT_IN_SAVE_ENV)
-
-    @classmethod
-    def for_trainer(cls, trainer: Any) -> Checkpointer:
-        """The checkpointer of a :class:`hola_titan.train.Trainer` from its ``[checkpoint]`` config."""
-        ckpt = trainer.config.checkpoint
-        return cls(folder=Path(trainer.config.job.dump_folder) / ckpt.folder, model=trainer.model,
-                   optimizer=trainer.optimizer, lr_scheduler=trainer.lr_scheduler, dataloader=trainer.dataloader,
-                   train_state=trainer.state, interval=ckpt.interval, keep_latest_k=ckpt.keep_latest_k,
-                   async_mode=ckpt.async_mode, initial_load_path=ckpt.initial_load_path, load_step=ckpt.load_step,
-                   run_info=trainer.run_info(), check_resume=trainer.check_resume)
+        self.storage_writer = storage_writer
 
     # ------------------------------------------------------------------ collective helpers
 
@@ -434,11 +398,6 @@ class Checkpointer:
         self._poll_pending()
         if self.due(step, final=final):
             self.save(step)
-        if self._fault_at_step == step and self.rank == self._fault_rank:
-            if self._pending is not None:
-                self._wait_pending()
-            logger.warning("fault injection (%s=%d): killing rank %d", FAULT_AT_STEP_ENV, step, self.rank)
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def save(self, step: int) -> Path:
         """Write the full training state of ``step`` to ``step-<step>`` (sync or async; module docstring)."""
@@ -449,8 +408,7 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         self._barrier()
-        writer_cls = _KillingWriter if self._fault_in_save == step else FileSystemWriter
-        writer = writer_cls(str(tmp))
+        writer = self.storage_writer(str(tmp))
         begin = time.perf_counter()
         if self.async_mode == "async":
             with _single_process_quiet():
@@ -801,52 +759,14 @@ def load_model_state(path: str | os.PathLike[str], model: nn.Module, *, progress
 def create_seed_checkpoint(config: Any) -> Path:
     """Initialise the model of ``config`` (a ``JobConfig``) exactly as the trainer does and save its weights as
     ``<dump_folder>/<checkpoint.folder>/step-0`` (model only). Every layout that starts from it starts identically.
-    """
-    from hola_titan.data import load_tokenizer
+    The command is ``python -m hola_titan.seed``."""
+    from hola_titan.builder import model_args_of
     from hola_titan.models.model import build_model
-    from hola_titan.train import build_model_args
 
-    tokenizer = load_tokenizer(config.model.tokenizer_path)
-    args = build_model_args(config, tokenizer.vocab_size)
+    args, _ = model_args_of(config)
     torch.manual_seed(config.training.seed)
     model = build_model(args, device="cpu", backend=config.model.attention_backend)
     path = step_folder(Path(config.job.dump_folder) / config.checkpoint.folder, 0)
     save_model_only(model.state_dict(), path)
     logger.info("checkpoint: seed checkpoint written to %s", path)
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m hola_titan.checkpoint seed --job.config_file FILE [--section.key value ...]``."""
-    import sys
-
-    from hola_titan.config import ConfigError, parse_config, write_resolved
-    from hola_titan.metrics import setup_logging
-
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "seed":
-        print("usage: python -m hola_titan.checkpoint seed --job.config_file FILE [--section.key value ...]",
-              file=sys.stderr)
-        return 2
-    setup_logging(0)
-    try:
-        config = parse_config(argv[1:])
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    from hola_titan.runfolder import FolderInUseError, RunFolderLock
-    try:
-        lock = RunFolderLock(config.job.dump_folder).acquire()
-    except FolderInUseError as error:
-        print(f"error: job.dump_folder: {error}", file=sys.stderr)
-        return 2
-    try:
-        write_resolved(config, config.job.dump_folder)
-        print(create_seed_checkpoint(config))
-    finally:
-        lock.release()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
+from hola_titan.builder import model_args_of
 from hola_titan.checkpoint import CheckpointError, Checkpointer
 from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
@@ -54,8 +55,7 @@ from hola_titan.kernels import seqlens
 from hola_titan.kernels.fla_gdn import prepare_backward
 from hola_titan.loss import chunked_linear_cross_entropy
 from hola_titan.metrics import MetricsLogger, peak_memory_gib, setup_logging
-from hola_titan.models.args import model_args
-from hola_titan.models.model import HolaTitanLM, num_params
+from hola_titan.models.model import HolaTitanLM, build_model, num_params
 from hola_titan.parallelisms.context_parallel import context_parallel_of
 from hola_titan.parallelisms.parallel_dims import ParallelDims, mesh_rank_and_size, submesh
 from hola_titan.parallelisms.init import init_like_one_process
@@ -197,16 +197,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def build_model_args(config: JobConfig, vocab_size: int):
-    return model_args(config.model.flavour, config.model.size, vocab_size=vocab_size, window=config.model.window,
-                      block=config.model.block, n_layers=config.model.n_layers, max_seq_len=config.training.seq_len)
-
-
 class Trainer:
     """Owns the model, optimizer, schedule, data and counters of one run (see the module docstring)."""
 
     def __init__(self, config: JobConfig):
-        from hola_titan.data import build_dataloader, build_validation_dataloader, load_tokenizer
+        from hola_titan.data import build_dataloader, build_validation_dataloader
 
         self.config = config
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -239,12 +234,7 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path)
-        if config.model.vocab_size is not None and config.model.vocab_size != self.tokenizer.vocab_size:
-            raise ConfigError("model.vocab_size", f"{config.model.vocab_size} differs from the "
-                              f"{self.tokenizer.vocab_size} entries of the tokenizer "
-                              f"{config.model.tokenizer_path!r}; remove the key or fix it")
-        self.model_args = build_model_args(config, self.tokenizer.vocab_size)
+        self.model_args, self.tokenizer = model_args_of(config)
         from hola_titan.ops import resolve_kernels
         try:
             self.kernels = resolve_kernels(config.model.kernels, self.device)
@@ -325,7 +315,15 @@ class Trainer:
         # Opened by train() once the run's start is settled (a refused resume must leave the folder as it was).
         self.metrics: MetricsLogger | None = None
         self.paths = self._resolved_paths()
-        self.checkpointer = Checkpointer.for_trainer(self) if config.checkpoint.enable else None
+        self.checkpointer = None
+        if config.checkpoint.enable:
+            ckpt = config.checkpoint
+            self.checkpointer = Checkpointer(
+                folder=self.dump / ckpt.folder, model=self.model, optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, train_state=self.state,
+                interval=ckpt.interval, keep_latest_k=ckpt.keep_latest_k, async_mode=ckpt.async_mode,
+                initial_load_path=ckpt.initial_load_path, load_step=ckpt.load_step, run_info=self.run_info(),
+                check_resume=self.check_resume)
         # Called with the trainer after the backward pass of every step, before clipping (parity tests read the
         # gradients there).
         self.gradient_probe = None
@@ -868,20 +866,13 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def dry_run(config: JobConfig) -> None:
     """Print the resolved config, parameter count and training FLOPs per token; allocate no weights."""
-    from hola_titan.data import load_tokenizer
-
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     validate(config, world_size=world_size)
-    try:
-        vocab_size = load_tokenizer(config.model.tokenizer_path).vocab_size
-    except FileNotFoundError as err:
-        if config.model.vocab_size is None:
-            raise ConfigError("model.vocab_size", f"needed for a dry run without the tokenizer ({err})") from None
-        vocab_size = config.model.vocab_size
-        print(f"note: the tokenizer is not on disk ({err}); vocabulary {vocab_size} from model.vocab_size")
-    args = build_model_args(config, vocab_size)
-    with torch.device("meta"):
-        model = HolaTitanLM(args)
+    args, tokenizer = model_args_of(config, tokenizer_optional=True)
+    if tokenizer is None:
+        print(f"note: the tokenizer {config.model.tokenizer_path!r} is not on disk; vocabulary {args.vocab_size} "
+              "from model.vocab_size")
+    model = build_model(args, device="meta")
     flops = flops_per_token(args, config.training.seq_len)
     print(to_toml(config))
     print(f"model: {args.flavour} {args.size}, {num_params(model):,} parameters, vocab {args.vocab_size}")

@@ -26,7 +26,7 @@ from hola_titan.config import ConfigError, load_toml
 from hola_titan.data import load_tokenizer
 from hola_titan.export import DEFAULT_MAX_SHARD_BYTES, save_pretrained
 from hola_titan.models.model import HolaTitanLM
-from hola_titan.train import build_model_args
+from hola_titan.builder import build_model_args
 
 
 def find_run_config(checkpoint: Path) -> Path:

@@ -51,8 +51,6 @@ def _env(**extra: str) -> dict:
     # torchrun restarts: workers that share the rendezvous store read the previous attempt's gloo addresses and
     # fail to connect in about 2 of 3 restarts (pytorch/pytorch#135712); a store per attempt avoids that.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    for key in ("HOLA_TITAN_FAULT_AT_STEP", "HOLA_TITAN_FAULT_RANK", "HOLA_TITAN_FAULT_IN_SAVE_AT_STEP"):
-        env.pop(key, None)
     return env | extra
 
 
@@ -78,6 +76,14 @@ def _torchrun(dump: Path, nproc: int, *extra: str, env: dict | None = None) -> s
                           env=env, capture_output=True, text=True, timeout=400)
 
 
+def _torchrun_with_fault(dump: Path, nproc: int, fault: list[str], *, max_restarts: int) -> subprocess.CompletedProcess:
+    """torchrun over ``tests/fault_train.py`` (the trainer with ``fault`` injected in the first attempt)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", "--max-restarts", str(max_restarts), "--local-ranks-filter", "0,1",
+           "--tee", "3", str(ROOT / "tests" / "fault_train.py"), *fault, "--", *RUN, "--job.dump_folder", str(dump)]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=400)
+
+
 def _copy_step(src_dump: Path, step: int, dst_dump: Path) -> None:
     shutil.copytree(step_folder(src_dump / "checkpoint", step), step_folder(dst_dump / "checkpoint", step))
 
@@ -96,7 +102,7 @@ def two_processes(tmp_path_factory) -> dict:
     after step 11, torchrun restarts both ranks, and they resume from step 6 and finish. ``first`` and ``second``
     are the losses the two attempts logged (steps 1-11 and 7-12)."""
     dump = tmp_path_factory.mktemp("two_processes")
-    result = _torchrun(dump, 2, env=_env(MAX_RESTARTS="1", HOLA_TITAN_FAULT_AT_STEP="11", HOLA_TITAN_FAULT_RANK="1"))
+    result = _torchrun_with_fault(dump, 2, ["--kill-after-step", "11", "--kill-rank", "1"], max_restarts=1)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
@@ -124,10 +130,11 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit(one_process, tmp_path,
 
 def test_async_save_killed_midway_resumes_from_last_complete(one_process, tmp_path):
     """SIGKILL inside the background save of step 9: steps 3 and 6 survive, the restart resumes from 6."""
-    command = [sys.executable, "-m", "hola_titan.train", *RUN, "--job.dump_folder", str(tmp_path),
-               "--checkpoint.async_mode", "async", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "3"]
-    killed = subprocess.run(command, env=_env(HOLA_TITAN_FAULT_IN_SAVE_AT_STEP="9"), capture_output=True, text=True,
-                            timeout=300)
+    run = [*RUN, "--job.dump_folder", str(tmp_path), "--checkpoint.async_mode", "async", "--checkpoint.interval", "3",
+           "--checkpoint.keep_latest_k", "3"]
+    command = [sys.executable, "-m", "hola_titan.train", *run]
+    killed = subprocess.run([sys.executable, str(ROOT / "tests" / "fault_train.py"), "--kill-in-save", "9", "--", *run],
+                            env=_env(), capture_output=True, text=True, timeout=300)
     assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
     folder = tmp_path / "checkpoint"
     assert list_checkpoints(folder) == [3, 6]
@@ -334,3 +341,12 @@ def test_finished_save_whose_rename_was_cut_short_is_promoted(one_process, tmp_p
     trainer = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path), "--training.steps", "7"]))
     assert trainer.checkpointer.load() == 6
     assert list_checkpoints(folder) == [6] and not list(folder.glob("*.tmp"))
+
+
+def test_seed_command_writes_step_0_with_its_manifest(tmp_path):
+    from hola_titan.seed import main as seed_main
+
+    assert seed_main(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path)]) == 0
+    assert list_checkpoints(tmp_path / "checkpoint") == [0]
+    assert (step_folder(tmp_path / "checkpoint", 0) / "manifest.json").is_file()
+    assert seed_main(["--job.config_file", DEBUG, "--no.such_key", "1"]) == 2

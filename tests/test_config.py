@@ -198,7 +198,7 @@ def test_validate_errors(argv, world_size, key, match):
 
 
 def test_n_layers_overrides_the_depth_of_a_size():
-    from hola_titan.train import build_model_args
+    from hola_titan.builder import build_model_args
 
     config = parse_config(["--model.size", "340M", "--model.n_layers", "4"])
     validate(config, world_size=1)
