@@ -4,6 +4,10 @@ Each window of ``freq`` steps waits, records ``warmup`` steps that are dropped, 
 ``<dump_folder>/<traces_folder>/step-N/rank{R}.json.gz`` (a Chrome trace: CPU ops, and CUDA kernels and
 collectives where there is a GPU; Perfetto opens it) and ``rank{R}.txt`` (the operators with the most self time).
 Every rank writes its own, so a stall on one rank, or a collective that waits for another, is visible side by side.
+
+:func:`kernel_profile` (for the benchmark scripts) profiles calls of a function instead: the device time of its
+kernels by name and by kind (matrix products, fla, this project's kernels, Inductor, ATen, copies) against the
+timed wall time, the GPU's idle gaps read off the kernels' timeline, and the ATen calls the host made.
 """
 
 from __future__ import annotations
@@ -56,3 +60,125 @@ def step_profiler(config: Profiling, *, folder: Path, rank: int, device: torch.d
     schedule = torch.profiler.schedule(wait=config.freq - config.warmup - 1, warmup=config.warmup, active=1)
     with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write) as prof:
         yield prof
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Profiling calls of a function (the benchmark scripts)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def is_device_kernel(evt) -> bool:
+    """Whether a ``key_averages()`` row is work on the GPU itself (a kernel, copy or fill). The rest also carry
+    device time and would count it twice: host-side ops (ATen and custom ops, autograd nodes, NCCL's
+    ``record_param_comms``) report their kernels' time as theirs, and GPU-side annotations of ranges span them."""
+    from torch.autograd import DeviceType
+
+    return evt.device_type == DeviceType.CUDA and not getattr(evt, "is_user_annotation", False)
+
+
+# Kinds of kernels by name, first match wins. This project's own Triton kernels are named in kernels/*.py; fla's are
+# the remaining Triton kernels of the GDN stages (chunk_*, l2norm, WY, solve_tril, causal_conv1d, ...).
+_KINDS = (
+    ("inductor", ("triton_poi", "triton_red", "triton_per", "triton_tem")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
+    ("hola_cache", ("_cache_", "_rstd_kernel", "_bwd_pre_kernel", "_merge_topw", "_select", "_topw", "_recency")),
+    ("hola_fused", ("_short_conv_", "_xent_")),
+    ("fla", ("chunk", "l2norm", "recompute_w_u", "prepare_wy", "solve_tril", "merge_16", "kkt", "causal_conv",
+             "layer_norm", "rms_norm", "swiglu", "cross_entropy", "logsumexp", "fused_")),
+    ("copy", ("memcpy", "memset", "copy_kernel", "Memcpy", "Memset", "CatArray", "fill")),
+    ("aten", ("at::native", "at_cuda_detail", "cub::", "void at::")),
+    ("nccl", ("nccl",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a device kernel by its name (see ``_KINDS``); ``other`` when nothing matches."""
+    for kind, needles in _KINDS:
+        if any(n in name for n in needles):
+            return kind
+    return "other"
+
+
+def idle_gaps(intervals: list[tuple[float, float, str]], *, min_gap_us: float = 5.0, top: int = 10) -> dict:
+    """GPU idle time between kernels: ``intervals`` are (start us, end us, kernel name) of every kernel of the
+    profiled window. Returns the busy span, the idle time inside it (gaps of at least ``min_gap_us``) and the
+    ``top`` largest gaps with the kernels before and after them."""
+    if not intervals:
+        return {"span_ms": 0.0, "idle_ms": 0.0, "gaps": []}
+    intervals = sorted(intervals)
+    gaps, end, before = [], intervals[0][1], intervals[0][2]
+    for start, stop, name in intervals[1:]:
+        if start - end >= min_gap_us:
+            gaps.append((start - end, before, name))
+        if stop > end:
+            end, before = stop, name
+    span = end - intervals[0][0]
+    gaps.sort(key=lambda g: -g[0])
+    return {"span_ms": span / 1e3, "idle_ms": sum(g[0] for g in gaps) / 1e3, "num_gaps": len(gaps),
+            "gaps": [dict(us=round(g, 1), after=a[:70], before=b[:70]) for g, a, b in gaps[:top]]}
+
+
+def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: int = 5, top: int = 12,
+                   label: str = "call", keep: int = 200) -> dict:
+    """Profile ``iters`` calls of ``run()`` (warmed up by the caller); per-call numbers, printed and returned.
+
+    ``top`` kernels are printed; ``keep`` are kept in the returned ``kernels`` list (all kinds are summed in
+    ``by_kind`` whatever ``keep`` is)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            run()
+        if cuda:
+            torch.cuda.synchronize(device)
+    per_name, aten_calls, intervals = {}, 0, []
+    if cuda:
+        for evt in prof.events():
+            if is_device_kernel(evt) and evt.time_range.end > evt.time_range.start:
+                intervals.append((evt.time_range.start, evt.time_range.end, evt.name))
+    for evt in prof.key_averages():
+        if evt.key.startswith("aten::"):
+            aten_calls += evt.count
+        if cuda:
+            if not is_device_kernel(evt):
+                continue
+            us = getattr(evt, "self_device_time_total", None)
+            us = evt.self_cuda_time_total if us is None else us
+        else:
+            if not evt.key.startswith("aten::"):
+                continue
+            us = evt.self_cpu_time_total
+        if us > 0:
+            per_name[evt.key[:90]] = (us / iters / 1000, evt.count // iters)
+    busy_ms = sum(ms for ms, _ in per_name.values())
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    by_kind: dict[str, float] = {}
+    for name, (ms, _) in per_name.items():
+        kind = kernel_kind(name) if cuda else "cpu"
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
+    out = dict(kernel_ms=busy_ms, timed_ms=timed_ms, launches=sum(n for _, n in per_name.values()),
+               aten_calls=aten_calls // iters,
+               by_kind={k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+               top=[dict(kernel=k, ms=round(ms, 4), launches=n) for k, (ms, n) in ranked[:top]],
+               kernels=[dict(kernel=k, kind=kernel_kind(k) if cuda else "cpu", ms=round(ms, 4), launches=n)
+                        for k, (ms, n) in ranked[:keep]])
+    if cuda:
+        gaps = idle_gaps(intervals)
+        # Per call: the window holds ``iters`` calls back to back.
+        out["gpu_idle"] = dict(gaps, span_ms=gaps["span_ms"] / iters, idle_ms=gaps["idle_ms"] / iters)
+    what = "kernels" if cuda else "ATen self CPU"
+    timed = f"{timed_ms:.3f}" if timed_ms is not None else "-"
+    print(f"profile ({label}): {what} {busy_ms:.3f} ms per call, timed {timed} ms, launches {out['launches']}, "
+          f"ATen calls {out['aten_calls']}", flush=True)
+    print("    by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in out["by_kind"].items()), flush=True)
+    if "gpu_idle" in out:
+        idle = out["gpu_idle"]
+        print(f"    GPU idle {idle['idle_ms']:.2f} ms of a {idle['span_ms']:.2f} ms span per call; largest gaps: "
+              + "; ".join(f"{g['us']:.0f} us after {g['after'][:40]}" for g in idle["gaps"][:4]), flush=True)
+    for item in out["top"]:
+        print(f"    {item['ms']:8.3f} ms  x{item['launches']:<4d} {item['kernel']}", flush=True)
+    return out

@@ -57,7 +57,7 @@ from hola_titan.loss import chunked_linear_cross_entropy
 from hola_titan.metrics import MetricsLogger, peak_memory_gib, setup_logging
 from hola_titan.models.model import HolaTitanLM, build_model, num_params
 from hola_titan.parallelisms.context_parallel import context_parallel_of
-from hola_titan.parallelisms.parallel_dims import ParallelDims, mesh_rank_and_size, submesh
+from hola_titan.parallelisms.parallel_dims import ParallelDims, end_process_group, mesh_rank_and_size, submesh
 from hola_titan.parallelisms.init import init_like_one_process
 from hola_titan.parallelisms.parallelize import parallelize_model
 from hola_titan.profiling import step_profiler
@@ -469,7 +469,10 @@ class Trainer:
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group_mesh.get_group())
         return value
 
-    def _loss_sum(self, batch: dict) -> torch.Tensor:
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        """The forward of one micro-batch (a loader batch on the host): the summed loss over its valid targets,
+        a device scalar (its backward is the caller's: :meth:`train_step` scales it by the global target count).
+        Public for the benchmarks, which time the phases of a step."""
         # Through pinned memory: a copy from pageable host memory waits for everything queued on the device.
         tokens = _to_device(batch["input_ids"], self.device)
         labels = _to_device(batch["labels"], self.device)
@@ -511,7 +514,7 @@ class Trainer:
         grad_scale = ranks / targets
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in micro_batches:
-            loss_sum = self._loss_sum(batch)
+            loss_sum = self.loss_sum(batch)
             loss_ctx = loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext()
             with loss_ctx:
                 (loss_sum * grad_scale).backward()
@@ -519,7 +522,7 @@ class Trainer:
         if self.gradient_probe is not None:
             self.gradient_probe(self)
         loss_total = self._all_reduce_sum(loss_total.reshape(1)).reshape(())
-        grad_norm = self._clip_grad_norm_tensor()
+        grad_norm = self.clip_grad_norm()
         finite = torch.isfinite(loss_total) & torch.isfinite(grad_norm)
         spike, ema_before = self._loss_spike_guard(loss_total / targets, finite)
         ok = finite & ~spike
@@ -614,7 +617,7 @@ class Trainer:
             value = sum((x != IGNORE_INDEX).sum() for x in labels).double().reshape(1)
         return self._all_reduce_sum(value).reshape(()).clamp_min(1.0)
 
-    def _clip_grad_norm_tensor(self) -> torch.Tensor:
+    def clip_grad_norm(self) -> torch.Tensor:
         """Global gradient norm as a (device) tensor; clips to ``training.max_norm`` without reading it."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
@@ -637,7 +640,7 @@ class Trainer:
         for batch in loader:
             if self.cp is not None:
                 batch = self.cp.shard_batch(batch)
-            loss_sum[0] += _full(self._loss_sum(batch)).double()
+            loss_sum[0] += _full(self.loss_sum(batch)).double()
             loss_sum[1] += float((batch["labels"] != IGNORE_INDEX).sum())
         self._all_reduce_sum(loss_sum)
         self.model.train()
@@ -911,12 +914,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         trainer = Trainer(config)
         trainer.train()
-        # A device mesh still alive when gloo is destroyed (at exit) or a rank still finishing a collective
-        # make gloo abort the process now and then (std::terminate, seen with 2-4 CPU ranks): free them first.
-        del trainer
-        gc.collect()
-        if dist.is_initialized():
-            dist.barrier()
+        del trainer  # its meshes and groups go before the process group does (end_process_group)
+        end_process_group()
     except (ConfigError, NonFiniteLossError, FileNotFoundError, CheckpointError, DataError) as err:
         return _one_line_error(str(err))
     except OSError as err:
@@ -925,8 +924,7 @@ def main(argv: list[str] | None = None) -> int:
         return _one_line_error(f"no space left on the device writing {err.filename or 'the run folder'}: free space "
                                "or set job.dump_folder elsewhere (the checkpoints written so far are intact)")
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group(barrier=False)  # after an error: no barrier, a failed rank may be gone
     return 0
 
 

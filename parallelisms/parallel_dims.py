@@ -100,3 +100,20 @@ def mesh_rank_and_size(mesh: Meshes | None, name: str) -> tuple[int, int]:
     if sub is None:
         return 0, 1
     return sub.get_local_rank(), sub.size()
+
+
+def end_process_group(*, barrier: bool = True) -> None:
+    """Leave the default process group, if one is up: a barrier first (with ``barrier``), so that no rank is still
+    inside a collective, then ``destroy_process_group``. Free meshes and groups before calling it: a device mesh
+    still alive when gloo is destroyed, or a rank still finishing a collective, made gloo abort the process now and
+    then (std::terminate, seen with 2-4 CPU ranks)."""
+    import gc
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hola_titan.parallelisms.parallel_dims import end_process_group
+
 
 # torch 2.13 renamed the single-tensor collectives; 2.11 has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -108,8 +110,7 @@ def main(argv=None) -> int:
             "device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "world": world,
             "torch": torch.__version__, "params": args.params, "blocks": args.blocks, "rows": rows,
             "fsdp_step_ms_unoverlapped": step_ms}, indent=1) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
     return 0
 
 

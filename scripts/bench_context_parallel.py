@@ -141,6 +141,7 @@ def main(argv=None) -> int:
     from hola_titan import hola_attention
     from hola_titan.kernels import seqlens
     from hola_titan.parallelisms.context_parallel import ContextParallel, build_layout
+    from hola_titan.parallelisms.parallel_dims import end_process_group
 
     cp = None
     if world > 1:
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
                 cp.set_layout(layout)  # a new batch: the count includes making the layout's index tensors
                 row["cp_host_syncs"] = count_host_syncs(cp_step, device)
                 if args.profile:
-                    from profiling import kernel_profile
+                    from hola_titan.profiling import kernel_profile
                     row["cp_profile"] = kernel_profile(cp_step, device=device, timed_ms=row["cp_ms"], iters=2,
                                                        label=f"rank {rank} CP T={t}")
             except torch.OutOfMemoryError:
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
                 row["single_ms"], row["single_peak_gib"] = timer(single_step, args.reps)
                 row["single_host_syncs"] = count_host_syncs(single_step, device)
                 if args.profile:
-                    from profiling import kernel_profile
+                    from hola_titan.profiling import kernel_profile
                     row["single_profile"] = kernel_profile(single_step, device=device, timed_ms=row["single_ms"],
                                                            iters=2, label=f"single T={t}")
             except torch.OutOfMemoryError:
@@ -231,9 +232,7 @@ def main(argv=None) -> int:
                   f"{_cell(r, 'speedup', '{:.2f}x'):>8} {_cell(r, 'comm_ms', '{:.2f}'):>9} "
                   f"{_cell(r, 'comm_kib', '{:.1f}'):>9} {_cell(r, 'cp_peak_gib', '{:.2f}'):>8} "
                   f"{_cell(r, 'single_peak_gib', '{:.2f}'):>10} {_cell(r, 'cp_host_syncs', '{}'):>9}")
-    if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+    end_process_group()
     return 0
 
 

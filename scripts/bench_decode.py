@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench_decode.json"))
     args = p.parse_args(argv)
 
-    from profiling import kernel_profile
+    from hola_titan.profiling import kernel_profile
 
     from hola_titan.models.args import model_args
     from hola_titan.models.model import ModelCache, build_model

@@ -215,7 +215,7 @@ def _names(text):
 
 def profile(fn, grads, timed_ms, iters=5, top=12):
     """GPU kernel time per call, by kernel name, against the call's timed median (``scripts/profiling.py``)."""
-    from profiling import kernel_profile
+    from hola_titan.profiling import kernel_profile
 
     def call():
         fn()

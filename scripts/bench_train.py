@@ -6,7 +6,7 @@ times ``--steps`` steps and reports tokens/s, MFU as the trainer defines it (``f
 the matmul rate measured on the device, see ``hola_titan/flops.py``), and peak memory. The batches are packed
 documents with ``cu_seqlens`` as the trainer's ``data.varlen`` makes them (``--no-packed``: one sequence per
 row, as the outside references below are fed). A separate profiling pass
-of ``--steps`` steps then times the phases with a device synchronisation after each: forward (``_loss_sum``),
+of ``--steps`` steps then times the phases with a device synchronisation after each: forward (``loss_sum``),
 backward, and optimizer (clip + AdamW step + zero_grad); its sum is a little above the timed step, since the
 synchronisations remove overlap. The chunked head loss computes the head's gradients during its forward, so for
 hola_titan rows that work is counted under forward, not backward.
@@ -206,7 +206,7 @@ def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, w
            "peak_memory_gib": peak}
     row.update({f"{name}_ms": 1e3 * value / steps for name, value in totals.items()})
     if profile:
-        from profiling import kernel_profile
+        from hola_titan.profiling import kernel_profile
         row["profile"] = kernel_profile(step, device=device, timed_ms=row["step_ms"], iters=steps, top=25,
                                         label="training step", keep=profile_keep)
     return row
@@ -214,7 +214,7 @@ def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, w
 
 def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, args, tokenizer_dir: Path,
                      dump: Path) -> dict:
-    """One row for a hola_titan flavour, through ``Trainer.train_step`` (and its ``_loss_sum`` for profiling)."""
+    """One row for a hola_titan flavour, through ``Trainer.train_step`` (and its ``loss_sum`` for profiling)."""
     import torch
 
     from hola_titan.config import parse_config
@@ -247,13 +247,13 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
         trainer.train_step([batch])
 
     def forward():
-        return trainer._loss_sum(batch)
+        return trainer.loss_sum(batch)
 
     def backward(loss):
         (loss * scale).backward()
 
     def optimizer():
-        trainer._clip_grad_norm_tensor()
+        trainer.clip_grad_norm()
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
 

@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     from hola_titan.config import parse_config
     from hola_titan.metrics import setup_logging
     from hola_titan.train import Trainer
+    from hola_titan.parallelisms.parallel_dims import end_process_group
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     setup_logging(rank)
@@ -57,9 +58,7 @@ def main(argv=None) -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(rows, indent=1) + "\n")
         del trainer
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        end_process_group()
     return 0
 
 

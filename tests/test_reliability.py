@@ -121,13 +121,13 @@ def test_a_refused_resume_leaves_the_run_record_as_it_was(tmp_path):
 
 def _poison(trainer: Trainer, *, from_step: int, factor: float) -> None:
     """Multiply every loss from step ``from_step`` on by ``factor`` (nan: non-finite; 100: a finite blow-up)."""
-    original = trainer._loss_sum
+    original = trainer.loss_sum
 
     def loss_sum(batch):
         value = original(batch)
         return value * factor if trainer.state.step + 1 >= from_step else value
 
-    trainer._loss_sum = loss_sum
+    trainer.loss_sum = loss_sum
 
 
 def _strict_rows(folder: Path) -> list[dict]:

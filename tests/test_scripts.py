@@ -108,11 +108,7 @@ def test_kernel_profile_counts_device_kernels_once():
 
     from torch.autograd import DeviceType
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from profiling import is_device_kernel
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    from hola_titan.profiling import is_device_kernel
 
     def event(device_type, annotation=False):
         return SimpleNamespace(device_type=device_type, is_user_annotation=annotation)
@@ -136,11 +132,7 @@ def test_count_cp_ops_runs_under_torchrun():
 def test_profile_kinds_and_idle_gaps():
     """Kernels are sorted into kinds by name (Inductor's generated names first: they quote the ops they fuse, e.g.
     ``select``), and the GPU's idle time is the sum of the gaps between kernels, overlaps merged."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from profiling import idle_gaps, kernel_kind
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    from hola_titan.profiling import idle_gaps, kernel_kind
     assert kernel_kind("triton_poi_fused__to_copy_add_mul_select_slice_view_where_zeros_12") == "inductor"
     assert kernel_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
     assert kernel_kind("_cache_bwd_dkdv_kernel") == "hola_cache"

@@ -58,7 +58,7 @@ def test_forward_and_backward_of_a_step_do_not_synchronise(flavour, tmp_path):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss = trainer._loss_sum(batch)
+        loss = trainer.loss_sum(batch)
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

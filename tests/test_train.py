@@ -212,13 +212,13 @@ def test_config_errors_exit_with_one_line(tmp_path, argv, key):
 
 
 def _poison_after(trainer: Trainer, step: int) -> None:
-    original = trainer._loss_sum
+    original = trainer.loss_sum
 
     def loss_sum(batch):
         value = original(batch)
         return value * float("nan") if trainer.state.step + 1 >= step else value
 
-    trainer._loss_sum = loss_sum
+    trainer.loss_sum = loss_sum
 
 
 def test_nan_loss_stops_with_clear_message(tmp_path):
