@@ -1,4 +1,4 @@
-"""``hola_attention``: the functional core of the HOLA layer (HOLA_SPEC section 2).
+"""``hola_attention``: the functional core of the HOLA layer (DESIGN §2).
 
 Shape legend: B batch, T tokens, H heads, D head dim, N sequences (B, or documents with ``cu_seqlens``).
 

@@ -1,4 +1,4 @@
-"""Token-by-token HOLA oracle: HOLA_SPEC section 1 followed literally, with the buffers of decoding.
+"""Token-by-token HOLA oracle: DESIGN §1 followed literally, with the buffers of decoding.
 
 For tests only. Each sequence (batch row, or document with ``cu_seqlens``) is run one token at a time:
 the state recurrence, the surprise score, a block buffer that every token joins, a read over

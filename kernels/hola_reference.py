@@ -1,4 +1,4 @@
-"""Vectorised pure-PyTorch HOLA attention: the ``"reference"`` backend (HOLA_SPEC sections 1 and 2).
+"""Vectorised pure-PyTorch HOLA attention: the ``"reference"`` backend (DESIGN §1-2).
 
 Runs on any device, computes in float32 (float64 inputs stay float64), and is differentiated by autograd.
 Python loops run over chunks of the state path and over cache blocks, never over tokens.
@@ -40,7 +40,7 @@ STATE_CHUNK = 64
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
-    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dimension (HOLA_SPEC section 2)."""
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dimension (DESIGN §2)."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + NORM_EPS)
 
 

@@ -2,7 +2,7 @@
 
 Shape legend: B batch, T tokens, H heads, D head dim, N sequences, NB blocks, W window.
 
-Pipeline (HOLA_SPEC section 1):
+Pipeline (DESIGN §1):
 1. state path and score: :func:`hola_titan.kernels.fla_gdn.gdn_with_scores` (fla-core, the score from fla's own
    per-token update); on a CPU under ``TRITON_INTERPRET=1`` the fp32 reference state path stands in for fla,
    whose chunk kernels do not run in the interpreter;

@@ -1,4 +1,4 @@
-"""Block layout and top-W cache selection for the Triton and SDPA backends (HOLA_SPEC section 1, items 6-7).
+"""Block layout and top-W cache selection for the Triton and SDPA backends (DESIGN §1, items 6-7).
 
 Shape legend: B batch, T tokens, H heads, N sequences (batch rows, or documents with ``cu_seqlens``),
 NB blocks over all sequences, W window, C block.

@@ -2,7 +2,7 @@
 
 Shape legend: N tokens (``B * T`` flattened), C channels of each of q, k, v, K taps (4).
 
-Math (per channel c, HOLA_SPEC 1.1; ``p_t`` the token's position in its document):
+Math (per channel c, DESIGN §1, item 1; ``p_t`` the token's position in its document):
     z_t = sum_{s < K, s <= p_t} w[c, K-1-s] x_{t-s},   y_t = silu(z_t)
 The PyTorch form (``hola_titan.models.layers.ShortConvolution``) is the reference these kernels are tested against,
 and the path for everything they do not cover (a tail from an earlier call, decoding, context parallelism, tensor

@@ -1,6 +1,6 @@
 """Context parallelism: every row is split into ``R`` contiguous shards, one per rank of the ``cp`` mesh.
 
-Recurrent flavours (HOLA, HOLA+recency, GDN) run the sequence-parallel chunked scan of HOLA_SPEC section 3;
+Recurrent flavours (HOLA, HOLA+recency, GDN) run the sequence-parallel chunked scan of DESIGN §3;
 Transformer++ runs exact causal attention over keys and values all-gathered from the cp group.
 
 Shape legend: R cp ranks, r this rank, T row length, L = T / R shard length, H heads, D head dim, C block,

@@ -12,8 +12,8 @@ synchronisations remove overlap. The chunked head loss computes the head's gradi
 hola_titan rows that work is counted under forward, not backward.
 
 Outside references, in the same process and timed the same way (GPU only; skipped with a message when the
-package or a GPU is missing, or with ``--references none``), at REFERENCES.md's 340M shapes with fused AdamW and
-no activation checkpointing, under each precision policy of ``--reference-precision``:
+package or a GPU is missing, or with ``--references none``), at the 340M shapes of docs/DESIGN.md §5 with fused
+AdamW and no activation checkpointing, under each precision policy of ``--reference-precision``:
 
 - ``bf16_weights``: the model's weights, gradients and optimizer state in bf16 (how fla's and transformers'
   examples train, and how the references were first measured);

@@ -1,4 +1,4 @@
-"""Context parallelism (HOLA_SPEC section 3) on CPU with gloo: layouts and sharding in-process; parity with one
+"""Context parallelism (DESIGN §3) on CPU with gloo: layouts and sharding in-process; parity with one
 process through torchrun (``tests/cp_worker.py``, 2 and 4 ranks) and through the trainer (``run_train.sh``).
 
 Parity bounds. Float64 cases: 1e-10 of each tensor's scale (the CP run chunks the state path at other token

@@ -1,4 +1,4 @@
-"""``hola_attention`` (HOLA_SPEC sections 1, 2 and 4) on CPU: the reference backend against the token-by-token
+"""``hola_attention`` (DESIGN §1, 2, 4) on CPU: the reference backend against the token-by-token
 oracle and against independent formulations (fla-core's GDN recurrence, PyTorch SDPA), chunked and packed
 layouts, the selection semantics, input validation and NaN isolation.
 
@@ -28,7 +28,7 @@ INPUTS = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate")
 CACHE_PARAMS = ("gamma_q", "gamma_k", "sink", "gate")
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 CACHE_FIELDS = ("scores", "positions", "k", "v", "buf_scores", "buf_k", "buf_v", "seen")
-EPS = 1e-6  # HOLA_SPEC section 2: l2norm and RMSNorm epsilon
+EPS = 1e-6  # DESIGN §2: l2norm and RMSNorm epsilon
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 TOL_PACKED_FP32 = 1e-6
 
@@ -505,7 +505,7 @@ def test_final_cache_is_a_valid_top_window_of_its_own_scores(cu, evict, ties):
 
 @pytest.mark.parametrize("evict", ["score", "recency"])
 def test_cached_scores_are_detached(evict):
-    """HOLA_SPEC 1.4: m is detached (selection is discrete and parameter-free). The cache's k and v do carry
+    """DESIGN §1, item 4: m is detached (selection is discrete and parameter-free). The cache's k and v do carry
     gradients (section 2: so that gradients reach gamma_k however the cache was built); its scores must not."""
     x = make_inputs(1, 10, 2, 8, dtype=torch.float32, seed=15, requires_grad=True)
     _, _, cache = run_ref(x, evict=evict, window=2, block=4)

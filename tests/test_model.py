@@ -1,4 +1,4 @@
-"""``HolaTitanLM`` (HOLA_SPEC sections 2b, 4, 5; STYLE items 1-3, 10): parameter counts, meta-device build and
+"""``HolaTitanLM`` (DESIGN §2 (packed documents), 4, 5; STYLE items 1-3, 10): parameter counts, meta-device build and
 ``init_weights``, module layout, packed equals separate, teacher-forced decoding, constant decoding memory,
 gradients into the cache parameters, and NaN isolation between packed documents.
 
@@ -294,7 +294,8 @@ def test_every_parameter_gets_a_finite_gradient(flavour):
 @pytest.mark.parametrize("flavour", RECURRENT)
 def test_nan_in_one_packed_document_does_not_leak_into_other_documents(flavour):
     """A NaN embedding used only in document 1 must leave the hidden states of documents 0, 2, 3, 4 finite and
-    unchanged: the state, the cache and the short convolutions reset at every document start (HOLA_SPEC 2b).
+    unchanged: the state, the cache and the short convolutions reset at every document start (DESIGN §2, packed
+    documents).
 
     (Transformer++ is left out: dense SDPA with a document mask multiplies the masked values by zero
     probabilities, so a NaN value reaches every query of its row; that is how masked attention computes.)"""

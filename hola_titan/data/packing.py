@@ -7,9 +7,9 @@ exactly once::
 
     input_ids[t] = stream[j*T + t]        labels[t] = stream[j*T + t + 1]        t = 0 .. T-1
 
-Document boundaries (``varlen=True``, HOLA_SPEC 2b). The EOS belongs to the document it ends. Position ``t`` of a
-row starts a document when ``t == 0`` (every row start is treated as a document start, even in the middle of a
-document) or when ``input_ids[t - 1]`` is EOS. Then:
+Document boundaries (``varlen=True``, DESIGN §2, packed documents). The EOS belongs to the document it ends.
+Position ``t`` of a row starts a document when ``t == 0`` (every row start is treated as a document start, even in
+the middle of a document) or when ``input_ids[t - 1]`` is EOS. Then:
 
 * ``labels[t] = -100`` (ignored) exactly where ``input_ids[t]`` is EOS: that target is the first token of the next
   document, predicted from the previous document's last position. The EOS itself stays a target (predicted from

@@ -1,4 +1,4 @@
-"""Model flavours and sizes (HOLA_SPEC section 5).
+"""Model flavours and sizes (DESIGN §5).
 
 A flavour is the token mixer of every block: ``hola`` (score eviction), ``hola_recency`` (the paper's
 HOLA+recency control), ``gdn`` (cache off) and ``transformer`` (Transformer++: RoPE, SwiGLU, RMSNorm,

@@ -1,4 +1,4 @@
-"""The language model: HOLA, HOLA+recency, GDN and Transformer++ from one block structure (HOLA_SPEC 1, 5).
+"""The language model: HOLA, HOLA+recency, GDN and Transformer++ from one block structure (DESIGN §1, 5).
 
 ``HolaTitanLM(args)`` is built on the meta device (:func:`build_model`; on a real device the ``nn`` layers would
 draw their default init), sharded, materialised with ``to_empty`` and then initialised by ``init_weights``.
@@ -7,7 +7,7 @@ layout, e.g. ``layers.3.attn.q_proj.weight``. Model code never touches ``torch.d
 
 Shape legend: B batch, T tokens, V vocabulary, H heads, D head dim. Packed rows (``cu_seqlens`` over the
 flattened B*T stream, every row starting a document) reset the recurrent state, the HOLA cache, the short
-convolutions and the Transformer++ attention at each document start (HOLA_SPEC 2b).
+convolutions and the Transformer++ attention at each document start (DESIGN §2, packed documents).
 """
 
 from __future__ import annotations
