@@ -117,7 +117,7 @@ def _cache_attn_setup(ctx, inputs, output):
     q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, block, window = inputs
     _, oc, lse, rq, rk = output
     # The saved outputs take no gradient: without this, autograd fills a zero [B, T, H, D] gradient for o_cache on
-    # every call (one of five bf16 fills, 0.14 ms per layer on an H200, in the profile of docs/LOG.md).
+    # every call (one of five bf16 fills in the profile of docs/LOG.md).
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, oc, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len)
     ctx.block, ctx.window = block, window

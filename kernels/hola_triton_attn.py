@@ -40,8 +40,8 @@ LOG2E = 1.4426950408889634
 # One fixed configuration per kernel instead of autotune: autotuned launches fail in the interpreter, and a fresh
 # machine would re-tune every run. scripts/bench_hola_attention.py sweeps alternatives.
 # BM: query tile, BN: key tile. D = 128 picked by the fewest register spills in ptxas (Triton 3.6); D = 256 by
-# timing on an H200 (scripts/bench_hola_attention.py --sweep, 65,536 tokens, 4 heads; docs/LOG.md): forward
-# 0.95 -> 0.58 ms, backward 2.59 -> about 2.0 ms against the ptxas pick (64 x 32, 8 warps).
+# timing on an H200 (scripts/bench_hola_attention.py --sweep, 65,536 tokens, 4 heads; the numbers are in
+# docs/LOG.md), against the ptxas pick (64 x 32, 8 warps).
 CONFIGS = {
     "fwd": {64: dict(BM=64, BN=64, num_warps=4, num_stages=3), 128: dict(BM=64, BN=32, num_warps=8, num_stages=2),
             256: dict(BM=64, BN=32, num_warps=4, num_stages=2)},

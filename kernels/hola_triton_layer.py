@@ -4,13 +4,12 @@ Shape legend: B batch, T tokens, H heads, D head dim, N sequences, NB blocks, W 
 
 Why. In the layered form (``hola_triton.hola_attention_triton``) autograd runs the cache-attention backward and
 then fla's GDN backward, one after the other on one stream. fla's recurrent stages (the recomputed forward state
-and the state-gradient pass, about 2.2 ms of the 6.3 ms GDN forward + backward at the 340M layer shape on an
-H200) have only N * H * (D / 64) programs, one or two per multiprocessor, and leave most of the chip waiting on
-latency, while the cache-attention backward (about 2 ms there) is fully parallel. Here one backward op launches
+and the state-gradient pass, about a third of the GDN forward + backward at the 340M layer shape) have only
+N * H * (D / 64) programs, one or two per multiprocessor, and leave most of the chip waiting on latency, while the
+cache-attention backward is fully parallel. Here one backward op launches
 the cache-attention backward on a side stream and fla's backward on the current one, joins them, and adds the two
-paths' gradients of q, k and v. Measured (``scripts/bench_hola_attention.py``, H200, docs/LOG.md 2026-11-30):
-bit-equal to the layered form, 9.17 -> 8.90 ms at T 2k and 11.59 -> 10.72 ms at T 32k (the side-stream kernels
-slow down on the shared multiprocessors, so less is hidden than their 2 ms).
+paths' gradients of q, k and v. It is bit-equal to the layered form; what it saves per layer call is measured by
+``scripts/bench_hola_attention.py`` (``hola_triton_overlap``; numbers in docs/LOG.md).
 
 Scope: evict "score" or "recency" from an empty cache, on CUDA through fla, head dims fla runs unpadded
 (D >= 128 on Hopper with Triton < 3.7.1, see ``fla_gdn``). Opt in with ``hola_attention(..., overlap_backward=True)``

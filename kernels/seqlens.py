@@ -3,7 +3,7 @@
 Shape legend: N documents; ``cu_seqlens`` is ``[N + 1]``, from 0 to T (the flattened tokens).
 
 Reading a CUDA tensor's values on the host synchronises the host with the device: the GPU then idles while the
-host issues the next launches (3.6 ms of a 9.9 ms GDN forward + backward on an H200 when it happened per layer,
+host issues the next launches (a third of a GDN layer's forward + backward when it happened per layer,
 docs/LOG.md). Two readers need the values: ``hola_attention``'s argument check and fla's chunk indices. This
 module remembers the last checked tensor (by identity and version counter; a model passes one tensor to every
 layer) and, when the caller registered one, its host copy, so that neither reads the device:
