@@ -3,10 +3,11 @@
 Shape legend: B sequences (batch rows), H heads, D head dim, W = window, C = block.
 
 Why a separate path: the general continuation (``hola_attention_reference``'s ``_cache_path``, the Triton
-backend's extended row layout) lays a call out as blocks of rows, which for a single token costs about 1,500
-small ATen calls per layer, and decoding ran at the host's pace (docs/LOG.md). One token needs only the recurrent update, a read of at most W + C + 1 rows plus the
-sink, a write into its block's buffer slot and, when the token completes its block, the top-W merge: a fixed
-number of tensor operations with static shapes and no host synchronisation.
+backend's extended row layout) lays a call out as blocks of rows, which for a single token costs about 1,500 small
+ATen calls per layer, and decoding ran at the host's pace (docs/LOG.md). One token needs only the recurrent
+update, a read of at most W + C + 1 rows plus the sink, a write into its block's buffer slot and, when the token
+completes its block, the top-W merge: a fixed number of tensor operations with static shapes and no host
+synchronisation.
 
 The arithmetic is the reference's for a one-token call, term by term (the state, the scores and the cache come
 out equal; the output's read sums its keys in another order, so it can differ in the last bit):

@@ -10,13 +10,13 @@ parallel or converted projections).
 
 Why a kernel. Under ``torch.compile`` the three convolutions split into a cat, shifted masked products and a
 dweight reduction that move about 12x the bytes they need, and fla-core's ``causal_conv1d`` did no better
-(measurements in docs/LOG.md). Here the input is the fused q|k|v projection ``x [N, 3C]`` (one matmul instead of three), the forward
-reads each input once per tap (neighbouring taps hit the cache) and writes q, k and v as three contiguous tensors
-(what the GDN kernels take, no split copies). The backward is two kernels: one recomputes the pre-activation from
-the K shifted inputs, writes ``dz = dy silu'(z)`` and, from the same inputs, per-tile weight-gradient partials that
-a fixed-order sum reduces (deterministic); the other gathers ``dx [N, 3C]`` (the fused projection's gradient in one
-piece) from K shifted rows of dz. (A single backward kernel that recomputed dz at every shift spilled registers and
-ran at about 9x its byte floor; the split costs one extra write and read of dz.)
+(measurements in docs/LOG.md). Here the input is the fused q|k|v projection ``x [N, 3C]`` (one matmul instead of
+three), the forward reads each input once per tap (neighbouring taps hit the cache) and writes q, k and v as three
+contiguous tensors (what the GDN kernels take, no split copies). The backward is two kernels: one recomputes the
+pre-activation from the K shifted inputs, writes ``dz = dy silu'(z)`` and, from the same inputs, per-tile weight-
+gradient partials that a fixed-order sum reduces (deterministic); the other gathers ``dx [N, 3C]`` (the fused
+projection's gradient in one piece) from K shifted rows of dz. (A single backward kernel that recomputed dz at
+every shift spilled registers and ran at about 9x its byte floor; the split costs one extra write and read of dz.)
 
 Arithmetic in float32 from the input dtype; the output and ``dx`` in the input dtype, ``dweight`` in float32. One
 launch configuration (no autotuning: the interpreter runs it, and a fresh machine does not re-tune).
