@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from hola_titan.kernels import hola_decode, seqlens
+from hola_titan.kernels import hola_decode
+from hola_titan.kernels.seqlens import Documents, check_shape
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.kernels.hola_reference import hola_attention_reference
 
@@ -29,10 +30,10 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    gamma_q: torch.Tensor | None, gamma_k: torch.Tensor | None, sink: torch.Tensor | None,
                    gate: torch.Tensor | None, *, window: int = 64, block: int = 256, evict: str = "score",
-                   cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
-                   output_final_state: bool = False, initial_cache: HolaCache | None = None,
-                   output_final_cache: bool = False, backend: str = "auto",
-                   overlap_backward: bool = False):
+                   cu_seqlens: torch.Tensor | None = None, documents: Documents | None = None,
+                   initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                   initial_cache: HolaCache | None = None, output_final_cache: bool = False,
+                   backend: str = "auto", overlap_backward: bool = False):
     """HOLA attention over ``[B, T, H, D]`` inputs.
 
     Args:
@@ -42,7 +43,11 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             (``lambda = sigmoid(gate)``). All four may be ``None`` when ``evict == "none"``.
         window: persistent cache size W >= 0. block: block length C >= 1.
         evict: ``"score"`` (HOLA), ``"recency"`` (HOLA+recency) or ``"none"`` (GDN).
-        cu_seqlens: ``[N + 1]`` int32/int64 document boundaries of a packed row (only with B == 1).
+        cu_seqlens: ``[N + 1]`` int32/int64 document boundaries of a packed row (only with B == 1); its values
+            are read on the host once per call (a synchronisation on CUDA).
+        documents: the same boundaries as a :class:`~hola_titan.kernels.seqlens.Documents`, checked once per
+            batch with their host copy: what a model passes to every layer, so that no layer reads the device.
+            Give ``cu_seqlens`` or ``documents``, not both.
         initial_state: ``[N, H, D, D]`` state to start from (N = B without ``cu_seqlens``).
         output_final_state: return the final state ``[N, H, D, D]`` (float32, float64 for float64 inputs).
         initial_cache / output_final_cache: a :class:`HolaCache` to continue from / to return.
@@ -56,9 +61,10 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         ``(o, final_state)``, or ``(o, final_state, final_cache)`` when ``output_final_cache`` is set;
         ``o`` is ``[B, T, H, D]`` in the input dtype, before the output norm.
     """
-    _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
-              cu_seqlens=cu_seqlens, initial_state=initial_state, initial_cache=initial_cache,
-              output_final_cache=output_final_cache, backend=backend)
+    documents = _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
+                          cu_seqlens=cu_seqlens, documents=documents, initial_state=initial_state,
+                          initial_cache=initial_cache, output_final_cache=output_final_cache, backend=backend)
+    cu_seqlens = documents.cu_seqlens if documents is not None else None
     chosen = resolve_backend(backend, q.device)  # raises for a backend that cannot run here, decoding or not
     if chosen != "reference":
         from hola_titan.kernels.hola_triton import check_supported, is_supported
@@ -76,6 +82,8 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             initial_cache=initial_cache, output_final_state=output_final_state,
             output_final_cache=output_final_cache)
         return (o, final_state, final_cache) if output_final_cache else (o, final_state)
+    # fla's chunk indices, made once per batch with its Documents (None: fla makes them from cu_seqlens).
+    chunk_indices = documents.chunk_indices if documents is not None else None
     kw = dict(window=window, block=block, evict=evict, cu_seqlens=cu_seqlens, initial_state=initial_state,
               output_final_state=output_final_state, output_final_cache=output_final_cache)
     if chosen == "reference" or (chosen == "sdpa" and initial_cache is not None):
@@ -85,10 +93,11 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     elif chosen == "triton":
         from hola_titan.kernels.hola_triton import hola_attention_triton
         o, final_state, final_cache = hola_attention_triton(*args, initial_cache=initial_cache,
-                                                            overlap_backward=overlap_backward, **kw)
+                                                            overlap_backward=overlap_backward,
+                                                            chunk_indices=chunk_indices, **kw)
     else:
         from hola_titan.kernels.hola_sdpa import hola_attention_sdpa
-        o, final_state, final_cache = hola_attention_sdpa(*args, **kw)
+        o, final_state, final_cache = hola_attention_sdpa(*args, chunk_indices=chunk_indices, **kw)
     if output_final_cache:
         return o, final_state, final_cache
     return o, final_state
@@ -175,8 +184,9 @@ def resolve_kernels(kernels: str, device: torch.device) -> str:
     return kernels
 
 
-def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, cu_seqlens, initial_state,
-              initial_cache, output_final_cache, backend) -> None:
+def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, cu_seqlens, documents,
+              initial_state, initial_cache, output_final_cache, backend) -> Documents | None:
+    """Raise ``ValueError`` naming the first bad argument; returns the call's :class:`Documents` (or None)."""
     if evict not in EVICT_MODES:
         raise ValueError(f"evict: unknown mode {evict!r}; expected one of {EVICT_MODES}")
     if backend not in BACKENDS:
@@ -212,15 +222,23 @@ def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, 
             if x.shape != (size,):
                 raise ValueError(f"{name}: expected shape [{size}], got {list(x.shape)}")
     num_seqs = bsz
-    if cu_seqlens is not None:
+    if cu_seqlens is not None and documents is not None:
+        raise ValueError("cu_seqlens: give cu_seqlens or documents, not both")
+    if cu_seqlens is not None or documents is not None:
         if bsz != 1:
             raise ValueError(f"cu_seqlens: requires batch size 1, got B = {bsz}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1] with N >= 1, got {list(cu_seqlens.shape)}")
-        if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"cu_seqlens: must be int32 or int64, got {cu_seqlens.dtype}")
-        seqlens.check_values(cu_seqlens, seq_len)
-        num_seqs = cu_seqlens.numel() - 1
+    if cu_seqlens is not None:
+        check_shape(cu_seqlens)
+        documents = Documents.of(cu_seqlens, seq_len=seq_len, device=q.device)
+    elif documents is not None:
+        if not isinstance(documents, Documents):
+            raise ValueError(f"documents: expected a Documents, got {type(documents).__name__}")
+        if documents.seq_len != seq_len:
+            raise ValueError(f"documents: made for T = {documents.seq_len} tokens, q has T = {seq_len}")
+        if documents.cu_seqlens.device != q.device:
+            raise ValueError(f"documents: on {documents.cu_seqlens.device}, q on {q.device}")
+    if documents is not None:
+        num_seqs = documents.num_docs
     if initial_state is not None:
         if initial_state.shape != (num_seqs, h, d, d):
             raise ValueError(f"initial_state: expected shape {[num_seqs, h, d, d]}, got {list(initial_state.shape)}")
@@ -232,3 +250,4 @@ def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, 
             raise ValueError(f"initial_cache: expected a HolaCache, got {type(initial_cache).__name__}")
         initial_cache.check_matches(num_seqs=num_seqs, num_heads=h, head_dim=d, window=window, block=block,
                                     evict=evict)
+    return documents

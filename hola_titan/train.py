@@ -52,11 +52,13 @@ from hola_titan.config import (ConfigError, JobConfig, config_from_text, flat_it
 from hola_titan.fqn import strip_wrappers
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
 from hola_titan.kernels import seqlens
+from hola_titan.kernels.seqlens import Documents
 from hola_titan.kernels.fla_gdn import prepare_backward
 from hola_titan.loss import chunked_linear_cross_entropy
 from hola_titan.metrics import MetricsLogger, peak_memory_gib, setup_logging
+from hola_titan.models.context import BatchContext
 from hola_titan.models.model import HolaTitanLM, build_model, num_params
-from hola_titan.parallelisms.context_parallel import context_parallel_of
+from hola_titan.parallelisms.context_parallel import context_parallel_for
 from hola_titan.parallelisms.parallel_dims import ParallelDims, end_process_group, mesh_rank_and_size, submesh
 from hola_titan.parallelisms.init import init_like_one_process
 from hola_titan.parallelisms.parallelize import parallelize_model
@@ -268,8 +270,9 @@ class Trainer:
         init_like_one_process(self.model, template)
         del template
         self.model.check_finite()
-        # Context parallel: every rank of a cp group reads the same rows and keeps its shard of each batch.
-        self.cp = context_parallel_of(self.model)
+        # Context parallel: every rank of a cp group reads the same rows and keeps its shard of each batch; each
+        # shard's view goes to the model with the batch (loss_sum).
+        self.cp = context_parallel_for(self.model_args, self.mesh.named["cp"]) if self.dims.cp > 1 else None
         # Without FSDP (one GPU, or tensor parallelism alone) a GPU run gets bf16 compute from autocast; FSDP's
         # mixed-precision policy does it otherwise.
         self.autocast = (self.device.type == "cuda" and not (self.dims.fsdp_enabled or self.dims.hsdp_enabled)
@@ -476,20 +479,12 @@ class Trainer:
         # Through pinned memory: a copy from pageable host memory waits for everything queued on the device.
         tokens = _to_device(batch["input_ids"], self.device)
         labels = _to_device(batch["labels"], self.device)
-        cu_seqlens = batch.get("cu_seqlens")
-        if cu_seqlens is not None:
-            # Checked here from the loader's host copy and registered with it, so no layer reads the device copy
-            # back (a host-device synchronisation); int64 is what fla takes, so no layer converts it either.
-            host = cu_seqlens.to(torch.int64)
-            cu_seqlens = _to_device(host, self.device)
-            seqlens.register(cu_seqlens, host=host, seq_len=tokens.numel())
-        if self.cp is not None:
-            self.cp.set_layout(batch["cp_layout"])  # stays current through this batch's backward
+        context = self.batch_context(batch, tokens.numel())
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         if self.dims.tp > 1:
             # Under tensor parallelism the logits stay sharded over the vocabulary: a loss-parallel cross-entropy.
             with ctx:
-                logits = self.model(tokens, cu_seqlens=cu_seqlens)
+                logits = self.model(tokens, context=context)
             with loss_parallel():
                 return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                        reduction="sum")
@@ -497,11 +492,21 @@ class Trainer:
         # hola_titan/loss.py). ``flat_hidden_states`` is registered as an FSDP forward method (apply_fsdp), and the
         # root keeps its parameters gathered after forward, so ``output_weight()`` is the unsharded (tied) head here.
         with ctx:
-            hidden = self.model.flat_hidden_states(tokens, cu_seqlens=cu_seqlens)
+            hidden = self.model.flat_hidden_states(tokens, context=context)
         return chunked_linear_cross_entropy(hidden, self.model.output_weight(), labels.flatten(),
                                             chunk_size=self.config.training.loss_chunk_size,
                                             ignore_index=IGNORE_INDEX, matmul_dtype=self.head_matmul_dtype,
                                             kernel=self.loss_kernel)
+
+    def batch_context(self, batch: dict, num_tokens: int) -> BatchContext:
+        """The model's per-batch context: the documents checked from the loader's host copy (so no layer reads the
+        device copy back, a host-device synchronisation) and, under context parallelism, this rank's view of
+        the shard. Made per forward; a recomputed forward (activation checkpointing) keeps the one it ran with."""
+        documents = None
+        if batch.get("cu_seqlens") is not None:
+            documents = Documents.from_host(batch["cu_seqlens"], device=self.device, seq_len=num_tokens)
+        cp = self.cp.batch(batch["cp_layout"]) if self.cp is not None else None
+        return BatchContext(documents=documents, cp=cp)
 
     def train_step(self, micro_batches: list[dict]) -> PendingStep:
         """Queue one optimizer step over this rank's micro-batches; its reduced numbers arrive through the

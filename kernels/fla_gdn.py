@@ -176,7 +176,7 @@ def check_fla_backward(head_dim: int, device: torch.device, *, num_heads: int = 
     with isolated:
         _CHECKED[(device.index or 0, d)] = {}  # lets the guarded call run once, for the check itself
         try:
-            o, _, _ = _GDNFunction.apply(*leaves, None, cu, d ** -0.5, False)
+            o, _, _ = _GDNFunction.apply(*leaves, None, cu, None, d ** -0.5, False)
             o.backward(do.to(o.dtype))
         finally:
             del _CHECKED[(device.index or 0, d)]
@@ -227,26 +227,27 @@ def prepare_backward(head_dim: int, device: torch.device) -> None:
 # The adapter: custom ops over fla's stages.
 
 
-def _chunk_indices(cu_seqlens):
-    if cu_seqlens is None:
-        return None
+def chunk_indices_from_host(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """fla's chunk indices of boundaries given on the host (no read of a device tensor), on ``device``: made once
+    per batch by :class:`~hola_titan.kernels.seqlens.Documents` and passed to every layer."""
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from hola_titan.kernels import seqlens
+    from hola_titan.kernels.seqlens import to_device
 
-    def from_host(host):
-        # Sent with a pinned, non-blocking copy: fla's path with cu_seqlens_cpu still ends in a copy from pageable
-        # memory, which waits for the device (tests/test_step_gpu.py caught it). A fresh tensor: fla memoises by
-        # argument identity, and a caller may refill its host copy in place.
-        fresh = host.clone()
-        return seqlens.to_device(prepare_chunk_indices(fresh, CHUNK, cu_seqlens_cpu=fresh), cu_seqlens.device)
+    # Sent with a pinned, non-blocking copy: fla's path with cu_seqlens_cpu still ends in a copy from pageable
+    # memory, which waits for the device (tests/test_step_gpu.py caught it). A fresh tensor: fla memoises by
+    # argument identity.
+    fresh = host.clone()
+    return to_device(prepare_chunk_indices(fresh, CHUNK, cu_seqlens_cpu=fresh), device)
 
-    if not torch.compiler.is_compiling():
-        indices = seqlens.derived(cu_seqlens, ("fla_chunk_indices", CHUNK), from_host)
-        if indices is not None:
-            return indices
-    # Computed from the device tensor, fla reads its values back to the host (a synchronisation).
-    return prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=seqlens.host_copy(cu_seqlens))
+
+def _chunk_indices(cu_seqlens, given):
+    """The chunk indices a caller made once per batch, or (a host synchronisation: fla reads the device tensor
+    back) made here from ``cu_seqlens``."""
+    if cu_seqlens is None or given is not None:
+        return given
+    from fla.ops.utils.index import prepare_chunk_indices
+    return prepare_chunk_indices(cu_seqlens, CHUNK)
 
 
 def _state_stages(k, v, g, beta, initial_state, cu_seqlens, chunk_indices, output_final_state):
@@ -269,13 +270,13 @@ def _state_stages(k, v, g, beta, initial_state, cu_seqlens, chunk_indices, outpu
     return h, v_new, final_state, kn, k_rstd, g_cum, a
 
 
-def _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+def _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state):
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.chunk_o import chunk_fwd_o
 
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     with torch.cuda.device(q.device.index):
-        chunk_indices = _chunk_indices(cu_seqlens)
+        chunk_indices = _chunk_indices(cu_seqlens, chunk_indices)
         qn, q_rstd = l2norm_fwd(q)
         h, v_new, final_state, kn, k_rstd, g_cum, a = _state_stages(k, v, g, beta, initial_state, cu_seqlens,
                                                                     chunk_indices, output_final_state)
@@ -288,15 +289,16 @@ def _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
     return o.to(q.dtype), m, final_state, qn, q_rstd, kn, k_rstd, g_cum, a
 
 
-def _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, scale):
+def _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, chunk_indices,
+                  scale):
     from fla.modules.norm.l2norm import l2norm_bwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
 
     with torch.cuda.device(do.device.index), fla_backward_allowed(kn.shape[-1], do.device):
         dq, dk, dv, db, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
             q=qn, k=kn, v=v, g=g_cum, beta=beta, A=a, scale=scale, initial_state=initial_state,
-            do=do.contiguous(), dht=dht, cu_seqlens=cu_seqlens, chunk_indices=_chunk_indices(cu_seqlens),
-            chunk_size=CHUNK)
+            do=do.contiguous(), dht=dht, cu_seqlens=cu_seqlens,
+            chunk_indices=_chunk_indices(cu_seqlens, chunk_indices), chunk_size=CHUNK)
         dq = l2norm_bwd(qn, q_rstd, dq)
         dk = l2norm_bwd(kn, k_rstd, dk)
     return dq, dk, dv, dg, db, dh0
@@ -304,16 +306,17 @@ def _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_st
 
 @torch.library.custom_op("hola::gdn_fwd", mutates_args=())
 def gdn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
+               initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+               chunk_indices: torch.Tensor | None, scale: float,
                output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                   torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                   torch.Tensor]:
     """``(o, m, final_state or empty, saved for backward...)``; see the module docstring."""
-    return _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state)
+    return _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state)
 
 
 @gdn_fwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state):
     b, t, h, d = q.shape
     n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final = q.new_empty(n, h, d, d, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
@@ -326,17 +329,18 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
 def gdn_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, qn: torch.Tensor, q_rstd: torch.Tensor, kn: torch.Tensor,
                k_rstd: torch.Tensor, v: torch.Tensor, g_cum: torch.Tensor, beta: torch.Tensor, a: torch.Tensor,
                initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+               chunk_indices: torch.Tensor | None,
                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                       torch.Tensor]:
     dq, dk, dv, dg, db, dh0 = _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state,
-                                            cu_seqlens, scale)
+                                            cu_seqlens, chunk_indices, scale)
     if dh0 is None:
         dh0 = do.new_empty(0, dtype=torch.float32)
     return dq, dk, dv, dg, db, dh0
 
 
 @gdn_bwd_op.register_fake
-def _(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, scale):
+def _(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, chunk_indices, scale):
     dh0 = (torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None
            else do.new_empty(0, dtype=torch.float32))
     return (torch.empty_like(qn), torch.empty_like(kn), torch.empty_like(v), torch.empty_like(g_cum),
@@ -344,9 +348,9 @@ def _(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seql
 
 
 def _gdn_setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state = inputs
     _, _, _, qn, q_rstd, kn, k_rstd, g_cum, a = output
-    ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens)
+    ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, chunk_indices)
     ctx.scale = scale
     ctx.output_final_state = output_final_state
     ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
@@ -354,17 +358,17 @@ def _gdn_setup_context(ctx, inputs, output):
 
 
 def _gdn_backward(ctx, do, dm, dht, *unused):
-    qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens = ctx.saved_tensors
+    qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, chunk_indices = ctx.saved_tensors
     if do is None:  # only the final state was used
         do = torch.zeros_like(qn)
     if not ctx.output_final_state or dht is None or dht.numel() == 0:
         dht = None
     # The forward ran fla on contiguous copies of v and beta; the saved inputs are the originals.
     dq, dk, dv, dg, db, dh0 = gdn_bwd_op(do, dht, qn, q_rstd, kn, k_rstd, v.contiguous(), g_cum, beta.contiguous(), a,
-                                         initial_state, cu_seqlens, ctx.scale)
+                                         initial_state, cu_seqlens, chunk_indices, ctx.scale)
     tq, tk, tv, tg, tb = ctx.dtypes
     return (dq.to(tq), dk.to(tk), dv.to(tv), dg.to(tg), db.to(tb), dh0 if initial_state is not None else None,
-            None, None, None)
+            None, None, None, None)
 
 
 torch.library.register_autograd("hola::gdn_fwd", _gdn_backward, setup_context=_gdn_setup_context)
@@ -374,8 +378,9 @@ class _GDNFunction:
     """Calls the custom op; kept as a tiny namespace so the #640 check and the adapter share one entry."""
 
     @staticmethod
-    def apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
-        o, m, final_state, *_ = gdn_fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state)
+    def apply(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state):
+        o, m, final_state, *_ = gdn_fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale,
+                                           output_final_state)
         return o, m, (final_state if output_final_state else None)
 
 
@@ -400,7 +405,7 @@ class _SummaryFunction(torch.autograd.Function):
         # placeholder whose gradient (zero) is dropped.
         _, dk, dv, dg, db, dh0 = _gdn_bwd_impl(torch.zeros_like(kn), dht.contiguous(), kn, k_rstd, kn, k_rstd,
                                                v.contiguous(), g_cum, beta.contiguous(), a, initial_state, None,
-                                               kn.shape[-1] ** -0.5)
+                                               None, kn.shape[-1] ** -0.5)
         tk, tv, tg, tb = ctx.dtypes
         return dk.to(tk), dv.to(tv), dg.to(tg), db.to(tb), dh0
 
@@ -427,10 +432,13 @@ def gdn_summary(k, v, g, beta, initial_state):
     return final_state, v_new
 
 
-def gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, output_final_state=False):
+def gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, chunk_indices=None,
+                    output_final_state=False):
     """GDN state path through fla with the score: ``(o_state [B,T,H,D], m [B,T,H] float32, final_state or None)``.
 
     ``q, k`` are pre-l2norm (fla normalises them in its kernel); ``g`` is the log-decay, ``beta`` in (0, 1).
+    ``chunk_indices``: fla's chunk indices of ``cu_seqlens`` made once per batch from the host copy
+    (``Documents.chunk_indices``, :func:`chunk_indices_from_host`); None makes them here, from the device tensor.
     """
     if not torch.compiler.is_compiling():
         _require_fla()
@@ -447,7 +455,7 @@ def gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, ou
     if (not torch.compiler.is_compiling() and torch.is_grad_enabled()
             and any(x.requires_grad for x in (q, k, v, g, beta))):
         ensure_backward_checked(dp, q.device)
-    o, m, final_state = _GDNFunction.apply(q, k, v, g, beta, initial_state, cu_seqlens, d ** -0.5,
+    o, m, final_state = _GDNFunction.apply(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, d ** -0.5,
                                            output_final_state)
     if dp != d:
         o = o[..., :d]

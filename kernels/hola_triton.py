@@ -17,7 +17,6 @@ front of each sequence (:func:`_continue_from_cache`).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -36,7 +35,18 @@ def triton_importable() -> bool:
 
 @torch.compiler.assume_constant_result
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether this process's Triton kernels run in Triton's interpreter (CPU tensors). Triton decides when a
+    kernel is defined (``TRITON_INTERPRET=1`` in the environment when these modules are imported), so the answer
+    is read from a kernel itself, once, and is fixed for the process; nothing reads the environment later."""
+    return _interpreting()
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreting() -> bool:
+    if not triton_importable():
+        return False
+    from hola_titan.kernels import hola_triton_attn
+    return type(hola_triton_attn._rstd_kernel).__name__ == "InterpretedFunction"
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,19 +176,23 @@ def _device_ctx(x: torch.Tensor):
 # The backend.
 
 
-def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_state, impl: str = "auto"):
+def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_state, impl: str = "auto",
+               chunk_indices=None):
     """fla on CUDA, the fp32 reference elsewhere: ``(o_state in q.dtype, m [B, T, H] float32, final_state)``.
 
-    ``impl="reference"`` forces the reference (tests of the cache path alone on a GPU).
+    ``impl="reference"`` forces the reference (tests of the cache path alone on a GPU). ``chunk_indices``: fla's,
+    made once per batch (``Documents.chunk_indices``), or None.
     """
     if impl == "fla" or (impl == "auto" and q.device.type == "cuda"):
         from hola_titan.kernels.fla_gdn import gdn_with_scores
-        fn = gdn_with_scores
+        o_state, m, final_state = gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
+                                                  cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                                                  output_final_state=output_final_state)
     else:
         from hola_titan.kernels.fla_gdn import reference_gdn_with_scores
-        fn = reference_gdn_with_scores
-    o_state, m, final_state = fn(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                 output_final_state=output_final_state)
+        o_state, m, final_state = reference_gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
+                                                            cu_seqlens=cu_seqlens,
+                                                            output_final_state=output_final_state)
     return o_state.to(q.dtype), m, final_state
 
 
@@ -196,8 +210,9 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
                           cu_seqlens=None, initial_state=None, output_final_state: bool = False,
                           initial_cache: HolaCache | None = None, output_final_cache: bool = False,
                           selected: torch.Tensor | None = None, return_aux: bool = False, state_impl: str = "auto",
-                          overlap_backward: bool = False):
-    """The Triton backend (arguments validated by ``hola_titan.ops.hola_attention``).
+                          overlap_backward: bool = False, chunk_indices: torch.Tensor | None = None):
+    """The Triton backend (arguments validated by ``hola_titan.ops.hola_attention``); ``chunk_indices`` as in
+    :func:`state_path`.
 
     ``selected`` (``[NB, H, W]`` int32 flat token indices, ``-1`` empty) replaces the selection, for tests that
     compare reading given the same indices. With ``return_aux`` the result gains a dict with the scores ``m``
@@ -213,10 +228,12 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
                                  return_aux=return_aux):
         o, final_state, _, _ = hola_triton_layer.hola_layer(
             q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
-            cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=output_final_state)
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, initial_state=initial_state,
+            output_final_state=output_final_state)
         return o, final_state, None
     o_state, m, final_state = state_path(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                         output_final_state=output_final_state, impl=state_impl)
+                                         output_final_state=output_final_state, impl=state_impl,
+                                         chunk_indices=chunk_indices)
     aux = {"m": m}
     if evict == "none":
         return (o_state, final_state, None, aux) if return_aux else (o_state, final_state, None)

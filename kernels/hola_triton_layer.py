@@ -36,8 +36,8 @@ def applies(q: torch.Tensor, *, overlap_backward: bool, evict: str, initial_cach
 @torch.library.custom_op("hola::layer_fwd", mutates_args=())
 def layer_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  gamma_q: torch.Tensor, gamma_k: torch.Tensor, sink: torch.Tensor, gate: torch.Tensor,
-                 initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
-                 output_final_state: bool, block: int, window: int,
+                 initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                 chunk_indices: torch.Tensor | None, scale: float, output_final_state: bool, block: int, window: int,
                  evict: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                       torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                       torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -50,7 +50,7 @@ def layer_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     bsz, seq_len, h, _ = q.shape
     with _device_ctx(q):
         o_state, m, final_state, qn, q_rstd, kn, k_rstd, g_cum, a = _gdn_fwd_impl(
-            q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state)
+            q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state)
         table = _select.build_block_table(bsz, seq_len, cu_seqlens, block, q.device)
         sel, _ = select(m.reshape(bsz * seq_len, h), table, window=window, evict=evict, num_heads=h)
         o, oc, lse, rq, rk = cache_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), o_state,
@@ -62,8 +62,8 @@ def layer_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
 
 @layer_fwd_op.register_fake
-def _(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, scale, output_final_state, block,
-      window, evict):
+def _(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, scale,
+      output_final_state, block, window, evict):
     from hola_titan.kernels.fla_gdn import CHUNK
     bsz, seq_len, h, d = q.shape
     n = bsz if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -83,8 +83,9 @@ def _(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens,
 def layer_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  beta: torch.Tensor, gamma_q: torch.Tensor, gamma_k: torch.Tensor, sink: torch.Tensor,
                  gate: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-                 qn: torch.Tensor, q_rstd: torch.Tensor, kn: torch.Tensor, k_rstd: torch.Tensor, g_cum: torch.Tensor,
-                 a: torch.Tensor, oc: torch.Tensor, lse: torch.Tensor, rq: torch.Tensor, rk: torch.Tensor,
+                 chunk_indices: torch.Tensor | None, qn: torch.Tensor, q_rstd: torch.Tensor, kn: torch.Tensor,
+                 k_rstd: torch.Tensor, g_cum: torch.Tensor, a: torch.Tensor, oc: torch.Tensor, lse: torch.Tensor,
+                 rq: torch.Tensor, rk: torch.Tensor,
                  sel: torch.Tensor, blk_start: torch.Tensor, blk_len: torch.Tensor, scale: float, block: int,
                  window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,7 +104,7 @@ def layer_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k:
         if q.device.type != "cuda":  # the interpreter tests: one stream, one path after the other
             cache = cache_backward()
             dq, dk, dv, dg, db, dh0 = _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a,
-                                                    initial_state, cu_seqlens, scale)
+                                                    initial_state, cu_seqlens, chunk_indices, scale)
         else:
             main = torch.cuda.current_stream()
             side = _side_stream(q.device)
@@ -111,7 +112,7 @@ def layer_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k:
             with torch.cuda.stream(side):
                 cache = cache_backward()
             dq, dk, dv, dg, db, dh0 = _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a,
-                                                    initial_state, cu_seqlens, scale)
+                                                    initial_state, cu_seqlens, chunk_indices, scale)
             main.wait_stream(side)
             for t in cache:
                 t.record_stream(main)  # made on the side stream, used and freed on this one
@@ -123,8 +124,8 @@ def layer_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k:
 
 
 @layer_bwd_op.register_fake
-def _(do, dht, q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd, g_cum,
-      a, oc, lse, rq, rk, sel, blk_start, blk_len, scale, block, window):
+def _(do, dht, q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, qn, q_rstd, kn,
+      k_rstd, g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len, scale, block, window):
     f32 = torch.float32
     dh0 = (torch.empty_like(initial_state, dtype=f32) if initial_state is not None else do.new_empty(0, dtype=f32))
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g_cum),
@@ -144,18 +145,19 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, scale, ofs, block, window, evict = inputs
+    (q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, scale, ofs, block,
+     window, evict) = inputs
     _, _, _, sel, blk_start, blk_len, qn, q_rstd, kn, k_rstd, g_cum, a, oc, lse, rq, rk = output
-    ctx.save_for_backward(q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, qn, q_rstd, kn,
-                          k_rstd, g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len)
+    ctx.save_for_backward(q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, qn,
+                          q_rstd, kn, k_rstd, g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len)
     ctx.scale, ctx.output_final_state, ctx.block, ctx.window = scale, ofs, block, window
     ctx.g_dtype = g.dtype
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs saved for backward
 
 
 def _backward(ctx, do, dht, *unused):
-    (q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd, g_cum, a, oc,
-     lse, rq, rk, sel, blk_start, blk_len) = ctx.saved_tensors
+    (q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, qn, q_rstd, kn, k_rstd,
+     g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len) = ctx.saved_tensors
     if do is None:  # only the final state was used
         do = torch.zeros_like(q)
     if not ctx.output_final_state or dht is None or dht.numel() == 0:
@@ -164,19 +166,20 @@ def _backward(ctx, do, dht, *unused):
     q, k, v, beta, gamma_q, gamma_k, sink, gate = (
         t.contiguous() for t in (q, k, v, beta, gamma_q, gamma_k, sink, gate))
     dq, dk, dv, dg, db, dh0, dgq, dgk, dsink, dgate = layer_bwd_op(
-        do, dht, q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd,
-        g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len, ctx.scale, ctx.block, ctx.window)
+        do, dht, q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, qn, q_rstd,
+        kn, k_rstd, g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len, ctx.scale, ctx.block, ctx.window)
     return (dq, dk, dv, dg.to(ctx.g_dtype), db.to(beta.dtype), dgq.to(gamma_q.dtype), dgk.to(gamma_k.dtype),
             dsink.to(sink.dtype), dgate.to(gate.dtype), dh0 if initial_state is not None else None,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd("hola::layer_fwd", _backward, setup_context=_setup)
 
 
 def hola_layer(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int, evict: str,
-               cu_seqlens=None, initial_state=None, output_final_state: bool = False):
-    """``(o, final_state or None, m, sel)``: the layer through :func:`layer_fwd_op` (see the module docstring)."""
+               cu_seqlens=None, chunk_indices=None, initial_state=None, output_final_state: bool = False):
+    """``(o, final_state or None, m, sel)``: the layer through :func:`layer_fwd_op` (see the module docstring);
+    ``chunk_indices`` as in :func:`~hola_titan.kernels.fla_gdn.gdn_with_scores`."""
     d = q.shape[-1]
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int64)
@@ -186,5 +189,6 @@ def hola_layer(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, b
             and any(x.requires_grad for x in (q, k, v, g, beta))):
         ensure_backward_checked(d, q.device)
     o, final_state, m, sel, *_ = layer_fwd_op(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state,
-                                              cu_seqlens, d ** -0.5, output_final_state, block, window, evict)
+                                              cu_seqlens, chunk_indices, d ** -0.5, output_final_state, block, window,
+                                              evict)
     return o, (final_state if output_final_state else None), m, sel

@@ -1,84 +1,83 @@
-"""Document boundaries (``cu_seqlens``) checked once, with their host copy, so a step reads none from the device.
+"""Document boundaries of one packed batch (``cu_seqlens``), checked once, with their host copy.
 
 Shape legend: N documents; ``cu_seqlens`` is ``[N + 1]``, from 0 to T (the flattened tokens).
 
 Reading a CUDA tensor's values on the host synchronises the host with the device: the GPU then idles while the
 host issues the next launches (a third of a GDN layer's forward + backward when it happened per layer,
-docs/LOG.md). Two readers need the values: ``hola_attention``'s argument check and fla's chunk indices. This
-module remembers the last checked tensor (by identity and version counter; a model passes one tensor to every
-layer) and, when the caller registered one, its host copy, so that neither reads the device:
-
-- :func:`check_values` checks a tensor once (reading it if it is on the device and unregistered);
-- :func:`register` (the trainer, once per batch) checks the host copy and registers the device tensor with it;
-- :func:`host_copy` hands the host copy to fla (``cu_seqlens_cpu``);
-- :func:`derived` keeps a value made from the host copy (fla's chunk indices) for every layer of the batch;
-- :func:`to_device` sends a tensor made on the host to the device without waiting.
+docs/LOG.md). Two readers need the values: ``hola_attention``'s argument check and fla's chunk indices. A
+:class:`Documents` is made once per batch (by the trainer from the loader's host copy, or by the model from a
+bare tensor, read once) and handed to every layer through ``forward``: it carries the checked device tensor,
+its host copy and what every layer derives from it (fla's chunk indices), so no layer reads the device and
+nothing about a batch lives outside the objects that batch's forward receives.
 """
 
 from __future__ import annotations
 
-import weakref
+from dataclasses import dataclass
 
 import torch
 
-# (weak reference to the checked tensor, its version counter or None, T, host copy or None, derived values)
-_LAST: tuple | None = None
-
-
-def _version(cu_seqlens: torch.Tensor):
-    # Inference tensors (made under torch.inference_mode) keep no version counter: they are known by identity.
-    return None if cu_seqlens.is_inference() else cu_seqlens._version
-
 
 def _check_list(cu: list[int], seq_len: int) -> None:
+    if len(cu) < 2:
+        raise ValueError(f"cu_seqlens: expected [N + 1] boundaries with N >= 1, got {len(cu)} values")
     if cu[0] != 0 or cu[-1] != seq_len:
         raise ValueError(f"cu_seqlens: must start at 0 and end at T = {seq_len}, got {cu[0]} ... {cu[-1]}")
     if any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError("cu_seqlens: must be non-decreasing (monotone)")
 
 
-def _is_last(cu_seqlens: torch.Tensor) -> bool:
-    last = _LAST
-    return last is not None and last[0]() is cu_seqlens and last[1] == _version(cu_seqlens)
+def check_shape(cu_seqlens: torch.Tensor) -> None:
+    """``ValueError`` naming ``cu_seqlens`` unless it is a 1-D int32/int64 tensor of at least two values."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1] with N >= 1, got {list(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens: must be int32 or int64, got {cu_seqlens.dtype}")
 
 
-def check_values(cu_seqlens: torch.Tensor, seq_len: int) -> None:
-    """``ValueError`` naming ``cu_seqlens`` unless it runs from 0 to ``seq_len`` without decreasing; each tensor
-    is read once (and not at all when registered with its host copy)."""
-    global _LAST
-    if torch.compiler.is_compiling():
-        return  # values are data under tracing; the eager path and the trainer check them
-    if _is_last(cu_seqlens) and _LAST[2] == seq_len:
-        return
-    _check_list(cu_seqlens.tolist(), seq_len)
-    _LAST = (weakref.ref(cu_seqlens), _version(cu_seqlens), seq_len, None, {})
+@dataclass(frozen=True, eq=False)
+class Documents:
+    """The checked boundaries of one batch's documents over ``seq_len`` flattened tokens.
 
+    ``cu_seqlens`` is int64 on the compute device (what fla takes, so no layer converts it); ``host`` is its
+    int64 CPU copy; ``chunk_indices`` fla's chunk indices (on CUDA, where fla runs the state path; None
+    elsewhere), made here once, outside any compiled region, for every layer of the batch. Immutable: a batch
+    with other boundaries is another object.
+    """
 
-def register(cu_seqlens: torch.Tensor, *, host: torch.Tensor, seq_len: int) -> None:
-    """Check ``host`` (a CPU copy of ``cu_seqlens``) and register ``cu_seqlens`` with it (see the module
-    docstring); raises like :func:`check_values`."""
-    global _LAST
-    if host.device.type != "cpu" or host.shape != cu_seqlens.shape:
-        raise ValueError(f"cu_seqlens: the host copy must be a CPU tensor of shape {list(cu_seqlens.shape)}, got "
-                         f"{host.device} {list(host.shape)}")
-    _check_list(host.tolist(), seq_len)
-    _LAST = (weakref.ref(cu_seqlens), _version(cu_seqlens), seq_len, host.to(torch.int64), {})
+    cu_seqlens: torch.Tensor
+    host: torch.Tensor
+    seq_len: int
+    chunk_indices: torch.Tensor | None
 
+    @classmethod
+    def from_host(cls, host: torch.Tensor, *, device: torch.device | str, seq_len: int) -> Documents:
+        """Check ``host`` (CPU boundaries) and send it to ``device`` without waiting (:func:`to_device`)."""
+        if not isinstance(host, torch.Tensor) or host.device.type != "cpu":
+            raise ValueError(f"cu_seqlens: the host copy must be a CPU tensor, got {type(host).__name__} on "
+                             f"{getattr(host, 'device', None)}")
+        check_shape(host)
+        # A copy: the caller may refill its tensor in place for the next batch (and fla memoises by identity).
+        host = host.to(torch.int64, copy=True)
+        _check_list(host.tolist(), seq_len)
+        device = torch.device(device)
+        chunk_indices = None
+        if device.type == "cuda":
+            from hola_titan.kernels.fla_gdn import chunk_indices_from_host, fla_available
+            if fla_available():
+                chunk_indices = chunk_indices_from_host(host, device)
+        return cls(cu_seqlens=to_device(host, device), host=host, seq_len=seq_len, chunk_indices=chunk_indices)
 
-def host_copy(cu_seqlens: torch.Tensor) -> torch.Tensor | None:
-    """The registered host copy of ``cu_seqlens`` (int64), or None."""
-    return _LAST[3] if _is_last(cu_seqlens) else None
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor, *, seq_len: int, device: torch.device | str | None = None) -> Documents:
+        """Check a tensor on any device: a device tensor is read once (a synchronisation on CUDA) and those values
+        become the host copy. The result lives on ``device`` (default: the tensor's)."""
+        check_shape(cu_seqlens)
+        return cls.from_host(cu_seqlens.cpu(), device=device or cu_seqlens.device, seq_len=seq_len)
 
-
-def derived(cu_seqlens: torch.Tensor, key, make):
-    """``make(host copy)``, made once per registration of ``cu_seqlens`` and kept under ``key``; None when
-    ``cu_seqlens`` is not the registered tensor."""
-    if not _is_last(cu_seqlens) or _LAST[3] is None:
-        return None
-    values = _LAST[4]
-    if key not in values:
-        values[key] = make(_LAST[3])
-    return values[key]
+    @property
+    def num_docs(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

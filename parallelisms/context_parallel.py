@@ -43,6 +43,12 @@ the step's cost). On CUDA the crossing sequences' scores are composed from bf16 
 while one process reads them from the shard's own pass, so a score tie that bf16 rounding decides can be
 decided differently than in one process; in fp32 on the reference backend the run is the one-process function.
 
+Objects. :class:`ContextParallel` is the group (mesh, flavour constants), made once per model; the model is not
+changed. Per batch, ``shard_batch`` cuts the shard and its layout and ``batch`` makes a :class:`CPBatch`, which
+the trainer passes through ``forward`` in the model's ``BatchContext``; each recurrent layer call takes a
+:class:`CPLayer` from it (its convolution tails, then its scan). No batch's layout or per-layer handover is kept
+anywhere else, so a forward recomputed during backward reads exactly what its first run read.
+
 Gradients. The exchanged ``M, X, k, v`` travel through autograd-aware all-gathers, whose backward returns
 the gradients of borrowed rows to their owners and the gradient of ``S_in`` along the chain, so every
 gradient equals the one-process run. Backward collectives must run in the same order on every rank and
@@ -61,13 +67,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.overrides import TorchFunctionMode
 
 from hola_titan.kernels import seqlens
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.kernels.hola_reference import compute_dtype, gated_delta_chunked, l2norm
+from hola_titan.kernels.seqlens import Documents
 from hola_titan.ops import hola_attention, resolve_backend
 
 
@@ -258,12 +263,13 @@ def _tie(x: torch.Tensor, *deps: torch.Tensor | None) -> torch.Tensor:
 
 
 class ContextParallel:
-    """The ``context_parallel`` hook of the model's mixers, shared by every layer of one model.
+    """The context-parallel group of one model: the cp mesh and the flavour's constants, made once.
 
-    Holds the cp mesh and the layout of the batch being run (:meth:`shard_batch` builds it,
-    :meth:`set_layout` makes it current; it must stay current until that batch's backward is done, because
-    activation checkpointing re-runs forwards during backward). ``bytes_received`` counts the bytes this
-    rank received in forward collectives since it was last reset.
+    Per batch, :meth:`shard_batch` cuts this rank's shard (with its :class:`CPLayout`) and :meth:`batch` makes
+    the immutable per-batch view (:class:`CPBatch`) that the trainer passes through ``forward`` in the
+    model's ``BatchContext``: nothing about a batch is stored here, so a forward re-run during backward
+    (activation checkpointing) reads the context it is given. ``bytes_received`` counts the bytes this rank
+    received in forward collectives since it was last reset.
     """
 
     def __init__(self, cp_mesh: DeviceMesh, *, recurrent: bool, conv_size: int, block: int):
@@ -275,14 +281,11 @@ class ContextParallel:
         self.recurrent = recurrent
         self.conv_size = conv_size
         self.block = block
-        self.layout: CPLayout | None = None
-        self._memo: dict = {}
         self.bytes_received = 0
         # Benchmarks set time_collectives to add each forward all-gather's wall time (device synchronised before
         # and after, so it serialises the layer: time with it off) to comm_seconds.
         self.time_collectives = False
         self.comm_seconds = 0.0
-        self._tails: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ batches
 
@@ -291,28 +294,12 @@ class ContextParallel:
         return shard_batch(batch, cp_rank=self.cp_rank, cp_size=self.cp_size, recurrent=self.recurrent,
                            block=self.block, conv_size=self.conv_size)
 
-    def set_layout(self, layout: CPLayout) -> None:
+    def batch(self, layout: CPLayout) -> CPBatch:
+        """The per-batch view of ``layout`` (this rank's), for the model's ``BatchContext.cp``."""
         if (layout.cp_rank, layout.cp_size) != (self.cp_rank, self.cp_size):
             raise ValueError(f"cp_layout: built for rank {layout.cp_rank} of {layout.cp_size}, this is rank "
                              f"{self.cp_rank} of {self.cp_size}")
-        self.layout = layout
-        self._memo = {}
-
-    def memo(self, key, make):
-        """``make()``, made once per batch (per :meth:`set_layout`) and kept under ``key``: the index tensors that
-        every layer builds from the layout on the host. Made per layer, each one's copy to the GPU synchronised
-        the host with the device (a copy from pageable memory waits for the stream), several times per layer."""
-        if key not in self._memo:
-            # Plain tensors even when first made under inference_mode (validation), so that a later forward of the
-            # same batch that records gradients can save them.
-            with torch.inference_mode(False):
-                self._memo[key] = make()
-        return self._memo[key]
-
-    def _current(self) -> CPLayout:
-        if self.layout is None:
-            raise RuntimeError("context parallel: no batch layout; pass batches through shard_batch and set_layout")
-        return self.layout
+        return CPBatch(self, layout)
 
     # ------------------------------------------------------------------ collectives
 
@@ -334,20 +321,75 @@ class ContextParallel:
             return _AllGather.apply(x, self.mesh.get_group())
         return _gather_flat(x, self.mesh.get_group())
 
-    # ------------------------------------------------------------------ the mixer hooks
 
-    # Under a compiled block, the two hooks run eagerly (a graph break each): they read the batch's layout in Python
+class CPBatch:
+    """One batch's context-parallel view on this rank: its (immutable) layout, and the index tensors every layer
+    builds from it, made once (:meth:`memo`). The model calls :meth:`layer` (a recurrent mixer's scan) or
+    :meth:`causal_attention` and :attr:`shard_start` (Transformer++)."""
+
+    def __init__(self, group: ContextParallel, layout: CPLayout):
+        self.group = group
+        self.layout = layout
+        self.cp_rank, self.cp_size = group.cp_rank, group.cp_size
+        self._memo: dict = {}
+
+    @property
+    def shard_start(self) -> int:
+        return self.layout.shard_start
+
+    def memo(self, key, make):
+        """``make()``, made once for this batch and kept under ``key``: the index tensors that every layer builds
+        from the layout on the host. Made per layer, each one's copy to the GPU synchronised the host with the
+        device (a copy from pageable memory waits for the stream), several times per layer."""
+        if key not in self._memo:
+            # Plain tensors even when first made under inference_mode (validation), so that a later forward of the
+            # same batch that records gradients can save them.
+            with torch.inference_mode(False):
+                self._memo[key] = make()
+        return self._memo[key]
+
+    def _gather(self, x: torch.Tensor, *, differentiable: bool) -> torch.Tensor:
+        return self.group._gather(x, differentiable=differentiable)
+
+    def layer(self) -> CPLayer:
+        """The scan of one recurrent layer call (its convolution tails, then its attention)."""
+        return CPLayer(self)
+
+    @torch.compiler.disable
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Transformer++ under context parallelism: the local queries ``[B, H, L, D]`` attend to the keys and
+        values of every rank, causal in global positions. Keys and values are all-gathered with autograd (O(T)
+        bytes per layer; the simple exact alternative to ring attention, which PyTorch implements only for the
+        CUDA SDPA kernels)."""
+        kv = self._gather(torch.stack([k, v]), differentiable=True)  # [R, 2, B, H, L, D]
+        keys, values = (torch.cat(kv[:, i].unbind(0), dim=2) for i in (0, 1))
+        shard = q.shape[2]
+        qi = torch.arange(shard, device=q.device)[:, None] + self.shard_start
+        kj = torch.arange(keys.shape[2], device=q.device)[None, :]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=kj <= qi)
+
+
+class CPLayer:
+    """One recurrent layer call under context parallelism: :meth:`conv_tails`, then :meth:`attention`, which
+    ties its collectives to the tails' all-gather (so backward meets them in order on every rank). Made per
+    call (``CPBatch.layer``); a recomputed forward makes a fresh one."""
+
+    def __init__(self, cp: CPBatch):
+        self.cp = cp
+        self._tails: torch.Tensor | None = None
+
+    # Under a compiled block, the two calls run eagerly (a graph break each): they read the batch's layout in Python
     # and run collectives; the block's other work (norms, convolutions, MLP) is still compiled.
     @torch.compiler.disable
     def conv_tails(self, xs: list[torch.Tensor], positions: torch.Tensor | None):
         """The previous shard's last ``K-1`` inputs of each short convolution and, per token, whether its
         document began on an earlier rank. Inputs of another document are zero in the tails."""
-        layout = self._current()
+        cp, layout = self.cp, self.cp.layout
         if layout.packed and layout.num_rows > 1:
             raise ValueError("cu_seqlens: a packed cp shard must be one stream (shard_batch flattens packed rows)")
-        r, k1 = self.cp_rank, self.conv_size - 1
+        r, k1 = cp.cp_rank, cp.group.conv_size - 1
         bsz, seq_len = xs[0].shape[:2]
-        gathered = self._gather(torch.stack([x[:, seq_len - k1:] for x in xs]), differentiable=True)
+        gathered = cp._gather(torch.stack([x[:, seq_len - k1:] for x in xs]), differentiable=True)
         self._tails = gathered
         device = xs[0].device
 
@@ -367,42 +409,47 @@ class ContextParallel:
                         continues[row, col:col + layout.seq_len[n]] = True
             return seqlens.to_device(valid, device), seqlens.to_device(continues, device)
 
-        valid, continues = self.memo(("conv", bsz, seq_len, k1, device), masks)
-        tails = torch.where(valid[None, :, :, None], gathered[(r - 1) % self.cp_size], 0)
+        valid, continues = cp.memo(("conv", bsz, seq_len, k1, device), masks)
+        tails = torch.where(valid[None, :, :, None], gathered[(r - 1) % cp.cp_size], 0)
         return list(tails.unbind(0)), continues
 
     @torch.compiler.disable
     def attention(self, q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int = 64, block: int = 256,
-                  evict: str = "score", cu_seqlens=None, initial_state=None, output_final_state: bool = False,
-                  initial_cache=None, output_final_cache: bool = False, backend: str = "auto",
-                  overlap_backward: bool = False):
+                  evict: str = "score", cu_seqlens=None, documents: Documents | None = None, initial_state=None,
+                  output_final_state: bool = False, initial_cache=None, output_final_cache: bool = False,
+                  backend: str = "auto", overlap_backward: bool = False):
         """``hola_attention`` over this rank's shard, continuing the states and caches of the earlier ranks
         (the module docstring); same signature and result as ``hola_attention``, without decoding options.
         ``overlap_backward`` is accepted and not used: the shards run the layered form."""
         if initial_state is not None or initial_cache is not None or output_final_state or output_final_cache:
             raise ValueError("initial_state: context parallelism runs whole training rows; states and caches "
                              "of a call are not available under it")
-        layout = self._current()
-        self._check_local(layout, q, cu_seqlens, block)
+        if cu_seqlens is not None:
+            if documents is not None:
+                raise ValueError("cu_seqlens: give cu_seqlens or documents, not both")
+            documents = Documents.of(cu_seqlens, seq_len=q.shape[0] * q.shape[1], device=q.device)
+        layout = self.cp.layout
+        _check_local(layout, q, documents, block)
         tails, self._tails = self._tails, None
-        o = _scan(self, layout, q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block,
-                  evict=evict, cu_seqlens=cu_seqlens, backend=backend, tails=tails)
+        o = _scan(self.cp, layout, q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block,
+                  evict=evict, documents=documents, backend=backend, tails=tails)
         return o, None
 
-    def _check_local(self, layout: CPLayout, q: torch.Tensor, cu_seqlens, block: int) -> None:
-        rows, shard = layout.num_rows, layout.shard_len
-        expected = (1, rows * shard) if layout.packed else (rows, shard)
-        if tuple(q.shape[:2]) != expected:
-            raise ValueError(f"q: shape {list(q.shape)} does not match the cp layout {list(expected)} + [H, D]")
-        if layout.packed != (cu_seqlens is not None) or (
-                cu_seqlens is not None and _values(cu_seqlens) != layout.local_cu_seqlens):
-            raise ValueError("cu_seqlens: differs from the cp layout's local sequences")
-        if shard % block:
-            raise ValueError(f"block: the shard of {shard} tokens is not a multiple of block {block}")
+
+def _check_local(layout: CPLayout, q: torch.Tensor, documents: Documents | None, block: int) -> None:
+    rows, shard = layout.num_rows, layout.shard_len
+    expected = (1, rows * shard) if layout.packed else (rows, shard)
+    if tuple(q.shape[:2]) != expected:
+        raise ValueError(f"q: shape {list(q.shape)} does not match the cp layout {list(expected)} + [H, D]")
+    if layout.packed != (documents is not None) or (
+            documents is not None and documents.host.tolist() != layout.local_cu_seqlens):
+        raise ValueError("cu_seqlens: differs from the cp layout's local sequences")
+    if shard % block:
+        raise ValueError(f"block: the shard of {shard} tokens is not a multiple of block {block}")
 
 
-def _scan(cp: ContextParallel, layout: CPLayout, q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int,
-          block: int, evict: str, cu_seqlens, backend: str, tails) -> torch.Tensor:
+def _scan(cp: CPBatch, layout: CPLayout, q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int,
+          block: int, evict: str, documents: Documents | None, backend: str, tails) -> torch.Tensor:
     """The sequence-parallel scan of one layer (module docstring): the output ``[B, T_local, H, D]``."""
     bx, tx, h, d = q.shape
     cdt, device = compute_dtype(q.dtype), q.device
@@ -473,7 +520,7 @@ def _scan(cp: ContextParallel, layout: CPLayout, q, k, v, g, beta, gamma_q, gamm
                                            heads_kv[prev].index_select(0, cont_chains), seen, q.dtype, cdt, device)
 
     o, _ = hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
-                          cu_seqlens=cu_seqlens, initial_state=initial_state, initial_cache=initial_cache,
+                          documents=documents, initial_state=initial_state, initial_cache=initial_cache,
                           backend=backend)
     return _tie(o, last)
 
@@ -621,12 +668,6 @@ def _merge_candidates(cp: ContextParallel, layout: CPLayout, cont: list[int], co
     return dict(zip(("m", "pos", "kv"), top))
 
 
-def _values(cu_seqlens: torch.Tensor) -> list[int]:
-    """``cu_seqlens`` as a list, from its registered host copy where there is one (no read from the device)."""
-    host = seqlens.host_copy(cu_seqlens) if cu_seqlens.device.type != "cpu" else None
-    return (host if host is not None else cu_seqlens).tolist()
-
-
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[index]`` for rows of flat tokens, through ``index_select``: its backward is an ``index_add``, where
     advanced indexing's backward sorts the indices (on a GPU, 4 ms per call at 32k tokens, 8 calls per layer)."""
@@ -677,72 +718,7 @@ def _initial_cache(num_seqs, h, d, w, c_blk, evict, cont_seqs, top, head_m, head
     return cache
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Transformer++: exact causal attention over the cp group's keys and values
-# ---------------------------------------------------------------------------------------------------------------
-
-class _AllGatherCausalSDPA(TorchFunctionMode):
-    """Inside one attention module: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on a shard
-    becomes attention of the local queries over the keys and values of every rank, causal in global
-    positions. Keys and values are all-gathered with autograd (O(T) bytes per layer; the simple exact
-    alternative to ring attention, which PyTorch implements only for the CUDA SDPA kernels)."""
-
-    def __init__(self, cp: ContextParallel, layout: CPLayout):
-        super().__init__()
-        self.cp, self.layout = cp, layout
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        q, k, v = args[:3]
-        if len(args) > 3 or kwargs.get("attn_mask") is not None or not kwargs.get("is_causal", False):
-            raise ValueError("data.varlen: transformer under context parallelism takes unpacked causal rows")
-        extra = {name: kwargs[name] for name in ("scale", "enable_gqa") if name in kwargs}
-        kv = self.cp._gather(torch.stack([k, v]), differentiable=True)  # [R, 2, B, H, L, D]
-        keys, values = (torch.cat(kv[:, i].unbind(0), dim=2) for i in (0, 1))
-        shard = q.shape[2]
-        qi = torch.arange(shard, device=q.device)[:, None] + self.layout.shard_start
-        kj = torch.arange(keys.shape[2], device=q.device)[None, :]
-        return func(q, keys, values, attn_mask=kj <= qi, dropout_p=kwargs.get("dropout_p", 0.0), **extra)
-
-
-def _wrap_attention(module: nn.Module, cp: ContextParallel) -> None:
-    """Run ``module``'s forward at global RoPE positions under :class:`_AllGatherCausalSDPA`."""
-    inner = module.forward
-
-    def forward(x, *, doc_ids, positions, cache):
-        if cache is not None:
-            raise ValueError("cache: decoding does not run under context parallelism")
-        if doc_ids is not None:
-            raise ValueError("data.varlen: must be false for transformer with context_parallel_degree > 1")
-        layout = cp._current()
-        with _AllGatherCausalSDPA(cp, layout):
-            return inner(x, doc_ids=doc_ids, positions=positions + layout.shard_start, cache=cache)
-
-    module.forward = forward
-    module.context_parallel = cp
-
-
-def apply_context_parallel(model: nn.Module, *, cp_mesh) -> ContextParallel:
-    """Install context parallelism over ``cp_mesh`` on every token mixer of ``model``; returns the hook object
-    whose ``shard_batch`` / ``set_layout`` the trainer calls per batch."""
-    from hola_titan.models.model import Attention, GatedDeltaMixer
-
-    args = model.args
-    cp = ContextParallel(cp_mesh, recurrent=args.is_recurrent, conv_size=args.conv_size, block=args.block)
-    for module in model.modules():
-        if isinstance(module, GatedDeltaMixer):
-            module.context_parallel = cp
-        elif isinstance(module, Attention):
-            _wrap_attention(module, cp)
-    return cp
-
-
-def context_parallel_of(model: nn.Module) -> ContextParallel | None:
-    """The :class:`ContextParallel` installed on ``model`` (through any wrappers), or None."""
-    for module in model.modules():
-        cp = getattr(module, "context_parallel", None)
-        if isinstance(cp, ContextParallel):
-            return cp
-    return None
+def context_parallel_for(args, cp_mesh: DeviceMesh) -> ContextParallel:
+    """The :class:`ContextParallel` of a model with ``ModelArgs`` ``args`` over ``cp_mesh``. The model itself is
+    not changed: every batch's :class:`CPBatch` reaches its layers through ``forward``."""
+    return ContextParallel(cp_mesh, recurrent=args.is_recurrent, conv_size=args.conv_size, block=args.block)

@@ -1,8 +1,9 @@
 """Apply parallelism to a ``HolaTitanLM`` built on the meta device, in one fixed order.
 
-Order (each step needs the previous one's modules): float8 swap -> context parallel -> tensor parallel ->
-activation checkpointing -> per-block ``torch.compile`` -> FSDP2 (blocks, then root). The model code never
-sees ``torch.distributed``; everything distributed happens here.
+Order (each step needs the previous one's modules): float8 swap -> tensor parallel -> activation checkpointing
+-> per-block ``torch.compile`` -> FSDP2 (blocks, then root). Context parallelism changes no module: its
+per-batch view reaches the layers through ``forward`` (``hola_titan.parallelisms.context_parallel``). The model
+code never sees ``torch.distributed``; everything distributed happens here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from hola_titan.parallelisms.context_parallel import apply_context_parallel
 from hola_titan.parallelisms.float8 import apply_float8
 from hola_titan.parallelisms.parallel_dims import Meshes, ParallelDims
 from hola_titan.parallelisms.tensor_parallel import apply_tensor_parallel
@@ -29,10 +29,6 @@ def parallelize_model(model: nn.Module, *, dims: ParallelDims, mesh: Meshes | No
     """Apply the configured parallelisms in place and return the model (see the module docstring)."""
     if float8_enable:
         model.float8_converted = apply_float8(model, device=device, recipe=float8_recipe, filter_fqns=float8_filter)
-    if dims.cp > 1:
-        # Installs the mixers' context_parallel hook (and global-position attention for Transformer++); the
-        # trainer then shards every batch with context_parallel_of(model).shard_batch.
-        apply_context_parallel(model, cp_mesh=mesh.named["cp"])
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh.named["tp"])
     if ac_mode != "none":

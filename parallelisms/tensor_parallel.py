@@ -9,7 +9,9 @@ Per block, for every flavour:
 - per-head parameters (short-convolution channels, ``A_log``, ``dt_bias``, ``sink``, ``gate``) are sharded by head
   (``Shard(0)``); ``gamma_q``, ``gamma_k`` and the per-head output norm act on D and are replicated: each rank's
   gradient covers only its heads, so the forward reads them as local tensors whose gradient is ``Partial`` and
-  is summed over the tensor-parallel ranks. The HOLA cache is per head, so it stays local to a rank.
+  is summed over the tensor-parallel ranks. The plan style :class:`HeadParallel` distributes them and records
+  those placements on the module (``LocalParams.local_grad_placements``), which the model reads through
+  ``param(name)``. The HOLA cache is per head, so it stays local to a rank.
 - SwiGLU: ``w1``, ``w3`` column-parallel, ``w2`` row-parallel;
 - embedding row-parallel over the vocabulary; output head column-parallel over the vocabulary with the logits
   left sharded for a loss-parallel cross-entropy (a tied head shares the embedding's vocabulary shards).
@@ -19,25 +21,33 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 
-def local_view(param):
-    """The tensor a head-sharded forward computes with: the local shard of a ``Shard`` parameter, or the local
-    copy of a ``Replicate`` parameter whose gradient is ``Partial`` (summed over the tensor-parallel ranks)."""
-    if not isinstance(param, DTensor):
-        return param
-    if all(p.is_replicate() for p in param.placements):
-        return param.to_local(grad_placements=tuple(Partial() for _ in param.placements))
-    return param.to_local()
+class HeadParallel(ParallelStyle):
+    """A plan style for a module of the head-sharded region: distribute its parameters ``{name: placement}``
+    over the mesh, and have its forward compute with their local tensors (``LocalParams``): a ``Shard``
+    parameter's gradient is the local shard's; a ``Replicate`` one's is ``Partial`` (summed over the ranks,
+    since each rank's heads give part of it)."""
 
+    def __init__(self, placements: dict):
+        super().__init__()
+        self.placements = dict(placements)
 
-def _distribute_param(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
-    param = getattr(module, name)
-    module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, mesh, [placement]),
-                                                 requires_grad=param.requires_grad))
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        local = {}
+        for name, placement in self.placements.items():
+            if not hasattr(module, name):
+                continue  # GDN has no cache parameters
+            param = getattr(module, name)
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, device_mesh, [placement]),
+                                                         requires_grad=param.requires_grad))
+            local[name] = (Partial(),) if placement.is_replicate() else (placement,)
+        module.local_grad_placements = local
+        return module
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -82,20 +92,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 plan["attn.g_proj"] = ColwiseParallel()
         parallelize_module(block, tp_mesh, plan)
         if args.is_recurrent:
-            _shard_heads(block.attn, tp_mesh)
+            for name, style in _head_plan():
+                parallelize_module(block.attn.get_submodule(name), tp_mesh, style)
 
 
-def _shard_heads(mixer: nn.Module, mesh: DeviceMesh) -> None:
-    """Per-head parameters of a HOLA/GDN mixer: head-sharded or replicated with partial gradients."""
-    for conv in (mixer.q_conv, mixer.k_conv, mixer.v_conv):
-        _distribute_param(conv, "weight", mesh, Shard(0))
-        conv.param_view = local_view
-    for name in ("A_log", "dt_bias", "sink", "gate"):
-        if hasattr(mixer, name):
-            _distribute_param(mixer, name, mesh, Shard(0))
-    for name in ("gamma_q", "gamma_k"):
-        if hasattr(mixer, name):
-            _distribute_param(mixer, name, mesh, Replicate())
-    _distribute_param(mixer.o_norm, "weight", mesh, Replicate())
-    mixer.o_norm.param_view = local_view
-    mixer.param_view = local_view
+def _head_plan() -> list[tuple[str, HeadParallel]]:
+    """``(submodule of the mixer, style)``: its per-head parameters head-sharded, or replicated with partial
+    gradients ("" is the mixer itself, which a plan dictionary cannot name beside its submodules)."""
+    by_head = HeadParallel({"weight": Shard(0)})
+    return [("q_conv", by_head), ("k_conv", by_head), ("v_conv", by_head),
+            ("o_norm", HeadParallel({"weight": Replicate()})),
+            ("", HeadParallel({"A_log": Shard(0), "dt_bias": Shard(0), "sink": Shard(0), "gate": Shard(0),
+                               "gamma_q": Replicate(), "gamma_k": Replicate()}))]

@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if use_cuda else torch.float32
     from hola_titan import hola_attention
-    from hola_titan.kernels import seqlens
+    from hola_titan.kernels.seqlens import Documents
     from hola_titan.parallelisms.context_parallel import ContextParallel, build_layout
     from hola_titan.parallelisms.parallel_dims import end_process_group
 
@@ -160,17 +160,17 @@ def main(argv=None) -> int:
         x, do = inputs(t, args, device, dtype)
         if cp is not None:
             layout = build_layout(cp_rank=rank, cp_size=world, num_rows=1, row_len=t, cu_seqlens=cu_list)
-            cp.set_layout(layout)
+            view = {"batch": cp.batch(layout)}
             cols = slice(layout.shard_start, layout.shard_start + layout.shard_len)
             local = {n: (x[n][:, cols] if n in ("q", "k", "v", "g", "beta") else x[n]).contiguous()
                      .requires_grad_() for n in NAMES}
-            cu_local = torch.tensor(layout.local_cu_seqlens, dtype=torch.int64, device=device)
-            # As the trainer does: registered with its host copy, so no layer reads it back from the device.
-            seqlens.register(cu_local, host=torch.tensor(layout.local_cu_seqlens), seq_len=layout.shard_len)
+            # As the trainer does: checked from the host copy, so no layer reads it back from the device.
+            docs_local = Documents.from_host(torch.tensor(layout.local_cu_seqlens), device=device,
+                                             seq_len=layout.shard_len)
             do_local = do[:, cols].contiguous()
 
             def cp_step():
-                o, _ = cp.attention(*(local[n] for n in NAMES), cu_seqlens=cu_local, **kw)
+                o, _ = view["batch"].layer().attention(*(local[n] for n in NAMES), documents=docs_local, **kw)
                 o.backward(do_local)
                 for n in NAMES:
                     local[n].grad = None
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
                 cp_step()
                 row["comm_ms"], row["comm_bytes"] = 1e3 * cp.comm_seconds, cp.bytes_received
                 cp.time_collectives = False
-                cp.set_layout(layout)  # a new batch: the count includes making the layout's index tensors
+                view["batch"] = cp.batch(layout)  # a new batch: the count includes making the layout's index tensors
                 row["cp_host_syncs"] = count_host_syncs(cp_step, device)
                 if args.profile:
                     from hola_titan.profiling import kernel_profile
@@ -193,10 +193,10 @@ def main(argv=None) -> int:
             del local
         if rank == 0 and not args.no_single:
             full = {n: x[n].clone().requires_grad_() for n in NAMES}
-            cu_full = torch.tensor(cu_list, dtype=torch.int64, device=device)
+            docs_full = Documents.from_host(torch.tensor(cu_list), device=device, seq_len=t)
 
             def single_step():
-                o, _ = hola_attention(*(full[n] for n in NAMES), cu_seqlens=cu_full, **kw)
+                o, _ = hola_attention(*(full[n] for n in NAMES), documents=docs_full, **kw)
                 o.backward(do)
                 for n in NAMES:
                     full[n].grad = None

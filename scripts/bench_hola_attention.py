@@ -90,6 +90,7 @@ def main():
     from hola_titan.kernels import fla_gdn, hola_triton_attn
     from hola_titan.kernels.hola_triton import cache_attn_bwd_op, cache_attn_op, select_topw_op, state_path
     from hola_titan.kernels.hola_triton_select import build_block_table
+    from hola_titan.kernels.seqlens import Documents
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     import triton
 
@@ -109,9 +110,12 @@ def main():
     for t in args.seq_lens:
         b = max(1, args.tokens // t)
         docs = b
-        cu = None
+        cu = documents = None
         if not args.rows:
-            cu = torch.arange(0, b * t + 1, t, device=device, dtype=torch.int64)
+            # As the trainer passes them: checked once from the host copy, so no timed call reads them back.
+            host = torch.arange(0, b * t + 1, t, dtype=torch.int64)
+            cu = host.to(device)
+            documents = Documents.from_host(host, device=device, seq_len=b * t)
             b, t_row = 1, b * t
         else:
             t_row = t
@@ -129,7 +133,8 @@ def main():
         def hola(backend, evict="score", overlap_backward=False):
             def fn():
                 o, _ = hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block,
-                                      evict=evict, backend=backend, cu_seqlens=cu, overlap_backward=overlap_backward)
+                                      evict=evict, backend=backend, documents=documents,
+                                      overlap_backward=overlap_backward)
                 o.backward(do)
             return fn
 
@@ -161,10 +166,13 @@ def main():
         # Stages of the Triton backend's forward, and the cache attention backward.
         with torch.no_grad():
             table = build_block_table(b, t_row, cu, block, device)
-            o_state, m, _ = state_path(q, k, v, g, beta, initial_state=None, cu_seqlens=cu, output_final_state=False)
+            chunks = documents.chunk_indices if documents is not None else None
+            o_state, m, _ = state_path(q, k, v, g, beta, initial_state=None, cu_seqlens=cu, output_final_state=False,
+                                       chunk_indices=chunks)
             m_flat = m.reshape(b * t_row, h)
             row["stage_state_fwd_ms"] = bench(lambda: state_path(q, k, v, g, beta, initial_state=None, cu_seqlens=cu,
-                                                                 output_final_state=False), None, args.rep_ms)
+                                                                 output_final_state=False, chunk_indices=chunks),
+                                              None, args.rep_ms)
 
             def sel_fn():
                 return select_topw_op(m_flat, table.blk_start, table.blk_len, table.doc_first_blk, table.doc_num_blk,

@@ -50,8 +50,7 @@ def main(argv=None) -> int:
     n, c = args.tokens, args.dim
     cuts = sorted(set([0, n] + torch.randint(1, n, (args.docs - 1,), generator=gen).tolist()))
     host = torch.tensor(cuts, dtype=torch.int64)
-    cu = host.to(device)
-    seqlens.register(cu, host=host, seq_len=n)
+    cu = seqlens.to_device(host, device)
     positions = document_positions(1, n, cu, device)
 
     def bench(fn):

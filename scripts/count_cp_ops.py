@@ -60,7 +60,7 @@ def _stub_heavy_parts() -> None:
         err = torch.zeros(chains, shard, h, d, dtype=cdt)
         return summary, err, (err if rows.needs_map else None), None
 
-    def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_state, impl="auto"):
+    def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_state, impl="auto", chunk_indices=None):
         m = (k.float().norm(dim=-1) * beta.float()).detach()
         return q + k + v + g[..., None] + beta[..., None], m, None
 
@@ -100,9 +100,9 @@ def main(argv=None) -> int:
     cu_seqlens = torch.tensor(layout.local_cu_seqlens)
 
     def call():
-        cp.set_layout(layout)  # a new batch each call: the count includes making the layout's index tensors
-        o, _ = cp.attention(*x.values(), cu_seqlens=cu_seqlens, window=args.window, block=args.block,
-                            evict="score", backend="triton")
+        # A new batch each call: the count includes making the layout's index tensors.
+        o, _ = cp.batch(layout).layer().attention(*x.values(), cu_seqlens=cu_seqlens, window=args.window,
+                                                  block=args.block, evict="score", backend="triton")
         o.sum().backward()
 
     call()  # warm: the interpreter's first launches

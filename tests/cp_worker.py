@@ -1,6 +1,6 @@
 """torchrun worker for the context-parallel tests (``tests/test_context_parallel.py``); gloo on CPU.
 
-    python -m torch.distributed.run --nproc_per_node R tests/cp_worker.py CASE [CASE ...]
+    TRITON_INTERPRET=1 python -m torch.distributed.run --nproc_per_node R tests/cp_worker.py CASE [CASE ...]
 
 Every rank runs the one-process reference on the whole input itself, then its shard under context
 parallelism, and compares its shard of the output and of every input gradient, and the parameter gradients
@@ -23,15 +23,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# The "_triton" cases run the Triton kernels in the interpreter; it must be chosen before they are defined. CPU
-# only: the reference backend, used everywhere else here, does not touch Triton.
-os.environ["TRITON_INTERPRET"] = "1"
+# The "_triton" cases run the Triton kernels in the interpreter: the launcher (tests/test_context_parallel.py) sets
+# TRITON_INTERPRET=1 in this process's environment, as Triton reads it when the kernels are defined. CPU only:
+# the reference backend, used everywhere else here, does not touch Triton.
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise SystemExit("cp_worker.py: run with TRITON_INTERPRET=1 (tests/test_context_parallel.py does)")
 
 from hola_titan import hola_attention  # noqa: E402
+from hola_titan.kernels.seqlens import Documents  # noqa: E402
 from hola_titan.models.args import model_args, replace  # noqa: E402
+from hola_titan.models.context import BatchContext  # noqa: E402
 from hola_titan.models.model import HolaTitanLM  # noqa: E402
-from hola_titan.parallelisms.context_parallel import (ContextParallel, apply_context_parallel,  # noqa: E402
-                                                      build_layout, context_parallel_of)
+from hola_titan.parallelisms.context_parallel import (ContextParallel, build_layout,  # noqa: E402
+                                                      context_parallel_for)
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 INPUTS = ("q", "k", "v", "g", "beta")
@@ -98,7 +102,7 @@ def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | Non
         x = attention_inputs(batch, row_len, heads, dim, dtype, seed)
         rows, cu_list = batch, None
     layout = build_layout(cp_rank=cp.cp_rank, cp_size=size, num_rows=rows, row_len=row_len, cu_seqlens=cu_list)
-    cp.set_layout(layout)
+    cp_batch = cp.batch(layout)
     def cache_args(d):
         return [None] * 4 if evict == "none" else [d[p] for p in PARAMS]
 
@@ -113,8 +117,8 @@ def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | Non
              for name, t in x.items() if name != "weight"}
     cu_local = torch.tensor(layout.local_cu_seqlens, dtype=torch.int64) if cu_list else None
     cp.bytes_received = 0
-    o, _ = cp.attention(*(local[n] for n in INPUTS), *cache_args(local), window=window, block=block, evict=evict,
-                        cu_seqlens=cu_local, backend=backend)
+    o, _ = cp_batch.layer().attention(*(local[n] for n in INPUTS), *cache_args(local), window=window, block=block,
+                                      evict=evict, cu_seqlens=cu_local, backend=backend)
     received = cp.bytes_received
     (o * x["weight"][:, cols]).sum().backward()
 
@@ -145,8 +149,7 @@ def run_model_case(mesh, *, flavour: str, packed: bool, dtype, seed: int = 0, bs
     model.init_weights()
     model.to(dtype)
     cp_model = copy.deepcopy(model)
-    apply_context_parallel(cp_model, cp_mesh=mesh)
-    cp = context_parallel_of(cp_model)
+    cp = context_parallel_for(cp_model.args, mesh)
 
     seq_len = 16 * cp.cp_size
     gen = torch.Generator().manual_seed(seed + 1)
@@ -172,8 +175,10 @@ def run_model_case(mesh, *, flavour: str, packed: bool, dtype, seed: int = 0, bs
 
     logits_ref, grads_ref = one_process(model)
     local = cp.shard_batch(batch)
-    cp.set_layout(local["cp_layout"])
-    logits = cp_model(local["input_ids"], cu_seqlens=local.get("cu_seqlens"))
+    documents = None
+    if "cu_seqlens" in local:
+        documents = Documents.from_host(local["cu_seqlens"], device="cpu", seq_len=local["input_ids"].numel())
+    logits = cp_model(local["input_ids"], context=BatchContext(documents=documents, cp=cp.batch(local["cp_layout"])))
     F.cross_entropy(logits.flatten(0, 1).double(), local["labels"].flatten(), ignore_index=-100,
                     reduction="sum").backward()
     layout = local["cp_layout"]

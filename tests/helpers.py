@@ -47,24 +47,3 @@ def run_parallel_worker(out: Path, nproc: int, args: list[str], *, timeout: floa
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return torch.load(out / "result.pt")
-
-
-def define_kernels_for_the_interpreter(kernels) -> None:
-    """``triton.jit`` picks the interpreter when a function is defined. If a test module imported Triton or these
-    kernels before ``TRITON_INTERPRET`` was set, define Triton's own jit library (``tl.sort``, ``tl.max``, ...) and
-    the modules of ``kernels`` (``(module, name of one of its kernels)`` pairs) again, so that interpreted kernels
-    call interpreted helpers. Call after setting ``TRITON_INTERPRET=1``."""
-    import importlib
-
-    import triton.language as tl
-    import triton.language.standard as standard
-    if type(standard.sort).__name__ != "InterpretedFunction":
-        importlib.reload(standard)
-        for name in dir(standard):
-            obj = getattr(standard, name)
-            if type(obj).__name__ == "InterpretedFunction" and type(getattr(tl, name, None)).__name__ == "JITFunction":
-                setattr(tl, name, obj)
-    for mod, kernel in kernels:
-        if type(getattr(mod, kernel)).__name__ != "InterpretedFunction":
-            importlib.reload(mod)
-

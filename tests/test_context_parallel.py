@@ -49,32 +49,36 @@ class _OneRankMesh:
 
 
 def test_layout_tensors_are_made_once_per_batch():
-    """Index tensors built from the layout are made once per batch and remade for the next batch's layout (a
-    stale one would point the next batch's layers at the previous batch's documents)."""
+    """Index tensors built from a batch's layout are made once for that batch (every layer reuses them) and kept
+    with it: the next batch's view makes its own, and the first batch's still answers with its own (a view that
+    outlived its batch could otherwise point a recomputed forward at another batch's documents)."""
     from hola_titan.parallelisms.context_parallel import ContextParallel
 
     cp = ContextParallel(_OneRankMesh(), recurrent=True, conv_size=4, block=8)
     made = []
 
-    def make():
-        made.append(cp.layout)
-        return torch.tensor(cp.layout.local_cu_seqlens)
+    def maker(view):
+        def make():
+            made.append(view.layout)
+            return torch.tensor(view.layout.local_cu_seqlens)
+        return make
 
     first = build_layout(cp_rank=1, cp_size=2, num_rows=1, row_len=32, cu_seqlens=[0, 20, 32])
     second = build_layout(cp_rank=1, cp_size=2, num_rows=1, row_len=32, cu_seqlens=[0, 8, 32])
-    cp.set_layout(first)
-    a = cp.memo("cu", make)
-    assert cp.memo("cu", make) is a and made == [first]  # every later layer of the batch reuses it
-    cp.set_layout(second)
-    b = cp.memo("cu", make)
+    view1 = cp.batch(first)
+    a = view1.memo("cu", maker(view1))
+    assert view1.memo("cu", maker(view1)) is a and made == [first]  # every later layer of the batch reuses it
+    view2 = cp.batch(second)
+    b = view2.memo("cu", maker(view2))
     assert made == [first, second]
     assert a.tolist() == [0, 4, 16] and b.tolist() == [0, 16]
+    assert view1.memo("cu", maker(view1)) is a  # the first batch's view is untouched by the second
     with torch.inference_mode():  # first made during validation, then used by a forward that records gradients
-        cp.set_layout(first)
-        c = cp.memo("cu", make)
+        c = cp.batch(first).memo("cu", maker(view1))
     assert not c.is_inference()
     with pytest.raises(ValueError, match="built for rank 0 of 2"):
-        cp.set_layout(build_layout(cp_rank=0, cp_size=2, num_rows=1, row_len=32, cu_seqlens=[0, 32]))
+        cp.batch(build_layout(cp_rank=0, cp_size=2, num_rows=1, row_len=32, cu_seqlens=[0, 32]))
+    assert not hasattr(cp, "layout"), "the group must hold no batch"
 
 
 def test_layout_of_documents_crossing_shards():
@@ -151,7 +155,8 @@ def _worker_results(nproc: int) -> dict[str, dict]:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
          "--rdzv_endpoint", "localhost:0", str(ROOT / "tests" / "cp_worker.py"), "all", "bytes"],
-        env=_env() | {"PYTHONWARNINGS": "ignore::FutureWarning"}, capture_output=True, text=True, timeout=400)
+        env=_env() | {"PYTHONWARNINGS": "ignore::FutureWarning", "TRITON_INTERPRET": "1"}, capture_output=True,
+        text=True, timeout=400)
     rows = {}
     for line in result.stdout.splitlines():
         if line.startswith("{"):

@@ -259,9 +259,12 @@ def test_decoding_memory_of_recurrent_flavours_is_constant_and_transformer_grows
     rows = {f: measure_decoding_memory(tiny_model(f), lengths=[16, 48], new_tokens=3, prefill_chunk=8)
             for f in ("hola", "transformer")}
     hola, transformer = rows["hola"], rows["transformer"]
-    assert hola[0]["cache_bytes_after_decode"] == hola[1]["cache_bytes_after_decode"] > 0
+    a = tiny_model("hola").args
+    states = a.n_layers * a.n_heads * a.head_dim ** 2 * 4  # every layer's float32 state, the least a cache holds
+    assert hola[0]["cache_bytes_after_decode"] == hola[1]["cache_bytes_after_decode"] >= states
     assert transformer[1]["cache_bytes_after_decode"] > transformer[0]["cache_bytes_after_decode"]
-    assert all(r["peak_bytes"] > 0 and r["prefill_chunk"] == 8 for r in hola + transformer)
+    assert all(r["peak_bytes"] >= r["cache_bytes_after_decode"] and r["prefill_chunk"] == 8
+               for r in hola + transformer)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def test_scripts_eval_runs_every_eval_on_debug_models(exported, tmp_path):
         assert done.returncode == 0, f"{name}: {done.stderr}"
     for label in ("debug_hola", "debug_gdn"):
         for name in ("ppl", "mqar"):
-            assert (out / f"{name}_{label}.png").stat().st_size > 0
+            assert _is_png(out / f"{name}_{label}.png")
             result = json.loads((out / f"{name}_{label}.json").read_text())
             assert result["eval"] == name and result["model"]["flavour"] == label.removeprefix("debug_")
     ppl = json.loads((out / "ppl_debug_hola.json").read_text())
@@ -83,7 +83,15 @@ def test_scripts_eval_runs_every_eval_on_debug_models(exported, tmp_path):
     assert set(niah["details"]["tasks"]) == {"s_niah_1", "s_niah_2", "s_niah_3", "mk_niah", "mv_niah", "mq_niah"}
     assert set(niah["summary"]) == {f"{task}@320" for task in niah["details"]["tasks"]}
     assert niah["details"]["tasks"]["s_niah_1"]["accuracy_by_depth_length"].keys() == {"0", "100"}
-    assert (out / "niah_debug_gdn.png").stat().st_size > 0
+    assert _is_png(out / "niah_debug_gdn.png")
+
+
+def _is_png(path) -> bool:
+    """A whole PNG: the signature, an IHDR of a non-empty image, and the closing IEND chunk."""
+    data = path.read_bytes()
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    return (data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and width > 50 and height > 50
+            and data[-8:-4] == b"IEND")
 
 
 def test_compare_reads_earlier_result_files(exported, tmp_path, capsys):

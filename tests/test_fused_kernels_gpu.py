@@ -3,7 +3,7 @@
 Reference: the PyTorch forms in float64 on the same inputs. Bound (STYLE.md 8): the kernel's relative L2 error may be
 at most twice that of the PyTorch form run in the kernel's input precision (bf16), plus 1e-6. Outputs are poisoned
 with NaN before the kernels write them. The interpreter versions of these checks, on tiny shapes, are in
-``test_fused_kernels_cpu.py``.
+``tests/interpreter/fused_kernels.py``.
 """
 
 from __future__ import annotations

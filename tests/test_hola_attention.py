@@ -627,80 +627,66 @@ def test_bad_input_raises_value_error_naming_the_argument(name, mutate):
         hola_attention(*args.values(), **kw)
 
 
-def test_cu_seqlens_is_checked_once_per_tensor_and_again_after_an_in_place_change():
-    """Values are read on the host once per tensor (a synchronisation on CUDA), not once per layer; a tensor
-    changed in place is read again, so the cache cannot let a bad tensor through."""
+def test_bare_cu_seqlens_are_checked_on_every_call_so_an_in_place_change_is_caught():
+    """A bare tensor is checked per call (nothing about it is remembered between calls), so one changed in place
+    after a valid call raises naming cu_seqlens."""
     args, kw = _valid_call()
     _packed(args, kw, cu=(0, 5, 12))
     cu = kw["cu_seqlens"]
     hola_attention(*args.values(), **kw)
-    reads = []
-    real_tolist = torch.Tensor.tolist
-
-    def spy(self):
-        if self is cu:
-            reads.append(1)
-        return real_tolist(self)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.Tensor, "tolist", spy)
-        hola_attention(*args.values(), **kw)
-    assert reads == [], "the same, unchanged cu_seqlens was read again"
     cu[1] = 13  # in place: 0, 13, 12 is not monotone
     with pytest.raises(ValueError, match=r"^cu_seqlens\b"):
         hola_attention(*args.values(), **kw)
 
 
-def test_registered_cu_seqlens_are_checked_from_their_host_copy_and_never_read():
-    """The trainer registers each batch's boundaries with their host copy (hola_titan.kernels.seqlens): bad host
-    values raise naming cu_seqlens; the registered tensor is not read again; fla gets the host copy."""
-    from hola_titan.kernels import seqlens
+def test_documents_are_checked_once_from_their_host_copy_and_never_read_by_a_layer():
+    """A batch's Documents (hola_titan.kernels.seqlens) check their host copy when made: bad values raise naming
+    cu_seqlens; a call given them reads neither their device tensor nor their host copy again; refilling the
+    caller's host tensor in place for the next batch does not change them."""
+    from hola_titan.kernels.seqlens import Documents
     args, kw = _valid_call()
     _packed(args, kw, cu=(0, 5, 12))
-    device_cu = kw["cu_seqlens"].clone()  # stands in for the device copy
+    del kw["cu_seqlens"]
+    for bad in ([0, 7, 5, 12], [0, 12, 13], [1, 12], [12]):
+        with pytest.raises(ValueError, match=r"^cu_seqlens\b"):
+            Documents.from_host(torch.tensor(bad), device="cpu", seq_len=12)
     with pytest.raises(ValueError, match=r"^cu_seqlens\b"):
-        seqlens.register(device_cu, host=torch.tensor([0, 7, 5, 12]), seq_len=12)
-    with pytest.raises(ValueError, match=r"^cu_seqlens\b"):
-        seqlens.register(device_cu, host=torch.tensor([0, 12]), seq_len=12)
-    seqlens.register(device_cu, host=torch.tensor([0, 5, 12], dtype=torch.int32), seq_len=12)
-    assert seqlens.host_copy(device_cu).dtype == torch.int64
-    assert seqlens.host_copy(device_cu.clone()) is None
+        Documents.from_host(torch.tensor([0.0, 12.0]), device="cpu", seq_len=12)
+    loader_host = torch.tensor([0, 5, 12], dtype=torch.int32)
+    docs = Documents.from_host(loader_host, device="cpu", seq_len=12)
+    assert docs.cu_seqlens.dtype == docs.host.dtype == torch.int64 and docs.num_docs == 2
+    assert docs.chunk_indices is None  # only where fla runs the state path (CUDA)
+    loader_host[1] = 9  # the loader's buffer, refilled for the next batch
+    assert docs.host.tolist() == [0, 5, 12]
     real_tolist = torch.Tensor.tolist
 
     def spy(self):
-        assert self is not device_cu, "the registered cu_seqlens was read"
+        assert self is not docs.cu_seqlens and self is not docs.host, "the batch's boundaries were read again"
         return real_tolist(self)
 
-    kw["cu_seqlens"] = device_cu
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.Tensor, "tolist", spy)
-        hola_attention(*args.values(), **kw)
+        o_docs, _ = hola_attention(*args.values(), documents=docs, **kw)
+    o_bare, _ = hola_attention(*args.values(), cu_seqlens=torch.tensor([0, 5, 12]), **kw)
+    assert torch.equal(o_docs, o_bare)
+    with pytest.raises(ValueError, match=r"^cu_seqlens\b"):
+        hola_attention(*args.values(), documents=docs, cu_seqlens=docs.cu_seqlens, **kw)
+    with pytest.raises(ValueError, match=r"^documents\b"):
+        hola_attention(*args.values(), documents=Documents.from_host(torch.tensor([0, 13]), device="cpu",
+                                                                     seq_len=13), **kw)
 
 
-def test_fla_chunk_indices_come_from_the_host_copy_once_per_batch():
-    """The fla adapter builds fla's chunk indices from the registered host copy (no read of the device tensor),
-    equal to fla's own, and every layer of the batch reuses them; new boundaries get new indices."""
+def test_fla_chunk_indices_from_the_host_copy_equal_fla_s_own():
+    """The chunk indices a batch's Documents carry on CUDA are fla's, made from the host copy."""
     pytest.importorskip("fla")
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from hola_titan.kernels import fla_gdn, seqlens
-    host = torch.tensor([0, 1, 70, 200, 333])
-    device_cu = host.clone()
-    seqlens.register(device_cu, host=host, seq_len=333)
-    real_tolist = torch.Tensor.tolist
-
-    def spy(self):
-        assert self is not device_cu, "the registered cu_seqlens was read"
-        return real_tolist(self)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.Tensor, "tolist", spy)
-        first = fla_gdn._chunk_indices(device_cu)
-        assert fla_gdn._chunk_indices(device_cu) is first
-    assert torch.equal(first, prepare_chunk_indices(host.clone(), fla_gdn.CHUNK))
-    other = torch.tensor([0, 64, 333])
-    seqlens.register(other, host=other.clone(), seq_len=333)
-    assert torch.equal(fla_gdn._chunk_indices(other), prepare_chunk_indices(other.clone(), fla_gdn.CHUNK))
+    from hola_titan.kernels import fla_gdn
+    for cu in ([0, 1, 70, 200, 333], [0, 64, 333], [0, 333]):
+        host = torch.tensor(cu)
+        made = fla_gdn.chunk_indices_from_host(host, torch.device("cpu"))
+        assert torch.equal(made, prepare_chunk_indices(host.clone(), fla_gdn.CHUNK))
+        assert host.tolist() == cu
 
 
 # ----------------------------------------------------------------------------------------------------------------

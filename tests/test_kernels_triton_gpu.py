@@ -271,7 +271,7 @@ def test_other_eviction_modes_match_reference(evict):
 def test_continuing_from_a_cache_matches_the_reference(evict):
     """A context-parallel shard or a prefill chunk: the Triton backend from an initial state and cache in bf16,
     within 2e-2 relative RMS of the fp32 reference (bf16 rounding is near 5e-3 elsewhere in this file; float32
-    exactness of this path is tested in the interpreter, test_kernels_triton_cpu.py).
+    exactness of this path is tested in the interpreter, tests/interpreter/kernels_triton.py).
 
     Recency runs the state path through fla. Score eviction selects from the scores, and fla's bf16 scores rank
     near-ties differently from the fp32 reference's (measured on the H200: the output then differs by 4e-2 and dk

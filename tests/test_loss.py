@@ -134,7 +134,11 @@ def test_bench_script_runs_on_cpu_and_writes_rows(tmp_path):
         for key in ("flavour", "size", "seq_len", "batch_size", "tokens_per_s", "mfu", "peak_memory_gib",
                     "step_ms", "forward_ms", "backward_ms", "optimizer_ms", "num_params", "device", "date"):
             assert key in row, key
-        assert row["tokens_per_s"] > 0 and row["step_ms"] > 0
+        # The throughput is the step time's: tokens per step over seconds per step (bounds, not just > 0).
+        tokens = row["seq_len"] * row["batch_size"]
+        assert 0 < row["step_ms"] < 60_000
+        assert row["tokens_per_s"] == pytest.approx(tokens * 1e3 / row["step_ms"], rel=1e-9)
+        assert 0 < row["mfu"] < 1
     assert "reference models skipped" in result.stdout
 
 

@@ -7,14 +7,40 @@ flattened ``B*T`` stream (each row starts a document), so helpers take the ``[B,
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-def identity_view(param: torch.Tensor) -> torch.Tensor:
-    return param
+class LocalParams:
+    """Modules whose forward may compute with the local shards of distributed parameters.
+
+    A tensor-parallel plan (``hola_titan.parallelisms.tensor_parallel.HeadParallel``) distributes some
+    parameters by head and records, per parameter name, the gradient placements of the local tensor the
+    forward computes with in ``local_grad_placements``; :meth:`param` then returns that local tensor (the
+    shard of a head-sharded parameter; the local copy of a replicated per-head-dim weight, whose gradient is
+    partial: each rank's heads give part of it). The model states where it reads a parameter through
+    :meth:`param`; the plan is data, so no method of the model is replaced and this code imports nothing of
+    ``torch.distributed``.
+    """
+
+    local_grad_placements = MappingProxyType({})
+
+    def param(self, name: str) -> torch.Tensor:
+        value = getattr(self, name)
+        placements = self.local_grad_placements.get(name)
+        if placements is None:
+            return value
+        if not hasattr(value, "to_local"):  # the plan distributed it; anything else is a wiring error
+            raise TypeError(f"{type(self).__name__}.{name}: recorded as distributed but is a plain tensor")
+        return value.to_local(grad_placements=placements)
+
+    @property
+    def computes_locally(self) -> bool:
+        """Whether a plan made any of this module's parameters local (tensor parallelism)."""
+        return bool(self.local_grad_placements)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -44,17 +70,13 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx.to(x.dtype), dweight.to(weight.dtype), None, None
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(LocalParams, nn.Module):
     """``x * rsqrt(mean(x^2) + eps) * weight``, computed in at least float32.
 
     Returned in the input dtype, or in autocast's dtype inside an autocast region: every consumer is a linear
     layer that would cast it there anyway, and one cast here lets the q, k, v, a, b (or w1, w3) projections
     save one shared copy instead of one each.
     """
-
-    # Tensor parallelism replaces this on norms inside a head-sharded region, so that the forward reads the
-    # local tensor of a distributed weight (see hola_titan.parallelisms.tensor_parallel).
-    param_view = staticmethod(identity_view)
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -65,7 +87,8 @@ class RMSNorm(nn.Module):
         out_dtype = x.dtype
         if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):  # autocast never lowers float64
             out_dtype = torch.get_autocast_dtype(x.device.type)
-        return _RMSNormFunction.apply(x, self.param_view(self.weight), self.eps, out_dtype)
+        # The local weight inside a head-sharded region (a per-head output norm under tensor parallelism).
+        return _RMSNormFunction.apply(x, self.param("weight"), self.eps, out_dtype)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
@@ -139,15 +162,13 @@ class _ShortConvFunction(torch.autograd.Function):
         return dxp, dweight, None
 
 
-class ShortConvolution(nn.Module):
+class ShortConvolution(LocalParams, nn.Module):
     """Causal depthwise convolution (kernel K) followed by SiLU, restarting at every document start.
 
     ``weight`` is ``[C, 1, K]`` as in ``nn.Conv1d(C, C, K, groups=C, bias=False)``. ``tail`` ``[B, K-1, C]``
     holds the K-1 inputs before the first token (decoding, chunked prefill, a context-parallel neighbour);
     it is used only by tokens whose document began before this call.
     """
-
-    param_view = staticmethod(identity_view)  # see RMSNorm.param_view
 
     def __init__(self, channels: int, kernel_size: int = 4):
         super().__init__()
@@ -168,7 +189,7 @@ class ShortConvolution(nn.Module):
         k = self.kernel_size
         prev = tail if tail is not None else x.new_zeros(bsz, k - 1, ch)
         xp = torch.cat([prev.to(x.dtype), x], dim=1)
-        weight = self.param_view(self.weight).view(ch, k).to(x.dtype)
+        weight = self.param("weight").view(ch, k).to(x.dtype)
         keep = None
         if positions is not None:
             shifts = torch.arange(1, k, device=positions.device).view(k - 1, 1, 1)

@@ -20,9 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hola_titan.kernels.hola_cache import HolaCache
+from hola_titan.kernels.seqlens import Documents
 from hola_titan.models.args import ModelArgs
+from hola_titan.models.context import NO_CONTEXT, BatchContext
 from hola_titan.models.layers import (FeedForward, RMSNorm, ShortConvolution, _is_plain_linear, apply_rope,
-                                      document_ids, document_positions, identity_view)
+                                      document_ids, document_positions, LocalParams)
 from hola_titan.ops import hola_attention
 
 INIT_STD = 0.02
@@ -41,18 +43,51 @@ class RecurrentLayerCache:
 
 @dataclass
 class AttentionLayerCache:
-    """Decoding state of one Transformer++ layer: keys and values ``[B, t, H, D]`` so far (grows with t)."""
+    """Decoding state of one Transformer++ layer: keys and values ``[B, t, H, D]`` so far (grows with t); ``pad``
+    ``[B, t]`` marks the slots that left padding filled (None: none), which no query reads."""
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    pad: torch.Tensor | None = None
 
 
 @dataclass
 class ModelCache:
-    """Per-layer decoding state plus the number of tokens seen. Updated in place by ``HolaTitanLM.forward``."""
+    """Per-layer decoding state plus the number of token slots seen. Updated in place by ``HolaTitanLM.forward``.
+
+    After a left-padded prefill (:meth:`HolaTitanLM.prefill`) ``seen`` counts the padded slots, as a caller that
+    padded the batch counts them, and ``pad_slots`` ``[B]`` how many of them were padding in each row."""
 
     layers: dict[str, RecurrentLayerCache | AttentionLayerCache] = field(default_factory=dict)
     seen: int = 0
+    pad_slots: torch.Tensor | None = None
+
+    @classmethod
+    def stack_rows(cls, rows: list[ModelCache], *, slots: int) -> ModelCache:
+        """One batch cache from the one-row caches of prompts that a batch left-pads to ``slots`` tokens: every
+        row continues exactly where its own prompt stopped (the recurrent state, tails and HOLA cache of each
+        row are that row's; Transformer++ keys and values are left-padded, and the pad slots masked)."""
+        if not rows or any(r.pad_slots is not None or r.seen > slots for r in rows):
+            raise ValueError("cache: stack_rows takes unpadded one-row caches of at most `slots` tokens")
+        some = next(iter(rows[0].layers.values()))
+        device = some.state.device if isinstance(some, RecurrentLayerCache) else some.k.device
+        out = cls(seen=slots, pad_slots=torch.tensor([slots - r.seen for r in rows], dtype=torch.int64,
+                                                     device=device))
+        for name, first in rows[0].layers.items():
+            layers = [r.layers[name] for r in rows]
+            if isinstance(first, RecurrentLayerCache):
+                hola = HolaCache.cat([x.hola for x in layers]) if first.hola is not None else None
+                out.layers[name] = RecurrentLayerCache(
+                    conv_q=torch.cat([x.conv_q for x in layers]), conv_k=torch.cat([x.conv_k for x in layers]),
+                    conv_v=torch.cat([x.conv_v for x in layers]), state=torch.cat([x.state for x in layers]),
+                    hola=hola)
+            else:
+                def left_pad(t: torch.Tensor) -> torch.Tensor:
+                    return F.pad(t, (0, 0, 0, 0, slots - t.shape[1], 0))
+                pad = torch.arange(slots, device=device)[None, :] < out.pad_slots[:, None]
+                out.layers[name] = AttentionLayerCache(k=torch.cat([left_pad(x.k) for x in layers]),
+                                                       v=torch.cat([left_pad(x.v) for x in layers]), pad=pad)
+        return out
 
     def nbytes(self) -> int:
         total = 0
@@ -65,18 +100,16 @@ class ModelCache:
         return total
 
 
-class GatedDeltaMixer(nn.Module):
+class GatedDeltaMixer(LocalParams, nn.Module):
     """The HOLA token mixer (``evict`` score or recency) or plain Gated DeltaNet (``evict`` none).
 
-    Two hooks let ``hola_titan.parallelisms`` distribute the layer without this file touching
-    ``torch.distributed``: ``param_view`` maps a parameter to the tensor the forward computes with (tensor
-    parallel: the local shard of a head-sharded parameter), and ``context_parallel`` is None or an object whose
-    ``conv_tails(xs, positions)`` returns the previous shard's convolution inputs and whose ``attention`` replaces
-    ``hola_attention`` with the sequence-parallel scan (same signature).
+    Two things let ``hola_titan.parallelisms`` distribute the layer without this file touching
+    ``torch.distributed``: parameters are read through ``param`` (:class:`LocalParams`: under tensor
+    parallelism, the local shard of a head-sharded parameter, as the plan records), and the batch context's
+    ``cp`` (context parallel), whose ``layer()`` gives this call's scan: ``conv_tails(xs, positions)`` returns
+    the previous shard's convolution inputs, ``attention`` replaces ``hola_attention`` with the
+    sequence-parallel scan (same signature).
     """
-
-    param_view = staticmethod(identity_view)
-    context_parallel = None
 
     def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference",
                  overlap_backward: bool = False):
@@ -127,10 +160,11 @@ class GatedDeltaMixer(nn.Module):
                 self.sink.fill_(0.0)
                 self.gate.fill_(-4.0)
 
-    def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None, positions: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, *, context: BatchContext, positions: torch.Tensor | None,
                 cache: RecurrentLayerCache | None) -> torch.Tensor:
-        """x ``[B, T, dim]`` (B = 1 with ``cu_seqlens``); ``positions`` in-document positions ``[B, T]``."""
-        cp = self.context_parallel
+        """x ``[B, T, dim]`` (B = 1 with packed documents); ``positions`` in-document positions ``[B, T]``."""
+        documents = context.documents
+        cp = context.cp.layer() if context.cp is not None else None
         if cp is not None and cache is not None:
             raise ValueError("cache: decoding does not run under context parallelism")
         continuing = cache is not None and cache.state is not None
@@ -140,7 +174,7 @@ class GatedDeltaMixer(nn.Module):
             w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
             q, k, v = short_conv_qkv(F.linear(x, w_qkv), [self.q_conv.weight, self.k_conv.weight,
                                                            self.v_conv.weight], positions=positions)
-            return self._mix(x, q, k, v, cu_seqlens=cu_seqlens, cache=None, cp=None, continuing=False, tails=None)
+            return self._mix(x, q, k, v, documents=documents, cache=None, cp=None, continuing=False, tails=None)
         projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
         if cp is not None:
             tails, continues = cp.conv_tails(projected, positions)
@@ -150,7 +184,7 @@ class GatedDeltaMixer(nn.Module):
             conv_inputs = [dict(positions=None if continuing else positions, tail=t) for t in tails]
         (q, tail_q), (k, tail_k), (v, tail_v) = (
             conv(p, **kw) for conv, p, kw in zip((self.q_conv, self.k_conv, self.v_conv), projected, conv_inputs))
-        return self._mix(x, q, k, v, cu_seqlens=cu_seqlens, cache=cache, cp=cp, continuing=continuing,
+        return self._mix(x, q, k, v, documents=documents, cache=cache, cp=cp, continuing=continuing,
                          tails=(tail_q, tail_k, tail_v))
 
     def _fused_conv_applies(self, cp, cache) -> bool:
@@ -158,31 +192,29 @@ class GatedDeltaMixer(nn.Module):
         projections and convolutions (not tensor-parallel, not converted); the PyTorch path serves the rest."""
         if self.kernels != "triton" or cp is not None or cache is not None:
             return False
-        if self.param_view is not identity_view or any(
-                c.param_view is not identity_view for c in (self.q_conv, self.k_conv, self.v_conv)):
+        if self.computes_locally or any(c.computes_locally for c in (self.q_conv, self.k_conv, self.v_conv)):
             return False  # tensor parallelism computes with local shards
         from hola_titan.kernels.short_conv import supports
         return (all(_is_plain_linear(p) for p in (self.q_proj, self.k_proj, self.v_proj))
                 and supports(self.q_proj.out_features, self.q_proj.weight.device))
 
-    def _mix(self, x, q, k, v, *, cu_seqlens, cache, cp, continuing: bool, tails) -> torch.Tensor:
+    def _mix(self, x, q, k, v, *, documents, cache, cp, continuing: bool, tails) -> torch.Tensor:
         """Gates, the attention op, the output norm and projection, from the convolved ``q, k, v [B, T, H*D]``."""
         bsz, seq_len, _ = x.shape
-        pv = self.param_view
         # -1: under tensor parallelism only the local heads are here.
         q, k, v = (t.view(bsz, seq_len, -1, self.head_dim) for t in (q, k, v))
         gate_dtype = torch.promote_types(x.dtype, torch.float32)  # gates in at least float32
         beta = torch.sigmoid(self.b_proj(x).to(gate_dtype))
-        g = -pv(self.A_log).to(gate_dtype).exp() * F.softplus(self.a_proj(x).to(gate_dtype)
-                                                                + pv(self.dt_bias).to(gate_dtype))
+        g = -self.param("A_log").to(gate_dtype).exp() * F.softplus(self.a_proj(x).to(gate_dtype)
+                                                                      + self.param("dt_bias").to(gate_dtype))
         cache_params = (None, None, None, None)
         if self.evict != "none":
-            cache_params = (pv(self.gamma_q), pv(self.gamma_k), pv(self.sink), pv(self.gate))
+            cache_params = tuple(self.param(name) for name in ("gamma_q", "gamma_k", "sink", "gate"))
         want_cache = cache is not None and self.evict != "none"
         attention = cp.attention if cp is not None else hola_attention
         result = attention(
             q, k, v, g, beta, *cache_params, window=self.window, block=self.block, evict=self.evict,
-            cu_seqlens=cu_seqlens, initial_state=cache.state if continuing else None,
+            documents=documents, initial_state=cache.state if continuing else None,
             output_final_state=cache is not None, initial_cache=cache.hola if want_cache and continuing else None,
             output_final_cache=want_cache, backend=self.backend, overlap_backward=self.overlap_backward)
         o = result[0]
@@ -213,21 +245,35 @@ class Attention(nn.Module):
         nn.init.normal_(self.o_proj.weight, std=out_std)
 
     def forward(self, x: torch.Tensor, *, doc_ids: torch.Tensor | None, positions: torch.Tensor,
-                cache: AttentionLayerCache | None) -> torch.Tensor:
-        """x ``[B, T, dim]``; ``doc_ids`` ``[B, T]`` (None: each row is one document); ``positions`` ``[B, T]``."""
+                cache: AttentionLayerCache | None, cp=None) -> torch.Tensor:
+        """x ``[B, T, dim]``; ``doc_ids`` ``[B, T]`` (None: each row is one document); ``positions`` ``[B, T]``.
+        ``cp``: the batch context's context-parallel view (this rank holds one shard of every row): RoPE at
+        global positions, and exact causal attention over every rank's keys and values (``cp.causal_attention``).
+        """
         bsz, seq_len, _ = x.shape
+        if cp is not None:
+            if cache is not None:
+                raise ValueError("cache: decoding does not run under context parallelism")
+            if doc_ids is not None:
+                raise ValueError("data.varlen: must be false for transformer with context_parallel_degree > 1")
+            positions = positions + cp.shard_start
         d = self.head_dim  # heads as -1: under tensor parallelism only the local heads are here
         q = apply_rope(self.q_proj(x).view(bsz, seq_len, -1, d), positions, self.rope_theta)
         k = apply_rope(self.k_proj(x).view(bsz, seq_len, -1, d), positions, self.rope_theta)
         v = self.v_proj(x).view(bsz, seq_len, -1, d)
+        pad = None
         if cache is not None:
             if cache.k is not None:
                 k = torch.cat([cache.k, k], dim=1)
                 v = torch.cat([cache.v, v], dim=1)
+            if cache.pad is not None:  # slots of left padding: no query reads them
+                cache.pad = pad = F.pad(cache.pad, (0, seq_len), value=False)
             cache.k, cache.v = k, v
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         past = k.shape[2] - seq_len
-        if doc_ids is None and past == 0:
+        if cp is not None:
+            o = cp.causal_attention(q, k, v)
+        elif doc_ids is None and past == 0 and pad is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             qi = torch.arange(seq_len, device=x.device)[:, None] + past
@@ -235,6 +281,8 @@ class Attention(nn.Module):
             mask = (kj <= qi)[None]
             if doc_ids is not None:
                 mask = mask & (doc_ids[:, :, None] == doc_ids[:, None, :])
+            if pad is not None:
+                mask = mask & ~pad[:, None, :]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         return self.o_proj(o.transpose(1, 2).reshape(bsz, seq_len, -1))
 
@@ -310,11 +358,27 @@ class HolaTitanLM(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def _trunk(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None, cache: ModelCache | None,
+    @staticmethod
+    def _context(tokens: torch.Tensor, cu_seqlens: torch.Tensor | None, context: BatchContext | None) -> BatchContext:
+        """The batch's context: the one given, or one made here from bare ``cu_seqlens`` (read once, then shared
+        by every layer)."""
+        if cu_seqlens is None:
+            if context is not None and not isinstance(context, BatchContext):
+                raise ValueError(f"context: expected a BatchContext, got {type(context).__name__}")
+            return context if context is not None else NO_CONTEXT
+        if context is not None:
+            raise ValueError("cu_seqlens: give cu_seqlens or context, not both")
+        return BatchContext(documents=Documents.of(cu_seqlens, seq_len=tokens.numel(), device=tokens.device))
+
+    def _trunk(self, tokens: torch.Tensor, context: BatchContext, cache: ModelCache | None,
                flat: bool = False) -> torch.Tensor:
         """Final-norm hidden states; ``[1, B*T, dim]`` for packed recurrent rows, else ``[B, T, dim]``; with
         ``flat``, ``[B*T, dim]`` made by the norm itself (not a view of its output)."""
         bsz, seq_len = tokens.shape
+        documents = context.documents
+        cu_seqlens = documents.cu_seqlens if documents is not None else None
+        if documents is not None and documents.seq_len != tokens.numel():
+            raise ValueError(f"cu_seqlens: made for {documents.seq_len} tokens, the batch has {tokens.numel()}")
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens: decoding with a cache takes unpacked rows")
         if self.args.is_recurrent:
@@ -329,36 +393,67 @@ class HolaTitanLM(nn.Module):
                 layer_cache = None
                 if cache is not None:
                     layer_cache = cache.layers.setdefault(name, RecurrentLayerCache())
-                h = block(h, cu_seqlens=cu_seqlens, positions=positions, cache=layer_cache)
+                h = block(h, context=context, positions=positions, cache=layer_cache)
         else:
             h = self.tok_embeddings(tokens)
             doc_ids = document_ids(bsz, seq_len, cu_seqlens, tokens.device) if cu_seqlens is not None else None
             positions = document_positions(bsz, seq_len, cu_seqlens, tokens.device)
             if cache is not None:
                 positions = positions + cache.seen
+                if cache.pad_slots is not None:  # RoPE positions count each row's own tokens
+                    positions = positions - cache.pad_slots[:, None]
             for name, block in self.layers.items():
                 layer_cache = cache.layers.setdefault(name, AttentionLayerCache()) if cache is not None else None
-                h = block(h, doc_ids=doc_ids, positions=positions, cache=layer_cache)
+                h = block(h, doc_ids=doc_ids, positions=positions, cache=layer_cache, cp=context.cp)
         if cache is not None:
             cache.seen += seq_len
         return self.norm(h.reshape(-1, h.shape[-1]) if flat else h)
 
     def hidden_states(self, tokens: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
-                      cache: ModelCache | None = None) -> torch.Tensor:
-        """Final-norm hidden states ``[B, T, dim]`` for token ids ``[B, T]``."""
-        return self._trunk(tokens, cu_seqlens, cache).reshape(*tokens.shape, -1)
+                      context: BatchContext | None = None, cache: ModelCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states ``[B, T, dim]`` for token ids ``[B, T]`` (arguments as :meth:`forward`)."""
+        return self._trunk(tokens, self._context(tokens, cu_seqlens, context), cache).reshape(*tokens.shape, -1)
 
-    def flat_hidden_states(self, tokens: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def flat_hidden_states(self, tokens: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                           context: BatchContext | None = None) -> torch.Tensor:
         """Final-norm hidden states ``[B*T, dim]`` for token ids ``[B, T]``, as the training loss takes them. Not a
         view: FSDP registers its backward hooks on a forward method's output, and warns that in-place ops on a
         view could bypass them."""
-        return self._trunk(tokens, cu_seqlens, None, flat=True)
+        return self._trunk(tokens, self._context(tokens, cu_seqlens, context), None, flat=True)
 
     def forward(self, tokens: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
-                cache: ModelCache | None = None) -> torch.Tensor:
-        """Logits ``[B, T, V]``. With ``cache``, continues from it and updates it in place (decoding)."""
-        logits = F.linear(self._trunk(tokens, cu_seqlens, cache), self.output_weight())
+                context: BatchContext | None = None, cache: ModelCache | None = None) -> torch.Tensor:
+        """Logits ``[B, T, V]``. Packed documents: ``cu_seqlens`` (``[N + 1]`` over the flattened ``B * T``
+        tokens, read once) or a :class:`~hola_titan.models.context.BatchContext` made once per batch (its
+        documents carry their host copy, so no layer reads the device; it also carries a context-parallel
+        shard's view). With ``cache``, continues from it and updates it in place (decoding)."""
+        logits = F.linear(self._trunk(tokens, self._context(tokens, cu_seqlens, context), cache),
+                          self.output_weight())
         return logits.reshape(*tokens.shape, -1)
+
+    def prefill(self, tokens: torch.Tensor, *, lengths: list[int], cache: ModelCache) -> torch.Tensor:
+        """Logits ``[B, T, V]`` of left-padded prompts: row ``b``'s prompt is its last ``lengths[b]`` tokens,
+        the slots before it are padding. Fills the empty ``cache`` so that decoding continues every row exactly as
+        if its prompt had run alone: padding changes no state, convolution tail, score or cache entry (each row
+        is run alone, then the rows' caches are stacked: :meth:`ModelCache.stack_rows`). The logits of pad slots
+        are zero."""
+        bsz, slots = tokens.shape
+        if cache.seen or cache.layers:
+            raise ValueError("cache: a padded prefill starts from an empty cache")
+        if len(lengths) != bsz or any(not 1 <= n <= slots for n in lengths):
+            raise ValueError(f"attention_mask: every row needs 1 to {slots} tokens, got lengths {lengths}")
+        logits = None
+        rows = []
+        for b, n in enumerate(lengths):
+            row = ModelCache()
+            out = self(tokens[b:b + 1, slots - n:], cache=row)
+            if logits is None:
+                logits = out.new_zeros(bsz, slots, out.shape[-1])
+            logits[b, slots - n:] = out[0]
+            rows.append(row)
+        stacked = ModelCache.stack_rows(rows, slots=slots)
+        cache.layers, cache.seen, cache.pad_slots = stacked.layers, stacked.seen, stacked.pad_slots
+        return logits
 
     def no_weight_decay_names(self) -> set[str]:
         """Parameters excluded from weight decay: the GDN decay parameters (as fla does)."""

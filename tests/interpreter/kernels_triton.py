@@ -22,10 +22,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("a GPU is visible: the kernels are tested compiled by test_kernels_triton_gpu.py",
-                allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined: triton.jit picks the interpreter then
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("this suite runs in Triton's interpreter: tests/test_interpreter.py starts it in a process with "
+                       "TRITON_INTERPRET=1 (Triton picks the interpreter when a kernel is defined)")
 pytest.importorskip("triton")
 
 from hola_titan import hola_attention  # noqa: E402
@@ -34,9 +33,7 @@ from hola_titan.kernels.hola_reference import hola_attention_reference  # noqa: 
 from hola_titan.kernels.hola_sdpa import hola_attention_sdpa  # noqa: E402
 from hola_titan.kernels.hola_triton import hola_attention_triton  # noqa: E402
 from hola_titan.ops import resolve_backend  # noqa: E402
-from helpers import define_kernels_for_the_interpreter  # noqa: E402
 
-define_kernels_for_the_interpreter(((hola_triton_select, "_merge_topw_kernel"), (hola_triton_attn, "_rstd_kernel")))
 
 NAMES = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate")
 TOL_FP32 = 1e-5
@@ -256,7 +253,7 @@ def test_overlapped_layer_op_matches_the_layered_form(monkeypatch):
     output, final state and every gradient equal the layered backend's. Streams are GPU-only (tested there)."""
     from hola_titan.kernels import fla_gdn, hola_triton_layer
 
-    def fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+    def fwd(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state):
         o, m, final = fla_gdn.reference_gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
                                                         cu_seqlens=cu_seqlens, output_final_state=True)
         final = final if output_final_state else q.new_empty(0, dtype=torch.float32)
@@ -265,7 +262,7 @@ def test_overlapped_layer_op_matches_the_layered_form(monkeypatch):
         return (o.to(q.dtype), m, final, q.clone(), q.new_empty(0), k.clone(), q.new_empty(0), g.float().clone(),
                 q.new_empty(*q.shape[:3], 64))
 
-    def bwd(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, scale):
+    def bwd(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, chunk_indices, scale):
         # A custom op's body runs below autograd; a fresh thread starts with autograd on (its state is per thread).
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             return pool.submit(reference_bwd, do, dht, qn, kn, v, g_cum, beta, initial_state, cu_seqlens).result()
@@ -316,10 +313,12 @@ def test_dispatch(monkeypatch):
     assert resolve_backend("reference", cpu) == "reference"
     assert resolve_backend("triton", cpu) == "triton"  # under the interpreter
     assert resolve_backend("sdpa", cpu) == "sdpa"
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match=r"^backend\b"):
-        resolve_backend("triton", cpu)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from hola_titan.kernels import hola_triton
+    assert hola_triton.interpreting(), "the kernels of this process were defined for the interpreter"
+    with monkeypatch.context() as mp:  # a process whose kernels were compiled for a GPU
+        mp.setattr(hola_triton, "interpreting", lambda: False)
+        with pytest.raises(ValueError, match=r"^backend\b"):
+            resolve_backend("triton", cpu)
     x = make_inputs(1, 20, 2, 16, seed=5)
     args = [x[n] for n in NAMES]
     kw = dict(window=3, block=8, output_final_state=True)
