@@ -1,9 +1,11 @@
 """Export a model as a Hugging Face style folder and load it back, with no distributed setup.
 
 Folder written by :func:`save_pretrained` (loaded by :func:`load_pretrained`, and by
-``transformers.AutoModelForCausalLM.from_pretrained`` after ``import hola_titan.hf_model``)::
+``transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` in any environment where
+hola-titan is installed, or without the flag after ``import hola_titan.hf_model``)::
 
-    config.json                       model_type "hola_titan", every ModelArgs field, token ids, dtype
+    config.json                       model_type "hola_titan", every ModelArgs field, token ids, dtype, auto_map
+    modeling_hola_titan.py            what trust_remote_code loads: the classes of the installed hola_titan
     model.safetensors                 all weights, when they fit in ``max_shard_bytes``; otherwise
     model-00001-of-0000N.safetensors  shards, in module order, and
     model.safetensors.index.json      {"metadata": {"total_size": bytes}, "weight_map": {key: shard file}}
@@ -34,8 +36,8 @@ prefix and no wrapper names (``_checkpoint_wrapped_module.``, ``_orig_mod.``, FS
 A tied output head is ``tok_embeddings.weight`` and is stored once. ``config.json`` holds every
 :class:`~hola_titan.models.args.ModelArgs` field under its own name (``flavour``, ``size``, ``vocab_size``, ``dim``,
 ..., ``window``, ``block``), so the exact model is rebuilt without the size table, plus ``model_type``,
-``architectures``, ``hola_titan_format`` (:data:`FORMAT_VERSION`), ``dtype``, ``tie_word_embeddings`` and the
-tokenizer's ``eos_token_id`` / ``pad_token_id``.
+``architectures``, ``auto_map`` (:data:`AUTO_MAP`), ``hola_titan_format`` (:data:`FORMAT_VERSION`), ``dtype``,
+``tie_word_embeddings`` and the tokenizer's ``eos_token_id`` / ``pad_token_id``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,18 @@ MODEL_TYPE = "hola_titan"
 ARCHITECTURE = "HolaTitanForCausalLM"
 SAFETENSORS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+REMOTE_CODE_FILE = "modeling_hola_titan.py"
+# transformers' standard switch for a model type it does not know: config.json names the classes by
+# "module.Class", the module being a file of the folder (trust_remote_code=True runs it).
+AUTO_MAP = {"AutoConfig": "modeling_hola_titan.HolaTitanConfig",
+            "AutoModelForCausalLM": "modeling_hola_titan.HolaTitanForCausalLM"}
+_REMOTE_CODE = '''"""Opens this folder with transformers' trust_remote_code=True. The model code is the installed
+hola-titan package's (pip install hola-titan): this file only names its classes, so it runs nothing else."""
+
+from hola_titan.hf_model import HolaTitanConfig, HolaTitanForCausalLM
+
+__all__ = ["HolaTitanConfig", "HolaTitanForCausalLM"]
+'''
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -110,6 +124,7 @@ def config_dict(args: ModelArgs, tokenizer: Tokenizer | None, *, dtype: torch.dt
     return {
         "model_type": MODEL_TYPE,
         "architectures": [ARCHITECTURE],
+        "auto_map": dict(AUTO_MAP),
         "hola_titan_format": FORMAT_VERSION,
         **dataclasses.asdict(args),
         "tie_word_embeddings": args.tie_embeddings,
@@ -224,6 +239,7 @@ def save_pretrained(model: nn.Module, tokenizer: Tokenizer | None, folder: str |
     write_safetensors(state, out, max_shard_bytes=max_shard_bytes, progress=progress)
     config = config_dict(args, tokenizer, dtype=stored)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (out / REMOTE_CODE_FILE).write_text(_REMOTE_CODE, encoding="utf-8")
     if tokenizer is not None:
         tokenizer.save(out)
     return out

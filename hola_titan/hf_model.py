@@ -15,8 +15,10 @@ parameter names are the native ones documented in :mod:`hola_titan.export` and i
 Decoding uses the native constant-memory cache (:class:`~hola_titan.models.model.ModelCache`: recurrent state,
 short-convolution tails and the bounded HOLA cache per layer; growing keys and values for Transformer++), returned
 as ``output.cache`` and passed back by ``generate``; greedy, sampling and beam search work (beam search reorders
-the cache). Limitations: no padding (``attention_mask`` must be all ones, so batched prompts must have equal
-length), no ``inputs_embeds``, no attention weights or per-layer hidden states, no ``resize_token_embeddings``.
+the cache). Batches of prompts of different lengths are left-padded (``tokenizer.padding_side = "left"``, what
+generation harnesses do): each prompt then decodes exactly as it would alone. Right padding is accepted for
+scoring without a cache. Limitations: no ``inputs_embeds``, no attention weights or per-layer hidden states, no
+``resize_token_embeddings``.
 Tested with transformers 5.x (the cache argument is called ``cache``; ``past_key_values`` is accepted too).
 """
 
@@ -124,7 +126,8 @@ class HolaTitanCache(ModelCache):
                 if layer.hola is not None:
                     layer.hola = layer.hola.map_tensors(pick)
             elif isinstance(layer, AttentionLayerCache):
-                layer.k, layer.v = pick(layer.k), pick(layer.v)
+                layer.k, layer.v, layer.pad = pick(layer.k), pick(layer.v), pick(layer.pad)
+        self.pad_slots = pick(self.pad_slots)
 
 
 class HolaTitanForCausalLM(PreTrainedModel, GenerationMixin):
@@ -189,10 +192,12 @@ class HolaTitanForCausalLM(PreTrainedModel, GenerationMixin):
         """Logits ``[B, T, V]`` of ``input_ids`` ``[B, T]``, continuing from ``cache`` when given.
 
         Args:
-            attention_mask: must be all ones (no padding support).
+            attention_mask: ``[B, T]`` (or, while decoding, ``[B, past + T]``): left padding of the prompts, or
+                right padding without a cache (see :func:`_padding`).
             cache: a cache returned by an earlier call; updated in place and returned.
             labels: ``[B, T]`` targets (shifted inside, ``-100`` ignored) for a mean cross-entropy ``loss``.
-            use_cache: return a cache (default ``config.use_cache``).
+            use_cache: return a cache (default ``config.use_cache``; not for a right-padded batch given without a
+                cache, which is scoring: no cache is returned then).
             logits_to_keep: compute logits for only the last this many positions (0: all).
         """
         if inputs_embeds is not None:
@@ -203,23 +208,69 @@ class HolaTitanForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("return_dict=False: not supported by HolaTitanForCausalLM")
         if cache is None:
             cache = past_key_values
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ValueError("attention_mask: padding is not supported (HolaTitanLM has no attention mask); "
-                             "pass prompts of equal length without padding")
+        if cache is not None and not isinstance(cache, ModelCache):
+            raise ValueError(f"cache: expected a ModelCache returned by this model, got {type(cache).__name__}")
+        continuing = cache is not None and cache.seen > 0
+        if use_cache is None and cache is None and not continuing and _padding(
+                attention_mask, input_ids, continuing=False, caching=False) == "right":
+            use_cache = False  # right-padded scoring (e.g. a tokenizer's default padding): no cache to return
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = HolaTitanCache()
-        if cache is not None and not isinstance(cache, ModelCache):
-            raise ValueError(f"cache: expected a ModelCache returned by this model, got {type(cache).__name__}")
-        hidden = self.hola_lm.hidden_states(input_ids, cache=cache if use_cache else None)
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
-        logits = F.linear(hidden, self.hola_lm.output_weight())
+        padding = _padding(attention_mask, input_ids, continuing=use_cache and continuing, caching=use_cache)
+        if padding == "left":
+            # Each row's prompt runs alone and the rows' caches are stacked (HolaTitanLM.prefill): padding changes
+            # no state, convolution tail, score or cache entry, so batched generation equals each prompt alone.
+            lengths = attention_mask.bool().sum(dim=1).tolist()
+            logits = self.hola_lm.prefill(input_ids, lengths=lengths, cache=cache if use_cache else ModelCache())
+            logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
+        else:
+            # Right padding (scoring without a cache) needs nothing: a causal model's real positions never read the
+            # pad slots after them.
+            hidden = self.hola_lm.hidden_states(input_ids, cache=cache if use_cache else None)
+            if logits_to_keep:
+                hidden = hidden[:, -logits_to_keep:]
+            logits = F.linear(hidden, self.hola_lm.output_weight())
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
                                    ignore_index=IGNORE_INDEX)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_OUTPUT_CACHE_FIELD: cache if use_cache else None})
+
+
+def _padding(attention_mask: torch.Tensor | None, input_ids: torch.Tensor, *, continuing: bool,
+             caching: bool) -> str | None:
+    """``None`` (no padding in this call), ``"left"`` or ``"right"``; ``ValueError`` for masks this model cannot
+    honour exactly (holes inside a row, right padding that would enter a cache, padding after the prompt)."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.bool()
+    seq_len = input_ids.shape[1]
+    if mask.dim() != 2 or mask.shape[0] != input_ids.shape[0] or mask.shape[1] < seq_len:
+        raise ValueError(f"attention_mask: expected [B, >= T] for input_ids {list(input_ids.shape)}, got "
+                         f"{list(attention_mask.shape)}")
+    if continuing:
+        # Decoding: generate passes the whole mask so far; only the new tokens' slots are this call's.
+        if not bool(mask[:, -seq_len:].all()):
+            raise ValueError("attention_mask: padding is supported in the prompt only (left padding)")
+        return None
+    if mask.shape[1] != seq_len:
+        raise ValueError(f"attention_mask: {mask.shape[1]} slots for {seq_len} input_ids (without a cache they "
+                         "must match)")
+    if bool(mask.all()):
+        return None
+    lengths = mask.sum(dim=1, keepdim=True)
+    if not bool((lengths > 0).all()):
+        raise ValueError("attention_mask: a row without tokens (all padding)")
+    slot = torch.arange(seq_len, device=mask.device)[None, :]
+    if torch.equal(mask, slot >= seq_len - lengths):
+        return "left"
+    if torch.equal(mask, slot < lengths):
+        if caching:
+            raise ValueError("attention_mask: right padding would enter the cache; pad on the left for generation "
+                             "(tokenizer.padding_side = 'left') or pass use_cache=False for scoring")
+        return "right"
+    raise ValueError("attention_mask: each row must be one run of tokens with the padding on one side")
 
 
 AutoConfig.register(MODEL_TYPE, HolaTitanConfig, exist_ok=True)

@@ -140,7 +140,7 @@ def test_sharded_export_with_index_and_bfloat16(tmp_path):
         assert torch.equal(loaded(tokens), model(tokens))
 
     save_pretrained(model, None, tmp_path / "sharded", dtype="bfloat16")  # re-export: stale shards go away
-    assert sorted(p.name for p in (tmp_path / "sharded").glob("model*")) == [SAFETENSORS_FILE]
+    assert sorted(p.name for p in (tmp_path / "sharded").glob("model*.safetensors*")) == [SAFETENSORS_FILE]
     assert json.loads((tmp_path / "sharded" / "config.json").read_text())["dtype"] == "bfloat16"
     state = read_safetensors(tmp_path / "sharded")
     assert all(t.dtype == torch.bfloat16 for t in state.values())
@@ -169,10 +169,82 @@ def test_generate_beam_search_and_continued_cache(tmp_path):
     with torch.no_grad():
         beams = hf.generate(prompt, max_new_tokens=5, num_beams=3, do_sample=False)
         assert beams.shape == (2, 16) and torch.equal(beams[:, :11], prompt)
-        with pytest.raises(ValueError, match="padding"):
-            hf(prompt, attention_mask=torch.tensor([[0] + [1] * 10] * 2))
+        with pytest.raises(ValueError, match="^attention_mask: each row must be one run"):
+            hf(prompt, attention_mask=torch.tensor([[1, 0] + [1] * 9] * 2))
+        with pytest.raises(ValueError, match="^attention_mask: right padding would enter the cache"):
+            hf(prompt, attention_mask=torch.tensor([[1] * 10 + [0]] * 2), use_cache=True)
         # The cache returned by one call continues in the next: same logits as one call over both parts.
         first = hf(prompt[:, :7])
         second = hf(prompt[:, 7:], cache=first.cache)
         whole = model(prompt)
     assert_logits_close(torch.cat([first.logits, second.logits], 1), whole, "continued cache")
+
+
+def _left_padded(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    slots = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), slots), pad_id, dtype=torch.int64)
+    mask = torch.zeros(len(prompts), slots, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        ids[b, slots - len(p):], mask[b, slots - len(p):] = p, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("flavour", ["hola", "hola_recency", "gdn", "transformer"])
+def test_batched_generation_with_left_padding_equals_each_prompt_alone(flavour, tmp_path):
+    """Prompts of 1 to 13 tokens, left-padded into one batch (pad id a real token id, so a leak would show): greedy
+    generation of the batch equals each prompt generated alone, token for token, and the logits of every prompt's
+    last position equal its own; the block (4) and window (3) make the lengths cross block and cache boundaries.
+    Right padding without a cache scores the real positions as unpadded rows do."""
+    from transformers import AutoModelForCausalLM
+
+    save_pretrained(_tiny(flavour), None, tmp_path / "m")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 97, (n,), generator=gen) for n in (13, 1, 6, 9, 4)]
+    ids, mask = _left_padded(prompts, pad_id=5)
+    with torch.no_grad():
+        batch = hf.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=5)
+        last = hf(ids, attention_mask=mask, use_cache=False).logits[:, -1]
+        for b, prompt in enumerate(prompts):
+            alone = hf.generate(prompt[None], max_new_tokens=7, do_sample=False, pad_token_id=5)
+            assert torch.equal(batch[b, ids.shape[1]:], alone[0, len(prompt):]), f"{flavour} prompt {b}"
+            assert_logits_close(last[b], hf(prompt[None], use_cache=False).logits[0, -1], f"{flavour} row {b}")
+        right = torch.full((2, 9), 5, dtype=torch.int64)
+        right[0, :6], right[1] = prompts[2], prompts[3]
+        scored = hf(right, attention_mask=(torch.arange(9)[None] < torch.tensor([[6], [9]])).long(),
+                    use_cache=False).logits
+        assert_logits_close(scored[0, :6], hf(prompts[2][None], use_cache=False).logits[0], "right padding")
+
+
+def test_an_export_opens_with_trust_remote_code_in_a_fresh_process(tmp_path):
+    """The ecosystem's standard switch: a process that never imports hola_titan.hf_model opens the folder with
+    trust_remote_code=True (config.json's auto_map names the classes of modeling_hola_titan.py) and computes the
+    native model's logits; without the switch transformers refuses the unknown model type."""
+    import subprocess
+
+    model = _tiny("gdn")
+    save_pretrained(model, None, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_hola_titan.HolaTitanForCausalLM"
+    tokens = torch.randint(0, 97, (2, 9))
+    torch.save({"tokens": tokens, "logits": model(tokens).detach()}, tmp_path / "expected.pt")
+    script = f"""
+import sys, torch
+from transformers import AutoModelForCausalLM
+mode = sys.argv[1]
+try:
+    hf = AutoModelForCausalLM.from_pretrained({str(tmp_path / "m")!r}, trust_remote_code=mode == "trust")
+except ValueError as err:
+    print("refused:", str(err).splitlines()[0]); sys.exit(3)
+assert "hola_titan.hf_model" in sys.modules  # imported by the folder's module, not by this script
+expected = torch.load({str(tmp_path / "expected.pt")!r})
+with torch.no_grad():
+    print("equal", torch.equal(hf(expected["tokens"]).logits, expected["logits"]))
+"""
+    env = {**__import__("os").environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    trusted = subprocess.run([sys.executable, "-c", script, "trust"], capture_output=True, text=True, env=env,
+                             timeout=300)
+    assert trusted.returncode == 0 and "equal True" in trusted.stdout, trusted.stderr[-3000:]
+    plain = subprocess.run([sys.executable, "-c", script, "plain"], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert plain.returncode == 3, (plain.stdout, plain.stderr[-2000:])

@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--chunk", type=int, default=2048, help="tokens per forward call (full-context mode)")
     ppl.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
     ppl.add_argument("--max-documents", type=int, default=None, help="stop after this many documents")
+    ppl.add_argument("--convention", default="hola_titan", choices=("hola_titan", "lm_eval"),
+                     help="which tokens are targets: as in training (tokens 2..n and the closing EOS; default) or "
+                          "as lm-eval's rolling log-likelihood (EOS prefix, tokens 1..n, no closing EOS)")
 
     gen = evals.add_parser("generate", parents=[common],
                            help="generate from a prompt; measure decoding memory at several context lengths")
@@ -176,7 +179,7 @@ def run_ppl(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict, 
     try:
         texts = read_documents(source) if source.kind != "hub" else hub_documents(source, streaming=True)
         documents = encode_documents(texts, loaded.tokenizer, max_tokens=max_tokens,
-                                     max_documents=args.max_documents)
+                                     max_documents=args.max_documents, convention=args.convention)
     except EvalError:
         raise
     except Exception as error:  # noqa: BLE001  (file, parquet and hub readers raise many kinds; all mean the same)
@@ -190,7 +193,8 @@ def run_ppl(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict, 
     details = summarise(documents, nll)
     summary = {k: details[k] for k in ("perplexity", "loss", "bits_per_byte", "bits_per_token", "tokens")}
     settings = {"data": args.data, "split": args.split, "window": window, "stride": args.stride,
-                "chunk": args.chunk, "max_tokens": max_tokens, "max_documents": args.max_documents}
+                "chunk": args.chunk, "max_tokens": max_tokens, "max_documents": args.max_documents,
+                "convention": args.convention}
     return settings, summary, details
 
 

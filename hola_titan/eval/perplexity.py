@@ -1,11 +1,20 @@
 """Perplexity on held-out text, per token and per byte.
 
-What is scored. Each document is encoded as in training (``hola_titan.data``): its tokens, then one EOS. As in
-``varlen`` training, the state starts fresh at every document and the first token of a document has no context,
-so the targets are tokens 2 .. n and the EOS. ``loss`` is the mean negative log-likelihood (nats) over those
-targets, ``perplexity = exp(loss)``, ``bits_per_token = loss / ln 2``. Byte normalisation divides the same total
-by the UTF-8 bytes the targets spell: the document's bytes minus those of its first token, plus one byte for the
-EOS (it stands for the document break); ``bits_per_byte`` and ``byte_perplexity = 2 ** bits_per_byte`` follow.
+What is scored (``convention="hola_titan"``, the default). Each document is encoded as in training
+(``hola_titan.data``): its tokens, then one EOS. As in ``varlen`` training, the state starts fresh at every
+document and the first token of a document has no context, so the targets are tokens 2 .. n and the EOS.
+``loss`` is the mean negative log-likelihood (nats) over those targets, ``perplexity = exp(loss)``,
+``bits_per_token = loss / ln 2``. Byte normalisation divides the same total by the UTF-8 bytes the targets spell:
+the document's bytes minus those of its first token, plus one byte for the EOS (it stands for the document
+break); ``bits_per_byte`` and ``byte_perplexity = 2 ** bits_per_byte`` follow.
+
+``convention="lm_eval"`` scores what lm-evaluation-harness's rolling log-likelihood (its ``wikitext``-style
+tasks) scores: the document is prefixed with EOS, every one of its tokens is a target (the first predicted
+from the EOS alone) and no EOS follows; bytes are the document's UTF-8 bytes. The two differ by one target at
+each end (the first token, hard to predict, against the closing EOS, often easy), which matters on short
+documents (tests/test_lm_eval.py checks the lm_eval convention against lm-eval itself). With a document longer
+than lm-eval's ``max_length``, lm-eval scores disjoint windows while the default here gives
+every target its whole document: the numbers then differ by the context each target sees.
 
 Context. ``window=None`` (the default) gives every target its whole document as context: documents no longer
 than ``chunk`` tokens are packed into rows of at most ``chunk`` tokens with ``cu_seqlens`` (so no state crosses
@@ -33,18 +42,23 @@ from hola_titan.models.model import HolaTitanLM, ModelCache
 
 @dataclass(frozen=True)
 class Document:
-    """One encoded document: ``ids`` ends with EOS; ``target_bytes`` as in the module docstring."""
+    """One encoded document: ``ids`` (targets ``ids[1:]``), EOS at the end or, under lm-eval's convention, at the
+    start; ``target_bytes`` as in the module docstring."""
 
     ids: list[int]
     target_bytes: int
 
 
-def encode_documents(texts: Iterable[str], tokenizer: Tokenizer, *, max_tokens: int | None = None,
-                     max_documents: int | None = None) -> list[Document]:
-    """Encode documents (skipping empty ones) until ``max_tokens`` tokens or ``max_documents`` documents.
+CONVENTIONS = ("hola_titan", "lm_eval")
 
-    A document that would pass ``max_tokens`` is cut to fit (its EOS then still ends it).
-    """
+
+def encode_documents(texts: Iterable[str], tokenizer: Tokenizer, *, max_tokens: int | None = None,
+                     max_documents: int | None = None, convention: str = "hola_titan") -> list[Document]:
+    """Encode documents (skipping empty ones) until ``max_tokens`` tokens or ``max_documents`` documents, under
+    ``convention`` (module docstring). A document that would pass ``max_tokens`` is cut to fit (its EOS then
+    still ends it, or begins it)."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention: expected one of {CONVENTIONS}, got {convention!r}")
     documents: list[Document] = []
     total = 0
     for text in texts:
@@ -59,9 +73,12 @@ def encode_documents(texts: Iterable[str], tokenizer: Tokenizer, *, max_tokens: 
                 break
             ids = ids[:keep]
             text = tokenizer.decode(ids)
-        first_bytes = len(tokenizer.decode(ids[:1]).encode("utf-8"))
-        target_bytes = max(len(text.encode("utf-8")) - first_bytes, 0) + 1
-        documents.append(Document(ids=ids + [tokenizer.eos_id], target_bytes=target_bytes))
+        if convention == "lm_eval":
+            documents.append(Document(ids=[tokenizer.eos_id] + ids, target_bytes=len(text.encode("utf-8"))))
+        else:
+            first_bytes = len(tokenizer.decode(ids[:1]).encode("utf-8"))
+            target_bytes = max(len(text.encode("utf-8")) - first_bytes, 0) + 1
+            documents.append(Document(ids=ids + [tokenizer.eos_id], target_bytes=target_bytes))
         total += len(ids) + 1
         if max_tokens is not None and total >= max_tokens:
             break

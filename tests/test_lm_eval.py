@@ -1,0 +1,153 @@
+"""lm-evaluation-harness itself on a tiny export: its plain ``hf`` model with ``trust_remote_code=True``, local
+tasks of the three request kinds (rolling log-likelihood, multiple choice, generation) at batch 2, checked against
+the model's own numbers.
+
+lm-eval is a dev dependency (``pip install -e .[dev]``); the tasks read local JSON files, so no hub access.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lm_eval  # noqa: E402  (a dev dependency: a missing one fails here rather than skipping)
+
+from hola_titan.data import load_tokenizer  # noqa: E402
+from hola_titan.eval.perplexity import encode_documents, score_documents  # noqa: E402
+from hola_titan.export import save_pretrained  # noqa: E402
+from hola_titan.models.args import model_args, replace  # noqa: E402
+from hola_titan.models.model import ModelCache, build_model  # noqa: E402
+
+TEXTS = ["The cat sat on the mat and looked at the door.",
+         "A river runs through the old town, past the mill and under three bridges.",
+         "Numbers: one two three four five six seven eight nine ten."]
+QUESTIONS = [{"q": "The sky is", "choices": [" blue", " a table", " seven"], "label": 0},
+             {"q": "Water is", "choices": [" dry", " wet"], "label": 1},
+             {"q": "One plus one is", "choices": [" two", " nine", " purple", " x"], "label": 0}]
+PROMPTS = [{"prompt": "Once upon a time", "answer": " there"}, {"prompt": "The", "answer": " end"},
+           {"prompt": "In the beginning of the story the", "answer": " dog"}]
+
+
+def _task(name: str, data: str, body: str) -> str:
+    return (f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+            f"test_split: test\n{body}")
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm_eval")
+    tokenizer = load_tokenizer("bundled")
+    args = replace(model_args("hola", "debug", vocab_size=tokenizer.vocab_size), n_layers=2, dim=64, head_dim=16,
+                   mlp_hidden=128, block=4, window=3)
+    torch.manual_seed(0)
+    model = build_model(args, device="cpu")
+    with torch.no_grad():  # off the init values, so that every parameter matters
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    model.eval()
+    save_pretrained(model, tokenizer, root / "model")
+    for name, rows in (("texts", [{"text": t} for t in TEXTS]), ("questions", QUESTIONS), ("prompts", PROMPTS)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks = root / "tasks"
+    tasks.mkdir()
+    (tasks / "rolling.yaml").write_text(_task("ht_rolling", root / "texts.jsonl", (
+        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")))
+    (tasks / "choice.yaml").write_text(_task("ht_choice", root / "questions.jsonl", (
+        "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: label\ntarget_delimiter: ''\nmetric_list:\n  - metric: acc\n")))
+    (tasks / "generate.yaml").write_text(_task("ht_generate", root / "prompts.jsonl", (
+        "output_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\n"
+        "target_delimiter: ''\ngeneration_kwargs:\n  until: ['\\n\\n']\n  max_gen_toks: 6\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")))
+    return model, tokenizer, root
+
+
+def _run(root, batch_size: int) -> dict:
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={root / 'model'},trust_remote_code=True,dtype=float32,max_length=256",
+        tasks=["ht_rolling", "ht_choice", "ht_generate"], batch_size=batch_size, device="cpu", log_samples=True,
+        task_manager=TaskManager(include_path=str(root / "tasks")))
+
+
+def _samples(results: dict, task: str) -> list[dict]:
+    return sorted(results["samples"][task], key=lambda s: s["doc_id"])
+
+
+def test_lm_eval_at_batch_2_matches_the_model_s_own_numbers(export):
+    model, tokenizer, root = export
+    results = _run(root, batch_size=2)
+
+    # Rolling log-likelihood: lm-eval's per-document total equals hola_titan.eval's lm_eval convention.
+    docs = encode_documents(TEXTS, tokenizer, convention="lm_eval")
+    ours = [float(nll.sum()) for nll in score_documents(model, docs, show_progress=False)]
+    theirs = [-s["filtered_resps"][0] for s in _samples(results, "ht_rolling")]
+    assert theirs == pytest.approx(ours, rel=1e-5, abs=1e-4)
+    bits = sum(ours) / math.log(2) / sum(len(t.encode()) for t in TEXTS)
+    assert results["results"]["ht_rolling"]["bits_per_byte,none"] == pytest.approx(bits, rel=1e-5)
+
+    # Multiple choice: each choice's log-likelihood is the model's log-probability of it after the question.
+    for sample, doc in zip(_samples(results, "ht_choice"), QUESTIONS):
+        context = tokenizer.encode(doc["q"])
+        for (loglik, _), choice in zip((r[0] for r in sample["resps"]), doc["choices"]):
+            whole = tokenizer.encode(doc["q"] + choice)
+            assert whole[:len(context)] == context  # the split lm-eval makes, at the same token boundary
+            with torch.no_grad():
+                logp = F.log_softmax(model(torch.tensor([whole]))[0].double(), -1)
+            expected = sum(float(logp[i - 1, whole[i]]) for i in range(len(context), len(whole)))
+            assert loglik == pytest.approx(expected, rel=1e-5, abs=1e-4), (doc["q"], choice)
+
+    # Generation at batch 2 (left-padded prompts of different lengths): each equals the prompt decoded alone.
+    for sample, doc in zip(_samples(results, "ht_generate"), PROMPTS):
+        ids = tokenizer.encode(doc["prompt"])
+        cache = ModelCache()
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), cache=cache)
+            out = []
+            for _ in range(6):
+                nxt = int(logits[0, -1].argmax())
+                out.append(nxt)
+                logits = model(torch.tensor([[nxt]]), cache=cache)
+        expected = tokenizer.decode(out).split("\n\n")[0]
+        assert sample["filtered_resps"][0] == expected, doc["prompt"]
+
+
+def test_lm_eval_batch_size_does_not_change_a_number(export):
+    _, _, root = export
+    one, two = _run(root, batch_size=1), _run(root, batch_size=2)
+    def flat(results, task):
+        values = []
+        for sample in _samples(results, task):
+            resp = sample["filtered_resps"]
+            values += [r[0] if isinstance(r, (list, tuple)) else r for r in resp]
+        return values
+
+    for task in ("ht_rolling", "ht_choice"):
+        assert flat(one, task) == pytest.approx(flat(two, task), rel=1e-6, abs=1e-5), task
+    assert flat(one, "ht_generate") == flat(two, "ht_generate")
+
+
+def test_the_plain_lm_eval_command_opens_the_export_in_a_fresh_process(export, tmp_path):
+    """``lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True`` with nothing imported first: the
+    folder's auto_map does what ``import hola_titan.hf_model`` did; the scores equal the in-process run's."""
+    _, _, root = export
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+           f"pretrained={root / 'model'},trust_remote_code=True,dtype=float32,max_length=256", "--tasks",
+           "ht_choice,ht_generate", "--include_path", str(root / "tasks"), "--batch_size", "2", "--device", "cpu",
+           "--output_path", str(tmp_path / "out")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    written = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
+    expected = _run(root, batch_size=2)["results"]
+    for task, metric in (("ht_choice", "acc,none"), ("ht_generate", "exact_match,none")):
+        assert written[task][metric] == expected[task][metric], task
