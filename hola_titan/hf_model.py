@@ -211,13 +211,16 @@ class HolaTitanForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None and not isinstance(cache, ModelCache):
             raise ValueError(f"cache: expected a ModelCache returned by this model, got {type(cache).__name__}")
         continuing = cache is not None and cache.seen > 0
-        if use_cache is None and cache is None and not continuing and _padding(
-                attention_mask, input_ids, continuing=False, caching=False) == "right":
-            use_cache = False  # right-padded scoring (e.g. a tokenizer's default padding): no cache to return
+        explicit = use_cache is not None
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        padding = _padding(attention_mask, input_ids, continuing=use_cache and continuing)
+        if padding == "right" and use_cache:
+            if explicit or cache is not None:
+                raise ValueError("attention_mask: right padding would enter the cache; pad on the left for "
+                                 "generation (tokenizer.padding_side = 'left') or pass use_cache=False for scoring")
+            use_cache = False  # right-padded scoring (e.g. a tokenizer's default padding): no cache to return
         if use_cache and cache is None:
             cache = HolaTitanCache()
-        padding = _padding(attention_mask, input_ids, continuing=use_cache and continuing, caching=use_cache)
         if padding == "left":
             # Each row's prompt runs alone and the rows' caches are stacked (HolaTitanLM.prefill): padding changes
             # no state, convolution tail, score or cache entry, so batched generation equals each prompt alone.
@@ -238,10 +241,9 @@ class HolaTitanForCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_OUTPUT_CACHE_FIELD: cache if use_cache else None})
 
 
-def _padding(attention_mask: torch.Tensor | None, input_ids: torch.Tensor, *, continuing: bool,
-             caching: bool) -> str | None:
+def _padding(attention_mask: torch.Tensor | None, input_ids: torch.Tensor, *, continuing: bool) -> str | None:
     """``None`` (no padding in this call), ``"left"`` or ``"right"``; ``ValueError`` for masks this model cannot
-    honour exactly (holes inside a row, right padding that would enter a cache, padding after the prompt)."""
+    honour exactly (holes inside a row, padding after the prompt, a row of padding only)."""
     if attention_mask is None:
         return None
     mask = attention_mask.bool()
@@ -266,9 +268,6 @@ def _padding(attention_mask: torch.Tensor | None, input_ids: torch.Tensor, *, co
     if torch.equal(mask, slot >= seq_len - lengths):
         return "left"
     if torch.equal(mask, slot < lengths):
-        if caching:
-            raise ValueError("attention_mask: right padding would enter the cache; pad on the left for generation "
-                             "(tokenizer.padding_side = 'left') or pass use_cache=False for scoring")
         return "right"
     raise ValueError("attention_mask: each row must be one run of tokens with the padding on one side")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from hola_titan.kernels import hola_decode
-from hola_titan.kernels.seqlens import Documents, check_shape
+from hola_titan.kernels.seqlens import Documents
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.kernels.hola_reference import hola_attention_reference
 
@@ -228,8 +228,7 @@ def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, 
         if bsz != 1:
             raise ValueError(f"cu_seqlens: requires batch size 1, got B = {bsz}")
     if cu_seqlens is not None:
-        check_shape(cu_seqlens)
-        documents = Documents.of(cu_seqlens, seq_len=seq_len, device=q.device)
+        documents = Documents.of(cu_seqlens, seq_len=seq_len, device=q.device)  # checks shape, dtype and values
     elif documents is not None:
         if not isinstance(documents, Documents):
             raise ValueError(f"documents: expected a Documents, got {type(documents).__name__}")

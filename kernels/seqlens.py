@@ -58,22 +58,31 @@ class Documents:
                              f"{getattr(host, 'device', None)}")
         check_shape(host)
         # A copy: the caller may refill its tensor in place for the next batch (and fla memoises by identity).
-        host = host.to(torch.int64, copy=True)
+        return cls._checked(host.to(torch.int64, copy=True), None, torch.device(device), seq_len)
+
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor, *, seq_len: int, device: torch.device | str | None = None) -> Documents:
+        """Check a tensor on any device: a device tensor is read once (a synchronisation on CUDA) and those values
+        become the host copy. The result lives on ``device`` (default: the tensor's); a tensor already there is
+        kept (as int64), not sent back."""
+        check_shape(cu_seqlens)
+        device = torch.device(device) if device is not None else cu_seqlens.device
+        if cu_seqlens.device.type == "cpu" or cu_seqlens.device != device:
+            return cls.from_host(cu_seqlens.cpu(), device=device, seq_len=seq_len)
+        return cls._checked(cu_seqlens.cpu().to(torch.int64), cu_seqlens.to(torch.int64), device, seq_len)
+
+    @classmethod
+    def _checked(cls, host: torch.Tensor, on_device: torch.Tensor | None, device: torch.device,
+                 seq_len: int) -> Documents:
+        """Check the int64 ``host`` values; ``on_device``: the same values already on ``device`` (None: sent)."""
         _check_list(host.tolist(), seq_len)
-        device = torch.device(device)
         chunk_indices = None
         if device.type == "cuda":
             from hola_titan.kernels.fla_gdn import chunk_indices_from_host, fla_available
             if fla_available():
                 chunk_indices = chunk_indices_from_host(host, device)
-        return cls(cu_seqlens=to_device(host, device), host=host, seq_len=seq_len, chunk_indices=chunk_indices)
-
-    @classmethod
-    def of(cls, cu_seqlens: torch.Tensor, *, seq_len: int, device: torch.device | str | None = None) -> Documents:
-        """Check a tensor on any device: a device tensor is read once (a synchronisation on CUDA) and those values
-        become the host copy. The result lives on ``device`` (default: the tensor's)."""
-        check_shape(cu_seqlens)
-        return cls.from_host(cu_seqlens.cpu(), device=device or cu_seqlens.device, seq_len=seq_len)
+        cu_seqlens = on_device if on_device is not None else to_device(host, device)
+        return cls(cu_seqlens=cu_seqlens, host=host, seq_len=seq_len, chunk_indices=chunk_indices)
 
     @property
     def num_docs(self) -> int:

@@ -74,21 +74,17 @@ _RUNS: dict = {}
 
 
 def _run(root, batch_size: int) -> dict:
-    """lm-eval's results for the export at ``root`` (each batch size evaluated once per test session). Batch 2
-    alone: its numbers are checked against the model's own, which is what batch 1 would have to equal too."""
+    """lm-eval's results for the export at ``root`` at ``batch_size`` (each evaluated once per test session). Batch
+    2 alone: its numbers are checked against the model's own, which is what batch 1 would have to equal too."""
     from lm_eval.tasks import TaskManager
 
     key = (str(root), batch_size)
     if key not in _RUNS:
-        _RUNS[key] = _evaluate(root, batch_size, TaskManager)
+        _RUNS[key] = lm_eval.simple_evaluate(
+            model="hf", model_args=f"pretrained={root / 'model'},trust_remote_code=True,dtype=float32,max_length=256",
+            tasks=["ht_rolling", "ht_choice", "ht_generate"], batch_size=batch_size, device="cpu", log_samples=True,
+            task_manager=TaskManager(include_path=str(root / "tasks")))
     return _RUNS[key]
-
-
-def _evaluate(root, batch_size: int, task_manager_cls) -> dict:
-    return lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={root / 'model'},trust_remote_code=True,dtype=float32,max_length=256",
-        tasks=["ht_rolling", "ht_choice", "ht_generate"], batch_size=batch_size, device="cpu", log_samples=True,
-        task_manager=task_manager_cls(include_path=str(root / "tasks")))
 
 
 def _samples(results: dict, task: str) -> list[dict]:
