@@ -47,3 +47,13 @@ def run_parallel_worker(out: Path, nproc: int, args: list[str], *, timeout: floa
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return torch.load(out / "result.pt")
+
+
+def flat_cache(cache) -> list[torch.Tensor]:
+    """Every tensor of a recurrent model's ``ModelCache``, layer by layer (tails, state, then the HOLA cache)."""
+    out = []
+    for layer in cache.layers.values():
+        out += [layer.conv_q, layer.conv_k, layer.conv_v, layer.state]
+        if layer.hola is not None:
+            out += [getattr(layer.hola, name) for name in layer.hola._TENSORS]
+    return out

@@ -67,16 +67,21 @@ def test_saved_activations_reports_the_folded_mlp():
 
 def test_bench_decode_writes_rows(tmp_path):
     out = tmp_path / "decode.json"
-    _run([sys.executable, "scripts/bench_decode.py", "--flavours", "hola,gdn", "--size", "debug", "--prompt", "20",
-          "--steps", "2", "--warmup", "1", "--device", "cpu", "--out", str(out)])
-    rows = json.loads(out.read_text())
-    assert [(r["flavour"], r["backend"]) for r in rows] == [("hola", "auto"), ("hola", "reference"),
-                                                           ("gdn", "auto"), ("gdn", "reference")]
-    for r in rows:  # batch 1: one token per step
-        assert 0 < r["step_ms"] < 60_000 and r["tokens_per_s"] == pytest.approx(1e3 / r["step_ms"], rel=1e-9)
-        assert 10 <= r["aten_calls_per_step"] <= 50_000, r
-    by = {(r["flavour"], r["backend"]): r["aten_calls_per_step"] for r in rows}
-    assert by[("hola", "auto")] < by[("hola", "reference")]  # the one-token path
+    _run([sys.executable, "scripts/bench_decode.py", "--flavours", "hola,gdn", "--size", "debug", "--vocab", "256",
+          "--prompt", "20", "--decode", "eager,buffers", "--batch-sizes", "1,3", "--new-tokens", "5",
+          "--eager-new-tokens", "4", "--device", "cpu", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["flavour"], r["decode"], r["batch"]) for r in rows] == [
+        (f, m, b) for f in ("hola", "gdn") for m in ("eager", "buffers") for b in (1, 3)]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["new_tokens"] == (4 if r["decode"] == "eager" else 5)
+        assert 0 < r["step_ms"] < 60_000
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["step_ms"], rel=1e-9)
+        assert r["path"]["decode"] == r["decode"] and r["cache_bytes"] > 0
+    # The cache of a recurrent model has a fixed size per row.
+    hola = {r["batch"]: r["cache_bytes"] for r in rows if r["flavour"] == "hola" and r["decode"] == "buffers"}
+    assert hola[3] == 3 * hola[1]
 
 
 def test_bench_context_parallel_runs_under_torchrun(tmp_path):

@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0: no nucleus cut")
     gen.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill call (0: one)")
+    gen.add_argument("--decode", default="auto", choices=("auto", "eager", "buffers", "graph", "compile"),
+                      help="decoding steps: auto (compile for HOLA/GDN on CUDA, else eager), eager (through the "
+                           "cache object), buffers, graph or compile (hola_titan.decoding)")
     gen.add_argument("--memory-lengths", type=_typed(_optional_lengths), default=[1024, 8192],
                      help="context lengths for the memory measurement, e.g. 1k,32k ('none' to skip)")
     gen.add_argument("--memory-new-tokens", type=int, default=32, help="tokens decoded after each memory prefill")
@@ -134,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     niah.add_argument("--samples", type=int, default=4, help="samples per task, length and depth")
     niah.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     niah.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill call (0: one)")
+    niah.add_argument("--decode", default="auto", choices=("auto", "eager", "buffers", "graph", "compile"),
+                      help="decoding steps: auto (compile for HOLA/GDN on CUDA, else eager), eager (through the "
+                           "cache object), buffers, graph or compile (hola_titan.decoding)")
     niah.add_argument("--haystack", default="bundled",
                       help="natural-text haystack source (split train): bundled or a local text dataset")
 
@@ -219,19 +225,19 @@ def run_generate(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, d
     device = next(model.parameters()).device
     result = generate(model, torch.tensor([prompt_ids], device=device), max_new_tokens=args.max_new_tokens,
                       sampling=sampling, prefill_chunk=args.prefill_chunk, stop_ids=(tokenizer.eos_id,),
-                      show_progress=not args.no_progress)
+                      show_progress=not args.no_progress, decode=args.decode)
     completion = tokenizer.decode(result.tokens[0])
     for length in args.memory_lengths:
         _warn_length(loaded, length, "memory context length")
     memory = measure_decoding_memory(model, lengths=args.memory_lengths, new_tokens=args.memory_new_tokens,
                                      prefill_chunk=args.prefill_chunk, seed=args.seed,
-                                     show_progress=not args.no_progress)
+                                     show_progress=not args.no_progress, decode=args.decode)
     decode_steps = max(result.steps - 1, 1)
     details = {"prompt": prompt_text, "prompt_tokens": len(prompt_ids), "completion": completion,
                "completion_tokens": len(result.tokens[0]), "stopped_at_eos": result.finished[0],
                "prefill_seconds": result.prefill_seconds,
                "decode_tokens_per_s": decode_steps / max(result.decode_seconds, 1e-9),
-               "cache_bytes": result.cache.nbytes(), "memory": memory,
+               "cache_bytes": result.cache.nbytes(), "memory": memory, "decode_path": result.decode_path,
                "cache_bytes_constant": len({r["cache_bytes_after_decode"] for r in memory}) <= 1}
     summary = {"decode_tokens_per_s": details["decode_tokens_per_s"]}
     for row in memory:
@@ -241,7 +247,7 @@ def run_generate(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, d
     settings = {"prompt_file": args.prompt_file, "max_new_tokens": args.max_new_tokens,
                 "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
                 "prefill_chunk": args.prefill_chunk, "memory_lengths": args.memory_lengths,
-                "memory_new_tokens": args.memory_new_tokens}
+                "memory_new_tokens": args.memory_new_tokens, "decode": args.decode}
     return settings, summary, details
 
 
@@ -256,9 +262,10 @@ def run_niah(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict,
     details = evaluate_niah(loaded.model, loaded.tokenizer, tasks=tasks, lengths=args.lengths, depths=args.depths,
                             samples_per_depth=args.samples, seed=args.seed, batch_size=args.batch_size,
                             prefill_chunk=args.prefill_chunk, haystack_source=args.haystack,
-                            show_progress=not args.no_progress)
+                            show_progress=not args.no_progress, decode=args.decode)
     settings = {"tasks": tasks, "lengths": args.lengths, "depths": args.depths, "samples": args.samples,
-                "seed": args.seed, "haystack": args.haystack, "prefill_chunk": args.prefill_chunk}
+                "seed": args.seed, "haystack": args.haystack, "prefill_chunk": args.prefill_chunk,
+                "decode": args.decode}
     return settings, details.pop("summary"), details
 
 
@@ -289,7 +296,9 @@ def _print_result(result: dict) -> None:
               f"({details['documents']} documents)")
     elif name == "generate":
         print(f"generate {label}: {details['prompt']!r} -> {details['completion']!r}")
-        print(f"  {details['decode_tokens_per_s']:.1f} tokens/s decoding, cache {details['cache_bytes']} bytes")
+        path = details.get("decode_path", {})
+        print(f"  {details['decode_tokens_per_s']:.1f} tokens/s decoding ({path.get('decode', 'eager')}), cache "
+              f"{details['cache_bytes']} bytes")
         for row in details["memory"]:
             print(f"  context {row['context_len']:>8}: cache {row['cache_bytes_after_decode']:>12,} bytes, peak "
                   f"{row['peak_bytes'] / 2**20:9.1f} MiB (+{row['peak_over_start_bytes'] / 2**20:.1f} MiB over start)"

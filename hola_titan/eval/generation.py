@@ -108,6 +108,10 @@ class Generation:
     """Decoding steps run (the longest row)."""
     finished: list[bool] = field(default_factory=list)
     """Whether each row stopped on a stop token."""
+    decode_path: dict = field(default_factory=dict)
+    """How the steps ran: ``decode`` (eager, graph or compile; :mod:`hola_titan.decoding`) and, for a static
+    decoder, its backend, batch size, dtype and ``setup_seconds`` (warm-up, compilation and capture, not counted
+    in ``decode_seconds``)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -118,12 +122,25 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def generate(model: HolaTitanLM, prompt: torch.Tensor, *, max_new_tokens: int,
              sampling: SamplingOptions = SamplingOptions(), prefill_chunk: int = 2048,
-             stop_ids: tuple[int, ...] | frozenset[int] = (), show_progress: bool = False) -> Generation:
+             stop_ids: tuple[int, ...] | frozenset[int] = (), show_progress: bool = False,
+             decode: str = "eager", stop_check_every: int = 16) -> Generation:
     """Continue every row of ``prompt`` (int64 ``[B, T]``, on the model's device) by up to ``max_new_tokens``.
 
     Rows stop at a token in ``stop_ids`` (not included in the output); decoding ends when every row stopped.
+    ``decode``: ``"eager"`` (every step through the cache object), ``"buffers"``, ``"graph"`` or ``"compile"`` (a
+    :class:`~hola_titan.decoding.StaticDecoder` of that mode: recurrent flavours; a graph on CUDA), or ``"auto"``
+    (:func:`~hola_titan.decoding.resolve_mode`). A static decoder keeps the new tokens on the device and looks
+    for stop tokens every ``stop_check_every`` steps (each look waits for the device), so it may run up to that
+    many steps past the last row's stop; the output is the same.
     """
     sampling.check()
+    from hola_titan.decoding import resolve_mode
+    try:
+        mode = resolve_mode(decode, model, prompt.device)
+    except ValueError as error:
+        raise EvalError(str(error)) from None
+    if stop_check_every < 1:
+        raise EvalError(f"stop_check_every must be >= 1, got {stop_check_every}")
     if prompt.dim() != 2:
         raise EvalError(f"prompt: expected token ids [B, T], got shape {list(prompt.shape)}")
     device = prompt.device
@@ -137,6 +154,12 @@ def generate(model: HolaTitanLM, prompt: torch.Tensor, *, max_new_tokens: int,
     prefill_seconds = time.perf_counter() - start
     cache_bytes_after_prefill = cache.nbytes()
 
+    if mode != "eager":
+        return _generate_static(model, logits, cache, mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
+                                generator=generator, stop_ids=frozenset(stop_ids), prompt_len=prompt.shape[1],
+                                cache_bytes_after_prefill=cache_bytes_after_prefill,
+                                prefill_seconds=prefill_seconds, check_every=stop_check_every,
+                                show_progress=show_progress)
     batch = prompt.shape[0]
     out: list[list[int]] = [[] for _ in range(batch)]
     done = [False] * batch
@@ -159,11 +182,51 @@ def generate(model: HolaTitanLM, prompt: torch.Tensor, *, max_new_tokens: int,
     _sync(device)
     return Generation(tokens=out, cache=cache, prompt_len=prompt.shape[1],
                       cache_bytes_after_prefill=cache_bytes_after_prefill, prefill_seconds=prefill_seconds,
-                      decode_seconds=time.perf_counter() - start, steps=steps, finished=done)
+                      decode_seconds=time.perf_counter() - start, steps=steps, finished=done,
+                      decode_path={"decode": "eager"})
+
+
+def _generate_static(model, logits, cache, *, mode, max_new_tokens, sampling, generator, stop_ids, prompt_len,
+                     cache_bytes_after_prefill, prefill_seconds, check_every, show_progress) -> Generation:
+    """:func:`generate`'s decoding loop on a :class:`~hola_titan.decoding.StaticDecoder`."""
+    from hola_titan.decoding import StaticDecoder
+    device = logits.device
+    start = time.perf_counter()
+    decoder = StaticDecoder(model, cache, mode=mode)
+    _sync(device)
+    setup_seconds = time.perf_counter() - start
+    batch = logits.shape[0]
+    new = torch.empty(batch, max(max_new_tokens, 1), dtype=torch.int64, device=device)
+    stop_list = torch.tensor(sorted(stop_ids), dtype=torch.int64, device=device)
+    steps = 0
+    start = time.perf_counter()
+    for step in progress(range(max_new_tokens), enabled=show_progress, total=max_new_tokens, desc="decode"):
+        token = decoder.greedy_tokens if sampling.greedy and step > 0 else next_tokens(logits, sampling, generator)
+        new[:, step] = token
+        steps += 1
+        last = step == max_new_tokens - 1
+        if stop_ids and (last or steps % check_every == 0):
+            # Every row has a stop token among its new tokens: nothing further can be kept.
+            if bool(torch.isin(new[:, :steps], stop_list).any(dim=1).all()):
+                break
+        if last:
+            break
+        logits = decoder.step(token)
+    _sync(device)
+    decode_seconds = time.perf_counter() - start
+    out, done = [], []
+    for row in new[:, :steps].tolist():
+        cut = next((i for i, value in enumerate(row) if value in stop_ids), None)
+        out.append(row if cut is None else row[:cut])
+        done.append(cut is not None)
+    return Generation(tokens=out, cache=decoder.cache(), prompt_len=prompt_len,
+                      cache_bytes_after_prefill=cache_bytes_after_prefill, prefill_seconds=prefill_seconds,
+                      decode_seconds=decode_seconds, steps=steps, finished=done,
+                      decode_path=dict(decoder.path, setup_seconds=setup_seconds))
 
 
 def measure_decoding_memory(model: HolaTitanLM, *, lengths: list[int], new_tokens: int, prefill_chunk: int,
-                            seed: int = 0, show_progress: bool = False) -> list[dict]:
+                            seed: int = 0, show_progress: bool = False, decode: str = "eager") -> list[dict]:
     """Prefill a random prompt of each length (ascending), decode ``new_tokens`` greedily, and report the cache size
     and the process's peak memory over that stretch (``MemoryProbe``), one dict per length.
 
@@ -181,7 +244,7 @@ def measure_decoding_memory(model: HolaTitanLM, *, lengths: list[int], new_token
         prompt = torch.randint(0, model.args.vocab_size, (1, length), generator=generator).to(device)
         probe.reset()
         before = probe.current_bytes()
-        result = generate(model, prompt, max_new_tokens=new_tokens, prefill_chunk=chunk)
+        result = generate(model, prompt, max_new_tokens=new_tokens, prefill_chunk=chunk, decode=decode)
         peak = probe.peak_bytes()
         decode_steps = max(result.steps - 1, 1)  # the first new token comes from the prefill's logits
         rows.append({

@@ -320,8 +320,10 @@ def score(prediction: str, answers: list[str]) -> tuple[bool, float]:
 
 
 def run_samples(model: HolaTitanLM, tokenizer: Tokenizer, samples: list[NiahSample], *, batch_size: int,
-                prefill_chunk: int, show_progress: bool = False, desc: str = "niah") -> list[dict]:
-    """Greedy answers to ``samples`` (all of one length, so they batch without padding); one record each."""
+                prefill_chunk: int, show_progress: bool = False, desc: str = "niah",
+                decode: str = "eager") -> list[dict]:
+    """Greedy answers to ``samples`` (all of one length, so they batch without padding); one record each.
+    ``decode``: how the steps run (:func:`hola_titan.eval.generation.generate`)."""
     device = next(model.parameters()).device
     stops = _stop_ids(tokenizer)
     records = []
@@ -330,7 +332,7 @@ def run_samples(model: HolaTitanLM, tokenizer: Tokenizer, samples: list[NiahSamp
         group = samples[start:start + batch_size]
         prompt = torch.tensor([s.input_ids for s in group], device=device)
         result = generate(model, prompt, max_new_tokens=max(s.max_new_tokens for s in group),
-                          prefill_chunk=prefill_chunk, stop_ids=stops)
+                          prefill_chunk=prefill_chunk, stop_ids=stops, decode=decode)
         for sample, tokens in zip(group, result.tokens):
             prediction = tokenizer.decode(tokens)
             exact, recall = score(prediction, sample.answers)
@@ -342,8 +344,10 @@ def run_samples(model: HolaTitanLM, tokenizer: Tokenizer, samples: list[NiahSamp
 
 def evaluate_niah(model: HolaTitanLM, tokenizer: Tokenizer, *, tasks: list[str], lengths: list[int],
                   depths: list[float], samples_per_depth: int, seed: int = 0, batch_size: int = 1,
-                  prefill_chunk: int = 2048, haystack_source: str = BUNDLED, show_progress: bool = False) -> dict:
-    """Accuracy per task, length and depth. Returns ``{"tasks": {task: {...}}, "summary": {...}}``."""
+                  prefill_chunk: int = 2048, haystack_source: str = BUNDLED, show_progress: bool = False,
+                  decode: str = "eager") -> dict:
+    """Accuracy per task, length and depth. Returns ``{"tasks": {task: {...}}, "summary": {...}}``; ``decode`` as
+    :func:`hola_titan.eval.generation.generate` takes it."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise EvalError(f"unknown NIAH task {unknown[0]!r}; expected one of {', '.join(TASKS)}")
@@ -357,7 +361,8 @@ def evaluate_niah(model: HolaTitanLM, tokenizer: Tokenizer, *, tasks: list[str],
                                     seed=seed, tokenizer=tokenizer, haystack_source=haystack_source,
                                     encoder=encoder)
             records += run_samples(model, tokenizer, samples, batch_size=batch_size, prefill_chunk=prefill_chunk,
-                                   show_progress=show_progress, desc=f"{name} {format_length(length)}")
+                                   show_progress=show_progress, desc=f"{name} {format_length(length)}",
+                                   decode=decode)
         by_length = {}
         grid = {}
         for length in lengths:
