@@ -48,7 +48,7 @@ def resolve_mode(mode: str, model: HolaTitanLM, device: torch.device) -> str:
     ``ValueError`` naming ``decode`` for a mode that cannot run here."""
     device = torch.device(device)
     if mode == "auto":
-        return "compile" if device.type == "cuda" and model.args.is_recurrent else "eager"
+        return "compile" if device.type == "cuda" and model.args.is_recurrent and _one_token_step(model) else "eager"
     if mode not in DECODE_MODES:
         raise ValueError(f"decode: unknown mode {mode!r}; expected auto or one of {DECODE_MODES}")
     if mode in ("graph", "compile") and device.type != "cuda":
@@ -56,7 +56,17 @@ def resolve_mode(mode: str, model: HolaTitanLM, device: torch.device) -> str:
     if mode != "eager" and not model.args.is_recurrent:
         raise ValueError(f"decode: {mode!r} needs a fixed-size cache (HOLA, HOLA+recency, GDN); "
                          f"{model.args.flavour} decodes eagerly")
+    if mode in ("graph", "compile") and not _one_token_step(model):
+        raise ValueError(f"decode: {mode!r} needs the one-token step (kernels/hola_decode.py); the model's "
+                         "'reference' backend runs the blocked continuation, which reads values back to the host "
+                         "and cannot be captured; use 'eager' or 'buffers'")
     return mode
+
+
+def _one_token_step(model: HolaTitanLM) -> bool:
+    """Whether the token mixer takes the one-token step (every backend but ``"reference"``)."""
+    first = next(iter(model.layers.values())).attn
+    return getattr(first, "backend", "reference") != "reference"
 
 
 class _Layout:
@@ -147,8 +157,8 @@ class StaticDecoder:
         prefilled = self.layout.flatten(cache)
         self.batch_size = prefilled[0][0].shape[0]
         self.device = prefilled[0][0].device
-        if mode != "buffers" and self.device.type != "cuda":
-            raise ValueError(f"decode: {mode!r} captures a CUDA graph and needs a CUDA device; use 'buffers'")
+        if mode != "buffers":
+            resolve_mode(mode, model, self.device)  # raises for a CPU or the reference backend
         self.seen = cache.seen
         self.pad_slots = cache.pad_slots
         eager_step = _step_function(model, self.layout, compiled=False)
@@ -230,11 +240,14 @@ class StaticDecoder:
 
 
 def _buffer_like(prefilled: torch.Tensor, stepped: torch.Tensor, layer: str, index: int) -> torch.Tensor:
-    """A buffer holding ``prefilled`` in the step's dtype and shape; raises if that conversion would round."""
+    """A buffer holding ``prefilled`` in the step's dtype and shape; raises unless the conversion is exact (the same
+    dtype, or a float widened)."""
     what = f"cache: layer {layer}'s tensor {index}"
     if prefilled.shape != stepped.shape:
         raise ValueError(f"{what} has shape {list(prefilled.shape)}, the decoding step writes {list(stepped.shape)}")
-    if prefilled.dtype != stepped.dtype and torch.promote_types(prefilled.dtype, stepped.dtype) != stepped.dtype:
+    widening = (prefilled.dtype.is_floating_point and stepped.dtype.is_floating_point
+                and torch.promote_types(prefilled.dtype, stepped.dtype) == stepped.dtype)
+    if prefilled.dtype != stepped.dtype and not widening:
         raise ValueError(f"{what} is {prefilled.dtype}, the decoding step writes {stepped.dtype}: converting would "
                          f"round it")
     return prefilled.to(stepped.dtype).clone()

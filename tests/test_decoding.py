@@ -100,10 +100,13 @@ def test_sampling_and_stop_tokens():
                           stop_check_every=every)
         assert static.tokens == eager.tokens and static.finished == eager.finished
         assert static.finished[1] and len(static.tokens[1]) == full[1].index(stop)
-    # Every row stops: decoding ends at the next look after the last row's stop.
-    firsts = {row[0] for row in full}
-    ended = generate(model, prompt, max_new_tokens=25, decode="buffers", stop_ids=tuple(firsts), stop_check_every=4)
-    assert ended.tokens == [[], [], []] and all(ended.finished) and ended.steps == 4
+    # Every row stops at its first token: decoding ends at the next look (step 4), and reports the one step the
+    # output needed, as the eager loop does; the cache has run the 3 steps before that look.
+    firsts = tuple({row[0] for row in full})
+    ended = generate(model, prompt, max_new_tokens=25, decode="buffers", stop_ids=firsts, stop_check_every=4)
+    assert ended.tokens == [[], [], []] and all(ended.finished) and ended.steps == 1
+    assert generate(model, prompt, max_new_tokens=25, decode="eager", stop_ids=firsts).steps == 1
+    assert ended.cache.seen == prompt.shape[1] + 3
 
 
 def test_refuses_what_it_cannot_serve():
@@ -131,3 +134,21 @@ def test_refuses_what_it_cannot_serve():
     cache.layers["0"].state = cache.layers["0"].state.double()
     with pytest.raises(ValueError, match="layer 0's tensor 3 is torch.float64, the decoding step writes"):
         StaticDecoder(model, cache, mode="buffers")
+
+
+def test_reference_backend_is_not_captured_and_short_generations_skip_the_decoder():
+    torch.manual_seed(0)
+    model = build_model(model_args("hola", "debug", vocab_size=97, window=4, block=8), device="cpu",
+                        backend="reference").eval()
+    # auto never picks a graph for the reference backend (its blocked continuation reads the device back).
+    assert resolve_mode("auto", model, torch.device("cpu")) == "eager"
+    prompt = torch.randint(0, 97, (2, 6))
+    for n in (0, 1):  # nothing to step: the eager loop, whatever the mode
+        got = generate(model, prompt, max_new_tokens=n, decode="buffers")
+        assert got.decode_path == {"decode": "eager"} and got.steps == n
+    # Stop tokens found at the end: steps counts what the output needed, as the eager loop does.
+    full = generate(model, prompt, max_new_tokens=12, decode="eager").tokens
+    stops = (full[0][1], full[1][2])
+    eager = generate(model, prompt, max_new_tokens=12, decode="eager", stop_ids=stops)
+    static = generate(model, prompt, max_new_tokens=12, decode="buffers", stop_ids=stops, stop_check_every=8)
+    assert all(eager.finished) and static.tokens == eager.tokens and static.steps == eager.steps

@@ -105,7 +105,8 @@ class Generation:
     prefill_seconds: float
     decode_seconds: float
     steps: int
-    """Decoding steps run (the longest row)."""
+    """Decoding steps the output needed (the longest row, its stop token included). A static decoder looks for stop
+    tokens every ``stop_check_every`` steps, so its ``cache`` may have advanced up to that many steps further."""
     finished: list[bool] = field(default_factory=list)
     """Whether each row stopped on a stop token."""
     decode_path: dict = field(default_factory=dict)
@@ -154,7 +155,7 @@ def generate(model: HolaTitanLM, prompt: torch.Tensor, *, max_new_tokens: int,
     prefill_seconds = time.perf_counter() - start
     cache_bytes_after_prefill = cache.nbytes()
 
-    if mode != "eager":
+    if mode != "eager" and max_new_tokens > 1:  # one new token comes from the prefill: no step to run
         return _generate_static(model, logits, cache, mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
                                 generator=generator, stop_ids=frozenset(stop_ids), prompt_len=prompt.shape[1],
                                 cache_bytes_after_prefill=cache_bytes_after_prefill,
@@ -219,6 +220,8 @@ def _generate_static(model, logits, cache, *, mode, max_new_tokens, sampling, ge
         cut = next((i for i, value in enumerate(row) if value in stop_ids), None)
         out.append(row if cut is None else row[:cut])
         done.append(cut is not None)
+    if all(done):  # the step at which the eager loop would have ended (the look for stops came later)
+        steps = max(len(row) + 1 for row in out)
     return Generation(tokens=out, cache=decoder.cache(), prompt_len=prompt_len,
                       cache_bytes_after_prefill=cache_bytes_after_prefill, prefill_seconds=prefill_seconds,
                       decode_seconds=decode_seconds, steps=steps, finished=done,
