@@ -50,6 +50,23 @@ def parse_args(argv=None):
                    help="also profile the CP call and the single call (scripts/profiling.py): kernel time "
                         "against wall time, top kernels, ATen calls per call")
     p.add_argument("--out", type=Path, default=Path("bench_context_parallel.json"))
+    p.add_argument("--predict", action="store_true",
+                   help="one process: time each stage of a 340M shard (layer fresh / continuing, head, optimizer) at "
+                        "each --seq-lens (tokens per rank) and predict the pipelined protocol's step at --ranks "
+                        "(parallelisms/critical_path.py); rows are appended to --prediction-out")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--size", default="340M")
+    p.add_argument("--p2p-gbps", type=float, default=100.0,
+                   help="assumed point-to-point bandwidth of a layer's message, GB/s (prediction)")
+    p.add_argument("--allreduce-gbps", type=float, default=100.0,
+                   help="assumed all-reduce bus bandwidth of the gradients, GB/s (prediction)")
+    p.add_argument("--latency-us", type=float, default=20.0, help="assumed latency per message (prediction)")
+    p.add_argument("--prediction-out", type=Path, default=Path("docs/results/cp_prediction.json"))
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="with --predict: the device memory for the activation-checkpointing estimate (default: "
+                        "the CUDA device's; none on a CPU)")
+    p.add_argument("--stages-json", type=Path, default=None,
+                   help="with --predict: read the stage timings from an earlier run's --out JSON instead of timing")
     return p.parse_args(argv)
 
 
@@ -127,9 +144,228 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     return fmt.format(val) if isinstance(val, (int, float)) else str(val)
 
 
+def stage_timings(args, device, t: int) -> dict:
+    """Milliseconds of one shard of ``t`` tokens of the ``--size`` HOLA model on one device: a block forward and
+    backward starting its document (rank 0) and continuing one from an incoming state and cache whose gradients
+    it returns (later ranks), the head with its loss, and a fused AdamW step over the whole model's parameters;
+    plus the bytes of one layer's message and each block's peak memory."""
+    from hola_titan.kernels.hola_cache import HolaCache
+    from hola_titan.loss import chunked_linear_cross_entropy
+    from hola_titan.models.args import model_args
+    from hola_titan.models.context import NO_CONTEXT
+    from hola_titan.models.model import TransformerBlock, build_model
+    from hola_titan.ops import hola_attention, resolve_kernels
+
+    margs = model_args("hola", args.size, vocab_size=32000)
+    h, d, dim = margs.n_heads, margs.head_dim, margs.dim
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    timer = Timer(device)
+    torch.manual_seed(0)
+    kernels = resolve_kernels("auto", device)
+    with torch.device("meta"):
+        block = TransformerBlock(margs, backend="auto", kernels=kernels)
+    block.to_empty(device=device)
+    block.init_weights(0.02, 0.02 / math.sqrt(2 * margs.n_layers))
+    block.to(dtype)
+    x = torch.randn(1, t, dim, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(1, t, dim, device=device, dtype=dtype)
+    out: dict = {}
+    saved = {}
+
+    def block_fwd():
+        saved["y"] = block(x, context=NO_CONTEXT, positions=None, cache=None)
+
+    def block_bwd():
+        saved["y"].backward(dy)
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+
+    def block_both():
+        block_fwd()
+        block_bwd()
+
+    out["layer_fwd_fresh"], _ = timer(block_fwd, args.reps)
+    out["layer_fwd_bwd_fresh"], out["layer_peak_gib"] = timer(block_both, args.reps)
+    out["layer_bwd_fresh"] = out["layer_fwd_bwd_fresh"] - out["layer_fwd_fresh"]
+    saved.clear()
+
+    # The token mixer alone, fresh and continuing (state and cache with gradients), on the same inputs: a continuing
+    # layer is the fresh layer with the mixer's difference.
+    mix, do = inputs(t, argparse.Namespace(heads=h, dim=d), device, dtype)
+    kw = dict(window=margs.window, block=margs.block, evict=margs.evict)
+    full = {n: mix[n].requires_grad_() for n in NAMES}
+    state = (0.01 * torch.randn(1, h, d, d, device=device)).requires_grad_()
+    cache = HolaCache.empty(1, h, d, window=margs.window, block=margs.block, evict=margs.evict, dtype=dtype,
+                            device=device)
+    # A full persistent cache and a buffer half filled, as a shard boundary inside a block leaves them.
+    seen, half = 4 * margs.block + margs.block // 2, margs.block // 2
+    cache = HolaCache(scores=torch.rand(1, h, margs.window, device=device),
+                      positions=torch.arange(margs.window, device=device).repeat(1, h, 1),
+                      k=torch.randn_like(cache.k).requires_grad_(), v=torch.randn_like(cache.v).requires_grad_(),
+                      buf_scores=torch.cat([torch.rand(1, h, half, device=device),
+                                            torch.full((1, h, margs.block - half), float("-inf"), device=device)], -1),
+                      buf_k=torch.randn_like(cache.buf_k).requires_grad_(),
+                      buf_v=torch.randn_like(cache.buf_v).requires_grad_(),
+                      seen=torch.full((1,), seen, device=device, dtype=torch.int64), window=margs.window,
+                      block=margs.block, evict=margs.evict)
+    leaves = [state, cache.k, cache.v, cache.buf_k, cache.buf_v]
+
+    def mixer(initial: bool):
+        def run():
+            extra = dict(initial_state=state, initial_cache=cache) if initial else {}
+            o, _ = hola_attention(*(full[n] for n in NAMES), **kw, **extra)
+            o.backward(do)
+            for tensor in [*full.values(), *leaves]:
+                tensor.grad = None
+        return run
+
+    out["mixer_fresh"], _ = timer(mixer(False), args.reps)
+    try:
+        out["mixer_cont"], _ = timer(mixer(True), args.reps)
+        out["mixer_cont_note"] = "measured with gradients to the incoming state and cache"
+    except Exception as exc:  # reported: the continuing call's backward is what the protocol needs
+        out["mixer_cont_error"] = f"{type(exc).__name__}: {exc}"
+        out["mixer_cont"] = float("nan")
+    grads_ok = all(t_.grad is None for t_ in leaves)
+    out["cont_grads_cleared"] = grads_ok
+    # Split the continuing mixer's extra time between forward and backward as the fresh layer splits.
+    extra = out["mixer_cont"] - out["mixer_fresh"]
+    share = out["layer_fwd_fresh"] / out["layer_fwd_bwd_fresh"]
+    out["layer_fwd_cont"] = out["layer_fwd_fresh"] + share * extra
+    out["layer_bwd_cont"] = out["layer_bwd_fresh"] + (1 - share) * extra
+    full = mix = do = block = x = dy = None  # free them before the head
+
+    # Head: embedding, final norm and the chunked loss over the tied head, forward and backward.
+    model = build_model(replace_layers(margs, 1), device=device).to(dtype)  # its block is not run
+    tokens = torch.randint(0, 32000, (1, t), device=device)
+
+    def head():
+        hidden = model.norm(model.tok_embeddings(tokens).reshape(t, -1))
+        loss = chunked_linear_cross_entropy(hidden, model.output_weight(), tokens.reshape(-1),
+                                            matmul_dtype=dtype, kernel=kernels == "triton")
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    out["head"], out["head_peak_gib"] = timer(head, args.reps)
+    model = None
+    # The optimizer over the whole model's parameters (fused AdamW on fp32 master weights, as the trainer runs).
+    whole = build_model(margs, device=device)
+    params = [p for p in whole.parameters()]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+    out["optimizer"], _ = timer(opt.step, args.reps)
+    out["param_bytes_fp32"] = sum(p.numel() * 4 for p in params)
+    del whole, params, opt
+    # One layer's message: the crossing document's state (fp32) and cache (W + C rows of k and v, scores,
+    # positions), and the convolution tails (K - 1 inputs of q, k, v).
+    out["message_bytes"] = (h * d * d * 4 + h * (margs.window + margs.block) * (2 * d * (2 if dtype ==
+                            torch.bfloat16 else 4) + 8 + 4) + 3 * (margs.conv_size - 1) * h * d * 2)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def replace_layers(margs, n: int):
+    from hola_titan.models.args import replace
+    return replace(margs, n_layers=n)
+
+
+def predict(args, device) -> int:
+    """``--predict``: stage timings at each length, then the pipelined protocol's step at each R."""
+    from datetime import date
+
+    from hola_titan.models.args import model_args
+    from hola_titan.parallelisms.critical_path import (Stages, allreduce_ms, message_ms, one_gpu_step_ms,
+                                                       pipelined_step_ms)
+
+    n = model_args("hola", args.size, vocab_size=32000).n_layers
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    rows, timings = [], {}
+    if args.stages_json is not None:
+        earlier = json.loads(args.stages_json.read_text())
+        name, timings = earlier["device"], {int(k): v for k, v in earlier["timings"].items()}
+        args.seq_lens = sorted(timings)
+    for t in args.seq_lens:
+        if t not in timings:
+            timings[t] = stage_timings(args, device, t)
+        st = timings[t]
+        print(f"stages T={t}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in st.items()), flush=True)
+    for t in args.seq_lens:
+        st = timings[t]
+        twice = timings.get(2 * t)
+        linear = None
+        if twice is not None:
+            linear = (twice["layer_fwd_bwd_fresh"] / st["layer_fwd_bwd_fresh"]) / 2
+        for big_r in args.ranks:
+            stages = Stages(layer_fwd_fresh=st["layer_fwd_fresh"], layer_bwd_fresh=st["layer_bwd_fresh"],
+                            layer_fwd_cont=st["layer_fwd_cont"], layer_bwd_cont=st["layer_bwd_cont"],
+                            head=st["head"], optimizer=st["optimizer"],
+                            message=message_ms(st["message_bytes"], bandwidth_gbps=args.p2p_gbps,
+                                               latency_us=args.latency_us),
+                            allreduce=allreduce_ms(st["param_bytes_fp32"], ranks=big_r,
+                                                   bandwidth_gbps=args.allreduce_gbps, latency_us=args.latency_us))
+            cp_ms = pipelined_step_ms(stages, num_layers=n, ranks=big_r)
+            one_ms = one_gpu_step_ms(stages, num_layers=n, ranks=big_r)
+            one_from = f"{big_r} x the work at T"
+            whole = timings.get(big_r * t)
+            if whole is not None:  # one GPU's stages measured at R x T: use them, not the linear scaling
+                one_ms = n * whole["layer_fwd_bwd_fresh"] + whole["head"] + whole["optimizer"]
+                one_from = "measured at R x T"
+            rows.append(dict(R=big_r, seq_len_per_rank=t, size=args.size, predicted_speedup=one_ms / cp_ms,
+                             predicted_step_ms=cp_ms, one_gpu_step_ms=one_ms, one_gpu_from=one_from,
+                             date=date.today().isoformat(),
+                             device=name, layer_linearity_at_2T=linear, stages=stages.__dict__,
+                             assumptions=dict(p2p_gbps=args.p2p_gbps, allreduce_gbps=args.allreduce_gbps,
+                                              latency_us=args.latency_us)))
+    print(f"\n{'R':>3} {'T/rank':>8} {'CP step ms':>11} {'1 GPU ms':>10} {'speedup':>8}  one GPU")
+    for r in rows:
+        print(f"{r['R']:>3} {r['seq_len_per_rank']:>8} {r['predicted_step_ms']:>11.1f} {r['one_gpu_step_ms']:>10.1f} "
+              f"{r['predicted_speedup']:>7.2f}x  {r['one_gpu_from']}")
+    print("assumptions: stage times from this device; messages and the gradient all-reduce overlap nothing "
+          f"({args.p2p_gbps} / {args.allreduce_gbps} GB/s, {args.latency_us} us); one GPU at R x T = R x the work "
+          "at T unless measured at R x T (the layer's time at 2T over twice its time at T is in each row)")
+    # Memory with activation checkpointing (every block): the fp32 parameters, gradients and AdamW state, each
+    # block's saved input [T, dim] in bf16, and the larger of one block's recompute-and-backward peak and the
+    # head's, per token as measured at the longest length.
+    longest = max(args.seq_lens)
+    st = timings[longest]
+    margs = model_args("hola", args.size, vocab_size=32000)
+    memory = None
+    total_gib = args.device_memory_gib
+    if total_gib is None and device.type == "cuda":
+        total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    if st.get("layer_peak_gib") is not None and total_gib is not None:
+        static_gib = 4 * st["param_bytes_fp32"] / 2**30  # weights, gradients, two AdamW moments
+        per_token_gib = (n * margs.dim * 2) / 2**30 + max(st["layer_peak_gib"], st["head_peak_gib"]) / longest
+        capacity_gib = 0.95 * total_gib
+        memory = dict(static_gib=static_gib, per_token_gib=per_token_gib, capacity_gib=capacity_gib,
+                      longest_one_gpu_tokens=int((capacity_gib - static_gib) / per_token_gib),
+                      per_rank_gib_512k={big_r: static_gib + per_token_gib * (2**19 // big_r)
+                                         for big_r in (1, 2, 4, 8)},
+                      note="estimate: linear in T from the stage peaks at the longest measured length")
+        per_rank = ", ".join(f"R={k}: {v:.1f} GiB" for k, v in memory["per_rank_gib_512k"].items())
+        print(f"activation checkpointing (estimate): {static_gib:.1f} GiB + {per_token_gib * 2**20:.2f} GiB per 1M "
+              f"tokens; longest sequence on one device ~{memory['longest_one_gpu_tokens']:,} tokens; a 512k-token "
+              f"sequence over R ranks: {per_rank}")
+    old = json.loads(args.prediction_out.read_text()) if args.prediction_out.exists() else []
+    args.prediction_out.parent.mkdir(parents=True, exist_ok=True)
+    args.prediction_out.write_text(json.dumps(old + rows, indent=1) + "\n")
+    args.out.write_text(json.dumps({"device": name, "timings": {str(k): v for k, v in timings.items()},
+                                    "rows": rows, "memory_with_ac": memory}, indent=1) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     distributed = "RANK" in os.environ
+    if args.predict:
+        if distributed:
+            raise SystemExit("--predict runs in one process (it times one GPU's stages); run it without torchrun")
+        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+        return predict(args, device)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if distributed:
         dist.init_process_group("nccl" if use_cuda else "gloo")

@@ -179,3 +179,23 @@ def test_init_memory_reports_every_rank(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["rank"] for r in rows] == [0, 1] and all(0 < r["peak_rss_gib"] < 8 for r in rows)
     assert rows[0]["num_params"] == 1_578_000
+
+
+def test_bench_context_parallel_predicts_from_stage_timings(tmp_path):
+    pred, out = tmp_path / "pred.json", tmp_path / "stages.json"
+    _run([sys.executable, "scripts/bench_context_parallel.py", "--predict", "--device", "cpu", "--size", "debug",
+          "--seq-lens", "64", "128", "--reps", "1", "--ranks", "2", "4", "--prediction-out", str(pred),
+          "--out", str(out)])
+    rows = json.loads(pred.read_text())
+    assert [(r["R"], r["seq_len_per_rank"]) for r in rows] == [(2, 64), (4, 64), (2, 128), (4, 128)]
+    for r in rows:
+        assert {"R", "seq_len_per_rank", "size", "predicted_speedup", "date", "device"} <= set(r)
+        assert r["predicted_speedup"] == pytest.approx(r["one_gpu_step_ms"] / r["predicted_step_ms"])
+    # One GPU at R x T comes from the stages measured there when they were (2 x 64), else from R x the work at T.
+    assert [r["one_gpu_from"] for r in rows] == ["measured at R x T", "4 x the work at T", "2 x the work at T",
+                                                 "4 x the work at T"]
+    # Appends: a second run from the saved stages adds its rows after the first run's.
+    _run([sys.executable, "scripts/bench_context_parallel.py", "--predict", "--device", "cpu", "--stages-json",
+          str(out), "--ranks", "8", "--prediction-out", str(pred), "--out", str(tmp_path / "again.json")])
+    again = json.loads(pred.read_text())
+    assert again[:4] == rows and [(r["R"], r["seq_len_per_rank"]) for r in again[4:]] == [(8, 64), (8, 128)]
