@@ -9,6 +9,7 @@ Modules:
   decoding memory at several context lengths;
 * :mod:`~hola_titan.eval.niah`: needle-in-a-haystack prompts of exact token length, and their scoring;
 * :mod:`~hola_titan.eval.mqar`: MQAR accuracy (rows from :mod:`hola_titan.data.synthetic`);
+* :mod:`~hola_titan.eval.cache_inspect`: which positions each layer's HOLA cache selects, by MQAR token kind;
 * :mod:`~hola_titan.eval.report`: result JSON, plots and comparison tables;
 * :mod:`~hola_titan.eval.runtime`: errors, lengths like ``4k``, devices and peak memory.
 

@@ -23,7 +23,7 @@ from hola_titan.eval.loading import LoadedModel, label_of, load_model
 from hola_titan.eval.runtime import (EvalError, format_length, parse_int, parse_length, parse_list, parse_percent,
                                      resolve_device, resolve_dtype)
 
-EVALS = ("ppl", "generate", "niah", "mqar")
+EVALS = ("ppl", "generate", "niah", "mqar", "cache")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -150,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     mqar.add_argument("--batch-size", type=int, default=64)
     mqar.add_argument("--vocab", type=int, default=None, help="MQAR vocabulary (default: the model's)")
     mqar.add_argument("--power-a", type=float, default=0.01, help="query placement exponent (as in training)")
+
+    cache = evals.add_parser("cache", parents=[common],
+                             help="which positions each layer's HOLA cache selects over an MQAR row, by token kind")
+    cache.add_argument("--pairs", type=int, default=16, help="key-value pairs of the row")
+    cache.add_argument("--seq-len", type=int, default=256, help="tokens of the row")
+    cache.add_argument("--vocab", type=int, default=None, help="MQAR vocabulary (default: the model's)")
+    cache.add_argument("--power-a", type=float, default=0.01, help="query placement exponent (as in training)")
     return parser
 
 
@@ -280,7 +287,22 @@ def run_mqar(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict,
     return settings, details.pop("summary"), details
 
 
-RUNNERS = {"ppl": run_ppl, "generate": run_generate, "niah": run_niah, "mqar": run_mqar}
+def run_cache(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    from hola_titan.eval.cache_inspect import inspect_mqar
+
+    details = inspect_mqar(loaded.model, seq_len=args.seq_len, num_pairs=args.pairs, vocab_size=args.vocab,
+                           power_a=args.power_a, seed=args.seed)
+    summary = {}
+    for name, layer in details["layers"].items():
+        # Keys and values (of the context and of the queries): what recall needs the cache to hold.
+        summary[f"kv_share@layer{name}"] = sum(layer["share"][k] for k in ("key", "value", "query", "answer"))
+        summary[f"kv_base@layer{name}"] = sum(layer["base"][k] for k in ("key", "value", "query", "answer"))
+    settings = {"pairs": args.pairs, "seq_len": args.seq_len, "vocab": args.vocab, "power_a": args.power_a,
+                "seed": args.seed}
+    return settings, summary, details
+
+
+RUNNERS = {"ppl": run_ppl, "generate": run_generate, "niah": run_niah, "mqar": run_mqar, "cache": run_cache}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -306,6 +328,12 @@ def _print_result(result: dict) -> None:
         if details["memory"]:
             state = "constant" if details["cache_bytes_constant"] else "growing"
             print(f"  cache size is {state} in context length")
+    elif name == "cache":
+        print(f"cache {label}: share of selected slots holding keys, values, queries or answers (base rate):")
+        for key in summary:
+            if key.startswith("kv_share@"):
+                layer = key.split("@", 1)[1]
+                print(f"  {layer}: {summary[key]:.3f} ({summary['kv_base@' + layer]:.3f})")
     elif name == "niah":
         for task, values in details["tasks"].items():
             cells = ", ".join(f"{length} {acc:.2f}" for length, acc in values["accuracy_by_length"].items())

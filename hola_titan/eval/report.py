@@ -126,7 +126,45 @@ def plot_memory(result: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
-PLOTS = {"niah": plot_niah, "mqar": plot_mqar, "ppl": plot_perplexity, "generate": plot_memory}
+def plot_cache(result: dict, path: Path) -> Path:
+    """Selected positions against the reading block, per layer (rows) and head (columns), coloured by token kind;
+    also one PNG per layer beside it (``<stem>_layer<L>.png``)."""
+    from hola_titan.eval.cache_inspect import KINDS
+
+    details = result["details"]
+    kinds = details["kinds"]
+    colours = {"key": "tab:blue", "value": "tab:orange", "query": "tab:green", "answer": "tab:red",
+               "filler": "lightgray"}
+    names = list(details["positions"])
+
+    def draw(axes_row, name):
+        pos = details["positions"][name]  # [blocks, H, W]
+        for head, ax in enumerate(axes_row):
+            for kind in KINDS:
+                xs, ys = [], []
+                for b, heads in enumerate(pos):
+                    for p in heads[head]:
+                        if p >= 0 and KINDS[kinds[p]] == kind:
+                            xs.append((b + 1) * details["block"])
+                            ys.append(p)
+                ax.scatter(xs, ys, s=6, c=colours[kind], label=kind)
+            ax.set(xlabel="reading block starts at", ylabel="selected position", title=f"layer {name} head {head}")
+        axes_row[0].legend(fontsize=6, markerscale=2)
+
+    heads = len(details["positions"][names[0]][0])
+    for name in names:
+        fig, axes = plt.subplots(1, heads, figsize=(4 * heads, 3.5), squeeze=False)
+        draw(axes[0], name)
+        _save(fig, path.with_name(f"{path.stem}_layer{name}.png"))
+    fig, axes = plt.subplots(len(names), heads, figsize=(4 * heads, 3.2 * len(names)), squeeze=False)
+    for row, name in zip(axes, names):
+        draw(row, name)
+    fig.suptitle(f"cache selections ({details['evict']}, W {details['window']}, C {details['block']}): "
+                 f"{result['label']}")
+    return _save(fig, path)
+
+
+PLOTS = {"cache": plot_cache, "niah": plot_niah, "mqar": plot_mqar, "ppl": plot_perplexity, "generate": plot_memory}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""What the HOLA cache holds (hola_titan/eval/cache_inspect.py): selections, kinds, the CLI's files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hola_titan.data.synthetic import MqarSpec, mqar_row
+from hola_titan.eval.cache_inspect import KINDS, cache_selections, inspect_mqar, mqar_kinds
+from hola_titan.eval.cli import main as eval_main
+from hola_titan.eval.runtime import EvalError
+from hola_titan.models.args import model_args
+from hola_titan.models.model import ModelCache, build_model
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _model(flavour):
+    torch.manual_seed(0)
+    return build_model(model_args(flavour, "debug", vocab_size=97, window=3, block=4), device="cpu").eval()
+
+
+def test_selections_are_what_each_block_reads():
+    model = _model("hola")
+    tokens = torch.randint(0, 97, (1, 23))
+    got = cache_selections(model, tokens)
+    assert set(got) == set(model.layers) and got["0"].shape == (5, 2, 3)  # blocks 1..5 of 4 tokens read these
+    with torch.inference_mode():
+        for b in range(5):
+            alone = ModelCache()  # the cache after the first b + 1 blocks in one call
+            model.hidden_states(tokens[:, :4 * (b + 1)], cache=alone)
+            for name in model.layers:
+                want = alone.layers[name].hola.positions[0].numpy()
+                assert np.array_equal(np.sort(got[name][b], -1), np.sort(want, -1))
+
+
+def test_recency_holds_the_window_before_the_block():
+    got = cache_selections(_model("hola_recency"), torch.randint(0, 97, (1, 20)))
+    for pos in got.values():
+        for b in range(pos.shape[0]):
+            start = 4 * (b + 1)
+            assert (np.sort(pos[b], -1) == np.arange(start - 3, start)).all()
+
+
+def test_kinds_and_shares():
+    spec = MqarSpec(vocab_size=97, min_pairs=5, max_pairs=5)
+    row = mqar_row(spec, seq_len=40, num_pairs=5, rng=np.random.default_rng(0))
+    kinds = mqar_kinds(row, 40)
+    counts = {k: int((kinds == i).sum()) for i, k in enumerate(KINDS)}
+    assert counts == {"key": 5, "value": 5, "query": 5, "answer": 5, "filler": 20}
+    assert all(KINDS[kinds[p]] == "query" for p in row.query_positions)
+    out = inspect_mqar(_model("hola"), seq_len=40, num_pairs=5)
+    for layer in out["layers"].values():
+        assert sum(layer["share"].values()) == pytest.approx(1.0)
+        assert sum(layer["base"].values()) == pytest.approx(1.0)
+        assert 0 < layer["filled"] <= 1
+
+
+def test_refuses_and_writes_files(tmp_path, capsys):
+    with pytest.raises(EvalError, match="gdn has no HOLA cache"):
+        cache_selections(_model("gdn"), torch.zeros(1, 12, dtype=torch.int64))
+    with pytest.raises(EvalError, match="too short"):
+        inspect_mqar(_model("hola"), seq_len=12, num_pairs=5)
+    assert eval_main(["cache", "--checkpoint", "init:hola", "--pairs", "8", "--seq-len", "128", "--out",
+                      str(tmp_path), "--no-progress"]) == 0
+    result = json.loads((tmp_path / "cache_init-hola.json").read_text())
+    assert {"kv_share@layer0", "kv_base@layer1"} <= set(result["summary"])
+    assert all((tmp_path / f"cache_init-hola_layer{n}.png").stat().st_size > 0 for n in ("0", "1"))
+    assert "share of selected slots" in capsys.readouterr().out
