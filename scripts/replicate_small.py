@@ -12,7 +12,8 @@ What it runs, in order (every step skips work whose output already exists, so a 
 1. **Recall, lr sweep**: ``train_configs/small_<flavour>_recall.toml`` (MQAR, 4-64 pairs, seq_len 512) for every
    flavour and every lr of ``--mqar-lrs`` (or ``--lr FLAVOUR=LR:LR``) at the first seed; export each checkpoint
    with ``scripts/convert_to_safetensors.py``; ``python -m hola_titan.eval mqar`` at 4 .. 128 pairs (past the
-   state capacity) and 1x/2x the training length.
+   state capacity) and 1x/2x the training length; for the HOLA flavours also with the cache switched off at test
+   time (``--cache off``) and ``python -m hola_titan.eval cache`` (what each layer's cache holds).
 2. **Recall, seeds**: the other ``--seeds`` at each flavour's best lr (highest mean MQAR accuracy in step 1), so
    every point of the final curve has >= 2 seeds.
 3. **Text**: ``train_configs/small_<flavour>_text.toml`` on ``data/small_corpus`` for every flavour and every lr
@@ -193,21 +194,27 @@ class Planner:
         argv = [self.py, "scripts/convert_to_safetensors.py", str(checkpoint), str(self.export_dir(run))]
         return Command(f"export {run.name}", argv, self.export_dir(run) / "config.json", gpu=False)
 
-    def _eval(self, name: str, run: Run, extra: list[str]) -> Command:
+    def _eval(self, name: str, run: Run, extra: list[str], *, suffix: str = "") -> Command:
         out = self.out / "eval" / name
         argv = [self.py, "-m", "hola_titan.eval", name, "--checkpoint", str(self.export_dir(run)),
                 "--out", str(out), "--no-progress"]
         if self.args.quick:
             argv += ["--device", "cpu", "--threads", "1"]
-        return Command(f"eval {name} {run.name}", argv + extra, out / f"{name}_{run.name}.json")
+        return Command(f"eval {name}{suffix} {run.name}", argv + extra, out / f"{name}_{run.name}{suffix}.json")
 
     def evals(self, run: Run) -> list[Command]:
         _, seq_len, _ = self.steps_seq_batch(run)
         if run.task == "recall":
             pairs = [p for p in MQAR_PAIRS if 4 * p <= seq_len] if self.args.quick else list(MQAR_PAIRS)
             samples = "8" if self.args.quick else "256"
-            return [self._eval("mqar", run, ["--pairs", ",".join(map(str, pairs)),
-                                             "--seq-lens", f"{seq_len},{2 * seq_len}", "--samples", samples])]
+            mqar = ["--pairs", ",".join(map(str, pairs)), "--seq-lens", f"{seq_len},{2 * seq_len}",
+                    "--samples", samples]
+            commands = [self._eval("mqar", run, mqar)]
+            if run.flavour != "gdn":  # how much of the recall the cache carries, and what it holds
+                commands.append(self._eval("mqar", run, mqar + ["--cache", "off"], suffix="-cache-off"))
+                commands.append(self._eval("cache", run, ["--pairs", str(min(16, seq_len // 4)),
+                                                          "--seq-len", str(seq_len)]))
+            return commands
         lengths = ",".join(str(f * seq_len) for f in NIAH_FACTORS)
         if self.args.quick:
             niah = ["--tasks", NIAH_TASKS, "--lengths", f"{seq_len},{2 * seq_len}", "--depths", "50",

@@ -70,3 +70,26 @@ def test_refuses_and_writes_files(tmp_path, capsys):
     assert {"kv_share@layer0", "kv_base@layer1"} <= set(result["summary"])
     assert all((tmp_path / f"cache_init-hola_layer{n}.png").stat().st_size > 0 for n in ("0", "1"))
     assert "share of selected slots" in capsys.readouterr().out
+
+
+def test_cache_off_is_the_state_path_alone(tmp_path):
+    from hola_titan.eval.mqar import switch_cache_off
+
+    hola = _model("hola")
+    gdn = build_model(model_args("gdn", "debug", vocab_size=97, window=3, block=4), device="cpu").eval()
+    # GDN with HOLA's weights (it lacks only the cache's parameters) is HOLA with the cache switched off.
+    missing = gdn.load_state_dict(hola.state_dict(), strict=False)
+    assert not missing.missing_keys and all(k.endswith(("gamma_q", "gamma_k", "sink", "gate"))
+                                            for k in missing.unexpected_keys)
+    tokens = torch.randint(0, 97, (2, 17))
+    with torch.no_grad():
+        before = hola(tokens)
+        assert switch_cache_off(hola) == 2 and switch_cache_off(gdn) == 0
+        off = hola(tokens)
+        assert not torch.allclose(before, off)
+        torch.testing.assert_close(off, gdn(tokens), rtol=1e-5, atol=1e-5)
+    assert eval_main(["mqar", "--checkpoint", "init:hola", "--pairs", "4", "--seq-lens", "64", "--samples", "4",
+                      "--cache", "off", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "mqar_init-hola-cache-off.json").read_text())["settings"]["cache"] == "off"
+    assert eval_main(["mqar", "--checkpoint", "init:gdn", "--pairs", "4", "--seq-lens", "64", "--samples", "4",
+                      "--cache", "off", "--out", str(tmp_path), "--no-progress"]) == 2

@@ -67,7 +67,12 @@ def test_dry_run_lists_the_commands():
     assert any("--optimizer.lr BEST_LR --training.seed 1" in ln for ln in trains)
     assert sum("scripts/convert_to_safetensors.py" in ln for ln in lines) == 18
     mqar = [ln for ln in lines if "-m hola_titan.eval mqar" in ln]
-    assert len(mqar) == 12 and all("--pairs 4,8,16,32,64,128 --seq-lens 512,1024" in ln for ln in mqar)
+    assert len(mqar) == 12 + 8 and all("--pairs 4,8,16,32,64,128 --seq-lens 512,1024" in ln for ln in mqar)
+    # The 8 recall runs of the HOLA flavours are also evaluated with the cache off, and inspected.
+    off = [ln for ln in mqar if "--cache off" in ln]
+    assert len(off) == 8 and not any("recall_gdn" in ln for ln in off)
+    inspected = [ln for ln in lines if "-m hola_titan.eval cache" in ln]
+    assert len(inspected) == 8 and all("--pairs 16 --seq-len 512" in ln for ln in inspected)
     niah = [ln for ln in lines if "-m hola_titan.eval niah" in ln]
     assert len(niah) == 6 and all("--tasks s_niah_1,s_niah_2 --lengths 1024,2048,4096,8192" in ln for ln in niah)
     ppl = [ln for ln in lines if "-m hola_titan.eval ppl" in ln]
@@ -104,7 +109,7 @@ def test_quick_run_resumes_from_carried_results_and_keeps_a_time_budget(tmp_path
     budget = replicate("--flavours", "gdn,hola", "--time-budget-min", "0")
     assert budget.returncode == 0, budget.stderr[-2000:]
     assert "deferred (time budget): train recall_hola_lr0.001_s0" in budget.stdout
-    assert "incomplete: 3 commands deferred" in budget.stdout
+    assert "incomplete: 5 commands deferred" in budget.stdout  # train, export, mqar, mqar cache off, cache
     assert not (tmp_path / "runs" / "recall_hola_lr0.001_s0").exists()
 
 

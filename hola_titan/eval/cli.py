@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     mqar.add_argument("--batch-size", type=int, default=64)
     mqar.add_argument("--vocab", type=int, default=None, help="MQAR vocabulary (default: the model's)")
     mqar.add_argument("--power-a", type=float, default=0.01, help="query placement exponent (as in training)")
+    mqar.add_argument("--cache", default="on", choices=("on", "off"),
+                      help="off: every layer's cache gate forced to zero at test time (the recall the state "
+                           "path holds alone); HOLA flavours only")
 
     cache = evals.add_parser("cache", parents=[common],
                              help="which positions each layer's HOLA cache selects over an MQAR row, by token kind")
@@ -277,13 +280,16 @@ def run_niah(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict,
 
 
 def run_mqar(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict, dict]:
-    from hola_titan.eval.mqar import evaluate_mqar
+    from hola_titan.eval.mqar import evaluate_mqar, switch_cache_off
+
+    if args.cache == "off" and switch_cache_off(loaded.model) == 0:
+        raise EvalError(f"--cache off: {loaded.model.args.flavour} has no cache to switch off")
 
     details = evaluate_mqar(loaded.model, pairs=args.pairs, seq_lens=args.seq_lens, num_samples=args.samples,
                             vocab_size=args.vocab, power_a=args.power_a, batch_size=args.batch_size, seed=args.seed,
                             show_progress=not args.no_progress)
     settings = {"pairs": args.pairs, "seq_lens": args.seq_lens, "samples": args.samples,
-                "vocab_size": details["vocab_size"], "power_a": args.power_a, "seed": args.seed}
+                "vocab_size": details["vocab_size"], "power_a": args.power_a, "seed": args.seed, "cache": args.cache}
     return settings, details.pop("summary"), details
 
 
@@ -367,6 +373,8 @@ def evaluate_one(spec: str, label: str, args: argparse.Namespace, device: torch.
     if spec.endswith(".json") and Path(spec).is_file():
         return report.read_result(Path(spec), eval_name=args.eval)
     loaded = load_model(spec, device=device, dtype=dtype, seed=args.seed)
+    if args.eval == "mqar" and args.cache == "off":
+        label += "-cache-off"  # beside the cache-on result, not over it
     loaded.label = label
     start = time.perf_counter()
     settings, summary, details = RUNNERS[args.eval](loaded, args)

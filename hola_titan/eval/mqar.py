@@ -22,6 +22,20 @@ from hola_titan.eval.runtime import EvalError, progress
 from hola_titan.models.model import HolaTitanLM
 
 
+def switch_cache_off(model: HolaTitanLM) -> int:
+    """Force every layer's cache gate to zero (``sigmoid(gate) = 0``, so ``o = o_state``): what recall is left
+    without the cache. Changes the model in place; returns the number of layers changed (0 for GDN and
+    Transformer++, which have no cache)."""
+    changed = 0
+    with torch.no_grad():
+        for block in model.layers.values():
+            gate = getattr(block.attn, "gate", None)
+            if gate is not None:
+                gate.fill_(float("-inf"))
+                changed += 1
+    return changed
+
+
 @torch.inference_mode()
 def mqar_accuracy(model: HolaTitanLM, spec: MqarSpec, *, seq_len: int, num_pairs: int, num_samples: int,
                   batch_size: int, seed: int) -> dict:
