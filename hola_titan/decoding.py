@@ -12,13 +12,16 @@ by ``mode`` and recorded in :attr:`StaticDecoder.path`:
 * ``"buffers"``: the step as PyTorch runs it, one kernel launch per operation (about 200 per layer; on a GPU the
   host's launch rate bounds it, docs/LOG.md);
 * ``"graph"``: the same step captured once in a CUDA graph and replayed (one launch per token);
-* ``"compile"``: the step compiled by ``torch.compile`` (Inductor fuses the elementwise work of the norms, gates,
-  convolutions and the cache read), then captured in a CUDA graph.
+* ``"compile"``: each block's step compiled by ``torch.compile`` (Inductor fuses the elementwise work of the
+  norms, gates, convolutions and the cache read; one graph serves every block), then the whole step captured in a
+  CUDA graph.
 
 Every mode computes the arithmetic of the model's own step through its cache object (``"eager"`` decoding,
-``hola_titan.eval.generation``) on the same buffers; ``"compile"`` may differ from it by the
-rounding of fused float32 expressions (tests/test_decoding_gpu.py bounds it). A CUDA graph is made for one batch
-size: a decoder serves the batch its cache holds.
+``hola_titan.eval.generation``): ``"buffers"`` and ``"graph"`` bit for bit. ``"compile"`` rounds bf16
+intermediates where eager does (Inductor's ``emulate_precision_casts``: without it the fused convolution kept
+q, k, v in float32, the scores moved by about 1e-3 and top-W selections flipped), so it differs only in the order
+of float32 sums (tests/test_decoding_gpu.py bounds it). A CUDA graph is made for one batch size: a decoder
+serves the batch its cache holds.
 
 Why not the Transformer++ flavour: its keys and values grow with the context, so its step has a new shape every
 token; it decodes eagerly (``hola_titan.eval.generation``).
@@ -42,7 +45,7 @@ _LAYER_TENSORS = ("conv_q", "conv_k", "conv_v", "state")
 
 def resolve_mode(mode: str, model: HolaTitanLM, device: torch.device) -> str:
     """The decoding path for ``mode`` (``"auto"`` or one of :data:`DECODE_MODES`) on ``device``: ``"auto"`` is
-    ``"compile"`` for a recurrent model on CUDA (340M HOLA on an H200: 260 tokens/s at batch 1 against 83 for
+    ``"compile"`` for a recurrent model on CUDA (340M HOLA on an H200: 267 tokens/s at batch 1 against 83 for
     ``"graph"``, docs/LOG.md; the first decoder of a process compiles for 20-50 s) and ``"eager"`` otherwise (a
     CPU, or Transformer++, which has no fixed-size cache and decodes through the model's cache object). Raises
     ``ValueError`` naming ``decode`` for a mode that cannot run here."""
@@ -181,8 +184,7 @@ class StaticDecoder:
     def path(self) -> dict:
         """What runs: the decoding mode, the token mixer's one-token step (``kernels/hola_decode.py``, taken by
         every backend but ``"reference"``, which runs its blocked continuation), the batch size and the device."""
-        backend = next(iter(self.model.layers.values())).attn.backend
-        return dict(decode=self.mode, mixer_step="reference" if backend == "reference" else "hola_decode",
+        return dict(decode=self.mode, mixer_step="hola_decode" if _one_token_step(self.model) else "reference",
                     batch_size=self.batch_size, device=str(self.device),
                     dtype=str(self.logits.dtype).replace("torch.", ""))
 

@@ -151,7 +151,7 @@ def stage_timings(args, device, t: int) -> dict:
     plus the bytes of one layer's message and each block's peak memory."""
     from hola_titan.kernels.hola_cache import HolaCache
     from hola_titan.loss import chunked_linear_cross_entropy
-    from hola_titan.models.args import model_args
+    from hola_titan.models.args import model_args, replace
     from hola_titan.models.context import NO_CONTEXT
     from hola_titan.models.model import TransformerBlock, build_model
     from hola_titan.ops import hola_attention, resolve_kernels
@@ -226,8 +226,6 @@ def stage_timings(args, device, t: int) -> dict:
     except Exception as exc:  # reported: the continuing call's backward is what the protocol needs
         out["mixer_cont_error"] = f"{type(exc).__name__}: {exc}"
         out["mixer_cont"] = float("nan")
-    grads_ok = all(t_.grad is None for t_ in leaves)
-    out["cont_grads_cleared"] = grads_ok
     # Split the continuing mixer's extra time between forward and backward as the fresh layer splits.
     extra = out["mixer_cont"] - out["mixer_fresh"]
     share = out["layer_fwd_fresh"] / out["layer_fwd_bwd_fresh"]
@@ -236,7 +234,7 @@ def stage_timings(args, device, t: int) -> dict:
     full = mix = do = block = x = dy = None  # free them before the head
 
     # Head: embedding, final norm and the chunked loss over the tied head, forward and backward.
-    model = build_model(replace_layers(margs, 1), device=device).to(dtype)  # its block is not run
+    model = build_model(replace(margs, n_layers=1), device=device).to(dtype)  # its block is not run
     tokens = torch.randint(0, 32000, (1, t), device=device)
 
     def head():
@@ -264,11 +262,6 @@ def stage_timings(args, device, t: int) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
-
-
-def replace_layers(margs, n: int):
-    from hola_titan.models.args import replace
-    return replace(margs, n_layers=n)
 
 
 def predict(args, device) -> int:

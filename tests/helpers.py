@@ -51,9 +51,5 @@ def run_parallel_worker(out: Path, nproc: int, args: list[str], *, timeout: floa
 
 def flat_cache(cache) -> list[torch.Tensor]:
     """Every tensor of a recurrent model's ``ModelCache``, layer by layer (tails, state, then the HOLA cache)."""
-    out = []
-    for layer in cache.layers.values():
-        out += [layer.conv_q, layer.conv_k, layer.conv_v, layer.state]
-        if layer.hola is not None:
-            out += [getattr(layer.hola, name) for name in layer.hola._TENSORS]
-    return out
+    from hola_titan.decoding import flatten_layer
+    return [t for layer in cache.layers.values() for t in flatten_layer(layer)]

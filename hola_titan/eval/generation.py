@@ -110,9 +110,9 @@ class Generation:
     finished: list[bool] = field(default_factory=list)
     """Whether each row stopped on a stop token."""
     decode_path: dict = field(default_factory=dict)
-    """How the steps ran: ``decode`` (eager, graph or compile; :mod:`hola_titan.decoding`) and, for a static
-    decoder, its backend, batch size, dtype and ``setup_seconds`` (warm-up, compilation and capture, not counted
-    in ``decode_seconds``)."""
+    """How the steps ran: ``decode`` (eager, buffers, graph or compile; :mod:`hola_titan.decoding`) and, for a
+    static decoder, its ``StaticDecoder.path`` (the token mixer's step, batch size, device, dtype) and
+    ``setup_seconds`` (warm-up, compilation and capture, not counted in ``decode_seconds``)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -197,7 +197,7 @@ def _generate_static(model, logits, cache, *, mode, max_new_tokens, sampling, ge
     _sync(device)
     setup_seconds = time.perf_counter() - start
     batch = logits.shape[0]
-    new = torch.empty(batch, max(max_new_tokens, 1), dtype=torch.int64, device=device)
+    new = torch.empty(batch, max_new_tokens, dtype=torch.int64, device=device)
     stop_list = torch.tensor(sorted(stop_ids), dtype=torch.int64, device=device)
     steps = 0
     start = time.perf_counter()
