@@ -21,6 +21,7 @@ gpu2`` measures the model. Shapes default to the 340M layer (4 heads x 256, wind
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -275,9 +276,11 @@ def predict(args, device) -> int:
     n = model_args("hola", args.size, vocab_size=32000).n_layers
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rows, timings = [], {}
+    measured = date.today().isoformat()  # the date of the stage timings the rows come from
     if args.stages_json is not None:
         earlier = json.loads(args.stages_json.read_text())
         name, timings = earlier["device"], {int(k): v for k, v in earlier["timings"].items()}
+        measured = earlier.get("date", measured)
         args.seq_lens = sorted(timings)
     for t in args.seq_lens:
         if t not in timings:
@@ -306,16 +309,22 @@ def predict(args, device) -> int:
             if whole is not None:  # one GPU's stages measured at R x T: use them, not the linear scaling
                 one_ms = n * whole["layer_fwd_bwd_fresh"] + whole["head"] + whole["optimizer"]
                 one_from = "measured at R x T"
+            # What a continuation as fast as a fresh start would give (the lever the prediction points at).
+            as_fresh = dataclasses.replace(stages, layer_fwd_cont=stages.layer_fwd_fresh,
+                                           layer_bwd_cont=stages.layer_bwd_fresh)
+            if_fresh = one_ms / pipelined_step_ms(as_fresh, num_layers=n, ranks=big_r)
             rows.append(dict(R=big_r, seq_len_per_rank=t, size=args.size, predicted_speedup=one_ms / cp_ms,
                              predicted_step_ms=cp_ms, one_gpu_step_ms=one_ms, one_gpu_from=one_from,
-                             date=date.today().isoformat(),
+                             speedup_if_continuation_as_fresh=if_fresh,
+                             date=measured,
                              device=name, layer_linearity_at_2T=linear, stages=stages.__dict__,
                              assumptions=dict(p2p_gbps=args.p2p_gbps, allreduce_gbps=args.allreduce_gbps,
                                               latency_us=args.latency_us)))
-    print(f"\n{'R':>3} {'T/rank':>8} {'CP step ms':>11} {'1 GPU ms':>10} {'speedup':>8}  one GPU")
+    print(f"\n{'R':>3} {'T/rank':>8} {'CP step ms':>11} {'1 GPU ms':>10} {'speedup':>8} {'if cont=fresh':>14}"
+          "  one GPU")
     for r in rows:
         print(f"{r['R']:>3} {r['seq_len_per_rank']:>8} {r['predicted_step_ms']:>11.1f} {r['one_gpu_step_ms']:>10.1f} "
-              f"{r['predicted_speedup']:>7.2f}x  {r['one_gpu_from']}")
+              f"{r['predicted_speedup']:>7.2f}x {r['speedup_if_continuation_as_fresh']:>13.2f}x  {r['one_gpu_from']}")
     print("assumptions: stage times from this device; messages and the gradient all-reduce overlap nothing "
           f"({args.p2p_gbps} / {args.allreduce_gbps} GB/s, {args.latency_us} us); one GPU at R x T = R x the work "
           "at T unless measured at R x T (the layer's time at 2T over twice its time at T is in each row)")
@@ -345,7 +354,8 @@ def predict(args, device) -> int:
     old = json.loads(args.prediction_out.read_text()) if args.prediction_out.exists() else []
     args.prediction_out.parent.mkdir(parents=True, exist_ok=True)
     args.prediction_out.write_text(json.dumps(old + rows, indent=1) + "\n")
-    args.out.write_text(json.dumps({"device": name, "timings": {str(k): v for k, v in timings.items()},
+    args.out.write_text(json.dumps({"device": name, "date": measured,
+                                    "timings": {str(k): v for k, v in timings.items()},
                                     "rows": rows, "memory_with_ac": memory}, indent=1) + "\n")
     return 0
 
