@@ -674,10 +674,10 @@ def validate(config: JobConfig, *, world_size: int) -> None:
         if config.data.varlen:
             raise ConfigError("data.varlen", "must be false for transformer with context_parallel_degree > 1")
     if degrees.cp > 1 and config.compile.enable and config.compile.fullgraph:
-        # The context-parallel hooks read the batch layout in Python and run collectives: they run eagerly between
+        # The context-parallel hooks read the batch layout in Python and send and receive: they run eagerly between
         # the compiled parts of a block, i.e. a graph break each.
-        raise ConfigError("compile.fullgraph", "must be false with context_parallel_degree > 1 (the sequence-"
-                          "parallel scan runs eagerly between the compiled parts of each block)")
+        raise ConfigError("compile.fullgraph", "must be false with context_parallel_degree > 1 (the handover of "
+                          "state and cache between ranks runs eagerly between the compiled parts of each block)")
     if config.profiling.enable and config.profiling.freq <= config.profiling.warmup:
         raise ConfigError("profiling.freq", f"must exceed profiling.warmup = {config.profiling.warmup} (each window "
                           f"is warmup steps, then the traced one), got {config.profiling.freq}")

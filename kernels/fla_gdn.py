@@ -384,54 +384,6 @@ class _GDNFunction:
         return o, m, (final_state if output_final_state else None)
 
 
-class _SummaryFunction(torch.autograd.Function):
-    """Final state (with gradients) and per-token updates ``v_new`` (without) of rows from a given state."""
-
-    @staticmethod
-    def forward(ctx, k, v, g, beta, initial_state):
-        # The state stages without the output (no q), on rows (no cu_seqlens).
-        with torch.cuda.device(k.device.index):
-            _, v_new, final_state, kn, k_rstd, g_cum, a = _state_stages(
-                *(x.contiguous() for x in (k, v, g, beta)), initial_state, None, None, True)
-        ctx.save_for_backward(kn, k_rstd, v, g_cum, beta, a, initial_state)
-        ctx.dtypes = (k.dtype, v.dtype, g.dtype, beta.dtype)
-        ctx.mark_non_differentiable(v_new)
-        return final_state, v_new
-
-    @staticmethod
-    def backward(ctx, dht, _):
-        kn, k_rstd, v, g_cum, beta, a, initial_state = ctx.saved_tensors
-        # No output was formed, so its gradient is zero; fla's backward then carries dht alone. q = kn is a
-        # placeholder whose gradient (zero) is dropped.
-        _, dk, dv, dg, db, dh0 = _gdn_bwd_impl(torch.zeros_like(kn), dht.contiguous(), kn, k_rstd, kn, k_rstd,
-                                               v.contiguous(), g_cum, beta.contiguous(), a, initial_state, None,
-                                               None, kn.shape[-1] ** -0.5)
-        tk, tv, tg, tb = ctx.dtypes
-        return dk.to(tk), dv.to(tv), dg.to(tg), db.to(tb), dh0
-
-
-@torch.compiler.disable
-def gdn_summary(k, v, g, beta, initial_state):
-    """Rows ``[N, L, H, D]`` run from ``initial_state`` ``[N, H, D, D]``: ``(final_state [N, H, D, D] float32,
-    v_new [N, L, H, D] detached)``, where ``v_new_t = beta_t e_t`` is the per-token update (the score is its
-    norm). Context parallelism's affine summaries: from zero, X and the updates e_X; from the identity with
-    ``v = 0``, M and e_M. ``k`` is pre-l2norm, as in :func:`gdn_with_scores`.
-    """
-    _require_fla()
-    d = k.shape[-1]
-    dp = padded_head_dim(d, k.device)
-    initial_state = initial_state.to(torch.float32).contiguous()  # fla reads it as a dense [N, H, K, V]
-    if dp != d:
-        k, v = (F.pad(x, (0, dp - d)) for x in (k, v))
-        initial_state = F.pad(initial_state, (0, dp - d, 0, dp - d))
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, g, beta)):
-        ensure_backward_checked(dp, k.device)
-    final_state, v_new = _SummaryFunction.apply(k, v, g, beta, initial_state)
-    if dp != d:
-        final_state, v_new = final_state[..., :d, :d], v_new[..., :d]
-    return final_state, v_new
-
-
 def gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, chunk_indices=None,
                     output_final_state=False):
     """GDN state path through fla with the score: ``(o_state [B,T,H,D], m [B,T,H] float32, final_state or None)``.

@@ -1,66 +1,53 @@
 """Context parallelism: every row is split into ``R`` contiguous shards, one per rank of the ``cp`` mesh.
 
-Recurrent flavours (HOLA, HOLA+recency, GDN) run the sequence-parallel chunked scan of DESIGN §3;
-Transformer++ runs exact causal attention over keys and values all-gathered from the cp group.
+Recurrent flavours (HOLA, HOLA+recency, GDN) pass each layer's recurrent state and cache along the ranks, point to
+point, pipelined over the layers (DESIGN §3); Transformer++ runs exact causal attention over keys and values
+all-gathered from the cp group.
 
-Shape legend: R cp ranks, r this rank, T row length, L = T / R shard length, H heads, D head dim, C block,
-W window, K conv kernel. "Chain" c: one row of the sharded stream, followed across ranks. A local
-"sequence" is what ``hola_attention`` sees as one sequence: a row (unpacked) or a segment of a document
-inside this rank's shard (packed). Positions are positions inside a document (the cache's convention).
+Shape legend: R cp ranks, r this rank, T row length, L = T / R shard length, B rows, H heads (this rank's, under
+tensor parallelism), D head dim, C block, W window, K conv kernel. "Chain" c: one row of the sharded stream,
+followed across ranks. A local "sequence" is what ``hola_attention`` sees as one sequence: a row (unpacked) or a
+segment of a document inside this rank's shard (packed). Positions are positions inside a document.
 
 Layout (:class:`CPLayout`, built per batch from the global batch, identical on every rank of a cp group).
-Packed batches (``cu_seqlens``) of recurrent flavours are first flattened into one stream of B*T tokens,
-as the model itself flattens them, so rank r holds one contiguous piece of the global stream: the short
-convolution then needs one tail per rank (``ShortConvolution`` takes one tail per row of its input).
-Unpacked rows keep their rows: rank r holds columns ``[rL, (r+1)L)`` of each. Per chain, the first local
-sequence *continues* when its document began on an earlier rank, and the last one *crosses* when its
-document goes on past the shard end.
+Packed batches (``cu_seqlens``) of recurrent flavours are first flattened into one stream of B*T tokens, as the
+model itself flattens them, so rank r holds one contiguous piece of the global stream (one chain). Unpacked rows
+keep their rows: rank r holds columns ``[rL, (r+1)L)`` of each (one chain per row). Per chain, the first local
+sequence *continues* when its document began on an earlier rank, and the last one *crosses* when its document
+goes on past the shard end; both sides of a boundary read that from the layout, so they agree on what crosses
+without a message.
 
-The scan (one HOLA layer, every rank at once; the numbers are the order of the collectives):
-1. Summaries. The last sequence of each chain maps its incoming state affinely, ``S_out = M S_in + X``:
-   ``X`` is its final state from zero, ``M`` the final state of the run with ``v = 0`` from the identity
-   (``M = 0`` unless that sequence is also the continuing first one). (1) All-gather ``[M | X]``; chaining
-   the earlier ranks' maps gives each continuing sequence its incoming state. The same two runs give the
-   prediction errors from zero and from the identity, so the scores of the crossing sequence under the
-   true incoming state follow without another pass: ``e(S) = e_X + S^T e_M`` (the error is affine in S).
-2. Block heads. (2) All-gather the head of the block that contains each shard end: the crossing
-   sequence's tokens from the last block start of its document (< C tokens, with m, pre-norm k, v).
-3. Candidates. Each rank ranks, for each crossing document, the tokens before that last block start
-   that it holds, counting the head it received itself (top-W by score, or by position for recency),
-   and (3) all-gathers them. ``top_W(A u B) = top_W(top_W(A) u top_W(B))``, so rank r merges the lists
-   of the ranks its first document spans into the persistent cache of its first block; the received
-   head is that block's unfinished part, and ``seen`` the document tokens before the shard.
-4. ``hola_attention`` on the shard with those initial states and caches: every block reads exactly what
-   it would read in one process. Scores are detached, so selection needs no gradient.
-Each message has a constant size (H*D*2D, C or W entries per head and chain), independent of T.
+The protocol (one recurrent layer, :class:`CPLayer`). A document that crosses from rank r-1 into rank r continues
+from exactly what ``hola_attention`` over its earlier tokens returns: its final recurrent state and its
+``HolaCache`` (top-W entries with scores and positions, the unfinished block, tokens seen). So, per layer:
+1. rank r receives one message from rank r-1: the last K-1 inputs of each short convolution of every row (the
+   convolution tails), the final state of each crossing document and its cache;
+2. it runs its shard as a continuation (``hola_attention`` with those initial states and caches; every block
+   reads exactly what it reads in one process, and the scores are computed under the true incoming state);
+3. it sends its own message (its tails, the final state and cache of the documents that cross out) to rank r+1.
+Nothing is computed twice. A boundary that no document crosses (a packed shard that starts a document) carries
+no message: that rank waits for nothing. Within one layer the ranks run one after another; across layers they
+pipeline (rank r runs layer l while rank r-1 runs layer l+1), because a send does not wait for the receiver's
+next layer: a forward of n layers takes about n + R - 1 shard-layer times (``parallelisms/critical_path.py``).
+Messages have a constant size per layer: ``3 B (K-1) H D`` tail inputs, ``n H D D`` state and ``n H (W + C)``
+cache rows (keys, values, scores; positions and ``seen`` in a second, integer message), n the crossing documents.
 
-Cost. Besides the shard itself, the state path runs over the crossing sequence once from zero and, when it
-spans the shard, once more from the identity (both runs as one batch of rows). On CUDA both the shard (the
-Triton backend, which takes initial states and caches: ``hola_titan.kernels.hola_triton``) and the summaries
-(:func:`hola_titan.kernels.fla_gdn.gdn_summary`) run through fla's kernels; elsewhere the summaries run the
-fp32 reference chunked form (a Python loop over 64-token chunks: on a GPU that loop, not the exchange, was
-the step's cost). On CUDA the crossing sequences' scores are composed from bf16 updates, ``e_X + S^T e_M``,
-while one process reads them from the shard's own pass, so a score tie that bf16 rounding decides can be
-decided differently than in one process; in fp32 on the reference backend the run is the one-process function.
+Backward runs the same chain in reverse: rank r receives the gradient of the message it sent from rank r+1
+(``_Send``'s backward; a zero that the layer output carries brings backward there), the gradient flows through its
+continuation, and the gradient of the message it received goes back to rank r-1 (``_Receive``'s backward). One
+message per layer and direction, so the order of messages is the layer order on both sides of every boundary.
 
-Objects. :class:`ContextParallel` is the group (mesh, flavour constants), made once per model; the model is not
-changed. Per batch, ``shard_batch`` cuts the shard and its layout and ``batch`` makes a :class:`CPBatch`, which
-the trainer passes through ``forward`` in the model's ``BatchContext``; each recurrent layer call takes a
-:class:`CPLayer` from it (its convolution tails, then its scan). No batch's layout or per-layer handover is kept
-anywhere else, so a forward recomputed during backward reads exactly what its first run read.
+Activation checkpointing re-runs a layer's forward during backward: the layer's received messages are kept in the
+:class:`CPBatch` under the mixer (``CPBatch.layer(key)``), and a re-run reads them and sends nothing.
 
-Gradients. The exchanged ``M, X, k, v`` travel through autograd-aware all-gathers, whose backward returns
-the gradients of borrowed rows to their owners and the gradient of ``S_in`` along the chain, so every
-gradient equals the one-process run. Backward collectives must run in the same order on every rank and
-on every rank at all, even one whose shard borrows nothing (rank 0, or a shard that starts a document):
-each collective's input is tied (:func:`_tie`: identity forward, zero gradient to the tied tensors) to the
-previous collective's output, the convolution tails' all-gather being the first, and the layer output to
-the last one. Backward then meets the collectives of a layer in exactly the reverse order on every rank.
+FSDP composes: parameter collectives run at each layer in the same order on every rank, and every inter-rank
+dependency points from a layer to the same or a later one, so nothing waits in a cycle.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from dataclasses import dataclass
 
@@ -71,9 +58,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hola_titan.kernels import seqlens
 from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.hola_reference import compute_dtype, gated_delta_chunked, l2norm
+from hola_titan.kernels.hola_reference import compute_dtype
 from hola_titan.kernels.seqlens import Documents
-from hola_titan.ops import hola_attention, resolve_backend
+from hola_titan.ops import hola_attention
 
 
 @dataclass(frozen=True)
@@ -132,21 +119,6 @@ class CPLayout:
         r = self.cp_rank
         return tuple(self._chain_seqs(c)[1] if self.end_offset[r][c] > 0 else -1 for c in range(self.num_rows))
 
-    def passthrough(self, j: int, c: int) -> bool:
-        """Rank j's shard of chain c lies inside one document that began earlier and goes on after it."""
-        return self.first_offset[j][c] > 0 and self.end_offset[j][c] > 0 and self.single[j][c]
-
-    def merge_ranks(self, c: int) -> tuple[int, ...]:
-        """Ranks that hold earlier tokens of the document this rank's chain c continues (empty if none)."""
-        j = self.cp_rank - 1
-        if self.first_offset[self.cp_rank][c] == 0:
-            return ()
-        ranks = [j]
-        while self.passthrough(j, c):
-            j -= 1
-            ranks.append(j)
-        return tuple(ranks)
-
 
 def build_layout(*, cp_rank: int, cp_size: int, num_rows: int, row_len: int,
                  cu_seqlens: list[int] | None) -> CPLayout:
@@ -188,12 +160,12 @@ def build_layout(*, cp_rank: int, cp_size: int, num_rows: int, row_len: int,
                     seq_offset=tuple(seq_offset))
 
 
-def shard_batch(batch: dict, *, cp_rank: int, cp_size: int, recurrent: bool, block: int, conv_size: int) -> dict:
+def shard_batch(batch: dict, *, cp_rank: int, cp_size: int, recurrent: bool, conv_size: int) -> dict:
     """Rank ``cp_rank``'s shard of a batch that every rank of the cp group read whole, with its ``cp_layout``.
 
     Packed recurrent batches become one row of B*T tokens (then ``cu_seqlens`` holds this shard's sequences);
     unpacked rows keep their rows. Labels and position ids are sharded like the tokens. Raises ``ValueError``
-    for a packed Transformer++ batch and for shards that are not whole blocks.
+    for a packed Transformer++ batch and for shards shorter than the convolution's tails.
     """
     tokens = batch["input_ids"]
     bsz, seq_len = tokens.shape
@@ -204,9 +176,11 @@ def shard_batch(batch: dict, *, cp_rank: int, cp_size: int, recurrent: bool, blo
     layout = build_layout(cp_rank=cp_rank, cp_size=cp_size, num_rows=rows, row_len=row_len,
                           cu_seqlens=None if cu is None else cu.tolist())
     shard = layout.shard_len
-    if recurrent and (shard % block or shard < conv_size - 1):
-        raise ValueError(f"training.seq_len: the shard of {shard} tokens per cp rank must be a multiple of "
-                         f"block {block} and at least conv_size - 1 = {conv_size - 1}")
+    if recurrent and shard < conv_size - 1:
+        # A shard may end inside a block (the next rank continues the unfinished block), but the convolution
+        # tails come from the previous shard alone.
+        raise ValueError(f"training.seq_len: the shard of {shard} tokens per cp rank must hold at least "
+                         f"conv_size - 1 = {conv_size - 1} tokens")
     cols = slice(layout.shard_start, layout.shard_start + shard)
     local = {key: batch[key].reshape(rows, row_len)[:, cols] for key in ("input_ids", "labels", "position_ids")
              if key in batch}
@@ -244,24 +218,6 @@ def _gather_flat(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class _Tie(torch.autograd.Function):
-    """``x`` unchanged; backward also sends zero gradients to ``deps`` (orders the backward collectives)."""
-
-    @staticmethod
-    def forward(ctx, x, *deps):
-        ctx.metas = [(d.shape, d.dtype, d.device) for d in deps]
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.metas))
-
-
-def _tie(x: torch.Tensor, *deps: torch.Tensor | None) -> torch.Tensor:
-    deps = tuple(d for d in deps if d is not None and d.requires_grad)
-    return _Tie.apply(x, *deps) if deps and torch.is_grad_enabled() else x
-
-
 class ContextParallel:
     """The context-parallel group of one model: the cp mesh and the flavour's constants, made once.
 
@@ -272,7 +228,7 @@ class ContextParallel:
     received in forward collectives since it was last reset.
     """
 
-    def __init__(self, cp_mesh: DeviceMesh, *, recurrent: bool, conv_size: int, block: int):
+    def __init__(self, cp_mesh: DeviceMesh, *, recurrent: bool, conv_size: int):
         # The mesh, not its ProcessGroup: a group object that outlives destroy_process_group into interpreter
         # shutdown makes gloo abort the process.
         self.mesh = cp_mesh
@@ -280,7 +236,6 @@ class ContextParallel:
         self.cp_size = cp_mesh.size()
         self.recurrent = recurrent
         self.conv_size = conv_size
-        self.block = block
         self.bytes_received = 0
         # Benchmarks set time_collectives to add each forward all-gather's wall time (device synchronised before
         # and after, so it serialises the layer: time with it off) to comm_seconds.
@@ -292,7 +247,7 @@ class ContextParallel:
     def shard_batch(self, batch: dict) -> dict:
         """This rank's shard of ``batch`` (:func:`shard_batch`)."""
         return shard_batch(batch, cp_rank=self.cp_rank, cp_size=self.cp_size, recurrent=self.recurrent,
-                           block=self.block, conv_size=self.conv_size)
+                           conv_size=self.conv_size)
 
     def batch(self, layout: CPLayout) -> CPBatch:
         """The per-batch view of ``layout`` (this rank's), for the model's ``BatchContext.cp``."""
@@ -332,6 +287,7 @@ class CPBatch:
         self.layout = layout
         self.cp_rank, self.cp_size = group.cp_rank, group.cp_size
         self._memo: dict = {}
+        self._handover: dict = {}  # per layer key: what it received, and whether its forward ran (CPLayer)
 
     @property
     def shard_start(self) -> int:
@@ -351,9 +307,11 @@ class CPBatch:
     def _gather(self, x: torch.Tensor, *, differentiable: bool) -> torch.Tensor:
         return self.group._gather(x, differentiable=differentiable)
 
-    def layer(self) -> CPLayer:
-        """The scan of one recurrent layer call (its convolution tails, then its attention)."""
-        return CPLayer(self)
+    @torch.compiler.disable
+    def layer(self, key, *, head_dim: int, window: int, block: int, evict: str) -> CPLayer:
+        """One recurrent layer call (its convolution tails, then its attention). ``key`` names the layer (the
+        mixer module): a second call with the same key is its forward re-run under activation checkpointing."""
+        return CPLayer(self, key, head_dim=head_dim, window=window, block=block, evict=evict)
 
     @torch.compiler.disable
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -369,29 +327,137 @@ class CPBatch:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=kj <= qi)
 
 
-class CPLayer:
-    """One recurrent layer call under context parallelism: :meth:`conv_tails`, then :meth:`attention`, which
-    ties its collectives to the tails' all-gather (so backward meets them in order on every rank). Made per
-    call (``CPBatch.layer``); a recomputed forward makes a fresh one."""
+def _unrecorded():
+    """Ops that op-level selective activation checkpointing must not see: it records every op of a block's first
+    forward and requires its re-run to make the same ones, while the first run receives and sends and the re-run
+    reads what was kept. (PyTorch's own torch.utils.checkpoint uses this context to step outside its modes.)"""
+    from torch.utils._python_dispatch import _disable_current_modes
+    return _disable_current_modes()
 
-    def __init__(self, cp: CPBatch):
-        self.cp = cp
-        self._tails: torch.Tensor | None = None
+
+class _Receive(torch.autograd.Function):
+    """Forward: the message rank ``src`` sent, into a buffer like ``template`` (or, when a checkpointed forward
+    runs again, ``replay``: what the first run received). Backward: its gradient sent back to ``src``. ``anchor``
+    (an input that requires grad) puts the call in the graph."""
+
+    @staticmethod
+    def forward(ctx, anchor, template, replay, group, src):
+        ctx.group, ctx.src = group, src
+        with _unrecorded():
+            if replay is not None:
+                return replay.clone()
+            buf = torch.empty_like(template)
+            dist.recv(buf, src=src, group=group)
+            return buf
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist.send(grad.contiguous(), dst=ctx.src, group=ctx.group)
+        return None, None, None, None, None
+
+
+class _Send(torch.autograd.Function):
+    """Forward: ``message`` sent to rank ``dst`` (not when ``replay``: a checkpointed forward running again);
+    returns a zero scalar that the caller adds to its output, so that backward reaches here. Backward: the
+    message's gradient, received from ``dst``."""
+
+    @staticmethod
+    def forward(ctx, message, replay, group, dst):
+        ctx.group, ctx.dst = group, dst
+        ctx.meta = (message.shape, message.dtype, message.device)
+        with _unrecorded():
+            if not replay:
+                dist.send(message.detach().contiguous(), dst=dst, group=group)
+        return message.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_token):
+        shape, dtype, device = ctx.meta
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(buf, src=ctx.dst, group=ctx.group)
+        return buf, None, None, None
+
+
+@dataclass(frozen=True)
+class _Message:
+    """The parts of one boundary's message for one layer, in order, as ``(name, shape)``: float parts (in the
+    compute dtype, differentiable) and integer parts (int64). ``n`` crossing documents."""
+
+    floats: tuple[tuple[str, tuple[int, ...]], ...]
+    ints: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @classmethod
+    def of(cls, *, rows: int, k1: int, width: int, n: int, h: int, d: int, window: int, block: int,
+           has_cache: bool) -> _Message:
+        floats = [("tails", (3, rows, k1, width)), ("state", (n, h, d, d))]
+        ints = []
+        if has_cache:
+            floats += [("k", (n, h, window, d)), ("v", (n, h, window, d)), ("buf_k", (n, h, block, d)),
+                       ("buf_v", (n, h, block, d)), ("scores", (n, h, window)), ("buf_scores", (n, h, block))]
+            ints += [("positions", (n, h, window)), ("seen", (n,))]
+        return cls(floats=tuple(floats), ints=tuple(ints))
+
+    @staticmethod
+    def size(parts) -> int:
+        return sum(math.prod(shape) for _, shape in parts)
+
+    @staticmethod
+    def pack(parts, values: dict, dtype) -> torch.Tensor:
+        return torch.cat([values[name].reshape(-1).to(dtype) for name, _ in parts])
+
+    @staticmethod
+    def unpack(parts, flat: torch.Tensor) -> dict:
+        out, at = {}, 0
+        for name, shape in parts:
+            size = math.prod(shape)
+            out[name] = flat[at:at + size].view(shape)
+            at += size
+        return out
+
+
+class CPLayer:
+    """One recurrent layer call under context parallelism (module docstring): :meth:`conv_tails` receives the
+    message of rank r-1, :meth:`attention` runs the shard as its continuation and sends this rank's message to rank
+    r+1. Made per call by ``CPBatch.layer(key)``; what it received is kept in the batch under ``key``, so that a
+    forward re-run under activation checkpointing reads the same and sends nothing."""
+
+    def __init__(self, cp: CPBatch, key, *, head_dim: int, window: int, block: int, evict: str):
+        self.cp, self.layout = cp, cp.layout
+        self.head_dim, self.window, self.block, self.evict = head_dim, window, block, evict
+        self._kept = cp._handover.setdefault(key, {})
+        self.replay = "done" in self._kept
+        r, layout = self.layout.cp_rank, self.layout
+        self.chains_in = [c for c in range(layout.num_rows) if r > 0 and layout.first_offset[r][c] > 0]
+        self.chains_out = [c for c in range(layout.num_rows) if layout.end_offset[r][c] > 0]
+        self._received: dict | None = None
+        self._tails_out: torch.Tensor | None = None
+
+    def _message(self, *, tail_rows: int, width: int, n: int) -> _Message:
+        """The message's parts: ``tail_rows`` rows of convolution tails (0 for a call of :meth:`attention`
+        alone, without :meth:`conv_tails`), ``width = H D``, ``n`` crossing documents."""
+        return _Message.of(rows=tail_rows, k1=self.cp.group.conv_size - 1, width=width, n=n,
+                           h=width // self.head_dim, d=self.head_dim, window=self.window, block=self.block,
+                           has_cache=self.evict != "none")
 
     # Under a compiled block, the two calls run eagerly (a graph break each): they read the batch's layout in Python
-    # and run collectives; the block's other work (norms, convolutions, MLP) is still compiled.
+    # and send and receive; the block's other work (norms, convolutions, MLP) is still compiled.
     @torch.compiler.disable
     def conv_tails(self, xs: list[torch.Tensor], positions: torch.Tensor | None):
         """The previous shard's last ``K-1`` inputs of each short convolution and, per token, whether its
-        document began on an earlier rank. Inputs of another document are zero in the tails."""
-        cp, layout = self.cp, self.cp.layout
+        document began on an earlier rank. Inputs of another document are zero in the tails. Receives this
+        layer's message from rank r-1 (nothing when no document crosses into this shard)."""
+        cp, layout = self.cp, self.layout
         if layout.packed and layout.num_rows > 1:
             raise ValueError("cu_seqlens: a packed cp shard must be one stream (shard_batch flattens packed rows)")
         r, k1 = cp.cp_rank, cp.group.conv_size - 1
         bsz, seq_len = xs[0].shape[:2]
-        gathered = cp._gather(torch.stack([x[:, seq_len - k1:] for x in xs]), differentiable=True)
-        self._tails = gathered
+        self._tails_out = torch.stack([x[:, seq_len - k1:] for x in xs])  # [3, B, K-1, H*D]
         device = xs[0].device
+        if self.chains_in:
+            self._received = self._receive(xs[0], tail_rows=bsz)
+            tails = self._received["tails"].to(xs[0].dtype)
+        else:
+            tails = torch.zeros_like(self._tails_out)
 
         def masks():
             valid = torch.zeros(bsz, k1, dtype=torch.bool)
@@ -410,33 +476,140 @@ class CPLayer:
             return seqlens.to_device(valid, device), seqlens.to_device(continues, device)
 
         valid, continues = cp.memo(("conv", bsz, seq_len, k1, device), masks)
-        tails = torch.where(valid[None, :, :, None], gathered[(r - 1) % cp.cp_size], 0)
+        tails = torch.where(valid[None, :, :, None], tails, 0)
         return list(tails.unbind(0)), continues
+
+    def _receive(self, anchor: torch.Tensor, *, tail_rows: int) -> dict:
+        """This layer's message from rank r-1, as named parts (a re-run reads the first run's); ``anchor``
+        ``[B, T, H*D]``."""
+        cp = self.cp
+        spec = self._message(tail_rows=tail_rows, width=anchor.shape[-1], n=len(self.chains_in))
+        cdt = compute_dtype(anchor.dtype)
+        group, src = cp.group.mesh.get_group(), dist.get_global_rank(cp.group.mesh.get_group(), cp.cp_rank - 1)
+        template = None
+        if not self.replay:
+            with _unrecorded():
+                ints = torch.empty(_Message.size(spec.ints), dtype=torch.int64, device=anchor.device)
+                if spec.ints:
+                    dist.recv(ints, src=src, group=group)
+                template = anchor.new_empty(_Message.size(spec.floats), dtype=cdt)
+            cp.group.bytes_received += ints.numel() * 8 + template.numel() * template.element_size()
+            self._kept["ints"] = ints
+        replay = self._kept.get("floats")
+        if torch.is_grad_enabled() and anchor.requires_grad:
+            floats = _Receive.apply(anchor, template, replay, group, src)
+        elif self.replay:
+            floats = replay
+        else:
+            with _unrecorded():
+                floats = torch.empty_like(template)
+                dist.recv(floats, src=src, group=group)
+        if not self.replay:
+            self._kept["floats"] = floats.detach()
+        return {**_Message.unpack(spec.floats, floats), **_Message.unpack(spec.ints, self._kept["ints"])}
 
     @torch.compiler.disable
     def attention(self, q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int = 64, block: int = 256,
                   evict: str = "score", cu_seqlens=None, documents: Documents | None = None, initial_state=None,
                   output_final_state: bool = False, initial_cache=None, output_final_cache: bool = False,
                   backend: str = "auto", overlap_backward: bool = False):
-        """``hola_attention`` over this rank's shard, continuing the states and caches of the earlier ranks
-        (the module docstring); same signature and result as ``hola_attention``, without decoding options.
-        ``overlap_backward`` is accepted and not used: the shards run the layered form."""
+        """``hola_attention`` over this rank's shard as the continuation of what rank r-1 sent (the module
+        docstring); same signature and result as ``hola_attention``, without decoding options.
+        ``overlap_backward`` is accepted and not used: continuing shards run the layered form."""
         if initial_state is not None or initial_cache is not None or output_final_state or output_final_cache:
             raise ValueError("initial_state: context parallelism runs whole training rows; states and caches "
                              "of a call are not available under it")
+        if (window, block, evict) != (self.window, self.block, self.evict):
+            raise ValueError(f"window/block/evict: the call's ({window}, {block}, {evict}) differ from the layer's "
+                             f"({self.window}, {self.block}, {self.evict}) given to CPBatch.layer")
         if cu_seqlens is not None:
             if documents is not None:
                 raise ValueError("cu_seqlens: give cu_seqlens or documents, not both")
             documents = Documents.of(cu_seqlens, seq_len=q.shape[0] * q.shape[1], device=q.device)
-        layout = self.cp.layout
-        _check_local(layout, q, documents, block)
-        tails, self._tails = self._tails, None
-        o = _scan(self.cp, layout, q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block,
-                  evict=evict, documents=documents, backend=backend, tails=tails)
+        layout, cp = self.layout, self.cp
+        _check_local(layout, q, documents)
+        _, _, h, d = q.shape
+        device, cdt, has_cache = q.device, compute_dtype(q.dtype), evict != "none"
+        num_seqs = len(layout.seq_start)
+        want_out = bool(self.chains_out)
+        common = dict(window=window, block=block, evict=evict, backend=backend)
+        cache_params = (gamma_q, gamma_k, sink, gate)
+        split = layout.packed and bool(self.chains_in) and num_seqs > 1
+        # ``split``: the continuing document alone, as one row, then the documents that start in this shard as a
+        # fresh packed call. The Triton backend continues rows by a concatenation and packed documents by a
+        # permutation of all the call's tokens (hola_titan.kernels.hola_triton). The continuing document is then
+        # not the one that crosses out (that would be the shard's only document).
+        initial_state = initial_cache = None
+        if self.chains_in:
+            if self._tails_out is None:  # attention alone: the message has no convolution tails
+                self._received = self._receive(q.flatten(2), tail_rows=0)
+            got = self._received
+            n_call = 1 if split else num_seqs  # the sequences of the call that continues
+            seqs = cp.memo(("seqs_in", device), lambda: seqlens.to_device(
+                torch.tensor([layout.in_seq[c] for c in self.chains_in], dtype=torch.int64), device))
+            # Documents that start in this shard start from a zero state and an empty cache, as in one process.
+            initial_state = q.new_zeros(n_call, h, d, d, dtype=cdt).index_copy(0, seqs, got["state"])
+            if has_cache:
+                fresh = HolaCache.empty(n_call, h, d, window=window, block=block, evict=evict, dtype=q.dtype,
+                                        device=device, score_dtype=cdt)
+                parts = dict(k=got["k"].to(q.dtype), v=got["v"].to(q.dtype), buf_k=got["buf_k"].to(q.dtype),
+                             buf_v=got["buf_v"].to(q.dtype), scores=got["scores"].detach(),
+                             buf_scores=got["buf_scores"].detach(), positions=got["positions"], seen=got["seen"])
+                initial_cache = HolaCache(**{name: getattr(fresh, name).index_copy(0, seqs, parts[name])
+                                             for name in HolaCache._TENSORS},
+                                          window=window, block=block, evict=evict)
+        if split:
+            n0 = layout.seq_len[0]
+            rest_docs = cp.memo(("rest_docs", device), lambda: Documents.from_host(
+                torch.tensor([s - n0 for s in layout.local_cu_seqlens[1:]], dtype=torch.int64), device=device,
+                seq_len=layout.shard_len - n0))
+            o_first = hola_attention(*(x[:, :n0] for x in (q, k, v, g, beta)), *cache_params,
+                                     initial_state=initial_state, initial_cache=initial_cache, **common)[0]
+            result = hola_attention(*(x[:, n0:] for x in (q, k, v, g, beta)), *cache_params, documents=rest_docs,
+                                    output_final_state=want_out, output_final_cache=want_out and has_cache, **common)
+            result = (torch.cat([o_first, result[0]], dim=1), *result[1:])
+        else:
+            result = hola_attention(q, k, v, g, beta, *cache_params, documents=documents,
+                                    initial_state=initial_state, initial_cache=initial_cache,
+                                    output_final_state=want_out, output_final_cache=want_out and has_cache, **common)
+        o = result[0]
+        if want_out:
+            # The final states and caches of the call's sequences (without the first one when split).
+            o = o + self._send(result, q, shift=int(split)).to(o.dtype)  # a zero that carries backward to _Send
+        self._kept["done"] = True
         return o, None
 
+    def _send(self, result, q: torch.Tensor, *, shift: int) -> torch.Tensor:
+        """Sends this layer's message to rank r+1; returns ``_Send``'s zero token. ``result`` holds the final
+        states and caches of the shard's sequences from ``shift`` on."""
+        cp, layout, device = self.cp, self.layout, q.device
+        h, d = q.shape[2:]
+        seqs = cp.memo(("seqs_out", shift, device), lambda: seqlens.to_device(
+            torch.tensor([layout.out_seq[c] - shift for c in self.chains_out], dtype=torch.int64), device))
+        tails = self._tails_out
+        if tails is None:
+            tails = q.new_zeros(3, 0, self.cp.group.conv_size - 1, h * d)
+        spec = self._message(tail_rows=tails.shape[1], width=h * d, n=len(self.chains_out))
+        values = {"tails": tails, "state": result[1].index_select(0, seqs)}
+        if self.evict != "none":
+            final = result[2]
+            values.update({name: getattr(final, name).index_select(0, seqs) for name in HolaCache._TENSORS})
+            values["scores"], values["buf_scores"] = values["scores"].detach(), values["buf_scores"].detach()
+        group = cp.group.mesh.get_group()
+        dst = dist.get_global_rank(group, cp.cp_rank + 1)
+        if spec.ints and not self.replay:
+            with _unrecorded():
+                dist.send(_Message.pack(spec.ints, values, torch.int64), dst=dst, group=group)
+        floats = _Message.pack(spec.floats, values, compute_dtype(q.dtype))
+        if torch.is_grad_enabled() and floats.requires_grad:
+            return _Send.apply(floats, self.replay, group, dst)
+        if not self.replay:
+            with _unrecorded():
+                dist.send(floats.detach(), dst=dst, group=group)
+        return floats.new_zeros(())
 
-def _check_local(layout: CPLayout, q: torch.Tensor, documents: Documents | None, block: int) -> None:
+
+def _check_local(layout: CPLayout, q: torch.Tensor, documents: Documents | None) -> None:
     rows, shard = layout.num_rows, layout.shard_len
     expected = (1, rows * shard) if layout.packed else (rows, shard)
     if tuple(q.shape[:2]) != expected:
@@ -444,281 +617,9 @@ def _check_local(layout: CPLayout, q: torch.Tensor, documents: Documents | None,
     if layout.packed != (documents is not None) or (
             documents is not None and documents.host.tolist() != layout.local_cu_seqlens):
         raise ValueError("cu_seqlens: differs from the cp layout's local sequences")
-    if shard % block:
-        raise ValueError(f"block: the shard of {shard} tokens is not a multiple of block {block}")
-
-
-def _scan(cp: CPBatch, layout: CPLayout, q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int,
-          block: int, evict: str, documents: Documents | None, backend: str, tails) -> torch.Tensor:
-    """The sequence-parallel scan of one layer (module docstring): the output ``[B, T_local, H, D]``."""
-    bx, tx, h, d = q.shape
-    cdt, device = compute_dtype(q.dtype), q.device
-    r, cp_size = layout.cp_rank, cp.cp_size
-    ntok = bx * tx
-
-    def flat(x, dtype):  # [B, T, ...] -> [B*T + 1, ...] with a zero padding slot at the end
-        x = x.reshape(ntok, *x.shape[2:]).to(dtype)
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])], dim=0)
-
-    rows = cp.memo(("crossing", ntok, device), lambda: _Crossing.of(layout, ntok, device))
-    # fla's kernels where the shard itself runs on them; they take the inputs in their own dtypes.
-    fla = q.is_cuda and q.dtype != torch.float64 and resolve_backend(backend, device) != "reference"
-    k_f, v_f, g_f, beta_f = (flat(x, x.dtype if fla else cdt) for x in (k, v, g, beta))
-
-    # 1. State: summaries of the crossing sequences, all-gathered and chained into the incoming states. The
-    # tie to the tails (to k without them) makes the message require grad on every rank, so that its
-    # all-gather has a backward everywhere, even where there is nothing to summarise.
-    summary, err_x, err_m, beta_rows = _summaries(rows, k_f, v_f, g_f, beta_f, h, d, fla=fla, cdt=cdt)
-    summaries = cp._gather(_tie(summary, tails if tails is not None else k), differentiable=True)
-    last = summaries  # [R, chains, H, D, 2D]
-    s_in = torch.zeros(layout.num_rows, h, d, d, dtype=cdt, device=device)
-    for j in range(r):  # in fp32 (fp64 for fp64 inputs): the chain of maps amplifies rounding
-        s_in = summaries[j, ..., :d] @ s_in + summaries[j, ..., d:]
-    cont = [c for c, n in enumerate(layout.in_seq) if n >= 0]
-    cont_chains, cont_seqs = cp.memo(("cont", device), lambda: (
-        seqlens.to_device(torch.tensor(cont, dtype=torch.int64), device),
-        seqlens.to_device(torch.tensor([layout.in_seq[c] for c in cont], dtype=torch.int64), device)))
-    # Without a continuing sequence (rank 0, or a shard that starts a document) the shard makes the plain call:
-    # no initial state, and no cache, with which the Triton backend would take its extended row layout (the same
-    # function at ~200 more operations and copies of q, k, v per layer).
-    initial_state = None
-    if cont:
-        initial_state = torch.zeros(len(layout.seq_start), h, d, d, dtype=cdt, device=device).index_put(
-            (cont_seqs,), s_in.index_select(0, cont_chains))
-
-    initial_cache = None
-    if evict != "none":
-        prev = (r - 1) % cp_size
-        # Entries travel as [k | v] in the input dtype (what the cache stores), scores and positions in float64.
-        kv_rows = _take(torch.cat([flat(k, k.dtype), flat(v, v.dtype)], dim=-1), rows.index).transpose(1, 2)
-        m_rows = _crossing_scores(rows, err_x, err_m, beta_rows, s_in.detach(), h, cdt)
-
-        # 2. The head of the block that contains the shard end, from the last block start of its document.
-        head_m, head_kv = _block_head(cp, layout, rows, m_rows, kv_rows, block)
-        heads_m = cp._gather(head_m.double(), differentiable=False)  # [R, chains, H, C]
-        heads_kv = cp._gather(_tie(head_kv, last), differentiable=True)  # [R, chains, H, C, 2D]
-        last = heads_kv
-
-        # 3. Top-W candidates before that block start, counting the head received from rank r-1.
-        top = None
-        if window > 0:
-            top_m, top_pos, top_kv = _candidates(cp, layout, rows, m_rows, kv_rows, heads_m[prev].to(cdt),
-                                                 heads_kv[prev], block=block, window=window, evict=evict)
-            cands_meta = cp._gather(torch.stack([top_m.double(), top_pos.double()], dim=-1), differentiable=False)
-            cands_kv = cp._gather(_tie(top_kv, last), differentiable=True)  # [R, chains, H, W, 2D]
-            last = cands_kv
-            if cont:
-                top = _merge_candidates(cp, layout, cont, cont_chains, cands_meta, cands_kv, window=window,
-                                        evict=evict, cdt=cdt)
-
-        # 4. Initial caches of the continuing sequences: merged candidates, the received head, tokens seen.
-        if cont:
-            seen = cp.memo(("seen", device), lambda: seqlens.to_device(
-                torch.tensor([layout.first_offset[r][c] for c in cont], dtype=torch.int64), device))
-            initial_cache = _initial_cache(len(layout.seq_start), h, d, window, block, evict, cont_seqs, top,
-                                           heads_m[prev].index_select(0, cont_chains),
-                                           heads_kv[prev].index_select(0, cont_chains), seen, q.dtype, cdt, device)
-
-    o, _ = hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
-                          documents=documents, initial_state=initial_state, initial_cache=initial_cache,
-                          backend=backend)
-    return _tie(o, last)
-
-
-@dataclass(frozen=True)
-class _Crossing:
-    """The crossing sequence of every chain as a row of ``L + 1`` slots: flat token ``index`` ([chains, L + 1],
-    ``B*T`` for an empty slot: past its end, a chain without one, and the last column, so that a gather at
-    column L is empty) and document ``positions`` (-1 empty)."""
-
-    index: torch.Tensor
-    positions: torch.Tensor
-    length: tuple[int, ...]
-    passthrough: torch.Tensor  # [chains] bool
-    needs_map: bool  # some chain passes through, so M is not zero
-    present: bool
-
-    @classmethod
-    def of(cls, layout: CPLayout, ntok: int, device) -> _Crossing:
-        rows, shard, r = layout.num_rows, layout.shard_len, layout.cp_rank
-        index = torch.full((rows, shard + 1), ntok, dtype=torch.int64)
-        positions = torch.full((rows, shard + 1), -1, dtype=torch.int64)
-        length = []
-        for c, n in enumerate(layout.out_seq):
-            size = layout.seq_len[n] if n >= 0 else 0
-            if n >= 0:
-                index[c, :size] = torch.arange(layout.seq_start[n], layout.seq_start[n] + size)
-                positions[c, :size] = torch.arange(layout.seq_offset[n], layout.seq_offset[n] + size)
-            length.append(size)
-        passthrough = [layout.passthrough(r, c) for c in range(rows)]
-        return cls(index=seqlens.to_device(index, device), positions=seqlens.to_device(positions, device),
-                   length=tuple(length), passthrough=seqlens.to_device(torch.tensor(passthrough), device),
-                   needs_map=any(passthrough), present=any(length))
-
-
-def _summaries(rows: _Crossing, k_f, v_f, g_f, beta_f, h: int, d: int, *, fla: bool, cdt: torch.dtype):
-    """``[M | X]`` per chain ([chains, H, D, 2D], ``cdt``), the errors from zero and from the identity (detached,
-    [chains, L, H, D]) and the factor that turns their norms into scores: beta on the rows, or None where the
-    errors already carry it (fla's per-token updates are ``beta_t e_t``). X: the final state from zero; M: the
-    final state with ``v = 0`` from the identity, zero unless the chain passes through (then the crossing
-    sequence is the continuing one)."""
-    chains, shard = rows.index.shape[0], rows.index.shape[1] - 1
-    zero = torch.zeros(chains, h, d, d, dtype=cdt, device=k_f.device)
-    if not rows.present:
-        return torch.cat([zero, zero], dim=-1), None, None, None
-    index = rows.index[:, :shard]
-    k, v, g, beta = (_take(x, index) for x in (k_f, v_f, g_f, beta_f))
-    runs = 2 if rows.needs_map else 1  # both runs as one batch of rows
-    eye = torch.eye(d, dtype=cdt, device=k_f.device).expand(chains, h, d, d)
-    state0 = torch.cat([zero, eye][:runs])
-    values = torch.cat([v, torch.zeros_like(v)][:runs])
-    k, g, beta_runs = (torch.cat([x] * runs) for x in (k, g, beta))
-    if fla:
-        from hola_titan.kernels.fla_gdn import gdn_summary
-        final, err = gdn_summary(k, values, g, beta_runs, state0)
-        final, err, beta = final.to(cdt), err.to(cdt), None
-    else:
-        kh = l2norm(k)
-        _, err, final = gated_delta_chunked(kh, kh, values, g, beta_runs, state0, d ** -0.5, with_output=False)
-    x_state, err_x = final[:chains], err[:chains].detach()
-    m_map, err_m = zero, None
-    if rows.needs_map:
-        m_map = torch.where(rows.passthrough[:, None, None, None], final[chains:], 0)
-        err_m = err[chains:].detach()
-    return torch.cat([m_map, x_state], dim=-1), err_x, err_m, beta
-
-
-@torch.no_grad()
-def _crossing_scores(rows: _Crossing, err_x, err_m, beta, s_in, h: int, cdt) -> torch.Tensor:
-    """Scores m of the crossing rows under the true incoming state ([chains, L + 1, H], -inf empty): the error is
-    affine in the incoming state, ``e(S) = e_X + S^T e_M`` (``beta`` None: the errors are already scaled by it)."""
-    chains, slots = rows.index.shape
-    m_rows = torch.full((chains, slots, h), float("-inf"), dtype=cdt, device=rows.index.device)
-    if rows.present:
-        err = err_x
-        if err_m is not None:
-            err = err + torch.where(rows.passthrough[:, None, None, None],
-                                    torch.einsum("chkv,clhk->clhv", s_in, err_m), 0)
-        empty = rows.positions[:, :slots - 1, None] < 0
-        m = err.norm(dim=-1) if beta is None else err.norm(dim=-1) * beta
-        m_rows[:, :slots - 1] = m.masked_fill(empty, float("-inf"))
-    return m_rows
-
-
-def _block_head(cp: ContextParallel, layout: CPLayout, rows: _Crossing, m_rows, kv_rows, block: int):
-    """Scores [chains, H, C] and [k | v] [chains, H, C, 2D] of the crossing rows' last ``E % C`` tokens (E: the
-    document position at the shard end), in the first slots; the rest empty."""
-    chains, h = m_rows.shape[0], m_rows.shape[2]
-
-    def columns():
-        cols = torch.full((chains, block), rows.index.shape[1] - 1, dtype=torch.int64)
-        for c in range(chains):
-            size = layout.end_offset[layout.cp_rank][c] % block if rows.length[c] else 0
-            cols[c, :size] = torch.arange(rows.length[c] - size, rows.length[c])
-        return seqlens.to_device(cols, m_rows.device)
-
-    cols = cp.memo(("head_cols", block, m_rows.device), columns)
-    head_m = m_rows.gather(1, cols[..., None].expand(chains, block, h)).transpose(1, 2)
-    head_kv = kv_rows.gather(2, cols[:, None, :, None].expand(chains, h, block, kv_rows.shape[-1]))
-    return head_m, head_kv
-
-
-def _candidates(cp: ContextParallel, layout: CPLayout, rows: _Crossing, m_rows, kv_rows, recv_m, recv_kv, *,
-                block: int, window: int, evict: str):
-    """This rank's top-W list per chain ([chains, H, W] scores and positions, [chains, H, W, 2D] entries): among
-    the crossing document's tokens before the last block start, the received head (only when the chain passes
-    through, so that the head belongs to the same document) and this rank's own tokens."""
-    r, chains, shard = layout.cp_rank, layout.num_rows, layout.shard_len
-    device = m_rows.device
-
-    def positions():
-        recv_pos = torch.full((chains, block), -1, dtype=torch.int64)
-        limit = []
-        for c in range(chains):
-            if layout.passthrough(r, c):
-                count = layout.first_offset[r][c] % block
-                recv_pos[c, :count] = torch.arange(layout.first_offset[r][c] - count, layout.first_offset[r][c])
-            end = layout.end_offset[r][c]
-            limit.append(end - end % block)
-        pos = torch.cat([seqlens.to_device(recv_pos, device), rows.positions[:, :shard]], dim=1)  # ascending
-        limit = seqlens.to_device(torch.tensor(limit, dtype=torch.int64), device)
-        return torch.where((pos >= 0) & (pos < limit[:, None]), pos, -1)
-
-    pos = cp.memo(("candidate_positions", block, device), positions)
-    m = torch.cat([recv_m, m_rows[:, :shard].transpose(1, 2)], dim=-1)
-    kv = torch.cat([recv_kv, kv_rows[:, :, :shard]], dim=2)
-    return _top_w(m, pos[:, None, :].expand_as(m), kv, window, evict)
-
-
-def _merge_candidates(cp: ContextParallel, layout: CPLayout, cont: list[int], cont_chains, cands_meta, cands_kv, *,
-                      window: int, evict: str, cdt):
-    """Persistent caches of the continuing sequences of chains ``cont`` (``cont_chains`` on the device): top-W of
-    the lists of the ranks their document spans (``merge_ranks``), as a dict of scores, positions and entries."""
-    size, device = cands_meta.shape[0], cands_kv.device
-    use = cp.memo(("merge_ranks", size, device), lambda: seqlens.to_device(
-        torch.tensor([[j in layout.merge_ranks(c) for j in range(size)] for c in cont]), device))
-    meta = cands_meta.index_select(1, cont_chains).permute(1, 2, 0, 3, 4)  # [n, H, R, W, 2]
-    m = meta[..., 0].flatten(2).to(cdt)
-    pos = torch.where(use[:, None, :, None], meta[..., 1], -1).flatten(2).long()
-    kv = cands_kv.index_select(1, cont_chains).permute(1, 2, 0, 3, 4).flatten(2, 3)
-    # Position order first (the lists of different ranks interleave nothing, but come rank by rank), so that
-    # the stable sort by key in _top_w breaks ties by position.
-    order = torch.sort(pos.masked_fill(pos < 0, torch.iinfo(torch.int64).max), dim=-1, stable=True).indices
-    top = _top_w(m.gather(-1, order), pos.gather(-1, order), _gather_entries(kv, order), window, evict)
-    return dict(zip(("m", "pos", "kv"), top))
-
-
-def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[index]`` for rows of flat tokens, through ``index_select``: its backward is an ``index_add``, where
-    advanced indexing's backward sorts the indices (on a GPU, 4 ms per call at 32k tokens, 8 calls per layer)."""
-    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
-
-
-def _gather_entries(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x [..., E, F], idx [..., K] -> [..., K, F]."""
-    return x.gather(-2, idx[..., None].expand(*idx.shape, x.shape[-1]))
-
-
-def _top_w(m: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, w: int, evict: str):
-    """The ``w`` best valid entries (``pos >= 0``) of candidates laid out in ascending position, in selection
-    order: larger key first (score, or position for recency), ties by lower position. Empty slots: score
-    -inf, position -1, zero k and v. m, pos [..., E]; kv [..., E, F]."""
-    valid = pos >= 0
-    if m.shape[-1] < w:  # fewer candidates than slots: pad with empty ones
-        extra = w - m.shape[-1]
-        m = F.pad(m, (0, extra), value=float("-inf"))
-        pos = F.pad(pos, (0, extra), value=-1)
-        valid = F.pad(valid, (0, extra), value=False)
-        kv = F.pad(kv, (0, 0, 0, extra))
-    key = pos.to(m.dtype) if evict == "recency" else m
-    key = key.masked_fill(~valid, float("-inf"))
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :w]
-    ok = valid.gather(-1, order)
-    top_m = m.gather(-1, order).masked_fill(~ok, float("-inf"))
-    top_pos = pos.gather(-1, order).masked_fill(~ok, -1)
-    top_kv = torch.where(ok[..., None], _gather_entries(kv, order), 0)
-    return top_m, top_pos, top_kv
-
-
-def _initial_cache(num_seqs, h, d, w, c_blk, evict, cont_seqs, top, head_m, head_kv, seen, in_dtype, cdt,
-                   device) -> HolaCache:
-    """A :class:`HolaCache` for the local sequences: empty, except for the continuing ones (rows ``cont_seqs``)."""
-    cache = HolaCache.empty(num_seqs, h, d, window=w, block=c_blk, evict=evict, dtype=in_dtype, device=device,
-                            score_dtype=cdt)
-    put = lambda base, value: base.index_put((cont_seqs,), value.to(base.dtype))  # noqa: E731
-    if top is not None:
-        cache.scores = put(cache.scores, top["m"])
-        cache.positions = put(cache.positions, top["pos"])
-        cache.k = put(cache.k, top["kv"][..., :d])
-        cache.v = put(cache.v, top["kv"][..., d:])
-    cache.buf_scores = put(cache.buf_scores, head_m)
-    cache.buf_k = put(cache.buf_k, head_kv[..., :d])
-    cache.buf_v = put(cache.buf_v, head_kv[..., d:])
-    cache.seen = put(cache.seen, seen)
-    return cache
 
 
 def context_parallel_for(args, cp_mesh: DeviceMesh) -> ContextParallel:
     """The :class:`ContextParallel` of a model with ``ModelArgs`` ``args`` over ``cp_mesh``. The model itself is
     not changed: every batch's :class:`CPBatch` reaches its layers through ``forward``."""
-    return ContextParallel(cp_mesh, recurrent=args.is_recurrent, conv_size=args.conv_size, block=args.block)
+    return ContextParallel(cp_mesh, recurrent=args.is_recurrent, conv_size=args.conv_size)

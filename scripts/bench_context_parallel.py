@@ -1,13 +1,14 @@
-"""One HOLA token mixer under context parallelism: forward + backward time, communication, peak memory.
+"""A stack of HOLA token mixers under context parallelism: forward + backward time, bytes received, peak memory.
 
 Every rank draws the same whole row (one document of T tokens, or ``--docs`` equal documents), keeps its shard
-and runs ``ContextParallel.attention`` (the exact sequence-parallel scan of ``hola_titan.parallelisms``) forward
-and backward; rank 0 then runs ``hola_attention`` on the whole row alone, the one-GPU baseline (reported as out
+and runs ``--layers`` token mixers one after another (layer l+1's queries are q + layer l's output, so each layer
+needs the one before, as in a model) through ``CPLayer.attention`` (the state and cache handed along the ranks,
+``hola_titan.parallelisms.context_parallel``), forward and backward: across layers the ranks pipeline. Rank 0
+then runs the same stack through ``hola_attention`` on the whole row alone, the one-GPU baseline (reported as out
 of memory where it does not fit). Rows (medians over ``--reps`` calls, CUDA events):
 
-- ``cp_ms`` / ``single_ms``: forward + backward of the layer, CP against one GPU, and ``speedup`` = single / cp;
-- ``comm_ms``: wall time of the forward all-gathers in a separate pass that synchronises around each (so it
-  serialises them: an upper bound on what the timed pass spends waiting), ``comm_bytes`` received per rank;
+- ``cp_ms`` / ``single_ms``: forward + backward of the stack, CP against one GPU, and ``speedup`` = single / cp;
+- ``comm_bytes_per_rank``: bytes each rank received in forward messages (per stack; rank 0 receives none);
 - ``cp_peak_gib`` / ``single_peak_gib``: peak allocated memory of one forward + backward.
 
 A whole model adds the MLPs and projections, which CP splits perfectly; ``scripts/composition_run.py --mode
@@ -45,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--evict", default="score", choices=("score", "recency", "none"))
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--layers", type=int, default=24, help="token mixers in the stack (the 340M model has 24)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--no-single", action="store_true", help="skip the one-GPU baseline")
     p.add_argument("--profile", action="store_true",
@@ -360,6 +362,17 @@ def predict(args, device) -> int:
     return 0
 
 
+def stack(mixer, layers: int, x: dict, do: torch.Tensor) -> None:
+    """Forward and backward of ``mixer(i, *inputs)`` for i in 0 .. layers - 1, layer i+1's queries being
+    ``q + o_i``; gradients cleared after."""
+    o = None
+    for i in range(layers):
+        o = mixer(i, x["q"] if o is None else x["q"] + o, *(x[n] for n in NAMES[1:]))
+    o.backward(do)
+    for n in NAMES:
+        x[n].grad = None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     distributed = "RANK" in os.environ
@@ -386,7 +399,7 @@ def main(argv=None) -> int:
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))["cp"]
-        cp = ContextParallel(mesh, recurrent=True, conv_size=4, block=args.block)
+        cp = ContextParallel(mesh, recurrent=True, conv_size=4)
     timer = Timer(device)
     kw = dict(window=args.window, block=args.block, evict=args.evict)
     rows = []
@@ -399,7 +412,6 @@ def main(argv=None) -> int:
         x, do = inputs(t, args, device, dtype)
         if cp is not None:
             layout = build_layout(cp_rank=rank, cp_size=world, num_rows=1, row_len=t, cu_seqlens=cu_list)
-            view = {"batch": cp.batch(layout)}
             cols = slice(layout.shard_start, layout.shard_start + layout.shard_len)
             local = {n: (x[n][:, cols] if n in ("q", "k", "v", "g", "beta") else x[n]).contiguous()
                      .requires_grad_() for n in NAMES}
@@ -409,19 +421,19 @@ def main(argv=None) -> int:
             do_local = do[:, cols].contiguous()
 
             def cp_step():
-                o, _ = view["batch"].layer().attention(*(local[n] for n in NAMES), documents=docs_local, **kw)
-                o.backward(do_local)
-                for n in NAMES:
-                    local[n].grad = None
+                batch = cp.batch(layout)  # one batch per step: each layer's messages are kept in it
+                layers = [batch.layer(i, head_dim=args.dim, **kw) for i in range(args.layers)]
+                stack(lambda i, *a: layers[i].attention(*a, documents=docs_local, **kw)[0], args.layers, local,
+                      do_local)
 
             try:
                 dist.barrier()
                 row["cp_ms"], row["cp_peak_gib"] = timer(cp_step, args.reps)
-                cp.time_collectives, cp.comm_seconds, cp.bytes_received = True, 0.0, 0
+                cp.bytes_received = 0
                 cp_step()
-                row["comm_ms"], row["comm_bytes"] = 1e3 * cp.comm_seconds, cp.bytes_received
-                cp.time_collectives = False
-                view["batch"] = cp.batch(layout)  # a new batch: the count includes making the layout's index tensors
+                per_rank = [None] * world
+                dist.all_gather_object(per_rank, cp.bytes_received)
+                row["comm_bytes_per_rank"] = per_rank
                 row["cp_host_syncs"] = count_host_syncs(cp_step, device)
                 if args.profile:
                     from hola_titan.profiling import kernel_profile
@@ -435,10 +447,7 @@ def main(argv=None) -> int:
             docs_full = Documents.from_host(torch.tensor(cu_list), device=device, seq_len=t)
 
             def single_step():
-                o, _ = hola_attention(*(full[n] for n in NAMES), documents=docs_full, **kw)
-                o.backward(do)
-                for n in NAMES:
-                    full[n].grad = None
+                stack(lambda i, *a: hola_attention(*a, documents=docs_full, **kw)[0], args.layers, full, do)
 
             try:
                 row["single_ms"], row["single_peak_gib"] = timer(single_step, args.reps)
@@ -463,12 +472,12 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
                                         "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
-        print(f"\n{'T':>8} {'docs':>5} {'CP ms':>10} {'1 GPU ms':>10} {'speedup':>8} {'comm ms':>9} "
+        print(f"\n{args.layers} layers\n{'T':>8} {'docs':>5} {'CP ms':>10} {'1 GPU ms':>10} {'speedup':>8} "
               f"{'comm KiB':>9} {'CP GiB':>8} {'1 GPU GiB':>10} {'CP syncs':>9}")
         for r in rows:
-            r = dict(r, comm_kib=r["comm_bytes"] / 1024) if "comm_bytes" in r else r
+            r = dict(r, comm_kib=max(r["comm_bytes_per_rank"]) / 1024) if "comm_bytes_per_rank" in r else r
             print(f"{r['T']:>8} {r['docs']:>5} {_cell(r, 'cp_ms', '{:.2f}'):>10} {_cell(r, 'single_ms', '{:.2f}'):>10} "
-                  f"{_cell(r, 'speedup', '{:.2f}x'):>8} {_cell(r, 'comm_ms', '{:.2f}'):>9} "
+                  f"{_cell(r, 'speedup', '{:.2f}x'):>8} "
                   f"{_cell(r, 'comm_kib', '{:.1f}'):>9} {_cell(r, 'cp_peak_gib', '{:.2f}'):>8} "
                   f"{_cell(r, 'single_peak_gib', '{:.2f}'):>10} {_cell(r, 'cp_host_syncs', '{}'):>9}")
     end_process_group()

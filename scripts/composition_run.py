@@ -107,7 +107,7 @@ def gpu2_layouts(steps: int) -> list[Layout]:
         layouts += [Layout(single, 1, m340, [*common, *rows(t, 1, 1), *_degrees(1), *ac]),
                     Layout(cp2, 2, m340, [*common, *rows(t, 1, 1), *_degrees(1, 1, 2), *ac], reference=single,
                            baseline=single)]
-    # Compiled blocks around the eager sequence-parallel scan (compile.fullgraph must be false under CP).
+    # Compiled blocks around the eager handover of state and cache (compile.fullgraph must be false under CP).
     compiled = ["--compile.enable", "--compile.fullgraph", "false"]
     layouts += [Layout("340M_T64k_1gpu_compile", 1, m340, [*common, *rows(65536, 1, 1), *_degrees(1), *ac, *compiled],
                        baseline="340M_T64k_1gpu"),

@@ -1,12 +1,12 @@
 """How many ATen operations one context-parallel layer call issues around its kernels, by the function that issued
-them: the host work of the sequence-parallel scan, counted on a CPU.
+them: the host work of the handover and of the continuation, counted on a CPU.
 
 On a GPU an eager layer call is partly bound by the host issuing operations; this counts them without one. The
-Triton backend runs in Triton's interpreter, and its two heavy parts are replaced by one-operation stand-ins
-(their cost on a GPU is a few fla kernels, but on the CPU they run the reference's Python chunk loops): the
-crossing sequences' summaries and the shard's state path. What remains is the scan's own work and the Triton
-backend's plumbing (selection, cache layout). Counts are operations at the dispatcher (a composite op counts as
-the ops it decomposes into), for one forward + backward, per rank, one document across all ranks.
+Triton backend runs in Triton's interpreter, and its heavy part, the shard's state path, is replaced by a
+one-operation stand-in (on a GPU it is a few fla kernels; on the CPU it would run the reference's Python chunk
+loop). What remains is the handover's own work and the Triton backend's plumbing (selection, cache layout).
+Counts are operations at the dispatcher (a composite op counts as the ops it decomposes into; sends and receives
+are not counted), for one forward + backward, per rank, one document across all ranks.
 
     torchrun --nproc_per_node 2 scripts/count_cp_ops.py --seq-len 256
 """
@@ -50,21 +50,16 @@ class _CountByCaller(TorchDispatchMode):
 
 def _stub_heavy_parts() -> None:
     import hola_titan.kernels.hola_triton as hola_triton
-    import hola_titan.parallelisms.context_parallel as context_parallel
-
-    def summaries(rows, k_f, v_f, g_f, beta_f, h, d, *, fla, cdt):
-        chains, shard = rows.index.shape[0], rows.index.shape[1] - 1
-        summary = torch.zeros(chains, h, d, 2 * d, dtype=cdt) + (k_f.sum() * 0).to(cdt)  # keeps k_f's graph
-        if not rows.present:
-            return summary, None, None, None
-        err = torch.zeros(chains, shard, h, d, dtype=cdt)
-        return summary, err, (err if rows.needs_map else None), None
 
     def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_state, impl="auto", chunk_indices=None):
         m = (k.float().norm(dim=-1) * beta.float()).detach()
-        return q + k + v + g[..., None] + beta[..., None], m, None
+        final = None
+        if output_final_state:  # keeps the incoming state in the graph, as the real state path does
+            final = initial_state if initial_state is not None else q.new_zeros(1, q.shape[2], q.shape[3], q.shape[3],
+                                                                               dtype=torch.float32)
+            final = final + 0
+        return q + k + v + g[..., None] + beta[..., None], m, final
 
-    context_parallel._summaries = summaries
     hola_triton.state_path = state_path
 
 
@@ -87,7 +82,7 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
-    cp = ContextParallel(mesh, recurrent=True, conv_size=4, block=args.block)
+    cp = ContextParallel(mesh, recurrent=True, conv_size=4)
     layout = build_layout(cp_rank=rank, cp_size=world, num_rows=1, row_len=args.seq_len,
                           cu_seqlens=[0, args.seq_len])
     gen = torch.Generator().manual_seed(0)
@@ -101,8 +96,9 @@ def main(argv=None) -> int:
 
     def call():
         # A new batch each call: the count includes making the layout's index tensors.
-        o, _ = cp.batch(layout).layer().attention(*x.values(), cu_seqlens=cu_seqlens, window=args.window,
-                                                  block=args.block, evict="score", backend="triton")
+        layer = cp.batch(layout).layer("count", head_dim=d, window=args.window, block=args.block, evict="score")
+        o, _ = layer.attention(*x.values(), cu_seqlens=cu_seqlens, window=args.window, block=args.block,
+                               evict="score", backend="triton")
         o.sum().backward()
 
     call()  # warm: the interpreter's first launches

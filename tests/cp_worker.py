@@ -81,20 +81,27 @@ PACKED_DOCS = {
     "mixed": [0, 3, 13, 16, 23, 25, 32],
     # a document from 5 spanning three boundaries (8, 16, 24) with an odd head, another one inside
     "spanning": [0, 5, 30, 32],
+    # documents of length 1 at shard edges (7, 8, 17, 23 and 24 of 32) around documents that cross 16 and 24
+    "singles": [0, 7, 8, 9, 17, 18, 23, 25, 32],
+    # every shard starts a document (for any number of ranks: run_attention_case puts the boundaries there)
+    "at_boundaries": [0, 32],
 }
 
 
 def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | None, evict: str, window: int,
                        block: int, shard: int, dtype, seed: int = 0, batch: int = 2, dim: int = 8,
-                       backend: str = "reference") -> dict:
+                       backend: str = "reference", before=None, after=None) -> dict:
     """``backend`` runs the shards (the one-process run is always the reference): "triton" runs the Triton
-    kernels in Triton's interpreter (continuing from the caches and states the scan hands over)."""
+    kernels in Triton's interpreter (continuing from the caches and states the ranks hand over). ``before`` and
+    ``after`` are called before this rank's shard runs and after its backward (before any collective)."""
     heads = 2
     size = cp.cp_size
     if layout_kind == "packed":
         total = 4 * shard
         # The document layouts are written for 4 shards of 8 tokens; R = 2 holds two of them per rank.
         cu = [0] + [s * shard // 8 for s in PACKED_DOCS[docs][1:-1]] + [total]
+        if docs == "at_boundaries":  # every rank's shard starts a document, whatever the number of ranks
+            cu = list(range(0, total + 1, total // size))
         x = attention_inputs(1, total, heads, dim, dtype, seed)
         rows, row_len, cu_list = 1, total, cu
     else:
@@ -116,11 +123,16 @@ def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | Non
     local = {name: (t[:, cols] if name in INPUTS else t).clone().requires_grad_()
              for name, t in x.items() if name != "weight"}
     cu_local = torch.tensor(layout.local_cu_seqlens, dtype=torch.int64) if cu_list else None
+    if before is not None:
+        before()
     cp.bytes_received = 0
-    o, _ = cp_batch.layer().attention(*(local[n] for n in INPUTS), *cache_args(local), window=window, block=block,
-                                      evict=evict, cu_seqlens=cu_local, backend=backend)
+    layer = cp_batch.layer("attn", head_dim=dim, window=window, block=block, evict=evict)
+    o, _ = layer.attention(*(local[n] for n in INPUTS), *cache_args(local), window=window, block=block, evict=evict,
+                           cu_seqlens=cu_local, backend=backend)
     received = cp.bytes_received
     (o * x["weight"][:, cols]).sum().backward()
+    if after is not None:
+        after()
 
     errors = {"o": rel_err(o, o_ref[:, cols])}
     for name in INPUTS:
@@ -142,13 +154,19 @@ def tiny_args(flavour: str, vocab: int = 96):
     return replace(args, dim=32, n_layers=2, mlp_hidden=64, head_dim=8, block=4, window=6)
 
 
-def run_model_case(mesh, *, flavour: str, packed: bool, dtype, seed: int = 0, bsz: int = 2) -> dict:
+def run_model_case(mesh, *, flavour: str, packed: bool, dtype, seed: int = 0, bsz: int = 2, ac: str = "none",
+                   ac_option: str = "1") -> dict:
+    """``ac``: activation checkpointing of the cp model (``full``, or ``selective`` with ``ac_option``): the
+    re-run forward reads the messages its first run received and sends nothing."""
     args = tiny_args(flavour)
     torch.manual_seed(seed)
     model = HolaTitanLM(args, backend="reference")
     model.init_weights()
     model.to(dtype)
     cp_model = copy.deepcopy(model)
+    if ac != "none":
+        from hola_titan.parallelisms.parallelize import apply_activation_checkpointing
+        apply_activation_checkpointing(cp_model, mode=ac, selective_option=ac_option)
     cp = context_parallel_for(cp_model.args, mesh)
 
     seq_len = 16 * cp.cp_size
@@ -189,6 +207,7 @@ def run_model_case(mesh, *, flavour: str, packed: bool, dtype, seed: int = 0, bs
 
     actual = {"logits": logits}
     for name, param in cp_model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
         grad = param.grad.clone()
         dist.all_reduce(grad, group=mesh.get_group())
         actual[f"d.{name}"] = grad
@@ -257,17 +276,59 @@ def cases(cp: ContextParallel, mesh) -> dict:
         "model:gdn_packed": lambda: run_model_case(mesh, flavour="gdn", packed=True, dtype=f64, bsz=1),
         "model:transformer": lambda: run_model_case(mesh, flavour="transformer", packed=False, dtype=f64),
         "model:hola_fp32": lambda: run_model_case(mesh, flavour="hola", packed=True, dtype=f32, bsz=1),
+        # Activation checkpointing: every block, and op-level selective (the messages are kept per layer).
+        "model:hola_packed_ac": lambda: run_model_case(mesh, flavour="hola", packed=True, dtype=f64, bsz=1,
+                                                       ac="full"),
+        "model:gdn_rows_ac_op": lambda: run_model_case(mesh, flavour="gdn", packed=False, dtype=f64, ac="selective",
+                                                       ac_option="op"),
+        # Length-1 documents at shard edges; shards that end inside a block (6 tokens, blocks of 4).
+        "attn:singles_score": att(layout_kind="packed", docs="singles", evict="score", window=3, dtype=f64, **common),
+        "attn:odd_shard_score": att(layout_kind="packed", docs="mixed", evict="score", window=5, dtype=f64, block=4,
+                                    shard=6),
+        "attn:odd_shard_rows": att(layout_kind="rows", docs=None, evict="recency", window=5, dtype=f64, block=4,
+                                   shard=6),
+        "attn:odd_shard_triton": att(layout_kind="packed", docs="spanning", evict="score", window=5, dtype=f32,
+                                     dim=16, backend="triton", block=4, shard=6),
+        "attn:fresh_starts_wait_for_nothing": lambda: fresh_case(cp),
     }
 
 
 def bytes_case(cp: ContextParallel) -> dict:
-    """Bytes one rank receives for one layer at two sequence lengths (shards of 8 and 32 tokens)."""
+    """Bytes each rank receives for one layer at two sequence lengths (shards of 8 and 32 tokens), per rank."""
     out = {}
     for shard in (8, 32):
         result = run_attention_case(cp, layout_kind="packed", docs="spanning", evict="score", window=3, block=4,
                                     shard=shard, dtype=torch.float32)
-        out[f"shard_{shard}"] = result["bytes_received"]
+        counts = [None] * cp.cp_size
+        dist.all_gather_object(counts, result["bytes_received"], group=cp.mesh.get_group())
+        out[f"shard_{shard}"] = counts
     return {"bytes": out}
+
+
+def fresh_case(cp: ContextParallel) -> dict:
+    """Every shard starts a document. Rank 0 starts only after every other rank has run its forward and backward
+    and said so, so a rank that waited for anything from an earlier rank would hang here (a 60 s timeout); and no
+    rank receives a byte."""
+    from datetime import timedelta
+
+    group, rank, size = cp.mesh.get_group(), cp.cp_rank, cp.cp_size
+    token = torch.zeros(1)
+
+    def before():
+        if rank == 0:
+            for src in range(1, size):
+                dist.irecv(token, src=dist.get_global_rank(group, src), group=group).wait(timedelta(seconds=60))
+
+    def after():
+        if rank > 0:
+            dist.send(token, dst=dist.get_global_rank(group, 0), group=group)
+
+    result = run_attention_case(cp, layout_kind="packed", docs="at_boundaries", evict="score", window=3, block=4,
+                                shard=8, dtype=torch.float64, before=before, after=after)
+    counts = [None] * size
+    dist.all_gather_object(counts, result["bytes_received"], group=group)
+    result["errors"]["bytes_received_max"] = float(max(counts))
+    return result
 
 
 def run(names: list[str]) -> bool:
@@ -275,7 +336,7 @@ def run(names: list[str]) -> bool:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))["cp"]
-    cp = ContextParallel(mesh, recurrent=True, conv_size=4, block=4)
+    cp = ContextParallel(mesh, recurrent=True, conv_size=4)
     table = cases(cp, mesh)
     failed = False
     for name in [n for pattern in names for n in (table if pattern == "all" else [pattern])]:

@@ -19,7 +19,7 @@ class BatchContext:
     """``documents``: the boundaries of packed documents over the flattened batch (None: every row is one
     sequence). ``cp``: this rank's view of a context-parallel batch, or None; it is made by
     ``hola_titan.parallelisms.context_parallel.ContextParallel.batch`` and the model only calls its methods
-    (``layer()`` for a recurrent mixer's scan, ``causal_attention`` and ``shard_start`` for Transformer++), so
+    (``layer(...)`` for a recurrent mixer's handover, ``causal_attention`` and ``shard_start`` for Transformer++), so
     model code stays free of ``torch.distributed``."""
 
     documents: Documents | None = None

@@ -106,9 +106,9 @@ class GatedDeltaMixer(LocalParams, nn.Module):
     Two things let ``hola_titan.parallelisms`` distribute the layer without this file touching
     ``torch.distributed``: parameters are read through ``param`` (:class:`LocalParams`: under tensor
     parallelism, the local shard of a head-sharded parameter, as the plan records), and the batch context's
-    ``cp`` (context parallel), whose ``layer()`` gives this call's scan: ``conv_tails(xs, positions)`` returns
-    the previous shard's convolution inputs, ``attention`` replaces ``hola_attention`` with the
-    sequence-parallel scan (same signature).
+    ``cp`` (context parallel), whose ``layer(...)`` gives this call's handover: ``conv_tails(xs, positions)``
+    returns the previous shard's convolution inputs, ``attention`` replaces ``hola_attention`` with the shard's
+    continuation of the previous rank's state and cache (same signature).
     """
 
     def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference",
@@ -164,7 +164,10 @@ class GatedDeltaMixer(LocalParams, nn.Module):
                 cache: RecurrentLayerCache | None) -> torch.Tensor:
         """x ``[B, T, dim]`` (B = 1 with packed documents); ``positions`` in-document positions ``[B, T]``."""
         documents = context.documents
-        cp = context.cp.layer() if context.cp is not None else None
+        cp = None
+        if context.cp is not None:  # keyed by this mixer: a re-run under activation checkpointing reads its messages
+            cp = context.cp.layer(self, head_dim=self.head_dim, window=self.window, block=self.block,
+                                  evict=self.evict)
         if cp is not None and cache is not None:
             raise ValueError("cache: decoding does not run under context parallelism")
         continuing = cache is not None and cache.state is not None

@@ -184,6 +184,8 @@ CONTINUE_CASES = [
     (2, 24, 5, 8, 4, "recency"),  # complete blocks, continuation shorter than a block
     (2, 13, 1, 8, 3, "score"),  # one decoding step
     (1, [0, 7, 16], [0, 1, 2], 8, 3, "score"),  # one step of each of two documents, one completing a block
+    (2, 13, 21, 8, 5, "recency"),  # rows with an unfinished block, recency
+    (3, 10, 7, 4, 6, "recency"),  # rows, window larger than the block
 ]
 
 
