@@ -664,13 +664,16 @@ def validate(config: JobConfig, *, world_size: int) -> None:
         raise ConfigError("parallelism.tensor_parallel_degree",
                           f"{degrees.tp} does not divide the {args.n_heads} heads of {model.flavour} {model.size}")
     seq_len = config.training.seq_len
-    if args.is_recurrent and seq_len % (args.block * degrees.cp):
-        raise ConfigError("training.seq_len", f"{seq_len} is not a multiple of block {args.block} x "
-                          f"context_parallel_degree {degrees.cp} = {args.block * degrees.cp}")
+    if args.is_recurrent and seq_len % args.block:
+        raise ConfigError("training.seq_len", f"{seq_len} is not a multiple of block {args.block}")
+    if degrees.cp > 1 and seq_len % degrees.cp:
+        raise ConfigError("training.seq_len", f"{seq_len} is not a multiple of context_parallel_degree {degrees.cp}")
+    if args.is_recurrent and degrees.cp > 1 and seq_len // degrees.cp < args.conv_size - 1:
+        # A shard may end inside a block (the next rank continues it), but the convolution tails come from the
+        # previous shard alone.
+        raise ConfigError("training.seq_len", f"{seq_len} over context_parallel_degree {degrees.cp} leaves shards of "
+                          f"{seq_len // degrees.cp} tokens, fewer than conv_size - 1 = {args.conv_size - 1}")
     if not args.is_recurrent and degrees.cp > 1:
-        if seq_len % degrees.cp:
-            raise ConfigError("training.seq_len",
-                              f"{seq_len} is not a multiple of context_parallel_degree {degrees.cp}")
         if config.data.varlen:
             raise ConfigError("data.varlen", "must be false for transformer with context_parallel_degree > 1")
     if degrees.cp > 1 and config.compile.enable and config.compile.fullgraph:

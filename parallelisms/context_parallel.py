@@ -28,9 +28,11 @@ from exactly what ``hola_attention`` over its earlier tokens returns: its final 
 Nothing is computed twice. A boundary that no document crosses (a packed shard that starts a document) carries
 no message: that rank waits for nothing. Within one layer the ranks run one after another; across layers they
 pipeline (rank r runs layer l while rank r-1 runs layer l+1), because a send does not wait for the receiver's
-next layer: a forward of n layers takes about n + R - 1 shard-layer times (``parallelisms/critical_path.py``).
+next layer: a forward of n layers takes about n + R - 1 shard-layer times (``parallelisms/critical_path.py``;
+with FSDP over the cp ranks a rank runs at most one layer ahead of the next, docs/DESIGN.md §3).
 Messages have a constant size per layer: ``3 B (K-1) H D`` tail inputs, ``n H D D`` state and ``n H (W + C)``
-cache rows (keys, values, scores; positions and ``seen`` in a second, integer message), n the crossing documents.
+cache rows (keys, values, scores), all in the compute dtype, and the positions and ``seen`` in a second, integer
+message; n the crossing documents (:func:`message_bytes`).
 
 Backward runs the same chain in reverse: rank r receives the gradient of the message it sent from rank r+1
 (``_Send``'s backward; a zero that the layer output carries brings backward there), the gradient flows through its
@@ -48,7 +50,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -225,7 +226,7 @@ class ContextParallel:
     the immutable per-batch view (:class:`CPBatch`) that the trainer passes through ``forward`` in the
     model's ``BatchContext``: nothing about a batch is stored here, so a forward re-run during backward
     (activation checkpointing) reads the context it is given. ``bytes_received`` counts the bytes this rank
-    received in forward collectives since it was last reset.
+    received in forward messages and all-gathers since it was last reset.
     """
 
     def __init__(self, cp_mesh: DeviceMesh, *, recurrent: bool, conv_size: int):
@@ -237,10 +238,6 @@ class ContextParallel:
         self.recurrent = recurrent
         self.conv_size = conv_size
         self.bytes_received = 0
-        # Benchmarks set time_collectives to add each forward all-gather's wall time (device synchronised before
-        # and after, so it serialises the layer: time with it off) to comm_seconds.
-        self.time_collectives = False
-        self.comm_seconds = 0.0
 
     # ------------------------------------------------------------------ batches
 
@@ -261,26 +258,15 @@ class ContextParallel:
     def _gather(self, x: torch.Tensor, *, differentiable: bool) -> torch.Tensor:
         """``[R, *x.shape]``: x of every cp rank. ``differentiable``: backward sums the gradients into x."""
         self.bytes_received += (self.cp_size - 1) * x.numel() * x.element_size()
-        if not self.time_collectives:
-            return self._gather_now(x, differentiable=differentiable)
-        sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
-        sync()
-        start = time.perf_counter()
-        out = self._gather_now(x, differentiable=differentiable)
-        sync()
-        self.comm_seconds += time.perf_counter() - start
-        return out
-
-    def _gather_now(self, x: torch.Tensor, *, differentiable: bool) -> torch.Tensor:
         if differentiable and torch.is_grad_enabled() and x.requires_grad:
             return _AllGather.apply(x, self.mesh.get_group())
         return _gather_flat(x, self.mesh.get_group())
 
 
 class CPBatch:
-    """One batch's context-parallel view on this rank: its (immutable) layout, and the index tensors every layer
-    builds from it, made once (:meth:`memo`). The model calls :meth:`layer` (a recurrent mixer's scan) or
-    :meth:`causal_attention` and :attr:`shard_start` (Transformer++)."""
+    """One batch's context-parallel view on this rank: its (immutable) layout, the index tensors every layer
+    builds from it, made once (:meth:`memo`), and each layer's kept messages. The model calls :meth:`layer` (a
+    recurrent mixer's handover) or :meth:`causal_attention` and :attr:`shard_start` (Transformer++)."""
 
     def __init__(self, group: ContextParallel, layout: CPLayout):
         self.group = group
@@ -415,6 +401,15 @@ class _Message:
         return out
 
 
+def message_bytes(*, rows: int, conv_size: int, heads: int, head_dim: int, window: int, block: int, evict: str,
+                  crossing: int, float_bytes: int = 4) -> tuple[int, int]:
+    """Bytes of one layer's messages across one boundary: ``(float message, integer message)``; floats in the
+    compute dtype (``float_bytes``: 4 for bf16 and fp32 training), ``crossing`` documents, ``rows`` rows of tails."""
+    spec = _Message.of(rows=rows, k1=conv_size - 1, width=heads * head_dim, n=crossing, h=heads, d=head_dim,
+                       window=window, block=block, has_cache=evict != "none")
+    return _Message.size(spec.floats) * float_bytes, _Message.size(spec.ints) * 8
+
+
 class CPLayer:
     """One recurrent layer call under context parallelism (module docstring): :meth:`conv_tails` receives the
     message of rank r-1, :meth:`attention` runs the shard as its continuation and sends this rank's message to rank
@@ -496,7 +491,11 @@ class CPLayer:
             cp.group.bytes_received += ints.numel() * 8 + template.numel() * template.element_size()
             self._kept["ints"] = ints
         replay = self._kept.get("floats")
-        if torch.is_grad_enabled() and anchor.requires_grad:
+        if torch.is_grad_enabled():
+            # Both sides of a boundary take the autograd path whenever gradients are recorded, whatever needs a
+            # gradient on either side (a frozen projection must not make one side skip the backward message).
+            if not anchor.requires_grad:
+                anchor = torch.zeros((), device=anchor.device, requires_grad=True)
             floats = _Receive.apply(anchor, template, replay, group, src)
         elif self.replay:
             floats = replay
@@ -515,7 +514,7 @@ class CPLayer:
                   backend: str = "auto", overlap_backward: bool = False):
         """``hola_attention`` over this rank's shard as the continuation of what rank r-1 sent (the module
         docstring); same signature and result as ``hola_attention``, without decoding options.
-        ``overlap_backward`` is accepted and not used: continuing shards run the layered form."""
+        ``overlap_backward`` is accepted and not used: shards run the layered form."""
         if initial_state is not None or initial_cache is not None or output_final_state or output_final_cache:
             raise ValueError("initial_state: context parallelism runs whole training rows; states and caches "
                              "of a call are not available under it")
@@ -601,7 +600,9 @@ class CPLayer:
             with _unrecorded():
                 dist.send(_Message.pack(spec.ints, values, torch.int64), dst=dst, group=group)
         floats = _Message.pack(spec.floats, values, compute_dtype(q.dtype))
-        if torch.is_grad_enabled() and floats.requires_grad:
+        if torch.is_grad_enabled():  # as _receive decides: the autograd path whenever gradients are recorded
+            if not floats.requires_grad:
+                floats = floats + torch.zeros((), dtype=floats.dtype, device=device, requires_grad=True)
             return _Send.apply(floats, self.replay, group, dst)
         if not self.replay:
             with _unrecorded():

@@ -258,13 +258,18 @@ def stage_timings(args, device, t: int) -> dict:
     out["optimizer"], _ = timer(opt.step, args.reps)
     out["param_bytes_fp32"] = sum(p.numel() * 4 for p in params)
     del whole, params, opt
-    # One layer's message: the crossing document's state (fp32) and cache (W + C rows of k and v, scores,
-    # positions), and the convolution tails (K - 1 inputs of q, k, v).
-    out["message_bytes"] = (h * d * d * 4 + h * (margs.window + margs.block) * (2 * d * (2 if dtype ==
-                            torch.bfloat16 else 4) + 8 + 4) + 3 * (margs.conv_size - 1) * h * d * 2)
+    out["message_bytes"] = sum(_message_sizes(margs))
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def _message_sizes(margs) -> tuple[int, int]:
+    """Bytes of one layer's two messages across a boundary (floats in fp32, the compute dtype of bf16 training;
+    integers), for one crossing document of one row (``context_parallel.message_bytes``)."""
+    from hola_titan.parallelisms.context_parallel import message_bytes
+    return message_bytes(rows=1, conv_size=margs.conv_size, heads=margs.n_heads, head_dim=margs.head_dim,
+                         window=margs.window, block=margs.block, evict=margs.evict, crossing=1)
 
 
 def predict(args, device) -> int:
@@ -275,7 +280,8 @@ def predict(args, device) -> int:
     from hola_titan.parallelisms.critical_path import (Stages, allreduce_ms, message_ms, one_gpu_step_ms,
                                                        pipelined_step_ms)
 
-    n = model_args("hola", args.size, vocab_size=32000).n_layers
+    margs = model_args("hola", args.size, vocab_size=32000)
+    n = margs.n_layers
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rows, timings = [], {}
     measured = date.today().isoformat()  # the date of the stage timings the rows come from
@@ -300,8 +306,8 @@ def predict(args, device) -> int:
             stages = Stages(layer_fwd_fresh=st["layer_fwd_fresh"], layer_bwd_fresh=st["layer_bwd_fresh"],
                             layer_fwd_cont=st["layer_fwd_cont"], layer_bwd_cont=st["layer_bwd_cont"],
                             head=st["head"], optimizer=st["optimizer"],
-                            message=message_ms(st["message_bytes"], bandwidth_gbps=args.p2p_gbps,
-                                               latency_us=args.latency_us),
+                            message=sum(message_ms(size, bandwidth_gbps=args.p2p_gbps, latency_us=args.latency_us)
+                                        for size in _message_sizes(margs) if size),
                             allreduce=allreduce_ms(st["param_bytes_fp32"], ranks=big_r,
                                                    bandwidth_gbps=args.allreduce_gbps, latency_us=args.latency_us))
             cp_ms = pipelined_step_ms(stages, num_layers=n, ranks=big_r)
@@ -327,15 +333,16 @@ def predict(args, device) -> int:
     for r in rows:
         print(f"{r['R']:>3} {r['seq_len_per_rank']:>8} {r['predicted_step_ms']:>11.1f} {r['one_gpu_step_ms']:>10.1f} "
               f"{r['predicted_speedup']:>7.2f}x {r['speedup_if_continuation_as_fresh']:>13.2f}x  {r['one_gpu_from']}")
-    print("assumptions: stage times from this device; messages and the gradient all-reduce overlap nothing "
-          f"({args.p2p_gbps} / {args.allreduce_gbps} GB/s, {args.latency_us} us); one GPU at R x T = R x the work "
-          "at T unless measured at R x T (the layer's time at 2T over twice its time at T is in each row)")
+    print("assumptions: stage times from this device; messages (two per layer, each paying the latency) and the "
+          f"gradient all-reduce overlap nothing ({args.p2p_gbps} / {args.allreduce_gbps} GB/s, {args.latency_us} us); "
+          "parameters replicated over the cp ranks (the trainer's FSDP over dp_shard x cp lets a rank run at most "
+          "one layer ahead); one GPU at R x T = R x the work at T unless measured at R x T (the layer's time at 2T "
+          "over twice its time at T is in each row)")
     # Memory with activation checkpointing (every block): the fp32 parameters, gradients and AdamW state, each
     # block's saved input [T, dim] in bf16, and the larger of one block's recompute-and-backward peak and the
     # head's, per token as measured at the longest length.
     longest = max(args.seq_lens)
     st = timings[longest]
-    margs = model_args("hola", args.size, vocab_size=32000)
     memory = None
     total_gib = args.device_memory_gib
     if total_gib is None and device.type == "cuda":

@@ -90,10 +90,11 @@ PACKED_DOCS = {
 
 def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | None, evict: str, window: int,
                        block: int, shard: int, dtype, seed: int = 0, batch: int = 2, dim: int = 8,
-                       backend: str = "reference", before=None, after=None) -> dict:
+                       backend: str = "reference", before=None, after=None, frozen: tuple[str, ...] = ()) -> dict:
     """``backend`` runs the shards (the one-process run is always the reference): "triton" runs the Triton
     kernels in Triton's interpreter (continuing from the caches and states the ranks hand over). ``before`` and
-    ``after`` are called before this rank's shard runs and after its backward (before any collective)."""
+    ``after`` are called before this rank's shard runs and after its backward (before any collective). ``frozen``:
+    inputs that need no gradient here (both sides of every boundary must still exchange the backward message)."""
     heads = 2
     size = cp.cp_size
     if layout_kind == "packed":
@@ -120,7 +121,7 @@ def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | Non
     (o_ref * x["weight"]).sum().backward()
 
     cols = slice(layout.shard_start, layout.shard_start + layout.shard_len)
-    local = {name: (t[:, cols] if name in INPUTS else t).clone().requires_grad_()
+    local = {name: (t[:, cols] if name in INPUTS else t).clone().requires_grad_(name not in frozen)
              for name, t in x.items() if name != "weight"}
     cu_local = torch.tensor(layout.local_cu_seqlens, dtype=torch.int64) if cu_list else None
     if before is not None:
@@ -136,7 +137,8 @@ def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | Non
 
     errors = {"o": rel_err(o, o_ref[:, cols])}
     for name in INPUTS:
-        errors[f"d{name}"] = rel_err(local[name].grad, ref[name].grad[:, cols])
+        if name not in frozen:
+            errors[f"d{name}"] = rel_err(local[name].grad, ref[name].grad[:, cols])
     if evict != "none":
         for name in PARAMS:
             grad = local[name].grad.clone()
@@ -279,6 +281,11 @@ def cases(cp: ContextParallel, mesh) -> dict:
         # Activation checkpointing: every block, and op-level selective (the messages are kept per layer).
         "model:hola_packed_ac": lambda: run_model_case(mesh, flavour="hola", packed=True, dtype=f64, bsz=1,
                                                        ac="full"),
+        "model:hola_packed_ac_op": lambda: run_model_case(mesh, flavour="hola", packed=True, dtype=f64, bsz=1,
+                                                          ac="selective", ac_option="op"),
+        # Queries need no gradient (a frozen projection): the backward messages must still flow both ways.
+        "attn:frozen_q": att(layout_kind="packed", docs="spanning", evict="score", window=3, dtype=f64,
+                             frozen=("q",), **common),
         "model:gdn_rows_ac_op": lambda: run_model_case(mesh, flavour="gdn", packed=False, dtype=f64, ac="selective",
                                                        ac_option="op"),
         # Length-1 documents at shard edges; shards that end inside a block (6 tokens, blocks of 4).
