@@ -389,13 +389,12 @@ def _continue_from_cache(q, k, v, o_state, m, gamma_q, gamma_k, sink, gate, cu_s
         ``[N, H, C, ...]`` buffer."""
         extra = persistent.shape[3:]
         idx_p = by_pos.view(n, h, w, *([1] * len(extra))).expand(n, h, w, *extra)
-        # Small pieces made contiguous: a concatenation with a strided input copies every input the slow way.
-        p = persistent.gather(2, idx_p).transpose(1, 2).to(tokens.dtype).contiguous()  # [N, W, H, ...]
+        p = persistent.gather(2, idx_p).transpose(1, 2).to(tokens.dtype)  # [N, W, H, ...]
         idx_b = slot.clamp_min(0)[:, None, :].view(n, 1, c, *([1] * len(extra))).expand(n, h, c, *extra)
         b = buffered.gather(2, idx_b)
         b = torch.where(slot_ok.view(n, 1, c, *([1] * len(extra))), b, torch.full((), fill, dtype=b.dtype,
                                                                                    device=device))
-        b = b.transpose(1, 2).to(tokens.dtype).contiguous()  # [N, C, H, ...]
+        b = b.transpose(1, 2).to(tokens.dtype)  # [N, C, H, ...]
         if order is None:
             return torch.cat([p, b, tokens.reshape(bsz, seq_len, h, *extra)], dim=1).reshape(-1, h, *extra)
         # index_select, not advanced indexing: the backward is an index_add, not a sort of R indices.

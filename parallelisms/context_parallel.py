@@ -324,7 +324,7 @@ def _unrecorded():
 class _Receive(torch.autograd.Function):
     """Forward: the message rank ``src`` sent, into a buffer like ``template`` (or, when a checkpointed forward
     runs again, ``replay``: what the first run received). Backward: its gradient sent back to ``src``. ``anchor``
-    (an input that requires grad) puts the call in the graph."""
+    (an input that requires grad) puts the call in the graph; without gradients the call only receives."""
 
     @staticmethod
     def forward(ctx, anchor, template, replay, group, src):
@@ -490,19 +490,11 @@ class CPLayer:
                 template = anchor.new_empty(_Message.size(spec.floats), dtype=cdt)
             cp.group.bytes_received += ints.numel() * 8 + template.numel() * template.element_size()
             self._kept["ints"] = ints
-        replay = self._kept.get("floats")
-        if torch.is_grad_enabled():
-            # Both sides of a boundary take the autograd path whenever gradients are recorded, whatever needs a
+        if torch.is_grad_enabled() and not anchor.requires_grad:
+            # Both sides of a boundary join the backward exchange whenever gradients are recorded, whatever needs a
             # gradient on either side (a frozen projection must not make one side skip the backward message).
-            if not anchor.requires_grad:
-                anchor = torch.zeros((), device=anchor.device, requires_grad=True)
-            floats = _Receive.apply(anchor, template, replay, group, src)
-        elif self.replay:
-            floats = replay
-        else:
-            with _unrecorded():
-                floats = torch.empty_like(template)
-                dist.recv(floats, src=src, group=group)
+            anchor = torch.zeros((), device=anchor.device, requires_grad=True)
+        floats = _Receive.apply(anchor, template, self._kept.get("floats"), group, src)
         if not self.replay:
             self._kept["floats"] = floats.detach()
         return {**_Message.unpack(spec.floats, floats), **_Message.unpack(spec.ints, self._kept["ints"])}
@@ -600,14 +592,9 @@ class CPLayer:
             with _unrecorded():
                 dist.send(_Message.pack(spec.ints, values, torch.int64), dst=dst, group=group)
         floats = _Message.pack(spec.floats, values, compute_dtype(q.dtype))
-        if torch.is_grad_enabled():  # as _receive decides: the autograd path whenever gradients are recorded
-            if not floats.requires_grad:
-                floats = floats + torch.zeros((), dtype=floats.dtype, device=device, requires_grad=True)
-            return _Send.apply(floats, self.replay, group, dst)
-        if not self.replay:
-            with _unrecorded():
-                dist.send(floats.detach(), dst=dst, group=group)
-        return floats.new_zeros(())
+        if torch.is_grad_enabled() and not floats.requires_grad:  # as _receive: join the backward exchange
+            floats = floats + torch.zeros((), dtype=floats.dtype, device=device, requires_grad=True)
+        return _Send.apply(floats, self.replay, group, dst)
 
 
 def _check_local(layout: CPLayout, q: torch.Tensor, documents: Documents | None) -> None:
