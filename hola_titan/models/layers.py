@@ -7,7 +7,6 @@ flattened ``B*T`` stream (each row starts a document), so helpers take the ``[B,
 from __future__ import annotations
 
 import math
-from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +25,14 @@ class LocalParams:
     ``torch.distributed``.
     """
 
-    local_grad_placements = MappingProxyType({})
+    # None until a plan records placements. Not an empty mapping: torch 2.11's Dynamo cannot take ``bool()`` of a
+    # ``mappingproxy`` (the read-only class default this once was), and a shared mutable ``{}`` could be written
+    # through by mistake.
+    local_grad_placements: dict[str, tuple] | None = None
 
     def param(self, name: str) -> torch.Tensor:
         value = getattr(self, name)
-        placements = self.local_grad_placements.get(name)
+        placements = None if self.local_grad_placements is None else self.local_grad_placements.get(name)
         if placements is None:
             return value
         if not hasattr(value, "to_local"):  # the plan distributed it; anything else is a wiring error
