@@ -68,6 +68,9 @@ class Job:
     """Run folder: the resolved config, checkpoints and TensorBoard logs go under it."""
     description: str = ""
     """Free text shown in logs."""
+    cache_folder: str = "~/.cache/hola_titan"
+    """Per-node cache shared by runs: the verdict of fla's #640 gradient check per GPU, head dim and versions, so
+    that a second process does not repeat it. Empty: keep nothing (every process runs the check)."""
 
 
 @dataclass
@@ -102,6 +105,11 @@ class Model:
     project's Triton kernels (``kernels/short_conv.py``, ``kernels/cross_entropy.py``; CUDA); ``reference``: the
     PyTorch forms they are tested against; ``auto``: ``triton`` on CUDA, ``reference`` elsewhere. The run's log
     names what ran (``paths``)."""
+    kernel_configs: str = "auto"
+    """Launch configurations of fla-core's autotuned kernels (``kernels/tuned_configs.py``): ``auto`` takes the
+    file shipped for this GPU and these fla-core and Triton versions (``kernels/configs/``) when there is one, else
+    autotunes (the log says which); ``off`` autotunes every kernel at its first launch (minutes on a fresh
+    machine); or the path of a file written by ``scripts/tune_kernels.py``."""
 
 
 @dataclass

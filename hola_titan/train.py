@@ -243,6 +243,7 @@ class Trainer:
         except ValueError as err:
             raise ConfigError("model.kernels", str(err).removeprefix("kernels: ")) from None
         self.attention_backend, self._backend_why = self._resolve_attention_backend()
+        self.kernel_configs = self._install_kernel_configs()
         # Built on the meta device, parallelised, materialised with to_empty (each rank holds only its shards, on its
         # device), then initialised with the values one process draws from the seed (parallelisms/init.py): the
         # same initial weights at every layout, and never the whole model on a rank's host or GPU.
@@ -256,7 +257,7 @@ class Trainer:
                 and self.attention_backend != "reference":
             # fla's #640 gradient check runs real kernels under autograd: now, not while compile traces a block
             # or inside an activation-checkpointed forward.
-            prepare_backward(self.model_args.head_dim, self.device)
+            prepare_backward(self.model_args.head_dim, self.device, cache_folder=config.job.cache_folder or None)
         self.model = parallelize_model(
             model, dims=self.dims, mesh=self.mesh, device=self.device, ac_mode=config.activation_checkpoint.mode,
             selective_ac_option=config.activation_checkpoint.selective_ac_option,
@@ -431,6 +432,19 @@ class Trainer:
             logger.warning("%s", warning)
         return chosen, why
 
+    def _install_kernel_configs(self):
+        """fla's launch configurations (``model.kernel_configs``), chosen before any fla kernel launches."""
+        from hola_titan.kernels.tuned_configs import Installed, install
+
+        uses_fla = (self.device.type == "cuda" and self.model_args.is_recurrent
+                    and self.attention_backend != "reference")
+        if not uses_fla:
+            return Installed("off", None, "no fla kernels in this run")
+        try:
+            return install(self.config.model.kernel_configs, self.device)
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError("model.kernel_configs", str(err).removeprefix("model.kernel_configs: ")) from None
+
     def _resolved_paths(self) -> dict[str, str]:
         """Which implementation runs each part of the step, as resolved for this run (logged at start-up)."""
         config = self.config
@@ -443,6 +457,7 @@ class Trainer:
                 ", overlapped backward" if config.model.overlap_backward and self.attention_backend == "triton" else "")
             paths["short_conv"] = ("triton (fused q|k|v, kernels/short_conv.py) where it applies, else PyTorch"
                                    if self.kernels == "triton" else "PyTorch reference")
+            paths["kernel_configs"] = self.kernel_configs.describe()
         paths["cross_entropy"] = ("triton (kernels/cross_entropy.py, bf16 logits)" if self.loss_kernel else
                                   f"PyTorch (chunked, {str(self.head_matmul_dtype).removeprefix('torch.')} matmuls)")
         paths["optimizer"] = ("fused AdamW (non-finite steps skipped on the device)" if self._fused_optimizer
@@ -757,6 +772,7 @@ class Trainer:
             f"{config.training.seq_len} tokens, {d.grad_accum_steps} accumulation step(s)",
             f"  compute: {paths['precision']}; compile {paths['compile']}; token mixer {mixer}; short convolution "
             f"{paths.get('short_conv', '-')}; cross-entropy {paths['cross_entropy']}; {paths['optimizer']}",
+            *([f"  fla kernel configurations: {paths['kernel_configs']}"] if "kernel_configs" in paths else []),
             f"  data: {data.dataset} split {data.split} (text field {data.text_field}{holdout}); validation {val}",
             f"  checkpoints: {ckpt}",
             f"  MFU against {self.peak_tflops:.1f} TFLOP/s ({self._peak_source}); matmul rate measured here "
@@ -815,6 +831,12 @@ class Trainer:
                            "memory_gib": peak_memory_gib(self.device), "tokens_seen": self.state.tokens_seen}
                     if not rows:  # the first row of this run says what ran (as paths.json and config.toml do)
                         row["paths"] = self.paths
+                        if self.kernel_configs.path is not None:
+                            # Known only now: which kernel launches the shipped configurations served.
+                            row["kernel_configs"] = self.kernel_configs.record()
+                            if self.rank == 0:
+                                logger.info("kernel configurations after the first step: %s",
+                                            self.kernel_configs.served.summary())
                     rows.append(row)
                     self.metrics.log(row)
                     window_start, window_tokens = time.perf_counter(), 0

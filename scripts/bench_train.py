@@ -100,6 +100,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--out", type=Path, default=Path("results.json"), help="JSON list to append rows to")
     parser.add_argument("--triton-cache-dir", default=None, help="sets TRITON_CACHE_DIR before Triton loads")
+    parser.add_argument("--kernel-configs", default="auto",
+                        help="fla's launch configurations (model.kernel_configs: auto, off or a file), for our rows "
+                             "and the references alike")
+    parser.add_argument("--compare-autotuned", action="store_true",
+                        help="after the rows, forget every configuration, autotune every fla kernel afresh and "
+                             "measure the same rows again in this process (the tuned files' cost in tokens/s)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
@@ -229,7 +235,7 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
                  "--validation.enable", "false", "--checkpoint.enable", "false",
                  "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump),
                  "--data.dataset", "bundled", "--lr_scheduler.warmup_steps", "1",
-                 "--float8.enable", str(args.float8).lower()]
+                 "--float8.enable", str(args.float8).lower(), "--model.kernel_configs", args.kernel_configs]
     t0 = time.time()
     trainer = Trainer(parse_config(["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"),
                                     *overrides]))
@@ -266,7 +272,8 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
                mfu=flops * row["tokens_per_s"] / (trainer.peak_tflops * 1e12),
                mfu_measured=flops * row["tokens_per_s"] / (trainer.measured_tflops * 1e12),
                flops_per_token=flops, compile=args.compile, ac=args.ac, float8=args.float8, packed=args.packed,
-               precision="fp32_master" if trainer.autocast else "float32", paths=trainer.paths)
+               precision="fp32_master" if trainer.autocast else "float32", paths=trainer.paths,
+               kernel_configs=trainer.kernel_configs.record())
     trainer = None  # free it before the next row (the closures above hold no other reference)
     return row
 
@@ -384,7 +391,8 @@ def _print_table(rows: list[dict]) -> None:
             continue
         note = ",".join(n for n, on in ((r.get("precision", "?"), True), ("compile", r.get("compile")),
                                         (f"ac={r.get('ac')}", r.get("ac") != "none"), ("float8", r.get("float8")),
-                                        ("unpacked", r.get("packed") is False))
+                                        ("unpacked", r.get("packed") is False),
+                                        ("autotuned", r.get("kernel_configs_pass") == "off"))
                         if on)
         print(f"{r['system']:<13}{r['flavour']:<14}{r['size']:<6}{r['seq_len']:>6}{r['batch_size']:>4}"
               f"{r['num_params'] / 1e6:>8.1f}M{r['tokens_per_s']:>11,.0f}{100 * r['mfu']:>6.1f}%"
@@ -429,15 +437,25 @@ def main(argv: list[str] | None = None) -> int:
     if references and len(skipped) < len(references):
         from hola_titan.flops import measured_matmul_tflops
         measured_tflops = measured_matmul_tflops(device)
+    if device.type == "cuda" and references:
+        from hola_titan.kernels.tuned_configs import install
+        installed = install(args.kernel_configs, device)  # the references' fla kernels (our rows install their own)
+        print(f"fla kernel configurations: {installed.describe()}", flush=True)
     rows = []
+    passes = [args.kernel_configs] + (["off"] if args.compare_autotuned else [])
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         tokenizer_dir = _write_tokenizer(Path(tmp) / "tokenizer", args.vocab_size)
         jobs = [("ours", flavour, size, t, b) for size in _split(args.sizes) for flavour in _split(args.flavours)
                 for t, b in pairs]
         jobs += [(f"ref:{precision}", name, "340M", t, b) for name in references if name not in skipped
                  for precision in precisions for t, b in pairs]
-        for kind, name, size, seq_len, batch_size in jobs:
-            base = dict(stamp, seq_len=seq_len, batch_size=batch_size)
+        for index, (configs, (kind, name, size, seq_len, batch_size)) in enumerate(
+                [(c, job) for c in passes for job in jobs]):
+            if index == len(jobs) and len(passes) > 1:
+                from hola_titan.kernels.tuned_configs import uninstall
+                uninstall()  # every fla autotuner starts empty: the second pass tunes everything itself
+            args.kernel_configs = configs
+            base = dict(stamp, seq_len=seq_len, batch_size=batch_size, kernel_configs_pass=configs)
             try:
                 if kind == "ours":
                     row = bench_hola_titan(flavour=name, size=size, seq_len=seq_len, batch_size=batch_size,

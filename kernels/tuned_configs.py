@@ -1,0 +1,350 @@
+"""Tuned launch configurations for fla-core's autotuned Triton kernels, shipped with the project.
+
+fla-core picks every kernel's tile sizes, warps and stages with ``triton.autotune``: the first launch of each
+kernel at each new key (head dim, heads, flags, dtypes) compiles and times every candidate configuration. On a
+fresh machine that is minutes per process and head dim before the first training step (docs/LOG.md,
+2026-12-02). This module removes that wait: ``scripts/tune_kernels.py`` runs the tuning once on a GPU, at the
+shapes of the recipes, and writes the winning configurations to ``kernels/configs/<GPU>__fla-<v>__triton-<v>.json``;
+:func:`install` gives each of fla's autotuners a table that answers from that file, so a launch compiles the one
+configuration it will run.
+
+The table is consulted where Triton's autotuner asks whether it already knows a key. The answer is one of:
+- **exact**: the file holds this kernel at this key (the configuration tuned there);
+- **nearest**: the file holds the kernel at a key that differs only in extents that do not change the kernel's
+  code (``EXTENT_KEYS``: batch, tokens, heads), equal in every head dim, tile, flag and dtype; the closest by
+  log ratio is taken;
+- **tuned**: nothing applies; Triton autotunes as it would without the file, and the key is recorded.
+Only configurations among the autotuner's own candidates are ever used: an entry that names one the installed fla
+does not offer (another release) counts as **stale** and is tuned instead.
+
+fla-core has a mechanism of its own (``FLA_CACHE_MODE`` / ``FLA_CONFIG_DIR``, ``fla/ops/utils/cache.py``), read
+from the environment at its import and applied only to the kernels decorated with ``fla_cache_autotune``; several
+kernels on the GDN path use plain ``triton.autotune`` and would still tune. The table here serves both kinds, is
+chosen by an argument rather than the environment, and counts what it served, so a run can say which path ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import math
+import re
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+FORMAT = "hola_titan.tuned_configs/1"
+# Key names whose values scale the launch grid but not the compiled code, so a configuration tuned at one value
+# serves another: batch, tokens (``NB``: blocks of a token count in fla's l2norm) and heads. Head dims (``K``,
+# ``V``, ``D``), tiles (``BT``, ``BK``, ``BV``, ``BC``), flags and dtypes must match exactly.
+EXTENT_KEYS = frozenset({"B", "T", "NB", "NT", "H", "HV"})
+# Modules whose autotuners the table serves and the tuning script records.
+MODULE_PREFIXES = ("fla.", "hola_titan.kernels.")
+
+
+def sanitize_gpu_name(name: str) -> str:
+    """``NVIDIA H200`` -> ``NVIDIA_H200`` (the file-name form)."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_") or "unknown_gpu"
+
+
+def versions() -> dict[str, str | None]:
+    """The versions a tuned configuration depends on (torch is recorded, not matched: the kernels are Triton's)."""
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    import torch
+    return {"fla": version("fla-core"), "triton": version("triton"), "torch": torch.__version__,
+            "cuda": torch.version.cuda}
+
+
+def shipped_file(gpu_name: str, fla: str | None, triton: str | None) -> Path:
+    """Where the configurations for this GPU and these versions live (the file may not exist)."""
+    return CONFIG_DIR / f"{sanitize_gpu_name(gpu_name)}__fla-{fla}__triton-{triton}.json"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Finding the autotuners.
+
+
+def _autotuner_class():
+    from triton.runtime.autotuner import Autotuner
+    return Autotuner
+
+
+def _unwrap_autotuner(obj):
+    """The ``Autotuner`` inside a kernel object (``triton.heuristics`` wraps it in fla), or None."""
+    autotuner_cls = _autotuner_class()
+    seen = 0
+    while obj is not None and seen < 8:
+        if isinstance(obj, autotuner_cls):
+            return obj
+        obj = getattr(obj, "fn", None)
+        seen += 1
+    return None
+
+
+def kernel_name(autotuner) -> str:
+    """``module.function`` of the Python function under the autotuner: stable across re-exports."""
+    fn = autotuner.base_fn
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def find_autotuners(prefixes: tuple[str, ...] = MODULE_PREFIXES) -> dict[str, Any]:
+    """Every autotuned Triton kernel defined in the imported modules under ``prefixes``, by :func:`kernel_name`."""
+    found: dict[str, Any] = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith(prefixes):
+            continue
+        for value in list(vars(module).values()):
+            tuner = _unwrap_autotuner(value)
+            if tuner is not None and kernel_name(tuner).startswith(prefixes):
+                found.setdefault(kernel_name(tuner), tuner)
+    return found
+
+
+def import_fla_kernels() -> None:
+    """Import fla-core (its package imports every op module, so every autotuner exists afterwards)."""
+    import fla  # noqa: F401
+    import fla.ops.gated_delta_rule  # noqa: F401
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configurations as JSON.
+
+
+def config_to_json(config) -> dict:
+    return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "num_ctas": getattr(config, "num_ctas", 1), "maxnreg": getattr(config, "maxnreg", None)}
+
+
+def _same_config(config, spec: dict) -> bool:
+    return config_to_json(config) == {**{"num_ctas": 1, "maxnreg": None}, **spec}
+
+
+def key_to_json(key: tuple) -> list:
+    return [k if isinstance(k, (bool, int, float, str)) or k is None else str(k) for k in key]
+
+
+def _is_extent_value(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def nearest_entry(key: list, entries: list[dict], key_names: list[str]) -> dict | None:
+    """The entry whose key equals ``key`` except at extent positions (``EXTENT_KEYS``), closest by log ratio."""
+    best, best_distance = None, math.inf
+    for entry in entries:
+        other = entry["key"]
+        if len(other) != len(key):
+            continue
+        distance = 0.0
+        for i, (a, b) in enumerate(zip(key, other)):
+            if a == b and type(a) is type(b):
+                continue
+            if i < len(key_names) and key_names[i] in EXTENT_KEYS and _is_extent_value(a) and _is_extent_value(b):
+                distance += abs(math.log2(max(a, 1) / max(b, 1)))
+                continue
+            distance = math.inf
+            break
+        if distance < best_distance:
+            best, best_distance = entry, distance
+    return best
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The table each autotuner consults.
+
+
+@dataclasses.dataclass
+class Served:
+    """What the tables answered since :func:`install` (all autotuners together)."""
+    exact: int = 0
+    nearest: int = 0
+    stale: int = 0
+    tuned: list[str] = dataclasses.field(default_factory=list)  # "kernel key" of each launch key autotuned
+
+    def summary(self) -> str:
+        text = f"{self.exact} exact, {self.nearest} nearest"
+        if self.stale:
+            text += f", {self.stale} stale"
+        if self.tuned:
+            names = sorted({t.split(" ", 1)[0].rsplit(".", 1)[-1] for t in self.tuned})
+            text += f"; {len(self.tuned)} key(s) autotuned at run time ({', '.join(names)})"
+        else:
+            text += "; nothing autotuned at run time"
+        return text
+
+
+class ConfigTable(dict):
+    """An autotuner's ``cache`` (key -> chosen ``triton.Config``) that fills a missing key from shipped entries.
+
+    Triton's autotuner asks ``key not in self.cache`` before tuning; answering from the file there means the
+    autotuner compiles and runs only the configuration chosen, and is otherwise unchanged.
+    """
+
+    def __init__(self, autotuner, name: str, entries: list[dict], key_names: list[str], served: Served,
+                 lock: threading.Lock):
+        super().__init__(autotuner.cache)
+        self._candidates = list(autotuner.configs)
+        self._name = name
+        self._entries = entries
+        self._key_names = key_names
+        self._served = served
+        self._lock = lock
+        self.from_file: set = set()  # keys this table answered (not tuned in this process)
+
+    def __contains__(self, key) -> bool:
+        if dict.__contains__(self, key):
+            return True
+        wanted = key_to_json(key)
+        entry = next((e for e in self._entries if e["key"] == wanted and all(
+            type(a) is type(b) for a, b in zip(e["key"], wanted))), None)
+        how = "exact"
+        if entry is None:
+            entry, how = nearest_entry(wanted, self._entries, self._key_names), "nearest"
+        config = None
+        if entry is not None:
+            config = next((c for c in self._candidates if _same_config(c, entry["config"])), None)
+            if config is None:
+                how = "stale"
+        with self._lock:
+            if config is None:
+                if how == "stale":
+                    self._served.stale += 1
+                self._served.tuned.append(f"{self._name} {wanted}")
+                return False
+            setattr(self._served, how, getattr(self._served, how) + 1)
+        self[key] = config
+        self.from_file.add(key)
+        return True
+
+
+@dataclasses.dataclass
+class Installed:
+    """The decision :func:`install` made, for the log and the run folder."""
+    source: str  # "shipped", "file" or "off"
+    path: str | None
+    why: str
+    kernels: int = 0
+    served: Served = dataclasses.field(default_factory=Served)
+
+    def describe(self) -> str:
+        if self.path is None:
+            return f"autotuned at run time ({self.why})"
+        return f"{self.source} {self.path} ({self.kernels} kernels; {self.why})"
+
+    def record(self) -> dict:
+        """For the run folder: the decision and what was served so far."""
+        return {"source": self.source, "path": self.path, "why": self.why, "kernels": self.kernels,
+                "exact": self.served.exact, "nearest": self.served.nearest, "stale": self.served.stale,
+                "autotuned": list(self.served.tuned)}
+
+
+def read_file(path: Path) -> dict:
+    """A configurations file, checked: ``ValueError`` naming the file and what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"kernel configurations {path}: cannot be read ({err})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("kernels"), dict):
+        raise ValueError(f"kernel configurations {path}: not a {FORMAT} file")
+    for name, kernel in data["kernels"].items():
+        if not isinstance(kernel, dict) or not isinstance(kernel.get("entries"), list) or not all(
+                isinstance(e, dict) and isinstance(e.get("key"), list) and isinstance(e.get("config"), dict)
+                for e in kernel["entries"]):
+            raise ValueError(f"kernel configurations {path}: kernel {name!r} is malformed")
+    return data
+
+
+def install(choice: str, device) -> Installed:
+    """Choose the configurations for this process and give fla's autotuners tables that serve them.
+
+    ``choice``: ``auto`` (the shipped file for this GPU and these fla and Triton versions, when there is one),
+    ``off`` (autotune as fla does), or the path of a file written by ``scripts/tune_kernels.py``. Idempotent for
+    the same choice; call it before the first launch of an fla kernel (kernels launched earlier keep the
+    configurations they tuned).
+    """
+    import torch
+
+    device = torch.device(device)
+    if choice == "off":
+        return Installed("off", None, "model.kernel_configs = off")
+    if device.type != "cuda":
+        return Installed("off", None, f"no tuned configurations on {device.type}")
+    v = versions()
+    gpu = torch.cuda.get_device_name(device)
+    if choice == "auto":
+        path = shipped_file(gpu, v["fla"], v["triton"])
+        if not path.exists():
+            return Installed("off", None, f"none shipped for {gpu} with fla-core {v['fla']} and Triton "
+                             f"{v['triton']}; scripts/tune_kernels.py writes them")
+        source = "shipped"
+    else:
+        path, source = Path(choice).expanduser(), "file"
+        if not path.exists():
+            raise FileNotFoundError(f"model.kernel_configs: {path} does not exist")
+    data = read_file(path)
+    meta = data.get("meta", {})
+    why = f"tuned on {meta.get('gpu')} with fla-core {meta.get('fla')}, Triton {meta.get('triton')}"
+    if source == "file" and (meta.get("gpu") != gpu or meta.get("fla") != v["fla"]
+                             or meta.get("triton") != v["triton"]):
+        why += f"; this process: {gpu}, fla-core {v['fla']}, Triton {v['triton']}"
+    import_fla_kernels()
+    _active.append(hashlib.sha256(path.read_bytes()).hexdigest()[:12])
+    served = _installed_served.setdefault(str(path), Served())
+    lock = threading.Lock()
+    count = 0
+    for name, tuner in find_autotuners().items():
+        kernel = data["kernels"].get(name)
+        if kernel is None or isinstance(tuner.cache, ConfigTable):
+            continue
+        tuner.cache = ConfigTable(tuner, name, kernel["entries"], list(kernel.get("key_names", [])), served, lock)
+        count += 1
+    return Installed(source, str(path), why, kernels=len(data["kernels"]), served=served)
+
+
+_installed_served: dict[str, Served] = {}
+_active: list[str] = []
+
+
+def active_tag() -> str:
+    """Which configurations this process's fla kernels take: the installed file's hash, or ``autotuned``."""
+    return _active[0] if _active else "autotuned"
+
+
+def uninstall() -> None:
+    """Give every autotuner a plain, empty cache again (the next launch of each key autotunes)."""
+    for tuner in find_autotuners().values():
+        tuner.cache = {}
+    _installed_served.clear()
+    _active.clear()
+
+
+def tuned_entries() -> dict[str, dict]:
+    """What this process's autotuners chose (not served from a file), as the ``kernels`` of a configurations file."""
+    out: dict[str, dict] = {}
+    for name, tuner in sorted(find_autotuners().items()):
+        cache = tuner.cache
+        served_keys = cache.from_file if isinstance(cache, ConfigTable) else set()
+        entries = [{"key": key_to_json(key), "config": config_to_json(config)}
+                   for key, config in cache.items() if key not in served_keys]
+        if entries:
+            out[name] = {"key_names": list(tuner.keys), "entries": entries}
+    return out
+
+
+def merge(files: list[dict]) -> dict[str, dict]:
+    """The ``kernels`` of several tuning runs in one (the first run's configuration wins a key tuned twice)."""
+    out: dict[str, dict] = {}
+    for kernels in files:
+        for name, kernel in kernels.items():
+            mine = out.setdefault(name, {"key_names": kernel["key_names"], "entries": []})
+            known = {json.dumps(e["key"]) for e in mine["entries"]}
+            mine["entries"].extend(e for e in kernel["entries"] if json.dumps(e["key"]) not in known)
+    return out

@@ -1,0 +1,184 @@
+"""Shipped launch configurations for fla's autotuned kernels (``kernels/tuned_configs.py``), on the CPU.
+
+The tables are exercised through Triton's own ``Autotuner.run``: the kernel launch itself is replaced by a
+recorder and the benchmarking by a function that fails, so a test shows which configuration a launch would run
+and that nothing was timed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from hola_titan.kernels import tuned_configs  # noqa: E402
+from hola_titan.kernels.tuned_configs import ConfigTable, Served  # noqa: E402
+
+CONFIGS = [triton.Config({"BT": bt}, num_warps=w, num_stages=s) for bt in (32, 64) for w in (2, 4) for s in (2, 3)]
+
+
+def _make_kernel():
+    @triton.autotune(configs=list(CONFIGS), key=["H", "K", "USE_G"])
+    @triton.jit
+    def toy_kernel(x, H, K: tl.constexpr, USE_G: tl.constexpr, BT: tl.constexpr):
+        pass
+
+    return toy_kernel
+
+
+class FakeTensor:
+    dtype = "torch.bfloat16"
+
+
+class Recorder:
+    """Stands in for the compiled kernel: records the meta-parameters a launch would run with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *args, **kwargs):
+        self.calls.append(kwargs)
+
+
+def _entry(h, k, use_g, config):
+    return {"key": [h, k, use_g, "torch.bfloat16"], "config": tuned_configs.config_to_json(config)}
+
+
+def _launch(tuner, *, h, k, use_g=True):
+    tuner.fn = recorder = Recorder()
+
+    def no_bench(*a, **kw):
+        raise AssertionError("the autotuner benchmarked a configuration")
+
+    tuner._bench = no_bench
+    tuner.run(FakeTensor(), h, k, use_g, grid=(1,), warmup=False)
+    return recorder.calls[-1]
+
+
+def _table(tuner, entries, served=None):
+    import threading
+    served = served or Served()
+    tuner.cache = ConfigTable(tuner, "tests.toy_kernel", entries, list(tuner.keys), served, threading.Lock())
+    return served
+
+
+def test_an_exact_entry_runs_its_configuration_without_tuning():
+    tuner = _make_kernel()
+    chosen = CONFIGS[5]
+    served = _table(tuner, [_entry(4, 256, True, CONFIGS[0]), _entry(4, 128, True, chosen)])
+    call = _launch(tuner, h=4, k=128)
+    assert (call["BT"], call["num_warps"], call["num_stages"]) == (64, 2, 3)
+    assert tuner.best_config is chosen  # one of the autotuner's own candidates, not a copy
+    assert (served.exact, served.nearest, served.tuned) == (1, 0, [])
+    _launch(tuner, h=4, k=128)  # a known key is not looked up again
+    assert served.exact == 1
+
+
+def test_heads_are_matched_to_the_nearest_tuned_value_but_head_dims_and_flags_are_not():
+    tuner = _make_kernel()
+    served = _table(tuner, [_entry(2, 128, True, CONFIGS[1]), _entry(16, 128, True, CONFIGS[6]),
+                            _entry(8, 256, True, CONFIGS[7])])
+    call = _launch(tuner, h=12, k=128)  # log2 distance: 16 is nearer than 2
+    assert (call["BT"], call["num_warps"], call["num_stages"]) == (64, 4, 2)
+    assert served.nearest == 1
+    with pytest.raises(AssertionError, match="benchmarked"):
+        _launch(tuner, h=8, k=64)  # no entry at K = 64: Triton would tune
+    assert served.tuned == ["tests.toy_kernel [8, 64, True, 'torch.bfloat16']"]
+    with pytest.raises(AssertionError, match="benchmarked"):
+        _launch(tuner, h=8, k=256, use_g=False)  # a flag differs
+    assert len(served.tuned) == 2
+
+
+def test_a_configuration_the_kernel_does_not_offer_is_stale_and_tuned():
+    tuner = _make_kernel()
+    foreign = triton.Config({"BT": 128}, num_warps=8, num_stages=1)
+    served = _table(tuner, [_entry(4, 128, True, foreign)])
+    with pytest.raises(AssertionError, match="benchmarked"):
+        _launch(tuner, h=4, k=128)
+    assert served.stale == 1 and len(served.tuned) == 1
+
+
+def test_bools_never_match_integers():
+    """``True == 1`` in Python: a flag must not take an entry recorded for an integer value."""
+    entries = [{"key": [4, 1], "config": {}}]
+    assert tuned_configs.nearest_entry([4, True], entries, ["H", "USE_G"]) is None
+
+
+def test_tuned_entries_leave_out_what_a_table_served_and_round_trip_through_a_file(tmp_path, monkeypatch):
+    tuner = _make_kernel()
+    module = types.ModuleType("hola_titan.kernels._toy_for_test")
+    module.toy_kernel = tuner
+    tuner.base_fn.__module__ = module.__name__
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    name = f"{module.__name__}.{tuner.base_fn.__qualname__}"
+    assert tuned_configs.find_autotuners()[name] is tuner
+    _table(tuner, [_entry(4, 128, True, CONFIGS[2])])
+    _launch(tuner, h=4, k=128)  # served from the table
+    tuner.cache[(4, 256, True, "torch.bfloat16")] = CONFIGS[3]  # as Triton stores a key it tuned itself
+    kernels = tuned_configs.tuned_entries()
+    assert kernels[name]["entries"] == [_entry(4, 256, True, CONFIGS[3])]
+    assert kernels[name]["key_names"] == ["H", "K", "USE_G"]
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps({"format": tuned_configs.FORMAT, "meta": {}, "kernels": kernels}))
+    assert tuned_configs.read_file(path)["kernels"] == kernels
+    merged = tuned_configs.merge([kernels, {name: {"key_names": ["H", "K", "USE_G"],
+                                                   "entries": [_entry(4, 256, True, CONFIGS[0]),
+                                                               _entry(2, 256, True, CONFIGS[1])]}}])
+    assert merged[name]["entries"] == [_entry(4, 256, True, CONFIGS[3]), _entry(2, 256, True, CONFIGS[1])]
+
+
+@pytest.mark.parametrize("text, problem", [("{", "cannot be read"), ('{"format": "x", "kernels": {}}', "not a"),
+                                           (json.dumps({"format": tuned_configs.FORMAT,
+                                                        "kernels": {"k": {"entries": [{"key": 1}]}}}), "malformed")])
+def test_a_bad_file_is_refused_naming_it(tmp_path, text, problem):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=problem) as err:
+        tuned_configs.read_file(path)
+    assert str(path) in str(err.value)
+
+
+def test_install_off_and_on_a_cpu_tunes_as_fla_does():
+    assert tuned_configs.install("off", "cpu").describe() == "autotuned at run time (model.kernel_configs = off)"
+    installed = tuned_configs.install("auto", "cpu")
+    assert installed.path is None and "cpu" in installed.describe()
+
+
+def test_the_shipped_files_are_well_formed():
+    """Every file in kernels/configs/ reads, names its GPU and versions, and matches its own file name."""
+    for path in sorted(tuned_configs.CONFIG_DIR.glob("*.json")):
+        data = tuned_configs.read_file(path)
+        meta = data["meta"]
+        assert tuned_configs.shipped_file(meta["gpu"], meta["fla"], meta["triton"]) == path
+        assert data["kernels"] and all(kernel["entries"] for kernel in data["kernels"].values())
+
+
+def test_the_trainer_records_its_choice(tmp_path):
+    from hola_titan.config import parse_config
+    from hola_titan.train import Trainer
+
+    trainer = Trainer(parse_config(["--training.steps", "1", "--training.device", "cpu", "--job.dump_folder",
+                                    str(tmp_path), "--validation.enable", "false"]))
+    assert trainer.paths["kernel_configs"] == "autotuned at run time (no fla kernels in this run)"
+
+
+def test_the_fla640_verdict_is_kept_only_when_it_passed_under_this_tolerance(tmp_path):
+    from hola_titan.kernels import fla_gdn
+
+    errors = {"o": 4e-3, "dq": 5e-3, "dk": 5e-3, "dv": 4e-3, "dg": 8e-3, "dbeta": 4e-3}
+    path = tmp_path / "node" / "fla640.json"
+    fla_gdn.write_verdict(path, errors)
+    assert fla_gdn.read_verdict(path) == errors
+    record = json.loads(path.read_text())
+    for changed in ({"tolerance": fla_gdn.CHECK_TOLERANCE * 2}, {"errors": {**errors, "dg": 0.5}},
+                    {"errors": {k: v for k, v in errors.items() if k != "dbeta"}}):
+        path.write_text(json.dumps({**record, **changed}))
+        assert fla_gdn.read_verdict(path) is None
+    path.write_text("{not json")
+    assert fla_gdn.read_verdict(path) is None
+    assert fla_gdn.read_verdict(tmp_path / "absent.json") is None
