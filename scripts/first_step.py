@@ -5,9 +5,11 @@ takes them) through its first step on the recipe's own data and times, from the 
 ``/proc``, so the interpreter's start-up counts):
 
 - ``imports``: torch and the trainer module;
-- ``build``: ``Trainer(config)`` without the two phases below (model, data, optimizer, compile wrapping);
+- ``build``: the config and ``Trainer(config)`` without the two phases below (model, data, optimizer, compile
+  wrapping);
 - ``kernel_configs``: choosing fla's launch configurations, fla's import included (``model.kernel_configs``);
 - ``fla640_check``: fla's #640 gradient check, or reading its kept verdict (``job.cache_folder``);
+- ``first_batch``: the data loader's first batch;
 - ``first_forward``, ``first_backward``, ``first_optimizer``: the first micro-batch's loss, its backward, and
   the clipped AdamW update, each up to a device synchronisation (compilation and autotuning land here);
 - ``second_step``: one more step, for comparison with a warm one.
@@ -109,9 +111,8 @@ def one(out: Path, overrides: list[str]) -> int:
     train_module.prepare_backward = timing("fla640_check", train_module.prepare_backward)
     trainer_cls = train_module.Trainer
     trainer_cls._install_kernel_configs = timing("kernel_configs", trainer_cls._install_kernel_configs)
-    config = parse_config(overrides)
     t0 = time.time()
-    trainer = trainer_cls(config)
+    trainer = trainer_cls(parse_config(overrides))
     phases["build"] = time.time() - t0 - timed["kernel_configs"] - timed["fla640_check"]
     phases.update(timed)
     device = trainer.device
@@ -120,8 +121,10 @@ def one(out: Path, overrides: list[str]) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    t0 = time.time()
     data = iter(trainer.dataloader)
     batch = next(data)
+    phases["first_batch"] = time.time() - t0
     t0 = time.time()
     loss = trainer.loss_sum(batch)
     sync()

@@ -182,3 +182,23 @@ def test_the_fla640_verdict_is_kept_only_when_it_passed_under_this_tolerance(tmp
     path.write_text("{not json")
     assert fla_gdn.read_verdict(path) is None
     assert fla_gdn.read_verdict(tmp_path / "absent.json") is None
+
+
+def test_first_step_reports_every_phase(tmp_path):
+    """``scripts/first_step.py`` on the debug recipe (CPU): the phases add up to the first step's time."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "first.json"
+    subprocess.run([sys.executable, str(root / "scripts" / "first_step.py"), "--out", str(out), "--job.config_file",
+                    str(root / "train_configs" / "debug_model.toml"), "--training.device", "cpu",
+                    "--job.dump_folder", str(tmp_path / "run"), "--validation.enable", "false"],
+                   check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    phases = result["phases"]
+    assert set(phases) == {"imports", "build", "kernel_configs", "fla640_check", "first_batch", "first_forward",
+                           "first_backward", "first_optimizer", "second_step"}
+    first = sum(v for k, v in phases.items() if k != "second_step")
+    assert all(v >= 0 for v in phases.values()) and abs(first - result["first_step_s"]) < 0.5
+    assert result["kernel_configs"]["source"] == "off" and result["paths"]["kernel_configs"]
