@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,9 +41,13 @@ def _parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated model sizes to tune at")
     parser.add_argument("--flavours", default=",".join(FLAVOURS), help="comma-separated recurrent flavours")
-    parser.add_argument("--references", default="none", help="'fla_gdn' to tune fla's own model too, or 'none'")
+    parser.add_argument("--references", default="none",
+                        help="'fla_gdn' to tune fla's own model too (needs the flash-linear-attention package, whose "
+                             "fla.models fla-core does not ship), or 'none'")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per row of the tuning batches")
     parser.add_argument("--rows", type=int, default=2, help="rows per tuning batch")
+    parser.add_argument("--first-rows", default="packed", choices=("packed", "plain"),
+                        help="tune packed rows (data.varlen, the text recipes) or plain rows (MQAR) first")
     parser.add_argument("--jobs", type=int, default=3, help="child processes at a time")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds each child may take")
     parser.add_argument("--out", type=Path, default=None,
@@ -87,7 +92,8 @@ def _tune_ours(size: str, flavour: str, precision: str, args, folder: Path) -> N
         "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false", "--lr_scheduler.warmup_steps", "1",
         "--job.dump_folder", str(folder / f"{size}_{flavour}_{precision}")]))
     vocab = trainer.model_args.vocab_size
-    for seed, packed in ((0, True), (1, True), (2, False)):
+    order = ((0, True), (1, True), (2, False)) if args.first_rows == "packed" else ((2, False), (0, True), (1, True))
+    for seed, packed in order:
         trainer.train_step([_batch(args.rows, args.seq_len, vocab, packed=packed, seed=seed)])
     trainer.resolve_pending()
     tokens = _batch(1, args.seq_len, vocab, packed=False, seed=3)["input_ids"].to(trainer.device)
@@ -120,10 +126,25 @@ def child(args) -> int:
     t0 = time.time()
     timings = {}
 
-    def save():  # after every model: a child stopped by its time limit keeps what it tuned
+    def save():  # often: a child stopped by its time limit keeps what it tuned so far
+        for _ in range(5):
+            try:  # another thread may be adding a key while this one reads the tables
+                kernels = tuned_configs.tuned_entries()
+                break
+            except RuntimeError:
+                time.sleep(0.1)
+        else:
+            return
         tmp_out = args.child_out.with_suffix(".tmp")
-        tmp_out.write_text(json.dumps({"kernels": tuned_configs.tuned_entries(), "seconds": timings}) + "\n")
+        tmp_out.write_text(json.dumps({"kernels": kernels, "seconds": timings}) + "\n")
         tmp_out.replace(args.child_out)
+
+    def keep_saving():
+        while True:
+            time.sleep(15.0)
+            save()
+
+    threading.Thread(target=keep_saving, daemon=True).start()
 
     with tempfile.TemporaryDirectory(prefix="tune_kernels_") as tmp:
         if args.child == "fla_gdn":
@@ -168,7 +189,8 @@ def main(argv=None) -> int:
                 part = pending.pop(0)
                 part_out = Path(tmp) / f"{part}.json"
                 cmd = [sys.executable, __file__, "--child", part, "--child-out", str(part_out),
-                       "--flavours", args.flavours, "--seq-len", str(args.seq_len), "--rows", str(args.rows)]
+                       "--flavours", args.flavours, "--seq-len", str(args.seq_len), "--rows", str(args.rows),
+                       "--first-rows", args.first_rows]
                 running.append((part, subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1")),
                                 time.time(), part_out))
             time.sleep(1.0)
