@@ -10,7 +10,8 @@ mostly ``ptxas`` compiling candidate configurations, which uses one CPU core per
 
 The winners (every autotuner's ``cache``, see ``kernels/tuned_configs.py``) are merged and written to
 ``kernels/configs/<GPU>__fla-<v>__triton-<v>.json`` with the GPU, the fla-core, Triton, torch and CUDA versions,
-the date and the command; an existing file for the same GPU and versions is merged into (new results first).
+the date and the command; an existing file for the same GPU and versions is merged into (new results first), and
+its keys are served to the children instead of tuned again, so the tuning can be spread over several runs.
 The trainer picks the file up by itself (``model.kernel_configs = auto``). GPU only::
 
     python scripts/tune_kernels.py                          # all recipe sizes, 3 processes at a time
@@ -55,6 +56,7 @@ def _parse_args(argv):
     parser.add_argument("--no-merge", action="store_true", help="replace an existing file instead of merging")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-configs", default="off", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -86,7 +88,8 @@ def _tune_ours(size: str, flavour: str, precision: str, args, folder: Path) -> N
 
     trainer = Trainer(parse_config([
         "--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--model.flavour", flavour,
-        "--model.size", size, "--model.n_layers", "1", "--model.kernel_configs", "off", "--training.device", "cuda",
+        "--model.size", size, "--model.n_layers", "1", "--model.kernel_configs", args.child_configs,
+        "--training.device", "cuda",
         "--training.mixed_precision_param", precision, "--training.seq_len", str(args.seq_len),
         "--training.local_batch_size", str(args.rows), "--training.steps", "100", "--validation.enable", "false",
         "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false", "--lr_scheduler.warmup_steps", "1",
@@ -188,9 +191,12 @@ def main(argv=None) -> int:
             while pending and len(running) < args.jobs:
                 part = pending.pop(0)
                 part_out = Path(tmp) / f"{part}.json"
+                # Keys the file already holds are served from it, so a run that continues an earlier (merged) one
+                # tunes only what is missing; what the tables served is not written again.
+                known = str(out) if out.exists() and not args.no_merge else "off"
                 cmd = [sys.executable, __file__, "--child", part, "--child-out", str(part_out),
-                       "--flavours", args.flavours, "--seq-len", str(args.seq_len), "--rows", str(args.rows),
-                       "--first-rows", args.first_rows]
+                       "--child-configs", known, "--flavours", args.flavours, "--seq-len", str(args.seq_len),
+                       "--rows", str(args.rows), "--first-rows", args.first_rows]
                 running.append((part, subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1")),
                                 time.time(), part_out))
             time.sleep(1.0)
