@@ -15,10 +15,12 @@ parameter names are the native ones documented in :mod:`hola_titan.export` and i
 Decoding uses the native constant-memory cache (:class:`~hola_titan.models.model.ModelCache`: recurrent state,
 short-convolution tails and the bounded HOLA cache per layer; growing keys and values for Transformer++), returned
 as ``output.cache`` and passed back by ``generate``; greedy, sampling and beam search work (beam search reorders
-the cache). Batches of prompts of different lengths are left-padded (``tokenizer.padding_side = "left"``, what
-generation harnesses do): each prompt then decodes exactly as it would alone. Right padding is accepted for
-scoring without a cache. Limitations: no ``inputs_embeds``, no attention weights or per-layer hidden states, no
-``resize_token_embeddings``.
+the cache). In greedy search and sampling, ``generate`` runs each one-token step of the recurrent flavours on the
+static decoder of :mod:`hola_titan.decoding` where it applies (``config.decode``, default ``"auto"``: compiled in a
+CUDA graph on CUDA; :meth:`HolaTitanForCausalLM.generate`), inside transformers' own loop. Batches of prompts
+of different lengths are left-padded (``tokenizer.padding_side = "left"``, what generation harnesses do): each
+prompt then decodes exactly as it would alone. Right padding is accepted for scoring without a cache.
+Limitations: no ``inputs_embeds``, no attention weights or per-layer hidden states, no ``resize_token_embeddings``.
 Tested with transformers 5.x (the cache argument is called ``cache``; ``past_key_values`` is accepted too).
 """
 
