@@ -229,6 +229,34 @@ class StaticDecoder:
         self.steps += 1
         return self.logits
 
+    @torch.inference_mode()
+    def load(self, cache: ModelCache) -> None:
+        """Copy another prefilled ``cache`` (the same model, batch size and device) into the buffers, in place, so
+        that one decoder and its captured graph serve one batch after another (``hola_titan.hf_model`` keeps its
+        decoder across ``generate`` calls): building a decoder runs an eager step and, for a graph, warm-up and
+        capture, which a short generation would pay every call. The cache's position lives in its tensors (the
+        HOLA cache's ``seen``), so the graph is the same for any prompt. Raises ``ValueError`` for a cache that does
+        not fit the buffers; ``cache`` itself is not changed."""
+        layout = _Layout(cache, self.layout.layer_names)
+        if layout.hola_meta != self.layout.hola_meta:
+            raise ValueError(f"cache: HOLA settings {layout.hola_meta} differ from the decoder's "
+                             f"{self.layout.hola_meta}")
+        prefilled = layout.flatten(cache)
+        for name, buffers, tensors in zip(self.layout.layer_names, self.buffers, prefilled, strict=True):
+            if len(tensors) != len(buffers):
+                raise ValueError(f"cache: layer {name} holds {len(tensors)} tensors, the decoder {len(buffers)}")
+            for index, (buffer, tensor) in enumerate(zip(buffers, tensors)):
+                if tensor.device != buffer.device:
+                    raise ValueError(f"cache: layer {name}'s tensor {index} is on {tensor.device}, the decoder's "
+                                     f"buffers on {buffer.device}")
+                _check_exact(tensor, buffer, name, index)
+        for buffers, tensors in zip(self.buffers, prefilled):
+            for buffer, tensor in zip(buffers, tensors):
+                buffer.copy_(tensor)
+        self.seen = cache.seen
+        self.pad_slots = cache.pad_slots
+        self.steps = 0
+
     def cache(self) -> ModelCache:
         """The current cache as a :class:`ModelCache` whose tensors are the decoder's buffers (later steps change
         them in place)."""
@@ -244,6 +272,13 @@ class StaticDecoder:
 def _buffer_like(prefilled: torch.Tensor, stepped: torch.Tensor, layer: str, index: int) -> torch.Tensor:
     """A buffer holding ``prefilled`` in the step's dtype and shape; raises unless the conversion is exact (the same
     dtype, or a float widened)."""
+    _check_exact(prefilled, stepped, layer, index)
+    return prefilled.to(stepped.dtype).clone()
+
+
+def _check_exact(prefilled: torch.Tensor, stepped: torch.Tensor, layer: str, index: int) -> None:
+    """Raise ``ValueError`` unless ``prefilled`` goes into a tensor like ``stepped`` exactly: the same shape, and the
+    same dtype or a float widened."""
     what = f"cache: layer {layer}'s tensor {index}"
     if prefilled.shape != stepped.shape:
         raise ValueError(f"{what} has shape {list(prefilled.shape)}, the decoding step writes {list(stepped.shape)}")
@@ -252,4 +287,3 @@ def _buffer_like(prefilled: torch.Tensor, stepped: torch.Tensor, layer: str, ind
     if prefilled.dtype != stepped.dtype and not widening:
         raise ValueError(f"{what} is {prefilled.dtype}, the decoding step writes {stepped.dtype}: converting would "
                          f"round it")
-    return prefilled.to(stepped.dtype).clone()

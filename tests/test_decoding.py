@@ -152,3 +152,31 @@ def test_reference_backend_is_not_captured_and_short_generations_skip_the_decode
     eager = generate(model, prompt, max_new_tokens=12, decode="eager", stop_ids=stops)
     static = generate(model, prompt, max_new_tokens=12, decode="buffers", stop_ids=stops, stop_check_every=8)
     assert all(eager.finished) and static.tokens == eager.tokens and static.steps == eager.steps
+
+
+def test_load_serves_another_prefilled_cache():
+    """A decoder reloaded with another prompt's cache (what hola_titan.hf_model does between generate calls)
+    steps exactly as a decoder built on that cache; a cache of another batch size is refused."""
+    model = _model("hola_recency")
+    first, second = torch.randint(0, 97, (2, 9)), torch.randint(0, 97, (2, 13))
+    caches = [ModelCache(), ModelCache()]
+    with torch.inference_mode():
+        for prompt, cache in zip((first, second), caches):
+            model(prompt, cache=cache)
+        reused = StaticDecoder(model, caches[0], mode="buffers")
+        for token in first[:, :5].T:  # advance it, so that the reload must overwrite every buffer
+            reused.step(token)
+        reused.load(caches[1])
+        fresh = StaticDecoder(model, caches[1], mode="buffers")
+        assert reused.seen == fresh.seen == 13 and reused.steps == 0
+        token = torch.tensor([3, 50])
+        for _ in range(12):
+            got, want = reused.step(token).clone(), fresh.step(token)
+            assert torch.equal(got, want)
+            token = want.argmax(-1)
+        for a, b in zip(flat_cache(reused.cache()), flat_cache(fresh.cache()), strict=True):
+            assert torch.equal(a, b)
+        other = ModelCache()
+        model(torch.randint(0, 97, (3, 4)), cache=other)
+        with pytest.raises(ValueError, match=r"layer 0's tensor 0 has shape \[3, "):
+            reused.load(other)

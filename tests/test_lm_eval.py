@@ -144,3 +144,54 @@ def test_the_plain_lm_eval_command_opens_the_export_in_a_fresh_process(export, t
     expected = _run(root, batch_size=2)["results"]
     for task, metric in (("ht_choice", "acc,none"), ("ht_generate", "exact_match,none")):
         assert written[task][metric] == expected[task][metric], task
+
+
+def test_generate_until_runs_the_static_decoder_and_matches_eager_steps(export):
+    """lm-eval's own ``generate_until`` request path (``HFLM._model_generate``: ``max_length``, its stop-sequence
+    criteria, ``pad_token_id``) with ``decode=buffers`` in the model arguments, greedy and sampled, at batch 2:
+    every batch's tokens (spied on ``_model_generate``'s result) and every string equal those of
+    ``decode=eager``, a stop sequence cuts generation short, and the fast run's ``ht_generate`` scores equal the
+    default run's."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    _, _, root = export
+    prompts = [p["prompt"] for p in PROMPTS] + ["A"]
+    runs = {}
+    for decode in ("eager", "buffers"):
+        lm = HFLM(pretrained=str(root / "model"), trust_remote_code=True, dtype="float32", max_length=256,
+                  batch_size=2, device="cpu", decode=decode)
+        tokens = []
+        generate = lm._model_generate
+
+        def spy(*args, generate=generate, tokens=tokens, **kwargs):
+            out = generate(*args, **kwargs)
+            tokens.append((out.clone(), out.shape[1] - kwargs["context"].shape[1]))
+            return out
+
+        lm._model_generate = spy
+        texts, paths = [], []
+        # "o" ends every batch within a few tokens; "\n\n" never comes: all 16 tokens.
+        for options, seed in (({"do_sample": False, "until": ["o"]}, 0), ({"do_sample": False, "until": ["\n\n"]}, 0),
+                              ({"do_sample": True, "temperature": 0.7, "until": ["o", "\n\n"]}, 4)):
+            requests = [Instance("generate_until", {}, (p, {"max_gen_toks": 16, **options}), i)
+                        for i, p in enumerate(prompts)]
+            torch.manual_seed(seed)
+            texts.append(lm.generate_until(requests, disable_tqdm=True))
+            paths.append(lm.model.generate_path)
+        runs[decode] = (tokens, texts, paths, lm)
+    (eager_tokens, eager_texts, eager_paths, _), (tokens, texts, paths, lm) = runs["eager"], runs["buffers"]
+    assert [p["decode"] for p in eager_paths] == ["eager"] * 3
+    assert [p["decode"] for p in paths] == ["buffers"] * 3 and paths[1]["reused"] and paths[1]["steps"] == 15
+    assert texts == eager_texts and len(tokens) == len(eager_tokens) == 6
+    for (got, new), (want, _) in zip(tokens, eager_tokens):
+        assert torch.equal(got, want)
+    assert min(new for _, new in tokens) < 16  # the stop sequence ended a batch early
+
+    fast = lm_eval.simple_evaluate(model=lm, tasks=["ht_generate"], log_samples=True,
+                                   task_manager=TaskManager(include_path=str(root / "tasks")))
+    default = _run(root, batch_size=2)
+    assert lm.model.generate_path["decode"] == "buffers"
+    assert [s["filtered_resps"] for s in _samples(fast, "ht_generate")] == [
+        s["filtered_resps"] for s in _samples(default, "ht_generate")]
