@@ -6,9 +6,11 @@ corrupted") and fails there.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -268,7 +270,7 @@ def test_dry_run_of_a_recipe_needs_no_tokenizer(tmp_path, capsys):
         Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path), "--model.vocab_size", "32000"]))
 
 
-@pytest.mark.parametrize("case", ["empty", "not_json", "other_field", "no_such_folder", "tp_degree"])
+@pytest.mark.parametrize("case", ["empty", "not_json", "not_utf8", "other_field", "no_such_folder", "tp_degree"])
 def test_data_and_layout_errors_are_one_line_with_exit_2(tmp_path, case):
     data = tmp_path / "data.jsonl"
     extra = ["--data.dataset", str(data)]
@@ -278,6 +280,11 @@ def test_data_and_layout_errors_are_one_line_with_exit_2(tmp_path, case):
     elif case == "not_json":
         data.write_text('{"text": "one two three"}\nnot json\n')
         expected = f"{data} line 2: not valid JSON"
+    elif case == "not_utf8":
+        data = tmp_path / "data.txt"
+        data.write_bytes(b"first document\n\nsecond one\nwith a Latin-1 caf\xe9\n")
+        extra = ["--data.dataset", str(data)]
+        expected = f"{data} line 4: not valid UTF-8 (byte 0xe9"
     elif case == "other_field":
         data.write_text("".join(json.dumps({"body": f"document {i} of words"}) + "\n" for i in range(20)))
         expected = "no text field 'text' (fields: body); set data.text_field"
@@ -530,3 +537,16 @@ def test_a_fallback_of_auto_is_explained_and_can_be_refused(monkeypatch):
         fast_path_check(chosen, why, device_type="cuda", backend="auto", require=True)
     assert fast_path_check("reference", "auto: no CUDA device", device_type="cpu", backend="auto",
                            require=True) is None
+
+
+def test_bytes_that_are_not_utf8_or_not_gzip_are_named_by_file_and_line(tmp_path):
+    from hola_titan.data.sources import DataError, read_documents, resolve_source
+
+    cases = {"a.jsonl": (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', "a.jsonl line 2: not valid UTF-8"),
+             "b.jsonl.gz": (b"not gzip at all", "b.jsonl.gz: not a readable gzip file"),
+             "c.jsonl.gz": (gzip.compress(b'{"text": "x"}\n\xff\n'), "c.jsonl.gz line 2: not valid UTF-8")}
+    for name, (raw, expected) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(raw)
+        with pytest.raises(DataError, match=re.escape(expected)):
+            list(read_documents(resolve_source(str(path), split="train")))

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import glob
 import gzip
-import io
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,10 +159,19 @@ def resolve_source(dataset: str, *, split: str, text_field: str = "text", datase
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.name.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+def _read_text(path: Path) -> str:
+    """A text file's content (gunzipped for ``.gz``); ``DataError`` naming the file, and the line for bytes that are
+    not UTF-8, instead of a decoder's traceback."""
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as error:
+        raise DataError(f"{path}: not a readable gzip file ({error})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise DataError(f"{path} line {line}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at offset "
+                        f"{error.start}); re-encode the file as UTF-8 or remove the line") from None
 
 
 def _field(record: Any, field: str, where: str) -> str:
@@ -179,8 +188,7 @@ def _field(record: Any, field: str, where: str) -> str:
 
 
 def _json_documents(path: Path, field: str) -> Iterator[str]:
-    with _open_text(path) as handle:
-        content = handle.read()
+    content = _read_text(path)
     if not path.name.endswith((".jsonl", ".jsonl.gz")):
         try:
             records = json.loads(content)
@@ -221,8 +229,7 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
 
 
 def _txt_documents(path: Path, mode: TxtDocuments) -> Iterator[str]:
-    with _open_text(path) as handle:
-        content = handle.read()
+    content = _read_text(path)
     if mode == "file":
         if content.strip():
             yield content
