@@ -313,6 +313,12 @@ def load_pretrained(folder: str | os.PathLike[str], *, device: torch.device | st
     with torch.device("meta"):
         model = HolaTitanLM(args, backend=backend)
     check_keys(set(model.state_dict()), set(state), source=str(folder))
+    # Shapes before load_state_dict, whose RuntimeError lists every mismatch with no word on which file to fix.
+    wrong = [f"{name} {tuple(state[name].shape)} (config: {tuple(t.shape)})" for name, t in model.state_dict().items()
+             if tuple(state[name].shape) != tuple(t.shape)]
+    if wrong:
+        raise ValueError(f"{folder}: the weights do not have the shapes {folder}/config.json describes (was it edited, "
+                         f"or written for another model?): {len(wrong)} tensor(s), e.g. {'; '.join(wrong[:3])}")
     if target is not None:
         state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)

@@ -136,6 +136,18 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
     assert "init:<flavour>" in one_error_line(capsys)
 
 
+def test_an_export_whose_config_was_edited_is_a_one_line_error(exported, tmp_path, capsys):
+    import shutil
+
+    folder = shutil.copytree(exported["hola"], tmp_path / "edited")
+    config = json.loads((folder / "config.json").read_text())
+    config["dim"] *= 2
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["ppl", "--checkpoint", str(folder), *FAST]) == 2
+    line = one_error_line(capsys)
+    assert "do not have the shapes" in line and "config.json" in line and "tok_embeddings.weight" in line
+
+
 def test_bad_task_exits_non_zero_from_the_module_entry_point():
     done = subprocess.run([sys.executable, "-m", "hola_titan.eval", "niah", "--checkpoint", "init:gdn",
                            "--tasks", "haystack_9"], capture_output=True, text=True, cwd=REPO, timeout=120)
