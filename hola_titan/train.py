@@ -687,6 +687,11 @@ class Trainer:
             self._write_run_record()
             if self.rank == 0:
                 logger.info("%s", self._summary(resumed))
+                from hola_titan.data.loader import repetition_note
+                note = repetition_note(self.dataloader, steps=config.training.steps,
+                                       rows_per_step=self.degrees.global_batch_size)
+                if note:
+                    logger.warning("data: %s", note)
             gc_freq = config.training.gc_freq
             was_enabled = gc.isenabled()
             if gc_freq:

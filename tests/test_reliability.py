@@ -550,3 +550,20 @@ def test_bytes_that_are_not_utf8_or_not_gzip_are_named_by_file_and_line(tmp_path
         path.write_bytes(raw)
         with pytest.raises(DataError, match=re.escape(expected)):
             list(read_documents(resolve_source(str(path), split="train")))
+
+
+def test_a_dataset_smaller_than_a_batch_or_repeated_is_said_at_start(tmp_path, caplog):
+    from hola_titan.data.loader import repetition_note
+
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"text": "one short sentence, the whole dataset."}) + "\n")
+    trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "2",
+                                    "--data.dataset", str(data)]))
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records if "fewer than one global batch" in r.getMessage()]
+    assert len(lines) == 1 and "2 rows x 64 tokens = 128" in lines[0], caplog.text[-2000:]
+    bundled = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "run2"), "--training.steps", "2"]))
+    assert repetition_note(bundled.dataloader, steps=2, rows_per_step=2) is None
+    note = repetition_note(bundled.dataloader, steps=10**7, rows_per_step=2)
+    assert note is not None and "read it" in note and "times (epochs reshuffled)" in note

@@ -156,6 +156,26 @@ class PackedDataLoader(RowLoader):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def repetition_note(loader, *, steps: int, rows_per_step: int) -> str | None:
+    """What ``steps`` optimizer steps of ``rows_per_step`` global rows do to a finite dataset, when they repeat it:
+    one sentence for the start-up log (``None`` when the data is not repeated or its length is not known ahead, as
+    for streamed and synthetic data)."""
+    stream = getattr(loader, "stream", None)
+    epoch_len = getattr(stream, "epoch_len", None)
+    if not isinstance(loader, PackedDataLoader) or not epoch_len or getattr(stream, "epochs", None) is not None:
+        return None
+    batch_tokens = rows_per_step * loader.seq_len
+    passes = steps * batch_tokens / epoch_len
+    if batch_tokens > epoch_len:
+        return (f"the training data holds {epoch_len:,} tokens, fewer than one global batch "
+                f"({rows_per_step} rows x {loader.seq_len} tokens = {batch_tokens:,}): every batch repeats it, "
+                f"{passes:,.1f} passes over it in {steps} steps")
+    if passes > 1:
+        return (f"the training data holds {epoch_len:,} tokens: {steps} steps of {batch_tokens:,} read it "
+                f"{passes:,.1f} times (epochs {'reshuffled' if loader.shuffle else 'in the same order'})")
+    return None
+
+
 def _check_args(*, tokenizer: Tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
                 dp_world_size: int) -> None:
     if not isinstance(tokenizer, Tokenizer):
