@@ -8,8 +8,8 @@
 #   MAX_RESTARTS  torchrun --max-restarts (default 0)
 # Arguments are passed on as config overrides (--section.key value) or flags (--dry-run).
 # Before torchrun starts, the launch is checked in one process (hola_titan.preflight): a mistake ends there in one
-# line with exit status 2. SIGTERM or SIGUSR1 to this script (or to the whole job) makes the workers save a
-# checkpoint at the next step boundary and exit 0.
+# line with exit status 2. SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) to this script (or to the whole job) makes the workers
+# save a checkpoint at the next step boundary and exit 0; a second Ctrl-C stops them at once.
 #
 # Multi-node example (2 nodes x 8 GPUs), on node 0 and node 1 respectively:
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 CONFIG_FILE=train_configs/hola_1.3B.toml ./run_train.sh
@@ -71,18 +71,19 @@ filter() {
   if [ ! -s "$HOLA_TITAN_ERROR_FILE" ] && [ ${#held[@]} -gt 0 ]; then printf '%s\n' "${held[@]}"; fi
 }
 # The filter outlives a signal to the whole job (it must print the workers' last lines).
-( trap '' TERM USR1; filter ) < "$work/stderr" >&2 &
+( trap '' TERM USR1 INT; filter ) < "$work/stderr" >&2 &
 filtering=$!
-# SIGTERM (a scheduler's warning before a kill) and SIGUSR1 go to the workers, which save a checkpoint at the next
-# step boundary and exit cleanly. torchrun itself ignores both (it would otherwise stop the workers at once and end
+# SIGTERM (a scheduler's warning before a kill), SIGUSR1 and SIGINT (Ctrl-C) go to the workers, which save a
+# checkpoint at the next step boundary and exit cleanly. torchrun itself ignores the three (it would otherwise stop the workers at once and end
 # with a traceback), whether the signal is sent to this script or to every process of the job.
-( trap '' TERM USR1; exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${rdzv[@]}" \
-    --max-restarts "$MAX_RESTARTS" --signals-to-handle SIGINT,SIGHUP,SIGQUIT --local-ranks-filter "$LOG_RANK" \
+( trap '' TERM USR1 INT; exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${rdzv[@]}" \
+    --max-restarts "$MAX_RESTARTS" --signals-to-handle SIGHUP,SIGQUIT --local-ranks-filter "$LOG_RANK" \
     --role rank --tee 3 -m hola_titan.train --job.config_file "$CONFIG_FILE" "${overrides[@]}" ) 2> "$work/stderr" &
 launcher=$!
 forward() { pkill "-$1" -P "$launcher" 2>/dev/null || true; }
 trap 'forward TERM' TERM
 trap 'forward USR1' USR1
+trap 'forward INT' INT
 status=0
 while true; do
   wait "$launcher" && status=0 || status=$?

@@ -709,18 +709,20 @@ class Trainer:
                 self._folder_lock.release()
                 self._folder_lock = None
 
-    STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     @contextlib.contextmanager
     def _stop_signals(self):
-        """SIGTERM (what schedulers send before a kill) and SIGUSR1 ask the loop to save a checkpoint at the next
-        step boundary and end cleanly (see :meth:`_stop_requested`). Installed in the main thread only."""
+        """SIGTERM (what schedulers send before a kill), SIGUSR1 and SIGINT (Ctrl-C) ask the loop to save a
+        checkpoint at the next step boundary and end cleanly (see :meth:`_stop_requested`); a second SIGINT stops at
+        once (:func:`_second_interrupt`). Installed in the main thread only."""
         self._stop_signal = _EARLY_STOP[0] if _EARLY_STOP else None
         if threading.current_thread() is not threading.main_thread():
             yield
             return
 
         def handler(signum, frame):
+            _second_interrupt(signum, self._stop_signal)
             self._stop_signal = signum
 
         previous = {sig: signal.signal(sig, handler) for sig in self.STOP_SIGNALS}
@@ -875,11 +877,27 @@ class Trainer:
 _EARLY_STOP: list[int] = []
 
 
+class InterruptedTwice(Exception):
+    """A second Ctrl-C while the first one's checkpoint was still pending: the user wants out now."""
+
+
+_INTERRUPTED_TWICE: list[bool] = []
+
+
+def _second_interrupt(signum: int, pending: int | None) -> None:
+    """Raise :class:`InterruptedTwice` for a SIGINT that follows an earlier SIGINT (Ctrl-C pressed again). Also
+    recorded, since a library may wrap the exception (DCP does, when the interrupt lands in a save)."""
+    if signum == signal.SIGINT and pending == signal.SIGINT:
+        _INTERRUPTED_TWICE.append(True)
+        raise InterruptedTwice
+
+
 def _remember_stop_signals() -> None:
-    """From the start of the process: a SIGTERM or SIGUSR1 that arrives while the trainer is still being built is
-    kept, and the loop stops after its first step. (Under ``run_train.sh`` torchrun ignores both, so a signal to the
-    whole job reaches the workers and not the agent that would kill them.)"""
+    """From the start of the process: a SIGTERM, SIGUSR1 or SIGINT that arrives while the trainer is still being
+    built is kept, and the loop stops after its first step. (Under ``run_train.sh`` torchrun ignores the three, so a
+    signal to the whole job reaches the workers and not the agent that would kill them.)"""
     def handler(signum, frame):
+        _second_interrupt(signum, _EARLY_STOP[0] if _EARLY_STOP else None)
         if not _EARLY_STOP:
             _EARLY_STOP.append(signum)
 
@@ -948,7 +966,11 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
         del trainer  # its meshes and groups go before the process group does (end_process_group)
         end_process_group()
-    except (ConfigError, NonFiniteLossError, FileNotFoundError, CheckpointError, DataError) as err:
+    except (ConfigError, NonFiniteLossError, FileNotFoundError, CheckpointError, DataError, InterruptedTwice) as err:
+        if _INTERRUPTED_TWICE:  # the second Ctrl-C, also when a save it interrupted reports it as its own failure
+            _one_line_error("interrupted twice: stopped at once, without saving the current step (the checkpoints "
+                            "written so far are intact; an unfinished save is removed at the next start)")
+            return 130
         return _one_line_error(str(err))
     except OSError as err:
         if err.errno != errno.ENOSPC:

@@ -218,11 +218,14 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["one_process", "run_train_sh", "whole_job"])
-def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(tmp_path, mode):
+@pytest.mark.parametrize("mode, sig", [("one_process", signal.SIGTERM), ("run_train_sh", signal.SIGTERM),
+                                       ("whole_job", signal.SIGTERM), ("one_process", signal.SIGINT),
+                                       ("run_train_sh", signal.SIGINT)])
+def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(tmp_path, mode, sig):
     """What a scheduler does before preempting: SIGTERM, to one trainer process, to ``run_train.sh`` with two FSDP
-    ranks, or to every process of that job (as Slurm does). The run saves the step it is at, says so, and exits 0;
-    the ranks agree on the step; torchrun neither kills the workers early nor ends with a traceback."""
+    ranks, or to every process of that job (as Slurm does); and Ctrl-C (SIGINT) to the trainer or the launcher. The
+    run saves the step it is at, says so, and exits 0; the ranks agree on the step; torchrun neither kills the
+    workers early nor ends with a traceback."""
     run = [*LONG[2:], "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "100000",
            "--job.dump_folder", str(tmp_path)]
     if mode == "one_process":
@@ -240,9 +243,9 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(tmp_path, mod
             targets = [proc.pid, *agents, *(w for a in agents for w in _children(a))]
             assert len(targets) >= 4, targets  # the script, torchrun and two workers
             for pid in targets:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, sig)
         else:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -250,11 +253,34 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(tmp_path, mod
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoint").glob("step-*") if "." not in p.name)
     assert saved and saved[-1] >= steps[-1], (saved, steps, output[-3000:])
-    assert f"SIGTERM received: stopped after step {saved[-1]} with its checkpoint" in output, output[-3000:]
+    assert f"{sig.name} received: stopped after step {saved[-1]} with its checkpoint" in output, output[-3000:]
     assert proc.returncode == 0 and "Traceback" not in output, output[-3000:]
     assert "returned a view tensor" not in output  # FSDP2's warning about the loss's input (fixed at its cause)
     resumed = Trainer(parse_config([*LONG, "--job.dump_folder", str(tmp_path), "--checkpoint.enable"]))
     assert resumed.checkpointer.load() == saved[-1]
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
+    # Steps of 4,096 tokens (a few hundred ms on a CPU), so that the second interrupt lands before the step ends.
+    run = [*LONG, "--training.seq_len", "2048", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+           "--checkpoint.enable", "--checkpoint.interval", "3", "--job.dump_folder", str(tmp_path)]
+    proc = subprocess.Popen([sys.executable, "-m", "hola_titan.train", *run], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _rows_when(tmp_path, 4)  # step 3's checkpoint is written
+        # Signals sent back to back reach Python's handler as one; 50 ms apart they are two.
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "interrupted twice: stopped at once" in lines[0] and "Traceback" not in err, err[-3000:]
+    resumed = Trainer(parse_config([*run, "--job.dump_folder", str(tmp_path)]))
+    assert resumed.checkpointer.load() >= 3  # what was written before stays loadable
 
 
 def test_dry_run_of_a_recipe_needs_no_tokenizer(tmp_path, capsys):
