@@ -29,7 +29,7 @@ def preflight(argv: list[str], *, folder_check: bool = True) -> None:
     from hola_titan.data import load_tokenizer
     from hola_titan.data.sources import resolve_source
     from hola_titan.data.synthetic import is_synthetic
-    from hola_titan.runfolder import FolderInUseError, RunFolderLock
+    from hola_titan.runfolder import RunFolderError, RunFolderLock
 
     load_tokenizer(config.model.tokenizer_path)
     data = config.data
@@ -42,7 +42,7 @@ def preflight(argv: list[str], *, folder_check: bool = True) -> None:
     if folder_check:
         try:
             RunFolderLock(config.job.dump_folder).probe()
-        except FolderInUseError as err:
+        except RunFolderError as err:
             raise ConfigError("job.dump_folder", str(err)) from None
 
 

@@ -29,8 +29,24 @@ logger = logging.getLogger("hola_titan")
 LOCK_NAME = ".lock"
 
 
-class FolderInUseError(RuntimeError):
+class RunFolderError(RuntimeError):
+    """The run folder cannot serve this run (the one-line error names why)."""
+
+
+class FolderInUseError(RunFolderError):
     """Another live process holds the run folder's lock; the message names it."""
+
+
+class FolderUnusableError(RunFolderError):
+    """The run folder cannot be made or written: a file is in its place, or the file system refuses."""
+
+
+def _check_is_folder(folder: Path) -> None:
+    for path in (folder, *folder.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise FolderUnusableError(f"{folder}: {path} is a file, not a folder; choose another job.dump_folder")
+            return
 
 
 class _Held:
@@ -59,13 +75,19 @@ class RunFolderLock:
         self._key: str | None = None
 
     def acquire(self) -> RunFolderLock:
-        """Take the lock; raises :class:`FolderInUseError` naming the holder when another process has it."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        """Take the lock; raises :class:`FolderInUseError` naming the holder when another process has it, and
+        :class:`FolderUnusableError` when the folder cannot be made or written."""
+        _check_is_folder(self.folder)
         path = self.folder / LOCK_NAME
         key = str(path.resolve())
         held = _HELD.get(key)
         if held is None:
-            handle = open(path, "a+")
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                handle = open(path, "a+")
+            except OSError as error:
+                raise FolderUnusableError(f"{self.folder}: the run folder cannot be written ({error.strerror}); "
+                                          "choose another job.dump_folder or fix its permissions") from None
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as error:
@@ -92,7 +114,9 @@ class RunFolderLock:
         return self
 
     def probe(self) -> None:
-        """Raise :class:`FolderInUseError` when another process holds the lock; take nothing and write nothing."""
+        """Raise :class:`FolderInUseError` when another process holds the lock (and :class:`FolderUnusableError` when
+        a file stands where the folder would be); take nothing and write nothing."""
+        _check_is_folder(self.folder)
         path = self.folder / LOCK_NAME
         if not path.is_file() or str(path.resolve()) in _HELD:
             return

@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     from hola_titan.checkpoint import create_seed_checkpoint
     from hola_titan.config import ConfigError, parse_config, write_resolved
     from hola_titan.metrics import setup_logging
-    from hola_titan.runfolder import FolderInUseError, RunFolderLock
+    from hola_titan.runfolder import RunFolderError, RunFolderLock
 
     argv = sys.argv[1:] if argv is None else argv
     setup_logging(0)
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except FolderInUseError as error:
+    except RunFolderError as error:
         print(f"error: job.dump_folder: {error}", file=sys.stderr)
         return 2
     try:

@@ -63,7 +63,7 @@ from hola_titan.parallelisms.parallel_dims import ParallelDims, end_process_grou
 from hola_titan.parallelisms.init import init_like_one_process
 from hola_titan.parallelisms.parallelize import parallelize_model
 from hola_titan.profiling import step_profiler
-from hola_titan.runfolder import FolderInUseError, RunFolderLock, die_with_parent
+from hola_titan.runfolder import RunFolderError, RunFolderLock, die_with_parent
 
 logger = logging.getLogger("hola_titan")
 
@@ -229,7 +229,7 @@ class Trainer:
         if self.rank == 0:
             try:
                 self._folder_lock = RunFolderLock(self.dump).acquire()
-            except FolderInUseError as err:
+            except RunFolderError as err:
                 raise ConfigError("job.dump_folder", str(err)) from None
         if config.training.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -675,7 +675,7 @@ class Trainer:
         if self.rank == 0 and self._folder_lock is None:  # a second train() of this trainer
             try:
                 self._folder_lock = RunFolderLock(self.dump).acquire()
-            except FolderInUseError as err:
+            except RunFolderError as err:
                 raise ConfigError("job.dump_folder", str(err)) from None
         try:
             resumed = None

@@ -296,7 +296,8 @@ def test_dry_run_of_a_recipe_needs_no_tokenizer(tmp_path, capsys):
         Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path), "--model.vocab_size", "32000"]))
 
 
-@pytest.mark.parametrize("case", ["empty", "not_json", "not_utf8", "other_field", "no_such_folder", "tp_degree"])
+@pytest.mark.parametrize("case", ["empty", "not_json", "not_utf8", "other_field", "no_such_folder", "tp_degree",
+                                  "dump_is_a_file"])
 def test_data_and_layout_errors_are_one_line_with_exit_2(tmp_path, case):
     data = tmp_path / "data.jsonl"
     extra = ["--data.dataset", str(data)]
@@ -317,6 +318,10 @@ def test_data_and_layout_errors_are_one_line_with_exit_2(tmp_path, case):
     elif case == "no_such_folder":
         extra = ["--data.dataset", "my_corpus_folder"]
         expected = "'my_corpus_folder' is no local file or folder"
+    elif case == "dump_is_a_file":
+        (tmp_path / "run").write_text("a file where the run folder would go\n")
+        extra = []
+        expected = f"job.dump_folder: {tmp_path / 'run'}: {tmp_path / 'run'} is a file, not a folder"
     else:
         extra = ["--parallelism.tensor_parallel_degree", "3"]
         expected = "parallelism.tensor_parallel_degree: replicate 1 x tensor 3 x context 1 = 3 does not divide the 2"
@@ -593,3 +598,16 @@ def test_a_dataset_smaller_than_a_batch_or_repeated_is_said_at_start(tmp_path, c
     assert repetition_note(bundled.dataloader, steps=2, rows_per_step=2) is None
     note = repetition_note(bundled.dataloader, steps=10**7, rows_per_step=2)
     assert note is not None and "read it" in note and "times (epochs reshuffled)" in note
+
+
+def test_a_run_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    """A read-only file system (simulated: the tests may run as root, whom permissions do not stop)."""
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(ConfigError, match=r"job.dump_folder: .*run: the run folder cannot be written \(Permission "
+                                          r"denied\)"):
+        Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "run")]))
+    with pytest.raises(ConfigError, match="job.dump_folder: .* is a file, not a folder"):
+        Trainer(parse_config([*FAST, "--job.dump_folder", str(Path(__file__) / "run")]))
