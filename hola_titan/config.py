@@ -299,6 +299,10 @@ class Data:
     """Local data without ``train``/``validation`` sub-folders (one file, a glob, a plain folder): every N-th
     document in reading order is held out for validation and never trained on. 0: no hold-out (validation on
     such data is then refused: it would read training documents). Bundled and hub data have their own splits."""
+    allow_changed_data: bool = False
+    """Resume even when the training data differs from what the checkpoint's run read (its fingerprint: per file
+    the size and the bytes at both ends; hub data by name), with a warning. False: such a resume is refused in one
+    line naming the files, since it would continue at a row of another document stream."""
 
 
 @dataclass

@@ -32,7 +32,8 @@ FIXED = ("model.flavour", "model.size", "model.window", "model.block", "model.n_
 SCHEDULE = ("optimizer.lr", "optimizer.weight_decay", "optimizer.betas", "optimizer.eps", "lr_scheduler.warmup_steps",
             "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "training.steps")
 LAUNCH = ("job.config_file", "job.dump_folder", "checkpoint.load_step", "checkpoint.initial_load_path",
-          "model.tokenizer_path", "job.cache_folder", "model.kernel_configs")
+          "model.tokenizer_path", "job.cache_folder", "model.kernel_configs",
+          "data.allow_changed_data")
 
 
 def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -301,7 +301,8 @@ class Trainer:
                       dp_world_size=self.dp_size, varlen=data.varlen, text_field=data.text_field,
                       dataset_config=data.dataset_config, streaming=data.streaming,
                       holdout_every=data.holdout_every)
-        self.dataloader = build_dataloader(split=data.split, seed=config.training.seed, **common)
+        self.dataloader = build_dataloader(split=data.split, seed=config.training.seed,
+                                           allow_changed_data=data.allow_changed_data, **common)
         self.val_loader_args = None
         if config.validation.enable:
             # The held-out split of the training data, or another dataset's validation split.

@@ -366,8 +366,8 @@ def test_streamed_hub_data_matches_in_memory_and_resumes(fake_hub, corpus, token
     state = streamed.state_dict()
     assert {"stream_epoch", "stream_doc", "stream_offset"} <= set(state)
     for rank in range(2):
-        resumed = build_dataloader(dataset="someone/corpus", text_field="content", local_batch_size=2,
-                                   dp_rank=rank, dp_world_size=2, **common)
+        resumed = build_dataloader(dataset="someone/corpus", dataset_config="en", text_field="content",
+                                   local_batch_size=2, dp_rank=rank, dp_world_size=2, **common)
         resumed.load_state_dict(state)
         for step, batch in enumerate(take(resumed, 6)):
             expected = in_memory[12 + step]["input_ids"][2 * rank:2 * rank + 2]

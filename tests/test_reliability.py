@@ -611,3 +611,31 @@ def test_a_run_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
         Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "run")]))
     with pytest.raises(ConfigError, match="job.dump_folder: .* is a file, not a folder"):
         Trainer(parse_config([*FAST, "--job.dump_folder", str(Path(__file__) / "run")]))
+
+
+def test_a_resume_on_changed_data_is_refused_naming_the_file(tmp_path, caplog):
+    from hola_titan.checkpoint import CheckpointMismatchError
+
+    data = tmp_path / "docs.jsonl"
+
+    def write(word):
+        data.write_text("".join(json.dumps({"text": f"{word} document {i} " * 20}) + "\n" for i in range(40)))
+
+    write("first")
+    run = [*FAST, "--job.dump_folder", str(tmp_path / "run"), "--data.dataset", str(data), "--data.holdout_every",
+           "0", "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "2"]
+    Trainer(parse_config(run)).train()
+    longer = [*run[:-1], "4"]
+    stamp = data.stat().st_mtime_ns
+    os.utime(data, ns=(stamp + 10**9, stamp + 10**9))  # touched, same bytes: resumes, and says so
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        Trainer(parse_config([*longer[:-1], "3"])).train()
+    assert "have new modification times but the same size" in caplog.text
+    write("other")  # replaced at the same path
+    with pytest.raises(CheckpointMismatchError, match=f"data.dataset: {re.escape(str(data))} changed since the "
+                                                      f"checkpoint's run read it .*data.allow_changed_data"):
+        Trainer(parse_config(longer)).train()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hola_titan"):
+        rows = Trainer(parse_config([*longer, "--data.allow_changed_data", "true"])).train()
+    assert rows[-1]["step"] == 4 and "continuing on the new data" in caplog.text

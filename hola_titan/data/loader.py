@@ -29,16 +29,21 @@ held-out data in stored order and yield the same batches every time they are ite
 from __future__ import annotations
 
 import collections
+import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from hola_titan.data.packing import Batch, RowLoader, pack_rows
-from hola_titan.data.sources import DataError, Source, TxtDocuments, hub_documents, read_documents, resolve_source
+from hola_titan.data.sources import (DataError, Source, TxtDocuments, fingerprint_changes, hub_documents,
+                                     read_documents, resolve_source, source_fingerprint)
 from hola_titan.data.synthetic import MqarLoader, build_synthetic_dataloader, is_synthetic
 from hola_titan.data.token_stream import InMemoryTokenStream, StreamingTokenStream, tokenize_documents
 from hola_titan.data.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 TokenStream = InMemoryTokenStream | StreamingTokenStream
 
@@ -68,9 +73,11 @@ class PackedDataLoader(RowLoader):
 
     def __init__(self, stream: TokenStream, *, seq_len: int, local_batch_size: int, dp_rank: int,
                  dp_world_size: int, eos_id: int, varlen: bool, seed: int, num_batches: int | None = None,
-                 holdout: str = "none") -> None:
+                 holdout: str = "none", fingerprint: dict | None = None, allow_changed_data: bool = False) -> None:
         self.stream = stream
         self.holdout = holdout
+        self.fingerprint = fingerprint
+        self.allow_changed_data = allow_changed_data
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
@@ -118,6 +125,8 @@ class PackedDataLoader(RowLoader):
             "seed": self.seed,
             "shuffle": self.shuffle,
             "holdout": self.holdout,
+            # One string: DCP would spread a nested structure over keys of its own.
+            "fingerprint": json.dumps(self.fingerprint, sort_keys=True),
             **{f"stream_{key}": value for key, value in self._resume_point.items()},
         }
 
@@ -139,6 +148,7 @@ class PackedDataLoader(RowLoader):
             raise ValueError(f"data.holdout_every: the checkpoint's run read the documents with hold-out "
                              f"{saved_holdout}, this run with {self.holdout} (another document stream); set "
                              "data.holdout_every to what the run used (0 for a run from before the hold-out)")
+        self._check_fingerprint(state_dict.get("fingerprint"))
         rows = int(state_dict["global_rows_consumed"])
         point = {key[len("stream_"):]: int(value) for key, value in state_dict.items() if key.startswith("stream_")}
         if isinstance(self.stream, StreamingTokenStream):
@@ -149,6 +159,30 @@ class PackedDataLoader(RowLoader):
             self.stream.restore(rows * self.seq_len, point)
         self.global_rows_consumed = rows
         self._resume_point = point
+
+
+    def _check_fingerprint(self, saved_text: str | None) -> None:
+        """Refuse (``ValueError``) to resume a position in documents that changed since they were read, unless
+        ``allow_changed_data``; say it when only modification times moved."""
+        saved = json.loads(saved_text) if saved_text else None
+        if saved is None or self.fingerprint is None:
+            if self.fingerprint is not None:
+                logger.warning("data: the checkpoint records no fingerprint of its data (an earlier version wrote "
+                               "it): whether %s changed since cannot be checked", self.fingerprint.get("dataset"))
+            return
+        changes, touched = fingerprint_changes(saved, self.fingerprint)
+        if changes:
+            what = "; ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
+            if not self.allow_changed_data:
+                raise ValueError(f"data.dataset: {self.fingerprint.get('dataset')} changed since the checkpoint's "
+                                 f"run read it ({what}): resuming would continue at row {self.global_rows_consumed} "
+                                 "of another document stream; restore the data, or set data.allow_changed_data = "
+                                 "true to continue on the new data")
+            logger.warning("data: %s changed since the checkpoint's run read it (%s); continuing on the new data "
+                           "(data.allow_changed_data)", self.fingerprint.get("dataset"), what)
+        elif touched:
+            logger.info("data: %d file(s) of %s have new modification times but the same size and bytes at both "
+                        "ends (copied?), e.g. %s", len(touched), self.fingerprint.get("dataset"), touched[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -242,6 +276,7 @@ def build_dataloader(
     streaming: bool | None = None,
     txt_documents: TxtDocuments = "paragraph",
     holdout_every: int | None = None,
+    allow_changed_data: bool = False,
 ) -> PackedDataLoader | MqarLoader:
     """Endless, resumable training loader for one data-parallel rank (module docstring).
 
@@ -264,6 +299,8 @@ def build_dataloader(
         txt_documents: ``.txt`` files: ``paragraph`` (blank-line separated blocks) or ``file``.
         holdout_every: local data without split folders: every N-th document is held out for validation and
             never read here (``hola_titan.data.sources``); 0 or None: none.
+        allow_changed_data: resume from a checkpoint whose data's fingerprint (``sources.source_fingerprint``,
+            kept in the loader's state) differs from the data now, with a warning, instead of refusing.
     """
     _check_args(tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
                 dp_world_size=dp_world_size)
@@ -276,7 +313,8 @@ def build_dataloader(
     stream = _build_stream(source, tokenizer, streaming=streaming, shuffle=shuffle, seed=seed, epochs=None)
     return PackedDataLoader(stream, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
                             dp_world_size=dp_world_size, eos_id=tokenizer.eos_id, varlen=varlen, seed=seed,
-                            holdout=source.holdout_tag)
+                            holdout=source.holdout_tag, fingerprint=source_fingerprint(source),
+                            allow_changed_data=allow_changed_data)
 
 
 def build_validation_dataloader(
