@@ -646,6 +646,34 @@ def resolve_degrees(parallelism: Parallelism, training: Training, *, world_size:
                            grad_accum_steps=global_batch_size // micro_rows)
 
 
+def _runs_on_cuda(device: str) -> bool:
+    """Whether ``training.device`` resolves to CUDA here (as the trainer resolves it)."""
+    if device == "cpu":
+        return False
+    if device == "cuda":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_compile_fullgraph(config: JobConfig, *, backend: str, where: str) -> None:
+    """Refuse ``compile.fullgraph`` for a recurrent flavour whose token mixer runs on the reference backend
+    (``where``: the device and why). Raises :class:`ConfigError` naming both compile keys and the device.
+
+    ``hola_attention_reference`` is wrapped in ``torch.compiler.disable``: Inductor compiles it to wrong gradients
+    (docs/LOG.md, 2026-11-29), so a compiled block breaks its graph around it, which ``fullgraph`` forbids; only the
+    Triton backend's custom ops compile into one graph.
+    """
+    if not (config.compile.enable and config.compile.fullgraph) or backend != "reference":
+        return
+    raise ConfigError("compile.fullgraph", f"true with compile.enable cannot compile a {config.model.flavour} block "
+                      f"on {where}: its token mixer runs on the PyTorch reference backend there, which stays out of "
+                      "torch.compile (Inductor computes its gradients wrongly: docs/LOG.md, 2026-11-29), a graph "
+                      "break in every block; set --compile.fullgraph false (the rest of each block is still "
+                      "compiled) or leave compile.enable off")
+
+
 def validate(config: JobConfig, *, world_size: int) -> None:
     """Checks across fields that must pass before any model is built. Raises :class:`ConfigError`.
 
@@ -681,6 +709,18 @@ def validate(config: JobConfig, *, world_size: int) -> None:
         # the compiled parts of a block, i.e. a graph break each.
         raise ConfigError("compile.fullgraph", "must be false with context_parallel_degree > 1 (the handover of "
                           "state and cache between ranks runs eagerly between the compiled parts of each block)")
+    if config.compile.enable and config.compile.fullgraph and args.is_recurrent:
+        # What can be known before the model is built: an explicit reference backend, or auto on a machine without
+        # CUDA. (auto on a GPU without fla-core also falls back to the reference: the trainer checks that once it
+        # has resolved the backend.)
+        backend, device = model.attention_backend, config.training.device
+        on_cuda = _runs_on_cuda(device)
+        if backend == "reference":
+            where = f"{'cuda' if on_cuda else 'cpu'} (model.attention_backend reference)"
+            check_compile_fullgraph(config, backend="reference", where=where)
+        elif backend == "auto" and not on_cuda:
+            where = f"cpu (training.device {device}{'' if device == 'cpu' else ', no CUDA device'})"
+            check_compile_fullgraph(config, backend="reference", where=where)
     if config.profiling.enable and config.profiling.freq <= config.profiling.warmup:
         raise ConfigError("profiling.freq", f"must exceed profiling.warmup = {config.profiling.warmup} (each window "
                           f"is warmup steps, then the traced one), got {config.profiling.freq}")

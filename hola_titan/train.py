@@ -47,8 +47,8 @@ from hola_titan.builder import model_args_of
 from hola_titan.checkpoint import CheckpointError, Checkpointer
 from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
-from hola_titan.config import (ConfigError, JobConfig, config_from_text, flat_items, parse_config, resolve_degrees,
-                               to_toml, validate, write_resolved)
+from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, config_from_text, flat_items,
+                               parse_config, resolve_degrees, to_toml, validate, write_resolved)
 from hola_titan.fqn import strip_wrappers
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
 from hola_titan.kernels import seqlens
@@ -243,6 +243,11 @@ class Trainer:
         except ValueError as err:
             raise ConfigError("model.kernels", str(err).removeprefix("kernels: ")) from None
         self.attention_backend, self._backend_why = self._resolve_attention_backend()
+        if self.model_args.is_recurrent:
+            # validate() refused what it could foresee; an auto backend that fell back to the reference on a GPU
+            # (no fla-core) is known only now.
+            check_compile_fullgraph(config, backend=self.attention_backend,
+                                    where=f"{self.device.type} ({self._backend_why})")
         # Built on the meta device, parallelised, materialised with to_empty (each rank holds only its shards, on its
         # device), then initialised with the values one process draws from the seed (parallelisms/init.py): the
         # same initial weights at every layout, and never the whole model on a rank's host or GPU.
