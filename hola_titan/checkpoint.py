@@ -182,6 +182,60 @@ def read_metadata(path: str | os.PathLike[str]) -> Metadata:
     return metadata
 
 
+RUN_CONFIG = "config.toml"
+
+
+def resolve_checkpoint(path: str | os.PathLike[str], *, safetensors: bool = False) -> tuple[Path, str | None]:
+    """The checkpoint folder that ``path`` names, and how it was chosen (None when ``path`` is that folder).
+
+    ``path`` may be a step folder (``<dump>/checkpoint/step-N``, holding ``.metadata``), a checkpoint folder
+    (``<dump>/checkpoint``: its newest complete step) or a run folder (``<dump>``, holding ``config.toml``: the
+    newest complete step of its ``checkpoint.folder``); with ``safetensors`` also an exported safetensors folder.
+    Raises :class:`CheckpointError` in one line saying what ``path`` is and what to pass instead. The step found
+    is checked no further here (:func:`read_metadata` and the manifest do that when it is read).
+    """
+    path = Path(path)
+    forms = ("a step folder (<dump>/checkpoint/step-N, holding .metadata), a checkpoint folder (<dump>/checkpoint) "
+             "or a run folder (<dump>, holding config.toml)" + (", or a safetensors export folder" if safetensors
+                                                               else ""))
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such folder; pass {forms}")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint; pass {forms}")
+    if (path / ".metadata").is_file():
+        return path, None
+    if _is_safetensors_folder(path):
+        if safetensors:
+            return path, None
+        raise CheckpointError(f"{path} is an exported safetensors folder, not a training checkpoint; pass {forms}")
+    if _STEP_RE.match(path.name) or path.name.endswith(TMP_SUFFIX):
+        raise CheckpointCorruptError(f"checkpoint {path}: no .metadata file (partial checkpoint; a save was "
+                                     f"interrupted); pass a complete step, or its checkpoint folder {path.parent} "
+                                     "for the newest complete one")
+    folder, what = path, "checkpoint folder"
+    if (path / RUN_CONFIG).is_file():
+        from hola_titan.config import ConfigError, load_toml
+
+        try:
+            folder = path / load_toml(path / RUN_CONFIG).checkpoint.folder
+        except (ConfigError, OSError):
+            folder = path / "checkpoint"  # the default; an unreadable record is reported by whoever reads it
+        what = "run folder"
+    steps = list_checkpoints(folder)
+    if steps:
+        chosen = step_folder(folder, steps[-1])
+        return chosen, f"step {steps[-1]}, the newest complete checkpoint of the {what} {path}"
+    partial = sorted(p.name for p in folder.glob(f"{STEP_PREFIX}*")) if folder.is_dir() else []
+    if what == "run folder":
+        raise CheckpointError(f"{path} is a run folder with no complete checkpoint in {folder}"
+                              f"{' (only partial: ' + ', '.join(partial) + ')' if partial else ''} (was the run "
+                              f"started with --checkpoint.enable?); pass {forms}")
+    if partial:
+        raise CheckpointError(f"{path} holds no complete checkpoint (partial: {', '.join(partial)}); pass {forms}")
+    raise CheckpointError(f"{path} is not a checkpoint (no .metadata, no step-N folders, no {RUN_CONFIG}); "
+                          f"pass {forms}")
+
+
 def _digest(path: Path) -> str:
     import xxhash
 

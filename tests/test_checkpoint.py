@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -350,3 +351,56 @@ def test_seed_command_writes_step_0_with_its_manifest(tmp_path):
     assert list_checkpoints(tmp_path / "checkpoint") == [0]
     assert (step_folder(tmp_path / "checkpoint", 0) / "manifest.json").is_file()
     assert seed_main(["--job.config_file", DEBUG, "--no.such_key", "1"]) == 2
+
+
+def _scripts():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import convert_to_safetensors
+        import import_safetensors
+    finally:
+        sys.path.pop(0)
+    return convert_to_safetensors, import_safetensors
+
+
+def test_convert_takes_a_run_checkpoint_or_step_folder_and_says_what_to_pass_otherwise(one_process, tmp_path,
+                                                                                       capsys):
+    convert, _ = _scripts()
+    dump = one_process["dump"]
+    trained = one_process["model"].state_dict()
+    for i, (given, chosen) in enumerate(((dump, 12), (dump / "checkpoint", 12), (dump / "checkpoint" / "step-6", 6))):
+        capsys.readouterr()
+        assert convert.main([str(given), str(tmp_path / f"out{i}")]) == 0
+        out = capsys.readouterr().out
+        step = step_folder(dump / "checkpoint", chosen)
+        assert f"from {step} using {dump / 'config.toml'}" in out, out
+        if given.name != "step-6":  # a folder above a step: the newest complete one, and it says so
+            assert f"converting {step}: step 12, the newest complete checkpoint of the" in out, out
+    exported, _ = load_pretrained(tmp_path / "out0", backend="sdpa")
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+
+    # A partial newest step is passed over; pointed at, it is named partial with the folder to pass instead.
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    shutil.copy(dump / "config.toml", run / "config.toml")
+    for step in (6, 12):
+        _copy_step(dump, step, run)
+    (step_folder(run / "checkpoint", 12) / ".metadata").unlink()
+    capsys.readouterr()
+    assert convert.main([str(run), str(tmp_path / "partial")]) == 0
+    assert f"converting {step_folder(run / 'checkpoint', 6)}: step 6, the newest complete" in capsys.readouterr().out
+    empty_run = tmp_path / "empty_run"
+    empty_run.mkdir()
+    shutil.copy(dump / "config.toml", empty_run / "config.toml")
+    (tmp_path / "plain").mkdir()
+    for given, match in ((step_folder(run / "checkpoint", 12), "partial checkpoint.*pass a complete step, or its "
+                          f"checkpoint folder {run / 'checkpoint'}"),
+                         (tmp_path / "nowhere", "no such folder; pass a step folder"),
+                         (tmp_path / "plain", "is not a checkpoint .*; pass a step folder"),
+                         (empty_run, "is a run folder with no complete checkpoint .*--checkpoint.enable"),
+                         (tmp_path / "out0", "is an exported safetensors folder, not a training checkpoint; pass")):
+        assert convert.main([str(given), str(tmp_path / "never")]) == 2
+        line, = capsys.readouterr().err.splitlines()
+        assert re.match(f"error: .*{match}", line), line
+        assert not (tmp_path / "never").exists()
