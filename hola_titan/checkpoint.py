@@ -58,7 +58,9 @@ checkpoint with ``load_step = -1``, an error with an explicit ``load_step``. A f
 existed loads with a warning that its bytes are not verified. (Checking costs one read of the checkpoint: about
 9 GB/s of hashing on one CPU core, so the disk sets the pace.)
 3. No checkpoint in the folder: weights only from ``checkpoint.initial_load_path`` (a DCP checkpoint folder, full
-   or model-only, or a safetensors export folder), starting at step 0; or a fresh start.
+   or model-only, a checkpoint or run folder, whose newest complete step is taken, or a safetensors export
+   folder), starting at step 0; or a fresh start. With ``checkpoint.enable`` off (no saving, no resuming) the
+   trainer still loads ``initial_load_path`` (``load(resume=False)``).
 
 A model-only checkpoint found in the folder (the seed checkpoint ``step-0``) loads the weights and starts at
 step 0 with fresh optimizer, schedule and data position.
@@ -407,6 +409,9 @@ class Checkpointer:
         self.run_info = dict(run_info or {})
         self.check_resume = check_resume
         self.loaded_info: dict[str, Any] | None = None
+        # Which weights the last load() started from: None (the model's own initialisation), or a dict with "kind"
+        # ("resumed", "model_only" or "initial_load_path"), "path" and, when resumed, "step".
+        self.started_from: dict[str, Any] | None = None
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -554,22 +559,35 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self) -> int | None:
+    def load(self, *, resume: bool = True) -> int | None:
         """Restore the newest complete checkpoint (or ``load_step``), else the initial weights; see the module
-        docstring. Returns the step resumed from, or None for a fresh start."""
-        plan = None
+        docstring. ``resume=False`` (``checkpoint.enable`` off): the folder is not looked at, only
+        ``initial_load_path`` is loaded. Returns the step resumed from, or None for a start at step 0;
+        :attr:`started_from` says which weights the run started from."""
+        plan, self.started_from = None, None
         if self.rank == 0:
-            plan = self._plan_load()
+            try:
+                plan = self._plan_load() if resume else self._plan_initial()
+            except CheckpointError as error:
+                plan = error
         plan = self._from_rank0(plan)
         if isinstance(plan, Exception):
             raise plan
         kind, payload = plan
         if kind == "fresh":
-            logger.info("checkpoint: no checkpoint in %s; starting from step 0", self.folder)
+            if resume:
+                logger.info("checkpoint: no checkpoint in %s; starting from step 0", self.folder)
             return None
         if kind == "initial":
-            self._load_model_only(Path(payload), what="initial_load_path")
+            path, how = payload
+            if how is not None:
+                logger.info("checkpoint: initial_load_path %s: using %s", self.initial_load_path, how)
+            self._load_model_only(Path(path), what="initial_load_path")
+            self.started_from = {"kind": "initial_load_path", "path": str(path), "given": self.initial_load_path}
             return None
+        if self.initial_load_path and self.load_step == -1:
+            logger.info("checkpoint: initial_load_path %s not used: %s has checkpoints of this run, which resume it",
+                        self.initial_load_path, self.folder)
         failures = []
         for step, problem in payload:
             path = step_folder(self.folder, step)
@@ -636,9 +654,7 @@ class Checkpointer:
                                        f"exist; complete checkpoints in {self.folder}: {steps or 'none'}")
             steps = [self.load_step]
         elif not steps:
-            if self.initial_load_path:
-                return ("initial", self.initial_load_path)
-            return ("fresh", None)
+            return self._plan_initial()
         checked = []
         for step in reversed(steps):
             try:
@@ -647,6 +663,18 @@ class Checkpointer:
             except CheckpointCorruptError as error:
                 checked.append((step, str(error)))
         return ("steps", checked)
+
+    def _plan_initial(self) -> tuple[str, Any]:
+        """Rank 0: ``("initial", (folder, how it was chosen or None))`` for ``initial_load_path``, else
+        ``("fresh", None)``; raises :class:`CheckpointError` naming the key when the path names no checkpoint."""
+        if not self.initial_load_path:
+            return ("fresh", None)
+        try:
+            return ("initial", resolve_checkpoint(self.initial_load_path, safetensors=True))
+        except CheckpointCorruptError as error:
+            raise CheckpointCorruptError(f"checkpoint.initial_load_path: {error}") from None
+        except CheckpointError as error:
+            raise CheckpointError(f"checkpoint.initial_load_path: {error}") from None
 
     def _check_fits(self, metadata: Metadata, path: Path) -> None:
         """Raise :class:`CheckpointMismatchError` when the checkpoint's weights are not this model's."""
@@ -667,6 +695,7 @@ class Checkpointer:
         self._check_fits(metadata, path)
         if is_model_only(metadata):
             self._load_model_only(path, what=f"model-only checkpoint step {step}", metadata=metadata, verified=True)
+            self.started_from = {"kind": "model_only", "path": str(path)}
             return None
         keys = _keys(metadata)
         state = dict(self.states)
@@ -710,6 +739,7 @@ class Checkpointer:
                     train_state.step, path, saved_world or "?", self.world_size, time.perf_counter() - begin)
         if train_state.step != step:
             logger.warning("checkpoint: %s holds step %d", path, train_state.step)
+        self.started_from = {"kind": "resumed", "path": str(path), "step": train_state.step}
         return train_state.step
 
     def _load_model_only(self, path: Path, *, what: str, metadata: Metadata | None = None,

@@ -229,7 +229,10 @@ class Checkpoint:
     async_mode: Literal["disabled", "async"] = "disabled"
     """``async`` saves in a background thread while training continues."""
     initial_load_path: str | None = None
-    """Checkpoint to start from (weights only) when ``folder`` has none yet."""
+    """Weights to start from (weights only, at step 0): a checkpoint step folder, a checkpoint or run folder (its
+    newest complete step) or a safetensors export folder. Loaded whether or not ``enable`` is set; with ``enable``
+    only while ``folder`` holds no checkpoint of this run (a resume wins). The log and ``paths.json`` say which
+    weights the run started from."""
     load_step: int = -1
     """Step to resume from; -1: the latest."""
     export_dtype: Literal["float32", "bfloat16"] = "float32"

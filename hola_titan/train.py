@@ -324,14 +324,21 @@ class Trainer:
         self.metrics: MetricsLogger | None = None
         self.paths = self._resolved_paths()
         self.checkpointer = None
-        if config.checkpoint.enable:
-            ckpt = config.checkpoint
-            self.checkpointer = Checkpointer(
+        # What train() loads before step 1: the checkpointer (checkpoint.enable: resume, or initial_load_path when
+        # the folder has no checkpoint yet), or one that only loads initial_load_path (checkpoint.enable governs
+        # saving and resuming; a load path that is given is always loaded).
+        self._loader = None
+        ckpt = config.checkpoint
+        if ckpt.enable or ckpt.initial_load_path:
+            self._loader = Checkpointer(
                 folder=self.dump / ckpt.folder, model=self.model, optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, train_state=self.state,
-                interval=ckpt.interval, keep_latest_k=ckpt.keep_latest_k, async_mode=ckpt.async_mode,
+                interval=ckpt.interval, keep_latest_k=ckpt.keep_latest_k,
+                async_mode=ckpt.async_mode if ckpt.enable else "disabled",
                 initial_load_path=ckpt.initial_load_path, load_step=ckpt.load_step, run_info=self.run_info(),
                 check_resume=self.check_resume)
+            if ckpt.enable:
+                self.checkpointer = self._loader
         # Called with the trainer after the backward pass of every step, before clipping (parity tests read the
         # gradients there).
         self.gradient_probe = None
@@ -669,11 +676,12 @@ class Trainer:
                 raise ConfigError("job.dump_folder", str(err)) from None
         try:
             resumed = None
-            if self.checkpointer is not None:
-                resumed = self.checkpointer.load()
+            if self._loader is not None:
+                resumed = self._loader.load(resume=self.checkpointer is not None)
                 if resumed is not None:
                     self._apply_resume_changes()
                 self._restore_guard_state()
+            self.paths["weights"] = self._weights_record()
             self._write_run_record()
             if self.rank == 0:
                 logger.info("%s", self._summary(resumed))
@@ -738,6 +746,20 @@ class Trainer:
         logger.info("%s received: stopped after step %d with its checkpoint in %s; run again to resume", name, step,
                     self.checkpointer.folder)
 
+    def _weights_record(self) -> str:
+        """Which weights this run started from (logged, and in paths.json and config.toml): its own random
+        initialisation, a resumed checkpoint, a model-only checkpoint of its folder, or checkpoint.initial_load_path."""
+        source = self._loader.started_from if self._loader is not None else None
+        if source is None:
+            return f"random init (training.seed {self.config.training.seed})"
+        if source["kind"] == "resumed":
+            return f"resumed after step {source['step']} from {source['path']}"
+        if source["kind"] == "model_only":
+            return f"model-only checkpoint {source['path']} (weights only, from step 0)"
+        given, path = source["given"], source["path"]
+        return (f"checkpoint.initial_load_path {given}" + (f" ({path})" if Path(path) != Path(given) else "")
+                + " (weights only, from step 0)")
+
     def _summary(self, resumed: int | None) -> str:
         """The start-up block: what runs, where, on what data, from where."""
         config, d = self.config, self.degrees
@@ -763,6 +785,7 @@ class Trainer:
             f"  compute: {paths['precision']}; compile {paths['compile']}; token mixer {mixer}; short convolution "
             f"{paths.get('short_conv', '-')}; cross-entropy {paths['cross_entropy']}; {paths['optimizer']}",
             f"  data: {data.dataset} split {data.split} (text field {data.text_field}{holdout}); validation {val}",
+            f"  weights: {paths['weights']}",
             f"  checkpoints: {ckpt}",
             f"  MFU against {self.peak_tflops:.1f} TFLOP/s ({self._peak_source}); matmul rate measured here "
             f"{self.measured_tflops:.1f} TFLOP/s (mfu_measured)",
