@@ -649,6 +649,18 @@ def resolve_degrees(parallelism: Parallelism, training: Training, *, world_size:
                            grad_accum_steps=global_batch_size // micro_rows)
 
 
+def schedule_warning(config: JobConfig) -> str | None:
+    """The warning for a warmup that does not end before the run does (None otherwise). Not an error: short runs
+    of the long recipes (``--training.steps 10`` on a 1024-step warmup) and the tests do this on purpose."""
+    warmup, steps = config.lr_scheduler.warmup_steps, config.training.steps
+    if warmup < steps:
+        return None
+    peak = steps / (warmup + 1)  # the factor of the last step, train.lr_lambda(steps - 1)
+    return (f"lr_scheduler.warmup_steps {warmup} >= training.steps {steps}: the learning rate is still warming up "
+            f"when the run ends (at most {peak:.0%} of optimizer.lr, no decay); set lr_scheduler.warmup_steps below "
+            "training.steps for the whole schedule")
+
+
 def _runs_on_cuda(device: str) -> bool:
     """Whether ``training.device`` resolves to CUDA here (as the trainer resolves it)."""
     if device == "cpu":

@@ -48,7 +48,8 @@ from hola_titan.checkpoint import CheckpointError, Checkpointer
 from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
 from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, config_from_text, flat_items,
-                               parse_config, resolve_degrees, to_toml, validate, write_resolved)
+                               parse_config, resolve_degrees, schedule_warning, to_toml, validate,
+                               write_resolved)
 from hola_titan.fqn import strip_wrappers
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
 from hola_titan.kernels import seqlens
@@ -685,6 +686,9 @@ class Trainer:
             self._write_run_record()
             if self.rank == 0:
                 logger.info("%s", self._summary(resumed))
+                warning = schedule_warning(config)
+                if warning:
+                    logger.warning("%s", warning)
             gc_freq = config.training.gc_freq
             was_enabled = gc.isenabled()
             if gc_freq:
@@ -787,8 +791,9 @@ class Trainer:
             f"  data: {data.dataset} split {data.split} (text field {data.text_field}{holdout}); validation {val}",
             f"  weights: {paths['weights']}",
             f"  checkpoints: {ckpt}",
-            f"  MFU against {self.peak_tflops:.1f} TFLOP/s ({self._peak_source}); matmul rate measured here "
-            f"{self.measured_tflops:.1f} TFLOP/s (mfu_measured)",
+            # Three significant digits: a CPU's measured rate is a few hundredths of a TFLOP/s, which .1f showed as 0.0.
+            f"  MFU against {self.peak_tflops:.3g} TFLOP/s ({self._peak_source}); matmul rate measured here "
+            f"{self.measured_tflops:.3g} TFLOP/s (mfu_measured)",
         ]
         return "\n".join(lines)
 
@@ -911,6 +916,9 @@ def dry_run(config: JobConfig) -> None:
     model = build_model(args, device="meta")
     flops = flops_per_token(args, config.training.seq_len)
     print(to_toml(config))
+    warning = schedule_warning(config)
+    if warning:
+        print(f"warning: {warning}")
     print(f"model: {args.flavour} {args.size}, {num_params(model):,} parameters, vocab {args.vocab_size}")
     parts = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in flops.items() if k != "total")
     print(f"training FLOPs per token: {flops['total'] / 1e9:.3f} GFLOP ({parts}) at seq_len {config.training.seq_len}")

@@ -530,3 +530,21 @@ def test_a_fallback_of_auto_is_explained_and_can_be_refused(monkeypatch):
         fast_path_check(chosen, why, device_type="cuda", backend="auto", require=True)
     assert fast_path_check("reference", "auto: no CUDA device", device_type="cpu", backend="auto",
                            require=True) is None
+
+
+def test_the_start_shows_a_small_matmul_rate_and_warns_of_a_warmup_past_the_end(tmp_path, caplog, monkeypatch):
+    import hola_titan.train as train_module
+
+    monkeypatch.setattr(train_module, "measured_matmul_tflops", lambda device: 0.0123)  # a loaded CPU
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "a"), "--training.steps", "2",
+                              "--lr_scheduler.warmup_steps", "5"])).train()
+    assert "MFU against 0.0123 TFLOP/s" in caplog.text and "matmul rate measured here 0.0123" in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if "lr_scheduler.warmup_steps 5 >= training.steps 2" in
+                r.getMessage()]
+    assert len(warnings) == 1 and "still warming up when the run ends" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "b"), "--training.steps", "2",
+                              "--lr_scheduler.warmup_steps", "1"])).train()
+    assert "warming up" not in caplog.text
