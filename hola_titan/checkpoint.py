@@ -58,7 +58,9 @@ checkpoint with ``load_step = -1``, an error with an explicit ``load_step``. A f
 existed loads with a warning that its bytes are not verified. (Checking costs one read of the checkpoint: about
 9 GB/s of hashing on one CPU core, so the disk sets the pace.)
 3. No checkpoint in the folder: weights only from ``checkpoint.initial_load_path`` (a DCP checkpoint folder, full
-   or model-only, or a safetensors export folder), starting at step 0; or a fresh start.
+   or model-only, a checkpoint or run folder, whose newest complete step is taken, or a safetensors export
+   folder), starting at step 0; or a fresh start. With ``checkpoint.enable`` off (no saving, no resuming) the
+   trainer still loads ``initial_load_path`` (``load(resume=False)``).
 
 A model-only checkpoint found in the folder (the seed checkpoint ``step-0``) loads the weights and starts at
 step 0 with fresh optimizer, schedule and data position.
@@ -180,6 +182,60 @@ def read_metadata(path: str | os.PathLike[str]) -> Metadata:
             raise CheckpointCorruptError(f"checkpoint {path}: data file {name} is truncated "
                                          f"({file.stat().st_size} of {size} bytes)")
     return metadata
+
+
+RUN_CONFIG = "config.toml"
+
+
+def resolve_checkpoint(path: str | os.PathLike[str], *, safetensors: bool = False) -> tuple[Path, str | None]:
+    """The checkpoint folder that ``path`` names, and how it was chosen (None when ``path`` is that folder).
+
+    ``path`` may be a step folder (``<dump>/checkpoint/step-N``, holding ``.metadata``), a checkpoint folder
+    (``<dump>/checkpoint``: its newest complete step) or a run folder (``<dump>``, holding ``config.toml``: the
+    newest complete step of its ``checkpoint.folder``); with ``safetensors`` also an exported safetensors folder.
+    Raises :class:`CheckpointError` in one line saying what ``path`` is and what to pass instead. The step found
+    is checked no further here (:func:`read_metadata` and the manifest do that when it is read).
+    """
+    path = Path(path)
+    forms = ("a step folder (<dump>/checkpoint/step-N, holding .metadata), a checkpoint folder (<dump>/checkpoint) "
+             "or a run folder (<dump>, holding config.toml)" + (", or a safetensors export folder" if safetensors
+                                                               else ""))
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such folder; pass {forms}")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint; pass {forms}")
+    if (path / ".metadata").is_file():
+        return path, None
+    if _is_safetensors_folder(path):
+        if safetensors:
+            return path, None
+        raise CheckpointError(f"{path} is an exported safetensors folder, not a training checkpoint; pass {forms}")
+    if _STEP_RE.match(path.name) or path.name.endswith(TMP_SUFFIX):
+        raise CheckpointCorruptError(f"checkpoint {path}: no .metadata file (partial checkpoint; a save was "
+                                     f"interrupted); pass a complete step, or its checkpoint folder {path.parent} "
+                                     "for the newest complete one")
+    folder, what = path, "checkpoint folder"
+    if (path / RUN_CONFIG).is_file():
+        from hola_titan.config import ConfigError, load_toml
+
+        try:
+            folder = path / load_toml(path / RUN_CONFIG).checkpoint.folder
+        except (ConfigError, OSError):
+            folder = path / "checkpoint"  # the default; an unreadable record is reported by whoever reads it
+        what = "run folder"
+    steps = list_checkpoints(folder)
+    if steps:
+        chosen = step_folder(folder, steps[-1])
+        return chosen, f"step {steps[-1]}, the newest complete checkpoint of the {what} {path}"
+    partial = sorted(p.name for p in folder.glob(f"{STEP_PREFIX}*")) if folder.is_dir() else []
+    if what == "run folder":
+        raise CheckpointError(f"{path} is a run folder with no complete checkpoint in {folder}"
+                              f"{' (only partial: ' + ', '.join(partial) + ')' if partial else ''} (was the run "
+                              f"started with --checkpoint.enable?); pass {forms}")
+    if partial:
+        raise CheckpointError(f"{path} holds no complete checkpoint (partial: {', '.join(partial)}); pass {forms}")
+    raise CheckpointError(f"{path} is not a checkpoint (no .metadata, no step-N folders, no {RUN_CONFIG}); "
+                          f"pass {forms}")
 
 
 def _digest(path: Path) -> str:
@@ -353,6 +409,9 @@ class Checkpointer:
         self.run_info = dict(run_info or {})
         self.check_resume = check_resume
         self.loaded_info: dict[str, Any] | None = None
+        # Which weights the last load() started from: None (the model's own initialisation), or a dict with "kind"
+        # ("resumed", "model_only" or "initial_load_path"), "path" and, when resumed, "step".
+        self.started_from: dict[str, Any] | None = None
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -500,22 +559,35 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self) -> int | None:
+    def load(self, *, resume: bool = True) -> int | None:
         """Restore the newest complete checkpoint (or ``load_step``), else the initial weights; see the module
-        docstring. Returns the step resumed from, or None for a fresh start."""
-        plan = None
+        docstring. ``resume=False`` (``checkpoint.enable`` off): the folder is not looked at, only
+        ``initial_load_path`` is loaded. Returns the step resumed from, or None for a start at step 0;
+        :attr:`started_from` says which weights the run started from."""
+        plan, self.started_from = None, None
         if self.rank == 0:
-            plan = self._plan_load()
+            try:
+                plan = self._plan_load() if resume else self._plan_initial()
+            except CheckpointError as error:
+                plan = error
         plan = self._from_rank0(plan)
         if isinstance(plan, Exception):
             raise plan
         kind, payload = plan
         if kind == "fresh":
-            logger.info("checkpoint: no checkpoint in %s; starting from step 0", self.folder)
+            if resume:
+                logger.info("checkpoint: no checkpoint in %s; starting from step 0", self.folder)
             return None
         if kind == "initial":
-            self._load_model_only(Path(payload), what="initial_load_path")
+            path, how = payload
+            if how is not None:
+                logger.info("checkpoint: initial_load_path %s: using %s", self.initial_load_path, how)
+            self._load_model_only(Path(path), what="initial_load_path")
+            self.started_from = {"kind": "initial_load_path", "path": str(path), "given": self.initial_load_path}
             return None
+        if self.initial_load_path and self.load_step == -1:
+            logger.info("checkpoint: initial_load_path %s not used: %s has checkpoints of this run, which resume it",
+                        self.initial_load_path, self.folder)
         failures = []
         for step, problem in payload:
             path = step_folder(self.folder, step)
@@ -582,9 +654,7 @@ class Checkpointer:
                                        f"exist; complete checkpoints in {self.folder}: {steps or 'none'}")
             steps = [self.load_step]
         elif not steps:
-            if self.initial_load_path:
-                return ("initial", self.initial_load_path)
-            return ("fresh", None)
+            return self._plan_initial()
         checked = []
         for step in reversed(steps):
             try:
@@ -593,6 +663,18 @@ class Checkpointer:
             except CheckpointCorruptError as error:
                 checked.append((step, str(error)))
         return ("steps", checked)
+
+    def _plan_initial(self) -> tuple[str, Any]:
+        """Rank 0: ``("initial", (folder, how it was chosen or None))`` for ``initial_load_path``, else
+        ``("fresh", None)``; raises :class:`CheckpointError` naming the key when the path names no checkpoint."""
+        if not self.initial_load_path:
+            return ("fresh", None)
+        try:
+            return ("initial", resolve_checkpoint(self.initial_load_path, safetensors=True))
+        except CheckpointCorruptError as error:
+            raise CheckpointCorruptError(f"checkpoint.initial_load_path: {error}") from None
+        except CheckpointError as error:
+            raise CheckpointError(f"checkpoint.initial_load_path: {error}") from None
 
     def _check_fits(self, metadata: Metadata, path: Path) -> None:
         """Raise :class:`CheckpointMismatchError` when the checkpoint's weights are not this model's."""
@@ -613,6 +695,7 @@ class Checkpointer:
         self._check_fits(metadata, path)
         if is_model_only(metadata):
             self._load_model_only(path, what=f"model-only checkpoint step {step}", metadata=metadata, verified=True)
+            self.started_from = {"kind": "model_only", "path": str(path)}
             return None
         keys = _keys(metadata)
         state = dict(self.states)
@@ -656,6 +739,7 @@ class Checkpointer:
                     train_state.step, path, saved_world or "?", self.world_size, time.perf_counter() - begin)
         if train_state.step != step:
             logger.warning("checkpoint: %s holds step %d", path, train_state.step)
+        self.started_from = {"kind": "resumed", "path": str(path), "step": train_state.step}
         return train_state.step
 
     def _load_model_only(self, path: Path, *, what: str, metadata: Metadata | None = None,

@@ -237,7 +237,10 @@ class Checkpoint:
     async_mode: Literal["disabled", "async"] = "disabled"
     """``async`` saves in a background thread while training continues."""
     initial_load_path: str | None = None
-    """Checkpoint to start from (weights only) when ``folder`` has none yet."""
+    """Weights to start from (weights only, at step 0): a checkpoint step folder, a checkpoint or run folder (its
+    newest complete step) or a safetensors export folder. Loaded whether or not ``enable`` is set; with ``enable``
+    only while ``folder`` holds no checkpoint of this run (a resume wins). The log and ``paths.json`` say which
+    weights the run started from."""
     load_step: int = -1
     """Step to resume from; -1: the latest."""
     export_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -658,6 +661,46 @@ def resolve_degrees(parallelism: Parallelism, training: Training, *, world_size:
                            grad_accum_steps=global_batch_size // micro_rows)
 
 
+def schedule_warning(config: JobConfig) -> str | None:
+    """The warning for a warmup that does not end before the run does (None otherwise). Not an error: short runs
+    of the long recipes (``--training.steps 10`` on a 1024-step warmup) and the tests do this on purpose."""
+    warmup, steps = config.lr_scheduler.warmup_steps, config.training.steps
+    if warmup < steps:
+        return None
+    peak = steps / (warmup + 1)  # the factor of the last step, train.lr_lambda(steps - 1)
+    return (f"lr_scheduler.warmup_steps {warmup} >= training.steps {steps}: the learning rate is still warming up "
+            f"when the run ends (at most {peak:.0%} of optimizer.lr, no decay); set lr_scheduler.warmup_steps below "
+            "training.steps for the whole schedule")
+
+
+def _runs_on_cuda(device: str) -> bool:
+    """Whether ``training.device`` resolves to CUDA here (as the trainer resolves it)."""
+    if device == "cpu":
+        return False
+    if device == "cuda":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_compile_fullgraph(config: JobConfig, *, backend: str, where: str) -> None:
+    """Refuse ``compile.fullgraph`` for a recurrent flavour whose token mixer runs on the reference backend
+    (``where``: the device and why). Raises :class:`ConfigError` naming both compile keys and the device.
+
+    ``hola_attention_reference`` is wrapped in ``torch.compiler.disable``: Inductor compiles it to wrong gradients
+    (docs/LOG.md, 2026-11-29), so a compiled block breaks its graph around it, which ``fullgraph`` forbids; only the
+    Triton backend's custom ops compile into one graph.
+    """
+    if not (config.compile.enable and config.compile.fullgraph) or backend != "reference":
+        return
+    raise ConfigError("compile.fullgraph", f"true with compile.enable cannot compile a {config.model.flavour} block "
+                      f"on {where}: its token mixer runs on the PyTorch reference backend there, which stays out of "
+                      "torch.compile (Inductor computes its gradients wrongly: docs/LOG.md, 2026-11-29), a graph "
+                      "break in every block; set --compile.fullgraph false (the rest of each block is still "
+                      "compiled) or leave compile.enable off")
+
+
 def validate(config: JobConfig, *, world_size: int) -> None:
     """Checks across fields that must pass before any model is built. Raises :class:`ConfigError`.
 
@@ -693,6 +736,18 @@ def validate(config: JobConfig, *, world_size: int) -> None:
         # the compiled parts of a block, i.e. a graph break each.
         raise ConfigError("compile.fullgraph", "must be false with context_parallel_degree > 1 (the handover of "
                           "state and cache between ranks runs eagerly between the compiled parts of each block)")
+    if config.compile.enable and config.compile.fullgraph and args.is_recurrent:
+        # What can be known before the model is built: an explicit reference backend, or auto on a machine without
+        # CUDA. (auto on a GPU without fla-core also falls back to the reference: the trainer checks that once it
+        # has resolved the backend.)
+        backend, device = model.attention_backend, config.training.device
+        on_cuda = _runs_on_cuda(device)
+        if backend == "reference":
+            where = f"{'cuda' if on_cuda else 'cpu'} (model.attention_backend reference)"
+            check_compile_fullgraph(config, backend="reference", where=where)
+        elif backend == "auto" and not on_cuda:
+            where = f"cpu (training.device {device}{'' if device == 'cpu' else ', no CUDA device'})"
+            check_compile_fullgraph(config, backend="reference", where=where)
     if config.profiling.enable and config.profiling.freq <= config.profiling.warmup:
         raise ConfigError("profiling.freq", f"must exceed profiling.warmup = {config.profiling.warmup} (each window "
                           f"is warmup steps, then the traced one), got {config.profiling.freq}")

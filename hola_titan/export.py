@@ -197,6 +197,9 @@ def write_safetensors(state: dict[str, torch.Tensor], folder: str | os.PathLike[
     for name, shard in zip(names, shards):
         # "format": "pt" is what transformers expects of PyTorch safetensors files.
         save_file({k: v.contiguous() for k, v in shard.items()}, str(out / name), metadata={"format": "pt"})
+        # safetensors creates its files with mode 0600 whatever the umask; give them the mode open() gives the
+        # other files of the folder (0666 less the umask), so whoever can read config.json can read the weights.
+        os.chmod(out / name, 0o666 & ~_umask())
         weight_map.update({key: name for key in shard})
         if bar is not None:
             bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
@@ -206,6 +209,20 @@ def write_safetensors(state: dict[str, torch.Tensor], folder: str | os.PathLike[
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return [out / name for name in names]
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (os.umask can only set it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def save_pretrained(model: nn.Module, tokenizer: Tokenizer | None, folder: str | os.PathLike[str], *,

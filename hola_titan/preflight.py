@@ -4,8 +4,9 @@ value ...]``.
 ``run_train.sh`` runs it once, in one process, with ``WORLD_SIZE`` set to the processes the launch will start, so
 that a mistake ends in one line and exit status 2 instead of a worker's error inside torchrun's failure report.
 It checks what can be checked without building the model: the config and its cross-field rules at that world
-size, the parallel degrees, the tokenizer, the training (and validation) data source, and that no other run holds
-the run folder. A dry run (``--dry-run``) needs only the config.
+size, the parallel degrees, the tokenizer, the training (and validation) data source, that
+``checkpoint.initial_load_path`` names a checkpoint when it will be loaded, and that no other run holds the run
+folder. A dry run (``--dry-run``) needs only the config.
 """
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ def preflight(argv: list[str], *, folder_check: bool = True) -> None:
     from hola_titan.runfolder import RunFolderError, RunFolderLock
 
     load_tokenizer(config.model.tokenizer_path)
+    ckpt = config.checkpoint
+    if ckpt.initial_load_path:
+        from pathlib import Path
+
+        from hola_titan.checkpoint import CheckpointError, list_checkpoints, resolve_checkpoint
+
+        # Used unless the run resumes from checkpoints of its own folder.
+        if not (ckpt.enable and list_checkpoints(Path(config.job.dump_folder) / ckpt.folder)):
+            try:
+                resolve_checkpoint(ckpt.initial_load_path, safetensors=True)
+            except CheckpointError as err:
+                raise ConfigError("checkpoint.initial_load_path", str(err)) from None
     data = config.data
     if not is_synthetic(data.dataset):
         resolve_source(data.dataset, split=data.split, text_field=data.text_field, dataset_config=data.dataset_config,

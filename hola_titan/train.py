@@ -47,8 +47,9 @@ from hola_titan.builder import model_args_of
 from hola_titan.checkpoint import CheckpointError, Checkpointer
 from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
-from hola_titan.config import (ConfigError, JobConfig, config_from_text, flat_items, parse_config, resolve_degrees,
-                               to_toml, validate, write_resolved)
+from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, config_from_text, flat_items,
+                               parse_config, resolve_degrees, schedule_warning, to_toml, validate,
+                               write_resolved)
 from hola_titan.fqn import strip_wrappers
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
 from hola_titan.kernels import seqlens
@@ -243,6 +244,11 @@ class Trainer:
         except ValueError as err:
             raise ConfigError("model.kernels", str(err).removeprefix("kernels: ")) from None
         self.attention_backend, self._backend_why = self._resolve_attention_backend()
+        if self.model_args.is_recurrent:
+            # validate() refused what it could foresee; an auto backend that fell back to the reference on a GPU
+            # (no fla-core) is known only now.
+            check_compile_fullgraph(config, backend=self.attention_backend,
+                                    where=f"{self.device.type} ({self._backend_why})")
         self.kernel_configs = self._install_kernel_configs()
         # Built on the meta device, parallelised, materialised with to_empty (each rank holds only its shards, on its
         # device), then initialised with the values one process draws from the seed (parallelisms/init.py): the
@@ -321,14 +327,21 @@ class Trainer:
         self.metrics: MetricsLogger | None = None
         self.paths = self._resolved_paths()
         self.checkpointer = None
-        if config.checkpoint.enable:
-            ckpt = config.checkpoint
-            self.checkpointer = Checkpointer(
+        # What train() loads before step 1: the checkpointer (checkpoint.enable: resume, or initial_load_path when
+        # the folder has no checkpoint yet), or one that only loads initial_load_path (checkpoint.enable governs
+        # saving and resuming; a load path that is given is always loaded).
+        self._loader = None
+        ckpt = config.checkpoint
+        if ckpt.enable or ckpt.initial_load_path:
+            self._loader = Checkpointer(
                 folder=self.dump / ckpt.folder, model=self.model, optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, train_state=self.state,
-                interval=ckpt.interval, keep_latest_k=ckpt.keep_latest_k, async_mode=ckpt.async_mode,
+                interval=ckpt.interval, keep_latest_k=ckpt.keep_latest_k,
+                async_mode=ckpt.async_mode if ckpt.enable else "disabled",
                 initial_load_path=ckpt.initial_load_path, load_step=ckpt.load_step, run_info=self.run_info(),
                 check_resume=self.check_resume)
+            if ckpt.enable:
+                self.checkpointer = self._loader
         # Called with the trainer after the backward pass of every step, before clipping (parity tests read the
         # gradients there).
         self.gradient_probe = None
@@ -680,11 +693,12 @@ class Trainer:
                 raise ConfigError("job.dump_folder", str(err)) from None
         try:
             resumed = None
-            if self.checkpointer is not None:
-                resumed = self.checkpointer.load()
+            if self._loader is not None:
+                resumed = self._loader.load(resume=self.checkpointer is not None)
                 if resumed is not None:
                     self._apply_resume_changes()
                 self._restore_guard_state()
+            self.paths["weights"] = self._weights_record()
             self._write_run_record()
             if self.rank == 0:
                 logger.info("%s", self._summary(resumed))
@@ -693,6 +707,9 @@ class Trainer:
                                        rows_per_step=self.degrees.global_batch_size)
                 if note:
                     logger.warning("data: %s", note)
+                warning = schedule_warning(config)
+                if warning:
+                    logger.warning("%s", warning)
             gc_freq = config.training.gc_freq
             was_enabled = gc.isenabled()
             if gc_freq:
@@ -756,6 +773,20 @@ class Trainer:
         logger.info("%s received: stopped after step %d with its checkpoint in %s; run again to resume", name, step,
                     self.checkpointer.folder)
 
+    def _weights_record(self) -> str:
+        """Which weights this run started from (logged, and in paths.json and config.toml): its own random
+        initialisation, a resumed checkpoint, a model-only checkpoint of its folder, or checkpoint.initial_load_path."""
+        source = self._loader.started_from if self._loader is not None else None
+        if source is None:
+            return f"random init (training.seed {self.config.training.seed})"
+        if source["kind"] == "resumed":
+            return f"resumed after step {source['step']} from {source['path']}"
+        if source["kind"] == "model_only":
+            return f"model-only checkpoint {source['path']} (weights only, from step 0)"
+        given, path = source["given"], source["path"]
+        return (f"checkpoint.initial_load_path {given}" + (f" ({path})" if Path(path) != Path(given) else "")
+                + " (weights only, from step 0)")
+
     def _summary(self, resumed: int | None) -> str:
         """The start-up block: what runs, where, on what data, from where."""
         config, d = self.config, self.degrees
@@ -782,9 +813,11 @@ class Trainer:
             f"{paths.get('short_conv', '-')}; cross-entropy {paths['cross_entropy']}; {paths['optimizer']}",
             *([f"  fla kernel configurations: {paths['kernel_configs']}"] if "kernel_configs" in paths else []),
             f"  data: {data.dataset} split {data.split} (text field {data.text_field}{holdout}); validation {val}",
+            f"  weights: {paths['weights']}",
             f"  checkpoints: {ckpt}",
-            f"  MFU against {self.peak_tflops:.1f} TFLOP/s ({self._peak_source}); matmul rate measured here "
-            f"{self.measured_tflops:.1f} TFLOP/s (mfu_measured)",
+            # Three significant digits: a CPU's measured rate is a few hundredths of a TFLOP/s, which .1f showed as 0.0.
+            f"  MFU against {self.peak_tflops:.3g} TFLOP/s ({self._peak_source}); matmul rate measured here "
+            f"{self.measured_tflops:.3g} TFLOP/s (mfu_measured)",
         ]
         return "\n".join(lines)
 
@@ -929,6 +962,9 @@ def dry_run(config: JobConfig) -> None:
     model = build_model(args, device="meta")
     flops = flops_per_token(args, config.training.seq_len)
     print(to_toml(config))
+    warning = schedule_warning(config)
+    if warning:
+        print(f"warning: {warning}")
     print(f"model: {args.flavour} {args.size}, {num_params(model):,} parameters, vocab {args.vocab_size}")
     parts = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in flops.items() if k != "total")
     print(f"training FLOPs per token: {flops['total'] / 1e9:.3f} GFLOP ({parts}) at seq_len {config.training.seq_len}")

@@ -3,9 +3,12 @@
 Usage::
 
     python scripts/convert_to_safetensors.py outputs/run/checkpoint/step-1000 exports/run-1000 [--dtype bfloat16]
+    python scripts/convert_to_safetensors.py outputs/run exports/run    # the run's newest complete checkpoint
 
-The model is rebuilt from the run's resolved ``config.toml`` (found in the first parent folder of CHECKPOINT that
-has one, i.e. ``<job.dump_folder>/config.toml``; or ``--config``), the weights are read from the checkpoint in one
+CHECKPOINT is a step folder (``<dump>/checkpoint/step-N``), a checkpoint folder (``<dump>/checkpoint``) or a run
+folder (``<dump>``); for the last two the newest complete step is converted, and the script says which. The model
+is rebuilt from the run's resolved ``config.toml`` (found in the first parent folder of the step that has one,
+i.e. ``<job.dump_folder>/config.toml``; or ``--config``), the weights are read from the checkpoint in one
 process without any process group (whatever number of FSDP ranks saved it), and
 :func:`hola_titan.export.save_pretrained` writes ``config.json``, ``model.safetensors`` (sharded above
 ``--max-shard-bytes``) and the tokenizer files. ``--dtype`` defaults to the run's ``checkpoint.export_dtype``.
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hola_titan.checkpoint import CheckpointError, load_model_state
+from hola_titan.checkpoint import CheckpointError, load_model_state, resolve_checkpoint
 from hola_titan.config import ConfigError, load_toml
 from hola_titan.data import load_tokenizer
 from hola_titan.export import DEFAULT_MAX_SHARD_BYTES, save_pretrained
@@ -30,17 +33,18 @@ from hola_titan.builder import build_model_args
 
 
 def find_run_config(checkpoint: Path) -> Path:
-    """``config.toml`` in the nearest parent of ``checkpoint`` (the run's dump folder)."""
+    """``config.toml`` in the nearest parent of the step folder ``checkpoint`` (the run's dump folder)."""
     for parent in checkpoint.resolve().parents:
         if (parent / "config.toml").is_file():
             return parent / "config.toml"
-    raise FileNotFoundError(f"no config.toml in any parent folder of {checkpoint}; pass --config "
-                            "<job.dump_folder>/config.toml")
+    raise FileNotFoundError(f"no config.toml in any parent folder of {checkpoint} (the run's dump folder has it); "
+                            "pass --config <job.dump_folder>/config.toml")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a DCP checkpoint folder, e.g. <dump>/checkpoint/step-N")
+    parser.add_argument("checkpoint", type=Path, help="a step folder <dump>/checkpoint/step-N, a checkpoint folder "
+                        "<dump>/checkpoint or a run folder <dump> (the newest complete step of the last two)")
     parser.add_argument("out", type=Path, help="output folder")
     parser.add_argument("--config", type=Path, default=None, help="the run's resolved config.toml")
     parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: model.tokenizer_path of the run)")
@@ -54,20 +58,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        config_path = args.config or find_run_config(args.checkpoint)
+        step, how = resolve_checkpoint(args.checkpoint)
+        if how is not None:
+            print(f"converting {step}: {how}")
+        config_path = args.config or find_run_config(step)
         config = load_toml(config_path)
         tokenizer = load_tokenizer(args.tokenizer or config.model.tokenizer_path)
         model_args = build_model_args(config, tokenizer.vocab_size)
         with torch.device("meta"):
             model = HolaTitanLM(model_args)
         model.to_empty(device="cpu")
-        load_model_state(args.checkpoint, model, progress=True)
+        load_model_state(step, model, progress=True)
         dtype = args.dtype or config.checkpoint.export_dtype
         save_pretrained(model, tokenizer, args.out, dtype=dtype, max_shard_bytes=args.max_shard_bytes, progress=True)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out} ({model_args.flavour} {model_args.size}, {dtype}) from {args.checkpoint} "
+    print(f"wrote {args.out} ({model_args.flavour} {model_args.size}, {dtype}) from {step} "
           f"using {config_path}")
     return 0
 

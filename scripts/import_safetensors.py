@@ -4,7 +4,7 @@ DCP checkpoint, the form training reads as ``--checkpoint.initial_load_path``.
 Usage::
 
     python scripts/import_safetensors.py exports/run-1000 checkpoints/run-1000-dcp
-    ./run_train.sh --checkpoint.enable --checkpoint.initial_load_path checkpoints/run-1000-dcp ...
+    ./run_train.sh --checkpoint.initial_load_path checkpoints/run-1000-dcp ...   # with or without --checkpoint.enable
 
 The weights are checked against the folder's ``config.json`` (names and shapes) and stored as float32 (the
 trainer's master weights) unless ``--dtype`` says otherwise. ``initial_load_path`` also accepts the safetensors

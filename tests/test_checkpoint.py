@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hola_titan.checkpoint import (CheckpointCorruptError, CheckpointMismatchError, create_seed_checkpoint,
-                                   list_checkpoints, step_folder)
+from hola_titan.checkpoint import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
+                                   create_seed_checkpoint, list_checkpoints, step_folder)
 from hola_titan.config import parse_config
 from hola_titan.export import load_pretrained
 from hola_titan.train import Trainer
@@ -350,3 +351,108 @@ def test_seed_command_writes_step_0_with_its_manifest(tmp_path):
     assert list_checkpoints(tmp_path / "checkpoint") == [0]
     assert (step_folder(tmp_path / "checkpoint", 0) / "manifest.json").is_file()
     assert seed_main(["--job.config_file", DEBUG, "--no.such_key", "1"]) == 2
+
+
+def _scripts():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import convert_to_safetensors
+        import import_safetensors
+    finally:
+        sys.path.pop(0)
+    return convert_to_safetensors, import_safetensors
+
+
+def test_initial_load_path_loads_without_checkpoint_enable_and_the_run_says_so(one_process, tmp_path, caplog):
+    """The README's route back from safetensors (convert, import, --checkpoint.initial_load_path) with
+    checkpoint.enable false: the first step runs on the source's weights (checkpoint.enable governs saving and
+    resuming only), and the log and paths.json name the weights the run started from."""
+    convert, imported = _scripts()
+    assert convert.main([str(step_folder(one_process["dump"] / "checkpoint", 12)), str(tmp_path / "export")]) == 0
+    assert imported.main([str(tmp_path / "export"), str(tmp_path / "imported")]) == 0
+    trained = dict(one_process["model"].named_parameters())
+    first_losses = {}
+    for source in (tmp_path / "imported", tmp_path / "export", one_process["dump"], None):
+        dump = tmp_path / f"from_{source.name if source else 'nothing'}"
+        extra = ["--checkpoint.initial_load_path", str(source)] if source else []
+        trainer = Trainer(parse_config([*RUN, "--job.dump_folder", str(dump), "--checkpoint.enable", "false",
+                                        "--training.steps", "1", *extra]))
+        seen = {}
+        # After the backward of step 1, before its update: the weights that step ran on.
+        trainer.gradient_probe = lambda t: seen.update({n: p.detach().clone() for n, p in t.model.named_parameters()})
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hola_titan"):
+            trainer.train()
+        first_losses[source] = _losses(dump)[1]
+        if source is not None:
+            for name, tensor in trained.items():
+                assert torch.equal(seen[name], tensor), (source, name)
+        else:
+            assert any(not torch.equal(seen[n], trained[n]) for n in trained)
+        weights = json.loads((dump / "paths.json").read_text())["weights"]
+        assert f"weights: {weights}" in caplog.text and not (dump / "checkpoint").exists()
+        if source is None:
+            assert weights == "random init (training.seed 0)"
+            continue
+        assert weights.startswith(f"checkpoint.initial_load_path {source}") and "weights only" in weights, weights
+        if source == one_process["dump"]:  # a run folder: its newest complete step, named in the record
+            assert f"({step_folder(source / 'checkpoint', 12)})" in weights, weights
+    assert first_losses[tmp_path / "imported"] == first_losses[tmp_path / "export"] == first_losses[one_process["dump"]]
+    assert first_losses[None] != first_losses[tmp_path / "imported"]
+
+
+def test_initial_load_path_that_names_no_checkpoint_is_refused_in_one_line(tmp_path):
+    from hola_titan.preflight import main as preflight_main
+
+    (tmp_path / "empty").mkdir()
+    for path, match in ((tmp_path / "nowhere", "no such folder"), (tmp_path / "empty", "is not a checkpoint")):
+        argv = [*RUN, "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable", "false",
+                "--checkpoint.initial_load_path", str(path)]
+        assert preflight_main(argv) == 2
+        trainer = Trainer(parse_config(argv))
+        with pytest.raises(CheckpointError, match=f"^checkpoint.initial_load_path: {path}.*{match}.*pass a step"):
+            trainer.train()
+        assert not (tmp_path / "run" / "paths.json").exists()
+
+
+def test_convert_takes_a_run_checkpoint_or_step_folder_and_says_what_to_pass_otherwise(one_process, tmp_path,
+                                                                                       capsys):
+    convert, _ = _scripts()
+    dump = one_process["dump"]
+    trained = one_process["model"].state_dict()
+    for i, (given, chosen) in enumerate(((dump, 12), (dump / "checkpoint", 12), (dump / "checkpoint" / "step-6", 6))):
+        capsys.readouterr()
+        assert convert.main([str(given), str(tmp_path / f"out{i}")]) == 0
+        out = capsys.readouterr().out
+        step = step_folder(dump / "checkpoint", chosen)
+        assert f"from {step} using {dump / 'config.toml'}" in out, out
+        if given.name != "step-6":  # a folder above a step: the newest complete one, and it says so
+            assert f"converting {step}: step 12, the newest complete checkpoint of the" in out, out
+    exported, _ = load_pretrained(tmp_path / "out0", backend="sdpa")
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+
+    # A partial newest step is passed over; pointed at, it is named partial with the folder to pass instead.
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    shutil.copy(dump / "config.toml", run / "config.toml")
+    for step in (6, 12):
+        _copy_step(dump, step, run)
+    (step_folder(run / "checkpoint", 12) / ".metadata").unlink()
+    capsys.readouterr()
+    assert convert.main([str(run), str(tmp_path / "partial")]) == 0
+    assert f"converting {step_folder(run / 'checkpoint', 6)}: step 6, the newest complete" in capsys.readouterr().out
+    empty_run = tmp_path / "empty_run"
+    empty_run.mkdir()
+    shutil.copy(dump / "config.toml", empty_run / "config.toml")
+    (tmp_path / "plain").mkdir()
+    for given, match in ((step_folder(run / "checkpoint", 12), "partial checkpoint.*pass a complete step, or its "
+                          f"checkpoint folder {run / 'checkpoint'}"),
+                         (tmp_path / "nowhere", "no such folder; pass a step folder"),
+                         (tmp_path / "plain", "is not a checkpoint .*; pass a step folder"),
+                         (empty_run, "is a run folder with no complete checkpoint .*--checkpoint.enable"),
+                         (tmp_path / "out0", "is an exported safetensors folder, not a training checkpoint; pass")):
+        assert convert.main([str(given), str(tmp_path / "never")]) == 2
+        line, = capsys.readouterr().err.splitlines()
+        assert re.match(f"error: .*{match}", line), line
+        assert not (tmp_path / "never").exists()

@@ -19,6 +19,7 @@ from hola_titan.config import (
     validate,
     write_resolved,
 )
+from hola_titan.preflight import main as preflight_main
 
 TRAIN_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "train_configs").glob("*.toml"))
 
@@ -221,6 +222,26 @@ def test_validate_accepts_cross_field_layouts():
                            "2", "--training.seq_len", "256", "--training.global_batch_size", "64"]), world_size=8)
     validate(parse_config(["--parallelism.context_parallel_degree", "2", "--compile.enable", "--compile.fullgraph",
                            "false", "--training.seq_len", "256"]), world_size=2)
+
+
+@pytest.mark.parametrize("argv, where", [
+    (["--training.device", "cpu"], "a hola block on cpu (training.device cpu)"),
+    (["--model.flavour", "gdn", "--training.device", "cpu"], "a gdn block on cpu (training.device cpu)"),
+    (["--model.attention_backend", "reference", "--training.device", "cuda"],
+     "on cuda (model.attention_backend reference)"),
+])
+def test_fullgraph_compile_of_the_reference_token_mixer_is_refused_before_the_build(argv, where, capsys):
+    """The reference backend stays out of torch.compile (compiler.disable), so a fullgraph block cannot compile:
+    refused in one line naming both compile keys and the device, in validate and so in the preflight."""
+    argv = ["--training.seq_len", "256", "--compile.enable", *argv]
+    _invalid("compile.fullgraph", argv, match=where)
+    _invalid("compile.fullgraph", argv, match="compile.enable")
+    assert preflight_main(["--dry-run", *argv]) == 2
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: compile.fullgraph: ") and where in line
+    # Without fullgraph the rest of each block compiles around the eager token mixer; Transformer++ compiles whole.
+    validate(parse_config([*argv, "--compile.fullgraph", "false"]), world_size=1)
+    validate(parse_config([*argv, "--model.flavour", "transformer"]), world_size=1)
 
 
 def test_validate_checks_programmatic_configs():

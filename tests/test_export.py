@@ -149,6 +149,24 @@ def test_sharded_export_with_index_and_bfloat16(tmp_path):
         assert torch.equal(tensor, model.state_dict()[name].to(torch.bfloat16).float()), name
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_weight_files_get_the_mode_of_the_other_export_files(tmp_path, umask):
+    """safetensors writes 0600; the weights get what open() gives config.json and the rest (0666 less the umask)."""
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        save_pretrained(_tiny("gdn"), load_tokenizer("bundled"), tmp_path / "one")
+        save_pretrained(_tiny("gdn"), None, tmp_path / "sharded", max_shard_bytes=20_000)
+    finally:
+        os.umask(old)
+    for folder in ("one", "sharded"):
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / folder).iterdir()}
+        assert any(name.endswith(".safetensors") for name in modes) and "config.json" in modes
+        assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
 def test_load_rejects_weights_of_another_model(tmp_path):
     save_pretrained(_tiny("gdn"), None, tmp_path / "gdn")
     config = json.loads((tmp_path / "gdn" / "config.json").read_text())

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,9 +29,10 @@ from hola_titan.models.model import ModelCache, build_model  # noqa: E402
 TEXTS = ["The cat sat on the mat and looked at the door.",
          "A river runs through the old town, past the mill and under three bridges.",
          "Numbers: one two three four five six seven eight nine ten."]
-QUESTIONS = [{"q": "The sky is", "choices": [" blue", " a table", " seven"], "label": 0},
-             {"q": "Water is", "choices": [" dry", " wet"], "label": 1},
-             {"q": "One plus one is", "choices": [" two", " nine", " purple", " x"], "label": 0}]
+REPO = Path(__file__).resolve().parents[1]
+# The README's offline example task (its data path is relative to the repository's root).
+LOCAL_TASK = REPO / "scripts" / "lm_eval_local"
+QUESTIONS = [json.loads(line) for line in (LOCAL_TASK / "questions.jsonl").read_text().splitlines()]
 PROMPTS = [{"prompt": "Once upon a time", "answer": " there"}, {"prompt": "The", "answer": " end"},
            {"prompt": "In the beginning of the story the", "answer": " dog"}]
 
@@ -53,16 +55,17 @@ def export(tmp_path_factory):
             param.add_(0.05 * torch.randn_like(param))
     model.eval()
     save_pretrained(model, tokenizer, root / "model")
-    for name, rows in (("texts", [{"text": t} for t in TEXTS]), ("questions", QUESTIONS), ("prompts", PROMPTS)):
+    for name, rows in (("texts", [{"text": t} for t in TEXTS]), ("prompts", PROMPTS)):
         (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tasks = root / "tasks"
     tasks.mkdir()
     (tasks / "rolling.yaml").write_text(_task("ht_rolling", root / "texts.jsonl", (
         "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
         "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")))
-    (tasks / "choice.yaml").write_text(_task("ht_choice", root / "questions.jsonl", (
-        "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: label\ntarget_delimiter: ''\nmetric_list:\n  - metric: acc\n")))
+    # The shipped task, with its data path made absolute (this process may run elsewhere than the repository).
+    shipped = (LOCAL_TASK / "ht_choice.yaml").read_text()
+    (tasks / "choice.yaml").write_text(shipped.replace("scripts/lm_eval_local/questions.jsonl",
+                                                       str(LOCAL_TASK / "questions.jsonl")))
     (tasks / "generate.yaml").write_text(_task("ht_generate", root / "prompts.jsonl", (
         "output_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\n"
         "target_delimiter: ''\ngeneration_kwargs:\n  until: ['\\n\\n']\n  max_gen_toks: 6\n  do_sample: false\n"
@@ -134,11 +137,17 @@ def test_the_plain_lm_eval_command_opens_the_export_in_a_fresh_process(export, t
     folder's auto_map does what ``import hola_titan.hf_model`` did; the scores equal the in-process run's."""
     _, _, root = export
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    # The README's offline example as written (the shipped task, run from the repository's root), beside the
+    # generation task of this module.
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "ht_choice.yaml").write_text((LOCAL_TASK / "ht_choice.yaml").read_text())
+    (tasks / "generate.yaml").write_text((root / "tasks" / "generate.yaml").read_text())
     cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
            f"pretrained={root / 'model'},trust_remote_code=True,dtype=float32,max_length=256", "--tasks",
-           "ht_choice,ht_generate", "--include_path", str(root / "tasks"), "--batch_size", "2", "--device", "cpu",
+           "ht_choice,ht_generate", "--include_path", str(tasks), "--batch_size", "2", "--device", "cpu",
            "--output_path", str(tmp_path / "out")]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     written = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     expected = _run(root, batch_size=2)["results"]

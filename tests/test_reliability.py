@@ -639,3 +639,19 @@ def test_a_resume_on_changed_data_is_refused_naming_the_file(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hola_titan"):
         rows = Trainer(parse_config([*longer, "--data.allow_changed_data", "true"])).train()
     assert rows[-1]["step"] == 4 and "continuing on the new data" in caplog.text
+def test_the_start_shows_a_small_matmul_rate_and_warns_of_a_warmup_past_the_end(tmp_path, caplog, monkeypatch):
+    import hola_titan.train as train_module
+
+    monkeypatch.setattr(train_module, "measured_matmul_tflops", lambda device: 0.0123)  # a loaded CPU
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "a"), "--training.steps", "2",
+                              "--lr_scheduler.warmup_steps", "5"])).train()
+    assert "MFU against 0.0123 TFLOP/s" in caplog.text and "matmul rate measured here 0.0123" in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if "lr_scheduler.warmup_steps 5 >= training.steps 2" in
+                r.getMessage()]
+    assert len(warnings) == 1 and "still warming up when the run ends" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "b"), "--training.steps", "2",
+                              "--lr_scheduler.warmup_steps", "1"])).train()
+    assert "warming up" not in caplog.text
