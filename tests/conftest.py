@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import pytest
 import torch
+
+# torch's structured-trace logger ("torch.__trace", tlparse's input) is always at DEBUG and does not propagate;
+# torch builds and writes a trace record whenever the logger has a handler. pytest 9 attaches its log capture to
+# every non-propagating logger, which turned the trace on in every test: its payloads built at each compile and
+# hundreds of "DEBUG torch.__trace" lines in each report of captured logs (all that the interpreter suites' parent
+# could show of a failure). Unless a trace was asked for (TORCH_TRACE), drop torch's lazy trace handler and let
+# the logger propagate, so that pytest leaves it alone and torch records nothing.
+if not os.environ.get("TORCH_TRACE"):
+    _trace = logging.getLogger("torch.__trace")
+    for _handler in list(_trace.handlers):
+        _trace.removeHandler(_handler)
+    _trace.propagate = True
 
 
 @pytest.fixture(autouse=True)

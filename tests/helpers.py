@@ -53,3 +53,67 @@ def flat_cache(cache) -> list[torch.Tensor]:
     """Every tensor of a recurrent model's ``ModelCache``, layer by layer (tails, state, then the HOLA cache)."""
     from hola_titan.decoding import flatten_layer
     return [t for layer in cache.layers.values() for t in flatten_layer(layer)]
+
+
+# float32 unit roundoff (half an ulp of 1.0): the relative error of one correctly rounded operation.
+U32 = 2.0 ** -24
+# Roundoff units allowed on top of twice the plain-PyTorch error (see assert_fp32_close): the terms of a sum are
+# products and exponentials that carry a few units each, and a sum of n terms in an unknown order adds about
+# sqrt(n) units of its absolute terms (n is at most a few hundred here); the errors seen are 1 to 4 units.
+FP32_FLOOR_UNITS = 16
+
+
+def token_abs_terms(out: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor], *,
+                    batched: bool = True) -> list[torch.Tensor | None]:
+    """The sums of absolute terms of parameter gradients that are reductions over tokens.
+
+    ``out`` ``[B, T, ...]`` (float64, still attached to ``params``), ``weight`` its weight in the loss
+    ``sum(out * weight)``: for each parameter (shared by every token: per head, per channel), the sum over the
+    tokens of |token t's contribution to the gradient|, i.e. the gradient with ``weight`` kept at token t only.
+    ``batched``: one backward over every token at once (``is_grads_batched``, needs a vmap-able backward), else
+    one backward per token."""
+    b, t = out.shape[:2]
+    n = b * t
+    masks = torch.eye(n, dtype=out.dtype).view(n, b, t, *([1] * (out.dim() - 2))) * weight.to(out.dtype)
+    if batched:
+        grads = torch.autograd.grad(out, params, masks, is_grads_batched=True, retain_graph=True, allow_unused=True)
+        return [None if g is None else g.abs().sum(0) for g in grads]
+    sums = [None] * len(params)
+    for mask in masks:
+        for i, g in enumerate(torch.autograd.grad(out, params, mask, retain_graph=True, allow_unused=True)):
+            if g is not None:
+                sums[i] = g.abs() if sums[i] is None else sums[i] + g.abs()
+    return sums
+
+
+def _fp32_parts(reference, exact, abs_terms):
+    r, e = reference.detach().double(), exact.detach().double()
+    if not e.numel():
+        return 0.0, 0.0
+    scale = (abs_terms if abs_terms is not None else e).detach().double().abs().max().item()
+    return (r - e).abs().max().item(), scale
+
+
+def fp32_error_bound(reference: torch.Tensor, exact: torch.Tensor, abs_terms: torch.Tensor | None = None) -> float:
+    """The bound of ``assert_fp32_close``: twice the max-abs error of ``reference`` (the computation in plain
+    PyTorch float32) against ``exact`` (float64), plus FP32_FLOOR_UNITS roundoff units of the absolute terms
+    (``abs_terms``' largest value for reductions over tokens, else the tensor's largest magnitude)."""
+    err_ref, scale = _fp32_parts(reference, exact, abs_terms)
+    return 2 * err_ref + FP32_FLOOR_UNITS * U32 * scale
+
+
+def assert_fp32_close(actual: torch.Tensor, reference: torch.Tensor, exact: torch.Tensor, what: str, *,
+                      abs_terms: torch.Tensor | None = None) -> None:
+    """``actual`` (float32, the computation under test) within ``fp32_error_bound`` of ``exact`` (float64).
+
+    The bound follows from the arithmetic, not from the tensor's magnitude: a gradient that sums contributions of
+    every token with cancellation (a sink's) is off by roundoff units of its absolute terms, which can be many
+    units of its value; and the plain-PyTorch float32 run measures what its own summation order costs."""
+    a, e = actual.detach().double(), exact.detach().double()
+    assert a.shape == e.shape, f"{what}: shape {list(a.shape)} vs {list(e.shape)}"
+    assert not torch.isnan(a).any(), f"{what}: NaN (unwritten output?)"
+    err = (a - e).abs().max().item() if e.numel() else 0.0
+    err_ref, scale = _fp32_parts(reference, exact, abs_terms)
+    bound = 2 * err_ref + FP32_FLOOR_UNITS * U32 * scale
+    assert err <= bound, (f"{what}: max abs error {err:.3e} against float64 > {bound:.3e} = 2 x {err_ref:.3e} "
+                          f"(float32 PyTorch) + {FP32_FLOOR_UNITS} u x {scale:.3e} (absolute terms or scale)")

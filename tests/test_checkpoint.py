@@ -41,7 +41,8 @@ RUN = ["--job.config_file", DEBUG, "--training.seq_len", "128", "--training.loca
 REL = 1e-6
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+# One pytest-xdist worker runs the module: its module-scoped fixtures are made once.
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.xdist_group("test_checkpoint")]
 
 
 def _env(**extra: str) -> dict:

@@ -177,6 +177,10 @@ def _worker_results(nproc: int) -> dict[str, dict]:
     return rows
 
 
+# The tests of one worker run share its results: under pytest-xdist they go to one xdist worker.
+NPROCS = [pytest.param(n, marks=pytest.mark.xdist_group(f"cp_worker_{n}")) for n in (2, 4, 8)]
+
+
 def _check_cases(nproc: int, prefix: str) -> None:
     rows = {name: row for name, row in _worker_results(nproc).items() if name.startswith(prefix)}
     assert rows, f"no {prefix} cases ran"
@@ -185,7 +189,7 @@ def _check_cases(nproc: int, prefix: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 4, 8])
+@pytest.mark.parametrize("nproc", NPROCS)
 def test_hola_attention_output_and_gradients_match_one_process(nproc):
     """Packed documents crossing one and several shards, block heads, a cache larger than a shard, length-1
     documents at shard edges, shards ending inside a block, recency, GDN, window 0, unpacked rows; float64 and
@@ -194,7 +198,7 @@ def test_hola_attention_output_and_gradients_match_one_process(nproc):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 4, 8])
+@pytest.mark.parametrize("nproc", NPROCS)
 def test_debug_model_logits_and_gradients_match_one_process(nproc):
     """HOLA (packed, packed rows, unpacked), HOLA+recency, GDN and Transformer++; with activation checkpointing
     of every block and op-level selective checkpointing."""
@@ -202,7 +206,7 @@ def test_debug_model_logits_and_gradients_match_one_process(nproc):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 4, 8])
+@pytest.mark.parametrize("nproc", NPROCS)
 def test_bytes_received_per_layer_do_not_grow_with_sequence_length(nproc):
     """Per rank: the same bytes at shards of 8 and 32 tokens; rank 0 receives nothing, every later rank the
     message of the document that crosses into its shard."""
@@ -233,10 +237,11 @@ def _one_process_losses(rows: int) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, cp, rows, replicate, ac", [(2, 2, 2, 1, "none"), (4, 4, 2, 1, "full"),
-                                                            (4, 2, 4, 1, "none"), (4, 2, 4, 2, "none"),
-                                                            (8, 2, 4, 2, "none")],
-                         ids=["cp2", "cp4_ac", "cp2_fsdp2", "cp2_hsdp2x1", "cp2_hsdp2x2"])
+@pytest.mark.parametrize("nproc, cp, rows, replicate, ac", [
+    pytest.param(*case, id=name, marks=pytest.mark.xdist_group(f"cp_one_process_{case[2]}"))
+    for name, case in [("cp2", (2, 2, 2, 1, "none")), ("cp4_ac", (4, 4, 2, 1, "full")),
+                       ("cp2_fsdp2", (4, 2, 4, 1, "none")), ("cp2_hsdp2x1", (4, 2, 4, 2, "none")),
+                       ("cp2_hsdp2x2", (8, 2, 4, 2, "none"))]])
 def test_training_with_context_parallel_matches_one_process(tmp_path, nproc, cp, rows, replicate, ac):
     """Same global batch of packed rows: 3 training losses and the validation loss agree with one process (with
     activation checkpointing of every block in ``cp4_ac``)."""
@@ -252,6 +257,7 @@ def test_training_with_context_parallel_matches_one_process(tmp_path, nproc, cp,
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("cp_one_process_2")  # shares the one-process run of rows 2
 def test_training_with_context_parallel_and_compile_matches_one_process(tmp_path):
     """Compiled blocks around the eager handover (compile.fullgraph false; true is refused by the
     config check) train the one-process function."""

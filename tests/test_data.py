@@ -33,6 +33,10 @@ from hola_titan.data.token_stream import StreamingTokenStream, epoch_permutation
 SEQ_LEN = 16
 
 
+# One pytest-xdist worker runs the module: its module-scoped fixtures are made once.
+pytestmark = pytest.mark.xdist_group("test_data")
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer("bundled")

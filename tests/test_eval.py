@@ -30,7 +30,8 @@ from hola_titan.models.model import HolaTitanLM
 from helpers import tiny_model
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+# One pytest-xdist worker runs the module: its module-scoped fixtures are made once.
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.xdist_group("test_eval")]
 
 
 @pytest.fixture(scope="module")

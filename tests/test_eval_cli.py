@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 FAST = ["--device", "cpu", "--threads", "1", "--no-progress"]
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+# One pytest-xdist worker runs the module: its module-scoped fixtures are made once.
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.xdist_group("test_eval_cli")]
 
 
 @pytest.fixture(scope="module")

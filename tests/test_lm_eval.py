@@ -42,6 +42,10 @@ def _task(name: str, data: str, body: str) -> str:
             f"test_split: test\n{body}")
 
 
+# One pytest-xdist worker runs the module: its module-scoped fixtures are made once.
+pytestmark = pytest.mark.xdist_group("test_lm_eval")
+
+
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm_eval")
