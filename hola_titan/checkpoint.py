@@ -248,15 +248,26 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(folder: str | os.PathLike[str]) -> Path:
-    """Write ``<folder>/manifest.json``: the size and checksum of every file in the folder (atomically)."""
+def write_manifest(folder: str | os.PathLike[str], *, healthy: bool | None = None) -> Path:
+    """Write ``<folder>/manifest.json``: the size and checksum of every file in the folder (atomically), and
+    whether the saved step passed the trainer's health checks (``healthy``; None: not known)."""
     folder = Path(folder)
     files = {f.name: {"size": f.stat().st_size, "digest": _digest(f)}
              for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(MANIFEST)}
     tmp = folder / (MANIFEST + TMP_SUFFIX)
-    tmp.write_text(json.dumps({"hash": HASH, "files": files}, indent=1) + "\n")
+    record = {"hash": HASH, "files": files, **({} if healthy is None else {"healthy": healthy})}
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, folder / MANIFEST)
     return folder / MANIFEST
+
+
+def recorded_healthy(folder: str | os.PathLike[str]) -> bool:
+    """Whether the step in ``folder`` passed the health checks when it was saved (what its manifest records; a
+    checkpoint that records nothing, written before the checks, counts as healthy)."""
+    try:
+        return bool(json.loads((Path(folder) / MANIFEST).read_text()).get("healthy", True))
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def verify_manifest(folder: str | os.PathLike[str]) -> dict | None:
@@ -292,6 +303,22 @@ def verify_manifest(folder: str | os.PathLike[str]) -> dict | None:
                                          "(its bytes changed after the save)")
         total += size
     return {"files": len(files), "bytes": total, "seconds": time.perf_counter() - begin}
+
+
+def recorded_config(path: str | os.PathLike[str]) -> str | None:
+    """The resolved config (TOML text) that the run which wrote the checkpoint ``path`` recorded in it, or None
+    for a checkpoint that records none (a model-only or seed checkpoint, or one from before it was recorded)."""
+    path = Path(path)
+    if "info.config" not in _keys(read_metadata(path)):
+        return None
+    info = {"config": ""}
+    try:
+        with _single_process_quiet():
+            dcp.load({"info": info}, checkpoint_id=str(path), no_dist=True)
+    except CheckpointException as error:
+        raise CheckpointCorruptError(f"checkpoint {path}: its recorded config cannot be read "
+                                     f"({_first_failure(error)})") from None
+    return info["config"]
 
 
 def _keys(metadata: Metadata) -> set[str]:
@@ -375,6 +402,7 @@ def _single_process_quiet():
 class _PendingSave:
     step: int
     future: Future
+    healthy: bool = True
 
 
 class Checkpointer:
@@ -395,7 +423,7 @@ class Checkpointer:
     def __init__(self, *, folder: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any, dataloader: Any, train_state: Any, interval: int, keep_latest_k: int = 0,
                  async_mode: str = "disabled", initial_load_path: str | None = None, load_step: int = -1,
-                 run_info: dict[str, Any] | None = None, check_resume: Any = None,
+                 run_info: dict[str, Any] | None = None, check_resume: Any = None, allow_unverified: bool = False,
                  storage_writer: type[FileSystemWriter] = FileSystemWriter):
         if async_mode not in ("disabled", "async"):
             raise ValueError(f"checkpoint.async_mode: expected 'disabled' or 'async', got {async_mode!r}")
@@ -408,6 +436,7 @@ class Checkpointer:
         self.load_step = load_step
         self.run_info = dict(run_info or {})
         self.check_resume = check_resume
+        self.allow_unverified = allow_unverified
         self.loaded_info: dict[str, Any] | None = None
         # Which weights the last load() started from: None (the model's own initialisation), or a dict with "kind"
         # ("resumed", "model_only" or "initial_load_path"), "path" and, when resumed, "step".
@@ -452,14 +481,15 @@ class Checkpointer:
         """Whether :meth:`maybe_save` writes a checkpoint at ``step``."""
         return final or step % self.interval == 0
 
-    def maybe_save(self, step: int, *, final: bool = False) -> None:
+    def maybe_save(self, step: int, *, final: bool = False, healthy: bool = True) -> None:
         """Called after every step: finish a background save that is done, and save when ``step`` is due."""
         self._poll_pending()
         if self.due(step, final=final):
-            self.save(step)
+            self.save(step, healthy=healthy)
 
-    def save(self, step: int) -> Path:
-        """Write the full training state of ``step`` to ``step-<step>`` (sync or async; module docstring)."""
+    def save(self, step: int, *, healthy: bool = True) -> Path:
+        """Write the full training state of ``step`` to ``step-<step>`` (sync or async; module docstring).
+        ``healthy``: whether the step passed the trainer's health checks, which retention reads (:meth:`_retain`)."""
         self._wait_pending()
         tmp = self.folder / f"{STEP_PREFIX}{step}{TMP_SUFFIX}"
         if self.rank == 0:
@@ -473,7 +503,7 @@ class Checkpointer:
             with _single_process_quiet():
                 future = dcp.async_save(self._save_state(), storage_writer=writer, process_group=self._async_group,
                                         no_dist=not self.distributed)
-            self._pending = _PendingSave(step=step, future=future)
+            self._pending = _PendingSave(step=step, future=future, healthy=healthy)
             logger.info("checkpoint: step %d staged in %.2f s; writing in the background to %s", step,
                         time.perf_counter() - begin, tmp)
             return step_folder(self.folder, step)
@@ -481,7 +511,7 @@ class Checkpointer:
             dcp.save(self._save_state(), storage_writer=writer, no_dist=not self.distributed)
         self._barrier()
         with self._write_errors(tmp):
-            self._finalize(step)
+            self._finalize(step, healthy=healthy)
         logger.info("checkpoint: saved step %d to %s in %.2f s", step, step_folder(self.folder, step),
                     time.perf_counter() - begin)
         return step_folder(self.folder, step)
@@ -523,17 +553,17 @@ class Checkpointer:
         tmp = self.folder / f"{STEP_PREFIX}{pending.step}{TMP_SUFFIX}"
         with self._write_errors(tmp):
             pending.future.result()
-            self._finalize(pending.step)
+            self._finalize(pending.step, healthy=pending.healthy)
         logger.info("checkpoint: background save of step %d complete (waited %.2f s)", pending.step,
                     time.perf_counter() - begin)
 
-    def _finalize(self, step: int) -> None:
+    def _finalize(self, step: int, *, healthy: bool = True) -> None:
         """Rank 0: rename ``step-N.tmp`` to ``step-N`` and drop old checkpoints beyond ``keep_latest_k``."""
         if self.rank != 0:
             return
         tmp, final = self.folder / f"{STEP_PREFIX}{step}{TMP_SUFFIX}", step_folder(self.folder, step)
         begin = time.perf_counter()
-        write_manifest(tmp)
+        write_manifest(tmp, healthy=healthy)
         logger.info("checkpoint: checksums of step %d written in %.2f s", step, time.perf_counter() - begin)
         if final.exists():
             # Move the old folder aside first, so that a crash here leaves the complete .tmp (promoted at the next
@@ -546,11 +576,26 @@ class Checkpointer:
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        if self.keep_latest_k > 0:
-            for old in list_checkpoints(self.folder)[:-self.keep_latest_k]:
-                shutil.rmtree(step_folder(self.folder, old), ignore_errors=True)
-                logger.info("checkpoint: removed %s (keep_latest_k = %d)", step_folder(self.folder, old),
-                            self.keep_latest_k)
+        self._retain()
+
+    def _retain(self) -> None:
+        """Drop checkpoints beyond the newest ``keep_latest_k``, but never the newest one whose step passed the
+        health checks when every newer one failed them: a diverged step is never all that is left."""
+        if self.keep_latest_k <= 0:
+            return
+        steps = list_checkpoints(self.folder)
+        drop, keep = steps[:-self.keep_latest_k], steps[-self.keep_latest_k:]
+        if not any(recorded_healthy(step_folder(self.folder, s)) for s in keep):
+            good = [s for s in drop if recorded_healthy(step_folder(self.folder, s))]
+            if good:
+                drop.remove(good[-1])
+                logger.warning("checkpoint: keeping %s beyond keep_latest_k = %d: the newer checkpoints %s did not "
+                               "pass the health checks, and it is the newest that did", step_folder(self.folder,
+                               good[-1]), self.keep_latest_k, keep)
+        for old in drop:
+            shutil.rmtree(step_folder(self.folder, old), ignore_errors=True)
+            logger.info("checkpoint: removed %s (keep_latest_k = %d)", step_folder(self.folder, old),
+                        self.keep_latest_k)
 
     def close(self) -> None:
         """Wait for a background save and finalise it (every rank)."""
@@ -616,9 +661,13 @@ class Checkpointer:
             except CheckpointCorruptError as error:
                 verdict = str(error)
             else:
-                if checked is None:
+                if checked is None and not self.allow_unverified:
+                    verdict = (f"checkpoint {path}: no {MANIFEST}, so its bytes cannot be verified (written before "
+                               "checksums existed, or the file was removed); set checkpoint.allow_unverified = true "
+                               "to load it anyway")
+                elif checked is None:
                     logger.warning("checkpoint: %s has no %s (written before checksums existed): its bytes are not "
-                                   "verified", path, MANIFEST)
+                                   "verified (checkpoint.allow_unverified)", path, MANIFEST)
                 else:
                     logger.info("checkpoint: %s verified (%d files, %.2f GB in %.2f s)", path, checked["files"],
                                 checked["bytes"] / 1e9, checked["seconds"])
@@ -648,6 +697,12 @@ class Checkpointer:
             for old in self.folder.glob(f"{STEP_PREFIX}*{OLD_SUFFIX}"):
                 shutil.rmtree(old, ignore_errors=True)
         steps = list_checkpoints(self.folder)
+        if self.folder.is_dir():
+            # A step folder without .metadata is no checkpoint to list_checkpoints; say so rather than skip it quietly.
+            for child in sorted(self.folder.iterdir()):
+                if _STEP_RE.match(child.name) and child.is_dir() and not (child / ".metadata").is_file():
+                    logger.error("checkpoint: %s has no .metadata file (damaged, or a copy that lost it): it cannot be "
+                                 "loaded and is skipped", child)
         if self.load_step != -1:
             if not step_folder(self.folder, self.load_step).is_dir():
                 return CheckpointError(f"checkpoint.load_step: {step_folder(self.folder, self.load_step)} does not "

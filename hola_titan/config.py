@@ -236,6 +236,10 @@ class Checkpoint:
     """Keep only the latest k checkpoints; 0 keeps all."""
     async_mode: Literal["disabled", "async"] = "disabled"
     """``async`` saves in a background thread while training continues."""
+    allow_unverified: bool = False
+    """Resume from a checkpoint that has no ``manifest.json`` (its checksums; written before they existed, or
+    removed since), whose bytes therefore cannot be verified. False: such a checkpoint is refused by name and the
+    previous verified one is tried."""
     initial_load_path: str | None = None
     """Weights to start from (weights only, at step 0): a checkpoint step folder, a checkpoint or run folder (its
     newest complete step) or a safetensors export folder. Loaded whether or not ``enable`` is set; with ``enable``

@@ -33,7 +33,7 @@ SCHEDULE = ("optimizer.lr", "optimizer.weight_decay", "optimizer.betas", "optimi
             "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "training.steps")
 LAUNCH = ("job.config_file", "job.dump_folder", "checkpoint.load_step", "checkpoint.initial_load_path",
           "model.tokenizer_path", "job.cache_folder", "model.kernel_configs",
-          "data.allow_changed_data")
+          "data.allow_changed_data", "checkpoint.allow_unverified")
 
 
 def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -41,11 +41,11 @@ class FolderUnusableError(RunFolderError):
     """The run folder cannot be made or written: a file is in its place, or the file system refuses."""
 
 
-def _check_is_folder(folder: Path) -> None:
+def _check_is_folder(folder: Path, key: str) -> None:
     for path in (folder, *folder.parents):
         if path.exists():
             if not path.is_dir():
-                raise FolderUnusableError(f"{folder}: {path} is a file, not a folder; choose another job.dump_folder")
+                raise FolderUnusableError(f"{folder}: {path} is a file, not a folder; choose another {key}")
             return
 
 
@@ -70,14 +70,15 @@ def _describe(info: dict) -> str:
 class RunFolderLock:
     """The exclusive lock of one run folder, held until :meth:`release` (or the process ends)."""
 
-    def __init__(self, folder: str | os.PathLike[str]):
+    def __init__(self, folder: str | os.PathLike[str], *, key: str = "job.dump_folder"):
         self.folder = Path(folder)
+        self.key = key  # the config key that names the folder, for the messages
         self._key: str | None = None
 
     def acquire(self) -> RunFolderLock:
         """Take the lock; raises :class:`FolderInUseError` naming the holder when another process has it, and
         :class:`FolderUnusableError` when the folder cannot be made or written."""
-        _check_is_folder(self.folder)
+        _check_is_folder(self.folder, self.key)
         path = self.folder / LOCK_NAME
         key = str(path.resolve())
         held = _HELD.get(key)
@@ -87,7 +88,7 @@ class RunFolderLock:
                 handle = open(path, "a+")
             except OSError as error:
                 raise FolderUnusableError(f"{self.folder}: the run folder cannot be written ({error.strerror}); "
-                                          "choose another job.dump_folder or fix its permissions") from None
+                                          f"choose another {self.key} or fix its permissions") from None
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as error:
@@ -98,7 +99,7 @@ class RunFolderLock:
                 info = _read(handle.read())
                 handle.close()
                 raise FolderInUseError(f"{self.folder} is in use by {_describe(info)}; stop that run or choose "
-                                       "another job.dump_folder") from None
+                                       f"another {self.key}") from None
             handle.seek(0)
             previous = _read(handle.read())
             if previous.get("pid") is not None and previous.get("pid") != os.getpid():
@@ -116,7 +117,7 @@ class RunFolderLock:
     def probe(self) -> None:
         """Raise :class:`FolderInUseError` when another process holds the lock (and :class:`FolderUnusableError` when
         a file stands where the folder would be); take nothing and write nothing."""
-        _check_is_folder(self.folder)
+        _check_is_folder(self.folder, self.key)
         path = self.folder / LOCK_NAME
         if not path.is_file() or str(path.resolve()) in _HELD:
             return
@@ -127,7 +128,7 @@ class RunFolderLock:
                 if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
                 raise FolderInUseError(f"{self.folder} is in use by {_describe(_read(handle.read()))}; stop that run "
-                                       "or choose another job.dump_folder") from None
+                                       f"or choose another {self.key}") from None
             fcntl.flock(handle, fcntl.LOCK_UN)
 
     def release(self) -> None:

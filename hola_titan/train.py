@@ -103,8 +103,9 @@ class PendingStep:
 
     def __init__(self, *, step: int, tokens_before: int, lr: float, loss_sum: torch.Tensor,
                  targets: torch.Tensor | float, grad_norm: torch.Tensor, finite: torch.Tensor, spike: torch.Tensor,
-                 loss_ema: torch.Tensor):
+                 loss_ema: torch.Tensor, watched: bool = False):
         self.step, self.tokens_before, self.lr = step, tokens_before, lr
+        self.watched = watched  # one of the first steps after a resume (Trainer._watch_steps)
         # A target count known on the host stays there (sending it would be a copy from pageable memory).
         self._targets = None if isinstance(targets, torch.Tensor) else float(targets)
         parts = [loss_sum.double().reshape(()), grad_norm.double().reshape(()), finite.double().reshape(()),
@@ -226,12 +227,8 @@ class Trainer:
             logger.info("starting a %s %s run in %s on %d process(es): building the model and reading the data",
                         config.model.flavour, config.model.size, self.dump, self.world_size)
         # One writer per run folder: rank 0 writes it (config, metrics, checkpoint renames) and holds its lock.
-        self._folder_lock = None
-        if self.rank == 0:
-            try:
-                self._folder_lock = RunFolderLock(self.dump).acquire()
-            except RunFolderError as err:
-                raise ConfigError("job.dump_folder", str(err)) from None
+        self._folder_locks: list[RunFolderLock] = []
+        self._lock_folders()
         if config.training.deterministic:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
@@ -295,6 +292,7 @@ class Trainer:
         self._fused_optimizer = bool(self.optimizer.defaults.get("fused"))
         self._pending: PendingStep | None = None
         self._consecutive_skips = 0
+        self._watch_steps = 0  # steps left that are held to the checkpoint's running loss mean (after a resume)
         self._resume_changes: dict = {}
         self.schedule = Schedule(warmup_steps=config.lr_scheduler.warmup_steps, total_steps=config.training.steps,
                                  decay_type=config.lr_scheduler.decay_type,
@@ -339,7 +337,7 @@ class Trainer:
                 interval=ckpt.interval, keep_latest_k=ckpt.keep_latest_k,
                 async_mode=ckpt.async_mode if ckpt.enable else "disabled",
                 initial_load_path=ckpt.initial_load_path, load_step=ckpt.load_step, run_info=self.run_info(),
-                check_resume=self.check_resume)
+                check_resume=self.check_resume, allow_unverified=ckpt.allow_unverified)
             if ckpt.enable:
                 self.checkpointer = self._loader
         # Called with the trainer after the backward pass of every step, before clipping (parity tests read the
@@ -347,6 +345,25 @@ class Trainer:
         self.gradient_probe = None
 
     # ------------------------------------------------------------------ resuming (hola_titan/resume.py)
+
+    def _lock_folders(self) -> None:
+        """Rank 0 takes the run folder's lock and, when checkpoints go to a folder outside it (an absolute
+        ``checkpoint.folder``), that folder's too: two runs never write one checkpoint folder."""
+        if self.rank != 0:
+            return
+        config = self.config
+        folders = [("job.dump_folder", self.dump)]
+        checkpoints = self.dump / config.checkpoint.folder
+        if config.checkpoint.enable and self.dump.resolve() not in checkpoints.resolve().parents:
+            folders.append(("checkpoint.folder", checkpoints))
+        for key, folder in folders:
+            try:
+                self._folder_locks.append(RunFolderLock(folder, key=key).acquire())
+            except RunFolderError as err:
+                for lock in self._folder_locks:
+                    lock.release()
+                self._folder_locks = []
+                raise ConfigError(key, str(err)) from None
 
     def run_info(self) -> dict:
         """What every checkpoint records of the run that wrote it, for :meth:`check_resume`."""
@@ -559,6 +576,8 @@ class Trainer:
         grad_norm = self.clip_grad_norm()
         finite = torch.isfinite(loss_total) & torch.isfinite(grad_norm)
         spike, ema_before = self._loss_spike_guard(loss_total / targets, finite)
+        watched = self._watch_steps > 0
+        self._watch_steps = max(0, self._watch_steps - 1)
         ok = finite & ~spike
         # The previous step's numbers are due now, before this step can update the weights.
         self.resolve_pending()
@@ -576,7 +595,7 @@ class Trainer:
         self.state.tokens_seen += self.degrees.global_batch_size * self.config.training.seq_len
         self._pending = PendingStep(step=self.state.step, tokens_before=tokens_before, lr=lr, loss_sum=loss_total,
                                     targets=targets, grad_norm=grad_norm, finite=finite, spike=spike,
-                                    loss_ema=ema_before)
+                                    loss_ema=ema_before, watched=watched)
         return self._pending
 
     def resolve_pending(self) -> dict | None:
@@ -595,6 +614,13 @@ class Trainer:
                    f"running mean {result['loss_ema']:.4g} of the previous steps (training.loss_spike_factor)")
         else:
             why = f"loss {result['loss']} / grad norm {result['grad_norm']} at step {pending.step} is not finite"
+        if pending.watched:
+            # Right after a resume this is the checkpoint's fault, not the data's: skipping cannot help.
+            self.state.step, self.state.tokens_seen = pending.step - 1, pending.tokens_before
+            raise NonFiniteLossError(
+                f"training: the first steps after the resume do not continue the checkpoint's run ({why}); its weights "
+                "or optimizer state look damaged, and nothing was saved over it: resume from an earlier checkpoint "
+                "(checkpoint.load_step)")
         if cfg.skip_nan_inf:
             self.state.skipped_steps += 1
             self._consecutive_skips += 1
@@ -619,12 +645,23 @@ class Trainer:
         ema, seen = self._loss_ema, self._loss_ema_steps
         spike = torch.zeros((), dtype=torch.bool, device=self.device)
         if cfg.loss_spike_factor > 0:
-            spike = finite & (seen >= cfg.loss_spike_warmup) & (loss > cfg.loss_spike_factor * ema)
+            # The first steps after a resume are held to the checkpoint's running mean at once, warm-up or not: a
+            # damaged checkpoint shows there, and must stop the run before anything is saved over it.
+            armed = (seen >= cfg.loss_spike_warmup) | ((seen > 0) & (self._watch_steps > 0))
+            spike = finite & armed & (loss > cfg.loss_spike_factor * ema)
         accepted = finite & ~spike
         updated = torch.where(seen > 0, 0.9 * ema + 0.1 * loss, loss)
         self._loss_ema = torch.where(accepted, updated, ema)
         self._loss_ema_steps = seen + accepted.double()
         return spike, ema
+
+    def _healthy(self, result: dict) -> bool:
+        """Whether a step passed the health checks that retention keeps a checkpoint for: a finite loss and norm,
+        no spike, and (with the spike guard on, whether or not it is armed yet) a loss within
+        ``training.loss_spike_factor`` of the running mean of the steps before."""
+        factor = self.config.training.loss_spike_factor
+        within = not (factor > 0 and result["loss_ema"] > 0 and result["loss"] > factor * result["loss_ema"])
+        return bool(result["finite"]) and not result["spike"] and within
 
     def _store_guard_state(self) -> None:
         """Copy the spike guard's device state into the checkpointed counters (reads the device: save steps only)."""
@@ -686,17 +723,15 @@ class Trainer:
     def train(self) -> list[dict]:
         """Train to ``training.steps``; returns the logged rows (also written to ``metrics.jsonl``)."""
         config = self.config
-        if self.rank == 0 and self._folder_lock is None:  # a second train() of this trainer
-            try:
-                self._folder_lock = RunFolderLock(self.dump).acquire()
-            except RunFolderError as err:
-                raise ConfigError("job.dump_folder", str(err)) from None
+        if not self._folder_locks:  # a second train() of this trainer
+            self._lock_folders()
         try:
             resumed = None
             if self._loader is not None:
                 resumed = self._loader.load(resume=self.checkpointer is not None)
                 if resumed is not None:
                     self._apply_resume_changes()
+                    self._watch_steps = self.WATCHED_STEPS
                 self._restore_guard_state()
             self.paths["weights"] = self._weights_record()
             self._write_run_record()
@@ -722,12 +757,13 @@ class Trainer:
                 if gc_freq and was_enabled:
                     gc.enable()
         finally:
-            # The run is over (or failed): its folder is free for the next one, whenever this object is collected.
-            if self._folder_lock is not None:
-                self._folder_lock.release()
-                self._folder_lock = None
+            # The run is over (or failed): its folders are free for the next one, whenever this object is collected.
+            for lock in self._folder_locks:
+                lock.release()
+            self._folder_locks = []
 
     STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    WATCHED_STEPS = 3  # after a resume, steps whose loss must stay within training.loss_spike_factor of the mean
 
     @contextlib.contextmanager
     def _stop_signals(self):
@@ -888,7 +924,9 @@ class Trainer:
                 if saving:
                     self._store_guard_state()
                 if self.checkpointer is not None:
-                    self.checkpointer.maybe_save(step, final=final)
+                    # A step the loop saves was resolved above; retention keeps the last healthy one (_healthy).
+                    healthy = self._healthy(pending.result()) if saving else True
+                    self.checkpointer.maybe_save(step, final=final, healthy=healthy)
                 prof.step()
                 stop = None if final else self._stop_requested()
                 if stop is not None:

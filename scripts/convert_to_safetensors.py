@@ -7,8 +7,10 @@ Usage::
 
 CHECKPOINT is a step folder (``<dump>/checkpoint/step-N``), a checkpoint folder (``<dump>/checkpoint``) or a run
 folder (``<dump>``); for the last two the newest complete step is converted, and the script says which. The model
-is rebuilt from the run's resolved ``config.toml`` (found in the first parent folder of the step that has one,
-i.e. ``<job.dump_folder>/config.toml``; or ``--config``), the weights are read from the checkpoint in one
+is rebuilt from the config the checkpoint itself records (the run that wrote it; a later run in the same folder
+may have rewritten ``<job.dump_folder>/config.toml``, which is compared and a difference in the model is warned
+about). ``--config`` overrides it; a checkpoint that records none (a seed checkpoint) takes the run folder's
+``config.toml`` (the first parent folder of the step that has one). The weights are read from the checkpoint in one
 process without any process group (whatever number of FSDP ranks saved it), and
 :func:`hola_titan.export.save_pretrained` writes ``config.json``, ``model.safetensors`` (sharded above
 ``--max-shard-bytes``) and the tokenizer files. ``--dtype`` defaults to the run's ``checkpoint.export_dtype``.
@@ -24,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from hola_titan.checkpoint import CheckpointError, load_model_state, resolve_checkpoint
-from hola_titan.config import ConfigError, load_toml
+from hola_titan.checkpoint import CheckpointError, load_model_state, recorded_config, resolve_checkpoint
+from hola_titan.config import ConfigError, JobConfig, config_from_text, flat_items, load_toml
 from hola_titan.data import load_tokenizer
 from hola_titan.export import DEFAULT_MAX_SHARD_BYTES, save_pretrained
 from hola_titan.models.model import HolaTitanLM
@@ -39,6 +41,28 @@ def find_run_config(checkpoint: Path) -> Path:
             return parent / "config.toml"
     raise FileNotFoundError(f"no config.toml in any parent folder of {checkpoint} (the run's dump folder has it); "
                             "pass --config <job.dump_folder>/config.toml")
+
+
+def _model_config(step: Path, given: Path | None) -> tuple[JobConfig, str]:
+    """The config to rebuild the model from, and where it came from (see the module docstring)."""
+    if given is not None:
+        return load_toml(given), str(given)
+    text = recorded_config(step)
+    if text is None:
+        path = find_run_config(step)
+        return load_toml(path), f"{path} (the checkpoint records no config)"
+    config = config_from_text(text, source=f"the config recorded in {step}")
+    try:
+        folder_path = find_run_config(step)
+    except FileNotFoundError:
+        return config, f"the config recorded in {step}"
+    recorded, folder = flat_items(config), flat_items(load_toml(folder_path))
+    differ = sorted(k for k in recorded if k.startswith("model.") and recorded[k] != folder.get(k))
+    if differ:
+        print(f"warning: {folder_path} differs from the config recorded in {step} in "
+              + ", ".join(f"{k} ({folder.get(k)!r} there, {recorded[k]!r} in the checkpoint)" for k in differ)
+              + "; converting with the checkpoint's (a later run rewrote the folder's file?)", file=sys.stderr)
+    return config, f"the config recorded in {step}"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -61,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         step, how = resolve_checkpoint(args.checkpoint)
         if how is not None:
             print(f"converting {step}: {how}")
-        config_path = args.config or find_run_config(step)
-        config = load_toml(config_path)
+        config, config_source = _model_config(step, args.config)
         tokenizer = load_tokenizer(args.tokenizer or config.model.tokenizer_path)
         model_args = build_model_args(config, tokenizer.vocab_size)
         with torch.device("meta"):
@@ -75,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {args.out} ({model_args.flavour} {model_args.size}, {dtype}) from {step} "
-          f"using {config_path}")
+          f"using {config_source}")
     return 0
 
 

@@ -42,8 +42,8 @@ def main() -> int:
     if first_attempt and faults.kill_after_step is not None:
         original = checkpoint.Checkpointer.maybe_save
 
-        def maybe_save(self, step, *, final=False):
-            original(self, step, final=final)
+        def maybe_save(self, step, *, final=False, healthy=True):
+            original(self, step, final=final, healthy=healthy)
             if step == faults.kill_after_step and self.rank == faults.kill_rank:
                 if self._pending is not None:
                     self._wait_pending()

@@ -288,6 +288,12 @@ def test_corrupt_checkpoint_falls_back_or_fails_naming_it(one_process, tmp_path,
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="hola_titan"):
         assert Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path)])).checkpointer.load() == 6
+    assert "step-12: no manifest.json, so its bytes cannot be verified" in caplog.text
+    assert "resuming from step 6" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hola_titan"):  # allowed, DCP's read is what fails
+        assert Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path), "--checkpoint.allow_unverified",
+                                     "true"])).checkpointer.load() == 6
     assert "step-12: read error" in caplog.text and "resuming from step 6" in caplog.text
 
     (step_folder(folder, 6) / ".metadata").unlink()  # now neither is usable
@@ -317,11 +323,15 @@ def test_changed_bytes_are_caught_by_the_checksums(one_process, tmp_path, caplog
     explicit = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path), "--checkpoint.load_step", "12"]))
     with pytest.raises(CheckpointCorruptError, match=f"step-12: {data.name} does not match its checksum"):
         explicit.checkpointer.load()
-    # A folder from before manifests loads, saying that it is not verified.
+    # A folder from before manifests is refused by name, unless the key allows it: then it loads, saying that it
+    # is not verified.
     (step_folder(tmp_path / "checkpoint", 6) / "manifest.json").unlink()
+    with pytest.raises(CheckpointCorruptError, match="step-6: no manifest.json.*checkpoint.allow_unverified"):
+        Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path)])).checkpointer.load()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="hola_titan"):
-        assert Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path)])).checkpointer.load() == 6
+        assert Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path), "--checkpoint.allow_unverified",
+                                     "true"])).checkpointer.load() == 6
     assert "step-6 has no manifest.json" in caplog.text and "not verified" in caplog.text
 
 

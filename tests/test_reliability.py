@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from hola_titan.checkpoint import list_checkpoints, recorded_healthy
 from hola_titan.config import ConfigError, parse_config
 from hola_titan.train import Trainer
 
@@ -655,3 +656,90 @@ def test_the_start_shows_a_small_matmul_rate_and_warns_of_a_warmup_past_the_end(
         Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "b"), "--training.steps", "2",
                               "--lr_scheduler.warmup_steps", "1"])).train()
     assert "warming up" not in caplog.text
+
+
+def test_the_first_steps_after_a_resume_are_held_to_the_checkpoint_s_running_mean(tmp_path):
+    """A damaged checkpoint that loads (here: its first steps' losses 60 times the recorded running mean, what
+    flipped weight bytes gave) stops the run before anything is saved over it, although the spike guard's warm-up
+    of 20 steps has not passed."""
+    run = [*FAST, "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.interval", "4"]
+    Trainer(parse_config([*run, "--training.steps", "8"])).train()
+    resumed = Trainer(parse_config([*run, "--training.steps", "12"]))
+    _poison(resumed, from_step=9, factor=60.0)
+    with pytest.raises(RuntimeError, match="first steps after the resume do not continue the checkpoint's run .*"
+                                           "at step 9 is more than 4 times the running mean.*checkpoint.load_step"):
+        resumed.train()
+    assert list_checkpoints(tmp_path / "checkpoint") == [4, 8]
+    healthy = Trainer(parse_config([*run, "--training.steps", "10"]))
+    healthy.train()  # an ordinary resume passes the same watch
+    assert healthy.state.step == 10
+
+
+def test_retention_keeps_the_newest_healthy_checkpoint(tmp_path):
+    """keep_latest_k 1 and a checkpoint every step: step 9 blows up (finite, before the spike guard is armed) and
+    is saved, step 10 is not finite. Step 8, the newest that passed the health checks, is still there."""
+    trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "12",
+                                    "--checkpoint.enable", "--checkpoint.interval", "1",
+                                    "--checkpoint.keep_latest_k", "1"]))
+    _poison(trainer, from_step=9, factor=60.0)
+    _poison(trainer, from_step=10, factor=float("nan"))
+    with pytest.raises(RuntimeError, match="at step 10 is not finite"):
+        trainer.train()
+    folder = tmp_path / "checkpoint"
+    assert list_checkpoints(folder) == [8, 9]
+    assert recorded_healthy(folder / "step-8") and not recorded_healthy(folder / "step-9")
+
+
+def test_a_step_folder_without_metadata_is_named_and_skipped(tmp_path, caplog):
+    run = [*FAST, "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.interval", "2"]
+    Trainer(parse_config([*run, "--training.steps", "4"])).train()
+    (tmp_path / "checkpoint" / "step-4" / ".metadata").unlink()
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        assert Trainer(parse_config([*run, "--training.steps", "6"])).checkpointer.load() == 2
+    assert "step-4 has no .metadata file" in caplog.text and "resuming from step 2" in caplog.text
+
+
+def test_two_runs_never_write_one_checkpoint_folder(tmp_path):
+    """Two run folders that name one absolute checkpoint.folder: the second run is refused while the first runs."""
+    shared = tmp_path / "shared_checkpoints"
+    run = [*LONG, "--checkpoint.enable", "--checkpoint.folder", str(shared)]
+    first = subprocess.Popen([sys.executable, "-m", "hola_titan.train", *run, "--job.dump_folder",
+                              str(tmp_path / "a")], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        pid = _lock_holder(shared)
+        with pytest.raises(ConfigError, match=rf"checkpoint.folder: {shared} is in use by process {pid} on .*"
+                                              "choose another checkpoint.folder"):
+            Trainer(parse_config([*run, "--job.dump_folder", str(tmp_path / "b")]))
+        assert not (tmp_path / "b" / ".lock").exists() or _lock_free(tmp_path / "b")
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+
+
+def _lock_free(folder: Path) -> bool:
+    """Whether no process holds ``folder``'s lock (a refused run gave back what it took)."""
+    from hola_titan.runfolder import FolderInUseError, RunFolderLock
+    try:
+        RunFolderLock(folder).probe()
+    except FolderInUseError:
+        return False
+    return True
+
+
+def test_conversion_takes_the_model_the_checkpoint_records(tmp_path):
+    """A later run in the same folder (another window, no checkpoints) rewrote config.toml: the export of the
+    earlier step still has the window it was trained with, and the script says the folder's file differs."""
+    Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "2", "--checkpoint.enable",
+                          "--checkpoint.interval", "2"])).train()
+    Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "1",
+                          "--model.window", "16"])).train()
+    assert "window = 16" in (tmp_path / "config.toml").read_text()
+    result = subprocess.run([sys.executable, "scripts/convert_to_safetensors.py", str(tmp_path / "checkpoint" /
+                             "step-2"), str(tmp_path / "export")], cwd=ROOT, env=_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["window"] == 8
+    # None: the run left model.window to its size's value (8).
+    assert "model.window (16 there, None in the checkpoint)" in result.stderr, result.stderr[-2000:]
+    assert "using the config recorded in" in result.stdout
