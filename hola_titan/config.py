@@ -110,6 +110,11 @@ class Model:
     file shipped for this GPU and these fla-core and Triton versions (``kernels/configs/``) when there is one, else
     autotunes (the log says which); ``off`` autotunes every kernel at its first launch (minutes on a fresh
     machine); or the path of a file written by ``scripts/tune_kernels.py``."""
+    precompile_workers: int = -1
+    """Worker processes that compile this run's Triton kernels side by side before the first launch, from the plan
+    that the kernel configurations file holds for this kind of run (``kernels/precompile.py``; CUDA, recurrent
+    flavours): -1 chooses (half the CPU cores shared by the node's processes, at most 8), 0 compiles each kernel
+    at its first launch instead. Workers of several runs on one node compile each kernel once."""
 
 
 @dataclass
@@ -347,6 +352,7 @@ _MINIMUM: dict[str, float] = {
     "model.window": 0,
     "model.block": 1,
     "model.n_layers": 1,
+    "model.precompile_workers": -1,
     "model.vocab_size": 1,
     "optimizer.weight_decay": 0,
     "lr_scheduler.warmup_steps": 0,

@@ -247,6 +247,8 @@ class Trainer:
             check_compile_fullgraph(config, backend=self.attention_backend,
                                     where=f"{self.device.type} ({self._backend_why})")
         self.kernel_configs = self._install_kernel_configs()
+        # Compiles the run's kernels in worker processes while the model is built; joined before the first launch.
+        self.precompile = self._start_precompile()
         # Built on the meta device, parallelised, materialised with to_empty (each rank holds only its shards, on its
         # device), then initialised with the values one process draws from the seed (parallelisms/init.py): the
         # same initial weights at every layout, and never the whole model on a rank's host or GPU.
@@ -256,6 +258,7 @@ class Trainer:
             model = HolaTitanLM(self.model_args, **build)
             template = HolaTitanLM(self.model_args, **build)
         self.num_params = num_params(model)
+        self._join_precompile()
         if self.device.type == "cuda" and self.model_args.flavour != "transformer" \
                 and self.attention_backend != "reference":
             # fla's #640 gradient check runs real kernels under autograd: now, not while compile traces a block
@@ -476,6 +479,38 @@ class Trainer:
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError("model.kernel_configs", str(err).removeprefix("model.kernel_configs: ")) from None
 
+    def _start_precompile(self):
+        """Start compiling the plan for this kind of run (``model.precompile_workers``; kernels/precompile.py)."""
+        from hola_titan.kernels import precompile
+
+        workers = self.config.model.precompile_workers
+        if self.kernel_configs.path is None:
+            return precompile.Precompile(source=f"no kernel configurations file: {self.kernel_configs.why}")
+        if workers == 0:
+            return precompile.Precompile(source="model.precompile_workers = 0")
+        from hola_titan.kernels.fla_gdn import padded_head_dim
+
+        dtype = "bfloat16" if self.config.training.mixed_precision_param == "bfloat16" else "float32"
+        key = precompile.plan_key(self.model_args.flavour, padded_head_dim(self.model_args.head_dim, self.device),
+                                  dtype, packed=self.config.data.varlen)
+        specs, source = precompile.select(self.kernel_configs.plans, key)
+        if not specs:
+            return precompile.Precompile(source=f"{source} in {self.kernel_configs.path}")
+        if workers < 0:
+            workers = precompile.auto_workers(len(specs),
+                                              local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        return precompile.start(specs, source=source, workers=workers)
+
+    def _join_precompile(self) -> None:
+        if self.precompile is None or not self.precompile.workers:
+            return
+        result = self.precompile.wait()
+        if self.rank == 0:
+            logger.info("kernel precompile: %s", self.precompile.describe())
+            if result["failed"]:
+                logger.warning("kernel precompile: %d specialisation(s) did not compile in a worker (they compile at "
+                               "their launch): %s", len(result["failed"]), "; ".join(result["failed"][:5]))
+
     def _resolved_paths(self) -> dict[str, str]:
         """Which implementation runs each part of the step, as resolved for this run (logged at start-up)."""
         config = self.config
@@ -489,6 +524,7 @@ class Trainer:
             paths["short_conv"] = ("triton (fused q|k|v, kernels/short_conv.py) where it applies, else PyTorch"
                                    if self.kernels == "triton" else "PyTorch reference")
             paths["kernel_configs"] = self.kernel_configs.describe()
+            paths["kernel_precompile"] = self.precompile.describe()
         paths["cross_entropy"] = ("triton (kernels/cross_entropy.py, bf16 logits)" if self.loss_kernel else
                                   f"PyTorch (chunked, {str(self.head_matmul_dtype).removeprefix('torch.')} matmuls)")
         paths["optimizer"] = ("fused AdamW (non-finite steps skipped on the device)" if self._fused_optimizer
@@ -848,6 +884,7 @@ class Trainer:
             f"  compute: {paths['precision']}; compile {paths['compile']}; token mixer {mixer}; short convolution "
             f"{paths.get('short_conv', '-')}; cross-entropy {paths['cross_entropy']}; {paths['optimizer']}",
             *([f"  fla kernel configurations: {paths['kernel_configs']}"] if "kernel_configs" in paths else []),
+            *([f"  kernel precompile: {paths['kernel_precompile']}"] if "kernel_precompile" in paths else []),
             f"  data: {data.dataset} split {data.split} (text field {data.text_field}{holdout}); validation {val}",
             f"  weights: {paths['weights']}",
             f"  checkpoints: {ckpt}",

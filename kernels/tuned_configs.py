@@ -8,6 +8,9 @@ shapes of the recipes, and writes the winning configurations to ``kernels/config
 :func:`install` gives each of fla's autotuners a table that answers from that file, so a launch compiles the one
 configuration it will run.
 
+The same file holds the compile plans of ``kernels/precompile.py`` (``plans``: what a step of each kind of run
+compiled), which :func:`install` hands on (``Installed.plans``).
+
 The table is consulted where Triton's autotuner asks whether it already knows a key. The answer is one of:
 - **exact**: the file holds this kernel at this key (the configuration tuned there);
 - **nearest**: the file holds the kernel at a key that differs only in extents that do not change the kernel's
@@ -233,6 +236,8 @@ class Installed:
     why: str
     kernels: int = 0
     served: Served = dataclasses.field(default_factory=Served)
+    # The file's compile plans (kernels/precompile.py): plan key -> serialised Triton specialisations.
+    plans: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def describe(self) -> str:
         if self.path is None:
@@ -259,6 +264,10 @@ def read_file(path: Path) -> dict:
                 isinstance(e, dict) and isinstance(e.get("key"), list) and isinstance(e.get("config"), dict)
                 for e in kernel["entries"]):
             raise ValueError(f"kernel configurations {path}: kernel {name!r} is malformed")
+    plans = data.get("plans", {})
+    if not isinstance(plans, dict) or not all(isinstance(v, list) and all(isinstance(s, str) for s in v)
+                                              for v in plans.values()):
+        raise ValueError(f"kernel configurations {path}: its plans are malformed")
     return data
 
 
@@ -306,7 +315,8 @@ def install(choice: str, device) -> Installed:
             continue
         tuner.cache = ConfigTable(tuner, name, kernel["entries"], list(kernel.get("key_names", [])), served, lock)
         count += 1
-    return Installed(source, str(path), why, kernels=len(data["kernels"]), served=served)
+    return Installed(source, str(path), why, kernels=len(data["kernels"]), served=served,
+                     plans=data.get("plans", {}))
 
 
 _installed_served: dict[str, Served] = {}

@@ -81,6 +81,32 @@ def _parse(argv):
     return args, overrides
 
 
+def watch_compiles(phase: list[str]) -> list[dict]:
+    """Every Triton compile the main thread does (kernel, seconds, the phase it fell in), through Triton's own
+    hooks: what the run still compiled at launch after the precompile workers (a load from Triton's disk cache
+    shows as a few milliseconds). Returns the list the hooks fill."""
+    import threading
+
+    from triton import knobs
+
+    compiles: list[dict] = []
+    starts: dict = {}
+
+    def before(*, key, **_):
+        if threading.current_thread() is threading.main_thread():
+            starts[key] = time.time()
+        return None  # a true value would skip the compile
+
+    def after(*, key, fn, **_):
+        began = starts.pop(key, None)
+        if began is not None:
+            compiles.append({"kernel": f"{fn.module}.{fn.name}", "seconds": round(time.time() - began, 3),
+                             "phase": phase[0]})
+
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
+    return compiles
+
+
 def one(out: Path, overrides: list[str]) -> int:
     launched = process_start_time()
     phases: dict[str, float] = {}
@@ -96,15 +122,19 @@ def one(out: Path, overrides: list[str]) -> int:
 
     phases["imports"] = time.time() - launched
     setup_logging(0)
+    phase = ["build"]
+    compiles = watch_compiles(phase) if torch.cuda.is_available() else []
     timed: dict[str, float] = {"kernel_configs": 0.0, "fla640_check": 0.0}
 
     def timing(name, fn):
         def wrapper(*a, **k):
-            t0 = time.time()
+            t0, outer = time.time(), phase[0]
+            phase[0] = name
             try:
                 return fn(*a, **k)
             finally:
                 timed[name] += time.time() - t0
+                phase[0] = outer
         return wrapper
 
     # Wrapped from outside, so the phases need nothing in the trainer.
@@ -121,18 +151,22 @@ def one(out: Path, overrides: list[str]) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    phase[0] = "first_batch"
     t0 = time.time()
     data = iter(trainer.dataloader)
     batch = next(data)
     phases["first_batch"] = time.time() - t0
+    phase[0] = "first_forward"
     t0 = time.time()
     loss = trainer.loss_sum(batch)
     sync()
     phases["first_forward"] = time.time() - t0
+    phase[0] = "first_backward"
     t0 = time.time()
     loss.backward()
     sync()
     phases["first_backward"] = time.time() - t0
+    phase[0] = "first_optimizer"
     t0 = time.time()
     trainer.clip_grad_norm()
     trainer.optimizer.step()
@@ -140,6 +174,7 @@ def one(out: Path, overrides: list[str]) -> int:
     sync()
     phases["first_optimizer"] = time.time() - t0
     first_step_s = time.time() - launched
+    phase[0] = "second_step"
     t0 = time.time()
     trainer.train_step([next(data) for _ in range(trainer.degrees.grad_accum_steps)])
     trainer.resolve_pending()
@@ -153,6 +188,7 @@ def one(out: Path, overrides: list[str]) -> int:
         "first_step_s": first_step_s, "finished_at": launched + first_step_s, "phases": phases,
         "loss": float(loss.detach()),
         "kernel_configs": trainer.kernel_configs.record(), "paths": trainer.paths,
+        "precompile": trainer.precompile.record(), "main_thread_compiles": compiles,
         "dynamo": {k: dict(v) for k, v in counters.items() if k in ("stats", "recompiles", "graph_break")},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{os.cpu_count()}",
         "versions": versions(), "caches_at_start": state_at_start, "overrides": overrides,
@@ -161,6 +197,10 @@ def one(out: Path, overrides: list[str]) -> int:
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"first step {first_step_s:.1f} s after launch: " +
           ", ".join(f"{k} {v:.1f}" for k, v in phases.items()), flush=True)
+    slow = [c for c in compiles if c["seconds"] > 0.2]
+    print(f"main thread: {len(compiles)} Triton compiles or cache loads, {len(slow)} over 0.2 s taking "
+          f"{sum(c['seconds'] for c in slow):.1f} s: " + ", ".join(
+              f"{c['kernel'].rsplit('.', 1)[-1]} {c['seconds']:.1f} ({c['phase']})" for c in slow), flush=True)
     return 0
 
 

@@ -1,20 +1,26 @@
 """Tune fla-core's kernels once on this GPU and write the configurations the trainer ships (``kernels/configs/``).
 
 Every fla kernel on the training path is autotuned at the shapes of the recipes: for each size, a one-layer model
-of that width runs through the real ``Trainer`` in each recurrent flavour (bf16 autocast, as training runs):
-training steps on packed rows (``cu_seqlens``) and on plain rows, then a chunked prefill (a forward with a cache,
-then one continuing from it, as evaluation and decoding run). ``--references fla_gdn`` adds fla's own
-``GatedDeltaNetForCausalLM`` at 340M in both precision policies of ``scripts/bench_train.py``, so that benchmark's
-reference rows start tuned too. Each size runs in its own child process, ``--jobs`` at a time (the cost is
-mostly ``ptxas`` compiling candidate configurations, which uses one CPU core per process).
+of that width runs through the real ``Trainer`` in each recurrent flavour and compute precision the recipes of
+that size train in: training steps on packed rows (``cu_seqlens``) or on plain rows, and after the plain rows a
+chunked prefill (a forward with a cache, then one continuing from it, as evaluation and decoding run).
+``--references fla_gdn`` adds fla's own ``GatedDeltaNetForCausalLM`` at 340M in both precision policies of
+``scripts/bench_train.py``, so that benchmark's reference rows start tuned too. Every combination of size,
+flavour, precision and row kind runs in its own child process, ``--jobs`` at a time: the cost is mostly
+``ptxas`` compiling candidate configurations, one CPU core per process, so a GPU host's cores tune the
+combinations side by side (packed and plain rows, float32 and bf16 are different autotuning keys).
 
-The winners (every autotuner's ``cache``, see ``kernels/tuned_configs.py``) are merged and written to
+A second phase (``--phases plan``, on by default) runs each combination again with every configuration served and
+records what Triton compiled: the combination's compile *plan*, which ``kernels/precompile.py`` compiles in
+parallel at a run's start.
+
+The winners (every autotuner's ``cache``, see ``kernels/tuned_configs.py``) and the plans are merged and written to
 ``kernels/configs/<GPU>__fla-<v>__triton-<v>.json`` with the GPU, the fla-core, Triton, torch and CUDA versions,
 the date and the command; an existing file for the same GPU and versions is merged into (new results first), and
 its keys are served to the children instead of tuned again, so the tuning can be spread over several runs.
 The trainer picks the file up by itself (``model.kernel_configs = auto``). GPU only::
 
-    python scripts/tune_kernels.py                          # all recipe sizes, 3 processes at a time
+    python scripts/tune_kernels.py --jobs 12                # every recipe combination, 12 processes at a time
     python scripts/tune_kernels.py --sizes 340M --references fla_gdn --out /tmp/h200.json
 """
 
@@ -47,16 +53,22 @@ def _parse_args(argv):
                              "fla.models fla-core does not ship), or 'none'")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per row of the tuning batches")
     parser.add_argument("--rows", type=int, default=2, help="rows per tuning batch")
-    parser.add_argument("--first-rows", default="packed", choices=("packed", "plain"),
-                        help="tune packed rows (data.varlen, the text recipes) or plain rows (MQAR) first")
+    parser.add_argument("--row-kinds", default="packed,plain",
+                        help="comma-separated: packed (data.varlen, the text recipes) and/or plain rows (MQAR, "
+                             "benchmarks, prefill)")
     parser.add_argument("--jobs", type=int, default=3, help="child processes at a time")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds each child may take")
     parser.add_argument("--out", type=Path, default=None,
                         help="file to write (default: the shipped file for this GPU and versions)")
     parser.add_argument("--no-merge", action="store_true", help="replace an existing file instead of merging")
+    parser.add_argument("--phases", default="tune,plan",
+                        help="tune: autotune what the file lacks; plan: record each combination's compile plan "
+                             "(kernels/precompile.py) with the file served")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-configs", default="off", help=argparse.SUPPRESS)
+    parser.add_argument("--child-combo", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-phase", default="tune", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -79,7 +91,8 @@ def _batch(rows: int, seq_len: int, vocab: int, *, packed: bool, seed: int) -> d
     return batch
 
 
-def _tune_ours(size: str, flavour: str, precision: str, args, folder: Path) -> None:
+def _tune_ours(size: str, flavour: str, precision: str, rows: str, args, folder: Path) -> str:
+    """One combination's training steps (and, on plain rows, a chunked prefill); returns its plan key."""
     import torch
 
     from hola_titan.config import parse_config
@@ -93,12 +106,21 @@ def _tune_ours(size: str, flavour: str, precision: str, args, folder: Path) -> N
         "--training.mixed_precision_param", precision, "--training.seq_len", str(args.seq_len),
         "--training.local_batch_size", str(args.rows), "--training.steps", "100", "--validation.enable", "false",
         "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false", "--lr_scheduler.warmup_steps", "1",
-        "--job.dump_folder", str(folder / f"{size}_{flavour}_{precision}")]))
+        "--model.precompile_workers", "0", "--job.cache_folder", str(folder / "cache"),
+        "--job.dump_folder", str(folder / f"{size}_{flavour}_{precision}_{rows}")]))
+    from hola_titan.kernels.fla_gdn import padded_head_dim
+    from hola_titan.kernels.precompile import plan_key
+
+    key = plan_key(flavour, padded_head_dim(trainer.model_args.head_dim, trainer.device), precision,
+                   packed=rows == "packed")
     vocab = trainer.model_args.vocab_size
-    order = ((0, True), (1, True), (2, False)) if args.first_rows == "packed" else ((2, False), (0, True), (1, True))
-    for seed, packed in order:
-        trainer.train_step([_batch(args.rows, args.seq_len, vocab, packed=packed, seed=seed)])
+    # Two steps on packed rows: their documents cut at other places, as consecutive batches of a run do.
+    for seed in ((0, 1) if rows == "packed" else (2,)):
+        trainer.train_step([_batch(args.rows, args.seq_len, vocab, packed=rows == "packed", seed=seed)])
     trainer.resolve_pending()
+    if rows == "packed":
+        torch.cuda.synchronize()
+        return key
     tokens = _batch(1, args.seq_len, vocab, packed=False, seed=3)["input_ids"].to(trainer.device)
     half = args.seq_len // 2
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=trainer.autocast):
@@ -106,6 +128,7 @@ def _tune_ours(size: str, flavour: str, precision: str, args, folder: Path) -> N
         trainer.model(tokens[:, :half], cache=cache)
         trainer.model(tokens[:, half:], cache=cache)
     torch.cuda.synchronize()
+    return key
 
 
 def _tune_reference(args) -> None:
@@ -120,7 +143,7 @@ def _tune_reference(args) -> None:
 
 
 def child(args) -> int:
-    """Tune one size (or the reference) in this process and write what the autotuners chose."""
+    """Tune one combination (or the reference) in this process and write what the autotuners chose."""
     sys.path.insert(0, str(ROOT))
     from hola_titan.kernels import tuned_configs
     from hola_titan.metrics import setup_logging
@@ -154,15 +177,39 @@ def child(args) -> int:
             _tune_reference(args)
             timings["fla_gdn"] = time.time() - t0
             save()
+        elif args.child_phase == "plan":
+            _record_plan(args, Path(tmp))
         else:
-            for flavour in _split(args.flavours):
-                for precision in PRECISIONS.get(args.child, ("bfloat16",)):
-                    t1 = time.time()
-                    _tune_ours(args.child, flavour, precision, args, Path(tmp))
-                    timings[f"{flavour}_{precision}"] = time.time() - t1
-                    save()
-                    print(f"tuned {args.child} {flavour} {precision} in {time.time() - t1:.0f} s", flush=True)
+            size, flavour, precision, rows = args.child_combo.split("/")
+            t1 = time.time()
+            _tune_ours(size, flavour, precision, rows, args, Path(tmp))
+            timings[args.child_combo] = time.time() - t1
+            save()
+            print(f"tuned {args.child_combo} in {time.time() - t1:.0f} s", flush=True)
     return 0
+
+
+def _record_plan(args, folder: Path) -> None:
+    """Run one combination with every configuration served from the file and keep what Triton compiled: the plan
+    that kernels/precompile.py compiles in parallel at a run's start."""
+    from hola_titan.kernels import precompile, tuned_configs
+
+    t1 = time.time()
+    size, flavour, precision, rows = args.child_combo.split("/")
+    with precompile.Recorder() as recorder:
+        key = _tune_ours(size, flavour, precision, rows, args, folder)
+    # With every key served, what Triton compiled is the plan. A key the file did not serve was autotuned here (the
+    # log of the phase counts them): what its autotuner compiled only to time it is not part of a run's plan.
+    autotuned = tuned_configs.tuned_entries()
+    specs = recorder.specs
+    if autotuned:
+        chosen = {name: [tuned_configs.config_to_json(c) for c in {id(c): c for c in tuner.cache.values()}.values()]
+                  for name, tuner in tuned_configs.find_autotuners().items() if name in autotuned}
+        specs = precompile.chosen_only(specs, chosen)
+    args.child_out.write_text(json.dumps({"plan": key, "specs": specs, "recorded": len(recorder.specs),
+                                          "autotuned": sum(len(k["entries"]) for k in autotuned.values()),
+                                          "seconds": time.time() - t1}) + "\n")
+    print(f"plan {key}: {len(specs)} specialisations in {time.time() - t1:.0f} s", flush=True)
 
 
 def main(argv=None) -> int:
@@ -179,24 +226,60 @@ def main(argv=None) -> int:
     versions = tuned_configs.versions()
     gpu = torch.cuda.get_device_name(0)
     out = args.out or tuned_configs.shipped_file(gpu, versions["fla"], versions["triton"])
-    parts = [*_split(args.sizes), *_split(args.references)]
-    for part in parts:
-        if part not in (*SIZES, "fla_gdn"):
-            raise SystemExit(f"error: unknown size or reference {part!r}; expected {', '.join(SIZES)} or fla_gdn")
-    results, log = [], {}
-    with tempfile.TemporaryDirectory(prefix="tune_kernels_") as tmp:
-        pending = list(parts)
+    for size in _split(args.sizes):
+        if size not in SIZES:
+            raise SystemExit(f"error: --sizes: unknown size {size!r}; expected some of {', '.join(SIZES)}")
+    for flavour in _split(args.flavours):
+        if flavour not in FLAVOURS:
+            raise SystemExit(f"error: --flavours: unknown flavour {flavour!r}; expected some of {', '.join(FLAVOURS)}")
+    for rows in _split(args.row_kinds):
+        if rows not in ("packed", "plain"):
+            raise SystemExit(f"error: --row-kinds: unknown row kind {rows!r}; expected packed and/or plain")
+    for reference in _split(args.references):
+        if reference != "fla_gdn":
+            raise SystemExit(f"error: --references: unknown reference {reference!r}; expected fla_gdn or none")
+    # Flavours outermost: the first flavour's combinations of every size tune first, and the file is rewritten as
+    # each child ends, so a later child (another flavour calls mostly the same fla kernels) is served what the
+    # earlier ones tuned instead of tuning it again.
+    parts = [f"{size}/{flavour}/{precision}/{rows}" for flavour in _split(args.flavours)
+             for size in _split(args.sizes) for precision in PRECISIONS.get(size, ("bfloat16",))
+             for rows in _split(args.row_kinds)] + _split(args.references)
+    before = tuned_configs.read_file(out) if out.exists() and not args.no_merge else {"kernels": {}, "meta": {}}
+    # What the file records of the runs that wrote it (a file from before runs were listed: its one run).
+    earlier_runs = before["meta"].get("runs") or ([{k: before["meta"][k] for k in (
+        "date", "command", "torch", "cuda", "parts", "coverage") if k in before["meta"]}] if before["meta"] else [])
+    command = " ".join(["python", "scripts/tune_kernels.py", *(argv if argv is not None else sys.argv[1:])])
+    results, plans, log = [], {}, {}
+
+    def write() -> dict:
+        """The file as it stands: this run's results first, then what the file held before (atomically)."""
+        kernels = tuned_configs.merge([*results, before["kernels"]])
+        runs = [*earlier_runs, {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command,
+            "torch": versions["torch"], "cuda": versions["cuda"], "parts": log}]
+        meta = {"gpu": gpu, **versions, "runs": runs}
+        record = {"format": tuned_configs.FORMAT, "meta": meta, "kernels": kernels,
+                  "plans": {**before.get("plans", {}), **plans}}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp_out = out.with_suffix(".tmp")
+        tmp_out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        tmp_out.replace(out)
+        return kernels
+
+    def run_children(phase: str, names: list[str], tmp: str) -> None:
+        pending = list(names)
         running: list[tuple[str, subprocess.Popen, float, Path]] = []
         while pending or running:
             while pending and len(running) < args.jobs:
                 part = pending.pop(0)
-                part_out = Path(tmp) / f"{part}.json"
-                # Keys the file already holds are served from it, so a run that continues an earlier (merged) one
-                # tunes only what is missing; what the tables served is not written again.
-                known = str(out) if out.exists() and not args.no_merge else "off"
-                cmd = [sys.executable, __file__, "--child", part, "--child-out", str(part_out),
-                       "--child-configs", known, "--flavours", args.flavours, "--seq-len", str(args.seq_len),
-                       "--rows", str(args.rows), "--first-rows", args.first_rows]
+                part_out = Path(tmp) / f"{phase}_{part.replace('/', '_')}.json"
+                # Keys the file already holds are served from it, so a run that continues an earlier (merged) one,
+                # or a child started after others ended, tunes only what is missing; what the tables served is not
+                # written again. The plan phase runs with the whole file served.
+                known = str(out) if out.exists() else "off"
+                cmd = [sys.executable, __file__, "--child", "fla_gdn" if part == "fla_gdn" else "ours",
+                       "--child-phase", phase, "--child-combo", part, "--child-out", str(part_out),
+                       "--child-configs", known, "--seq-len", str(args.seq_len), "--rows", str(args.rows)]
                 running.append((part, subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1")),
                                 time.time(), part_out))
             time.sleep(1.0)
@@ -209,29 +292,35 @@ def main(argv=None) -> int:
                 if code is None:
                     continue
                 running.remove(item)
-                seconds = time.time() - started
-                log[part] = {"seconds": round(seconds, 1)}
-                if part_out.exists():  # a child that stopped early still wrote the models it finished
+                row = log.setdefault(f"{phase} {part}", {})
+                row["seconds"] = round(time.time() - started, 1)
+                if part_out.exists():  # a tuning child that stopped early still wrote what it tuned so far
                     data = json.loads(part_out.read_text())
-                    results.append(data["kernels"])
-                    log[part].update(phases=data["seconds"], kernels=len(data["kernels"]))
+                    if phase == "plan":
+                        plans[data["plan"]] = data["specs"]
+                        row.update(plan=data["plan"], specs=len(data["specs"]), recorded=data["recorded"],
+                                   autotuned=data["autotuned"])
+                    else:
+                        results.append(data["kernels"])
+                        row.update(phases=data["seconds"], kernels=len(data["kernels"]))
                 if code != 0:
-                    log[part]["error"] = f"exit {code}"
-                print(f"{part}: {log[part]}", flush=True)
-    kernels = tuned_configs.merge(results)
-    if out.exists() and not args.no_merge:
-        kernels = tuned_configs.merge([kernels, tuned_configs.read_file(out)["kernels"]])
-    meta = {"gpu": gpu, **versions, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python", "scripts/tune_kernels.py", *(argv if argv is not None else sys.argv[1:])]),
-            "parts": log}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"format": tuned_configs.FORMAT, "meta": meta, "kernels": kernels}, indent=1,
-                              sort_keys=True) + "\n")
+                    row["error"] = f"exit {code}"
+                print(f"{phase} {part}: {row}", flush=True)
+                write()
+
+    phases = _split(args.phases)
+    with tempfile.TemporaryDirectory(prefix="tune_kernels_") as tmp:
+        if "tune" in phases:
+            run_children("tune", parts, tmp)
+        if "plan" in phases:
+            run_children("plan", [p for p in parts if p != "fla_gdn"], tmp)
+    kernels = write()
     entries = sum(len(k["entries"]) for k in kernels.values())
-    print(f"\n{'part':<10} {'seconds':>8} {'kernels':>8}")
+    print(f"\n{'part':<38} {'seconds':>8} {'kernels':>8} {'specs':>6}")
     for part, row in log.items():
-        print(f"{part:<10} {row['seconds']:>8.0f} {row.get('kernels', 0):>8}  {row.get('error', '')}")
-    print(f"wrote {out}: {len(kernels)} kernels, {entries} entries")
+        print(f"{part:<38} {row['seconds']:>8.0f} {row.get('kernels', '-'):>8} {row.get('specs', '-'):>6}  "
+              f"{row.get('error', '')}")
+    print(f"wrote {out}: {len(kernels)} kernels, {entries} entries, {len(plans)} plans recorded")
     return 0 if all("error" not in row for row in log.values()) else 1
 
 

@@ -1,0 +1,301 @@
+"""Compile a run's Triton kernels side by side before its first launch.
+
+Triton compiles each kernel specialisation at its first launch, one after another in the launching process. On a
+fresh H200, with every autotuning served from the shipped configurations, the debug-width MQAR step still spent
+about 50 s there (docs/LOG.md, 2026-12-02): compiling, mostly ``ptxas``, one kernel at a time on one core.
+
+The configurations file (``kernels/tuned_configs.py``) therefore also holds *plans*: per kind of run (flavour,
+fla head dim, compute dtype, packed or plain rows; :func:`plan_key`) the specialisations that a training step and
+a chunked prefill of that kind compiled, in Triton's own serialised form (the ``specialization_data`` that
+``JITFunction.preload`` takes back), recorded by ``scripts/tune_kernels.py`` with :class:`Recorder`.
+:func:`start` compiles the run's plan in worker threads of the run's own process (Triton's compiler spends most
+of its time in ``ptxas`` subprocesses and native passes, so threads overlap, and a thread needs no second import of
+torch and fla) while the trainer builds the model; :meth:`Precompile.wait`, before the first launch, joins them.
+The binaries land in Triton's on-disk cache, where the run's own launches find them. The workers of every process
+on a node take one lock and leave one marker per specialisation in Triton's cache folder, so nine runs started
+together compile each kernel once, not nine times.
+
+A specialisation that the run does not in fact launch (another shape changed an argument's divisibility, say)
+costs a worker one compile and nothing else; one the plan lacks compiles at its launch, as without a plan. The
+binaries are Triton's, made on this machine: the plan is text (names, argument types, constants, options), not
+code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import importlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+# Kernels recorded in and compiled from a plan: fla's and this project's (not Inductor's, not torch's own).
+MODULE_PREFIXES = ("fla.", "hola_titan.kernels.")
+MARKER_FOLDER = "hola_titan_precompile"
+
+
+def plan_key(flavour: str, head_dim: int, dtype: str, packed: bool) -> str:
+    """The plan a run takes: ``hola/d128/float32/plain``. ``head_dim`` is the one fla's kernels see (padded where
+    the #640 workaround pads), ``dtype`` the compute dtype (``bfloat16`` under autocast)."""
+    return f"{flavour}/d{head_dim}/{dtype}/{'packed' if packed else 'plain'}"
+
+
+def select(plans: dict[str, list[str]], key: str) -> tuple[list[str], str]:
+    """The specialisations for ``key`` and where they came from: the plan itself, else the union of the plans of
+    other flavours at the same head dim, dtype and rows (mostly the same fla kernels), else none."""
+    if key in plans:
+        return list(plans[key]), f"plan {key}"
+    suffix = key.split("/", 1)[1]
+    others = sorted(k for k in plans if k.split("/", 1)[1] == suffix)
+    if not others:
+        return [], f"no plan for {key}"
+    specs = list(dict.fromkeys(s for k in others for s in plans[k]))
+    return specs, f"no plan for {key}; the plans of {', '.join(others)}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Recording (scripts/tune_kernels.py, on the GPU).
+
+
+def sanitize(specialization_data: str) -> str | None:
+    """A specialisation as a plan keeps it, or None for a kernel outside :data:`MODULE_PREFIXES`.
+
+    Two fields are machine-specific and dropped: the options' ``extern_libs`` (the path of Triton's libdevice on
+    the recording machine; Triton fills in its own, and hashes the file, not the path) and the in-process cache
+    ``key`` (which repeats the options), replaced by a digest of the rest.
+    """
+    spec = json.loads(specialization_data)
+    if not str(spec.get("name", "")).startswith(MODULE_PREFIXES):
+        return None
+    spec.get("options", {}).pop("extern_libs", None)
+    spec.pop("key", None)
+    body = json.dumps(spec, sort_keys=True)
+    spec["key"] = "plan:" + hashlib.sha256(body.encode()).hexdigest()[:24]
+    return json.dumps(spec, sort_keys=True)
+
+
+def _hooks():
+    from triton import knobs
+    return knobs.runtime
+
+
+class Recorder:
+    """Within ``with Recorder() as rec:``, every specialisation Triton compiles for a kernel under
+    :data:`MODULE_PREFIXES` is kept (``rec.specs``, sanitised, in compile order, without repeats)."""
+
+    def __init__(self):
+        self.specs: list[str] = []
+        self._previous = None
+
+    def _hook(self, *, compile, **_):  # noqa: A002 (Triton's keyword)
+        spec = sanitize(compile["specialization_data"])
+        if spec is not None and spec not in self.specs:
+            self.specs.append(spec)
+
+    def __enter__(self) -> Recorder:
+        runtime = _hooks()
+        self._previous = runtime.jit_post_compile_hook
+        runtime.jit_post_compile_hook = self._hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _hooks().jit_post_compile_hook = self._previous
+
+
+def chosen_only(specs: list[str], chosen: dict[str, list[dict]]) -> list[str]:
+    """Drop the specialisations an autotuner compiled only to time them: for a kernel in ``chosen`` (its full name
+    -> the configurations its autotuner settled on, as ``tuned_configs.config_to_json`` writes them), keep a
+    specialisation only when its warps, stages and every configuration argument equal one chosen configuration."""
+    kept = []
+    for text in specs:
+        spec = json.loads(text)
+        configs = chosen.get(spec["name"])
+        if configs is None:
+            kept.append(text)
+            continue
+        names = _constant_names(spec)
+        options = spec.get("options", {})
+        for config in configs:
+            if (options.get("num_warps") == config["num_warps"] and options.get("num_stages") == config["num_stages"]
+                    and all(names.get(k) == v for k, v in config["kwargs"].items())):
+                kept.append(text)
+                break
+    return kept
+
+
+def _constant_names(spec: dict) -> dict:
+    """The specialisation's constexpr arguments by name (their values as the kernel saw them)."""
+    arg_names = list(spec["signature"])
+    out = {}
+    for path, value in zip(spec["constant_keys"], spec["constant_vals"]):
+        if len(path) == 1 and path[0] < len(arg_names):
+            out[arg_names[path[0]]] = value["constexpr"] if isinstance(value, dict) and "constexpr" in value else value
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compiling (the workers).
+
+
+def jit_function(name: str):
+    """The ``triton.JITFunction`` named ``module.function`` (through the autotuner and heuristics that wrap it)."""
+    from triton.runtime.jit import JITFunction
+
+    module_name, _, attr = name.rpartition(".")
+    obj = getattr(importlib.import_module(module_name), attr)
+    for _ in range(8):
+        if isinstance(obj, JITFunction):
+            return obj
+        obj = getattr(obj, "fn", None)
+    raise LookupError(f"{name} is not a Triton kernel")
+
+
+def compile_one(spec: str) -> None:
+    """Compile one specialisation into Triton's on-disk cache (nothing is launched)."""
+    jit_function(json.loads(spec)["name"]).preload(spec)
+
+
+def marker_folder() -> Path:
+    """Where the node's workers keep their locks and markers: inside Triton's cache folder, so clearing that cache
+    clears them too."""
+    from triton import knobs
+    return Path(knobs.cache.dir) / MARKER_FOLDER
+
+
+def digest(spec: str) -> str:
+    return hashlib.sha256(spec.encode()).hexdigest()[:24]
+
+
+def work(specs: list[str], *, offset: int, folder: Path, compile_fn=compile_one) -> dict:
+    """One worker's share: every specialisation of the plan, from ``offset`` on, compiled unless its marker says
+    a worker of this node already did. A specialisation another worker holds is left for a second pass, which
+    waits for that worker's lock (and then finds the marker)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    counts = {"compiled": 0, "done_elsewhere": 0, "failed": [], "times": []}
+    order = specs[offset:] + specs[:offset]
+    deferred = []
+
+    def attempt(spec: str, *, block: bool) -> bool:
+        name = digest(spec)
+        marker = folder / f"{name}.done"
+        if marker.exists():
+            counts["done_elsewhere"] += 1
+            return True
+        with open(folder / f"{name}.lock", "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+            except BlockingIOError:
+                return False
+            try:
+                if marker.exists():
+                    counts["done_elsewhere"] += 1
+                    return True
+                began_one = time.perf_counter()
+                try:
+                    compile_fn(spec)
+                except Exception as error:  # noqa: BLE001 (the launch compiles it; the run says which failed)
+                    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+                    counts["failed"].append(f"{json.loads(spec)['name']} [{name[:8]}]: {first_line}")
+                    return True
+                marker.touch()
+                counts["compiled"] += 1
+                counts["times"].append([json.loads(spec)["name"].rsplit(".", 1)[-1], time.perf_counter() - began_one])
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        return True
+
+    for spec in order:
+        if not attempt(spec, block=False):
+            deferred.append(spec)
+    for spec in deferred:
+        attempt(spec, block=True)
+    counts["seconds"] = time.perf_counter() - began
+    return counts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run's side.
+
+
+@dataclasses.dataclass
+class Precompile:
+    """A run's precompile: started by :func:`start`, joined by :meth:`wait`; what it did, for the log and the run
+    folder."""
+    source: str  # where the specialisations came from (select's description), or why nothing runs
+    specs: int = 0
+    workers: int = 0
+    result: dict | None = None
+    _threads: list = dataclasses.field(default_factory=list, repr=False)
+    _counts: list = dataclasses.field(default_factory=list, repr=False)
+    _started: float = 0.0
+
+    def wait(self, timeout: float = 600.0) -> dict | None:
+        """Join the workers (at most ``timeout`` seconds in all: a worker still compiling then goes on in the
+        background, and a launch that needs its kernel compiles it itself)."""
+        if self.result is not None or not self._threads:
+            return self.result
+        waited = time.perf_counter()
+        for thread in self._threads:
+            thread.join(max(0.0, timeout - (time.perf_counter() - waited)))
+        totals = {"compiled": 0, "done_elsewhere": 0, "failed": [], "unfinished": 0, "slowest": []}
+        for thread, counts in zip(self._threads, self._counts):
+            if thread.is_alive() or "seconds" not in counts:
+                totals["unfinished"] += 1
+                continue
+            totals["compiled"] += counts["compiled"]
+            totals["done_elsewhere"] += counts["done_elsewhere"]
+            totals["failed"].extend(f for f in counts["failed"] if f not in totals["failed"])
+            totals["slowest"].extend(counts["times"])
+        # The longest compiles, for the record: the plan cannot finish before its slowest kernel does.
+        totals["slowest"] = [[name, round(sec, 2)] for name, sec in sorted(totals["slowest"], key=lambda t: -t[1])[:8]]
+        totals["seconds"] = time.perf_counter() - self._started
+        totals["waited_s"] = time.perf_counter() - waited
+        self.result = totals
+        self._threads = []
+        return totals
+
+    def describe(self) -> str:
+        if not self.specs:
+            return f"off ({self.source})"
+        text = f"{self.specs} kernel specialisations from the {self.source}, {self.workers} worker threads"
+        if self.result is not None:
+            r = self.result
+            text += (f": {r['compiled']} compiled here, the rest already compiled on this node, "
+                     f"{len(r['failed'])} failed, in {r['seconds']:.1f} s (waited {r['waited_s']:.1f} s)")
+            if r["unfinished"]:
+                text += f"; {r['unfinished']} workers still compiling at the time limit"
+        return text
+
+    def record(self) -> dict:
+        return {"source": self.source, "specs": self.specs, "workers": self.workers, **(self.result or {})}
+
+
+def auto_workers(specs: int, *, local_processes: int = 1) -> int:
+    """Half the CPU cores shared among the node's processes, at most 8 per process and one per specialisation."""
+    cores = os.cpu_count() or 1
+    return max(1, min(8, specs, cores // (2 * max(1, local_processes))))
+
+
+def start(specs: list[str], *, source: str, workers: int, compile_fn=compile_one) -> Precompile:
+    """Start ``workers`` threads compiling ``specs`` (see the module docstring); returns at once."""
+    if not specs or workers <= 0:
+        return Precompile(source=source)
+    folder = marker_folder()
+    job = Precompile(source=source, specs=len(specs), workers=workers, _started=time.perf_counter())
+    for i in range(workers):
+        counts: dict = {}
+
+        def run(offset=i * len(specs) // workers, counts=counts):
+            # Spread the workers' starting points over the plan, so that they begin with different kernels.
+            counts.update(work(specs, offset=offset, folder=folder, compile_fn=compile_fn))
+
+        thread = threading.Thread(target=run, name=f"hola-precompile-{i}", daemon=True)
+        job._threads.append(thread)
+        job._counts.append(counts)
+        thread.start()
+    return job

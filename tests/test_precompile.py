@@ -1,0 +1,152 @@
+"""Compile plans and the precompile workers (``kernels/precompile.py``), on the CPU.
+
+Triton cannot compile here (no GPU driver), so the compile itself is a stand-in where a test needs it to succeed;
+what is real: the plan's text form, which plan a run takes, the node-wide once-only division of the work between
+workers (threads and processes with their own file locks), the workers as subprocesses with their failures
+reported rather than raised, the resolution of a kernel's name to its ``JITFunction``, and the trainer's record
+of what it did.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("triton")
+
+from hola_titan.kernels import precompile  # noqa: E402
+
+
+def _spec(name: str, *, warps: int = 4, stages: int = 2, bk: int = 64, extern="/some/machine/libdevice.10.bc"):
+    """A specialisation as Triton serialises it (``serialize_specialization_data``): a kernel with one pointer,
+    one integer and one constexpr ``BK``."""
+    return json.dumps({
+        "name": name, "signature": {"x": "*bf16", "n": "i32", "BK": "constexpr"},
+        "constant_keys": [[2]], "constant_vals": [{"constexpr": bk}], "attrs_keys": [[0]],
+        "attrs_vals": [[["tt.divisibility", 16]]],
+        "options": {"num_warps": warps, "num_stages": stages, "extern_libs": [["libdevice", extern]],
+                    "arch": "sm90"},
+        "key": f"[('*bf16', 'D'), ('i32', '')]{{'extern_libs': '{extern}'}}"})
+
+
+def test_a_plan_keeps_no_machine_path_and_only_our_and_fla_kernels():
+    kept = precompile.sanitize(_spec("fla.ops.x.kernel"))
+    spec = json.loads(kept)
+    assert "extern_libs" not in spec["options"] and "/some/machine" not in kept
+    assert spec["key"].startswith("plan:") and spec["options"]["num_warps"] == 4
+    # The same kernel recorded on another machine (another libdevice path) is the same plan entry.
+    assert precompile.sanitize(_spec("fla.ops.x.kernel", extern="/elsewhere/libdevice.10.bc")) == kept
+    assert precompile.sanitize(_spec("hola_titan.kernels.short_conv._fwd")) is not None
+    assert precompile.sanitize(_spec("torch._inductor.kernel")) is None
+
+
+def test_the_recorder_keeps_what_triton_reports_once():
+    triton_runtime = precompile._hooks()
+    before = triton_runtime.jit_post_compile_hook
+    with precompile.Recorder() as recorder:
+        hook = triton_runtime.jit_post_compile_hook
+        for name in ("fla.ops.a", "fla.ops.a", "other.b", "hola_titan.kernels.c"):
+            hook(key="k", repr="r", fn=None, compile={"specialization_data": _spec(name)}, is_manual_warmup=False,
+                 already_compiled=False)
+    assert [json.loads(s)["name"] for s in recorder.specs] == ["fla.ops.a", "hola_titan.kernels.c"]
+    assert triton_runtime.jit_post_compile_hook is before
+
+
+def test_a_run_takes_its_plan_or_the_same_kind_of_another_flavour():
+    plans = {"hola/d128/float32/plain": ["a", "b"], "gdn/d128/float32/plain": ["a", "c"],
+             "hola/d256/bfloat16/packed": ["d"]}
+    assert precompile.select(plans, "hola/d128/float32/plain") == (["a", "b"], "plan hola/d128/float32/plain")
+    specs, source = precompile.select(plans, "hola_recency/d128/float32/plain")
+    assert specs == ["a", "c", "b"] and "gdn/d128/float32/plain, hola/d128/float32/plain" in source
+    assert precompile.select(plans, "hola/d128/bfloat16/plain") == ([], "no plan for hola/d128/bfloat16/plain")
+    assert precompile.plan_key("gdn", 256, "bfloat16", packed=True) == "gdn/d256/bfloat16/packed"
+
+
+def test_only_the_configurations_an_autotuner_chose_stay_in_a_plan():
+    tried = [_spec("fla.ops.t", warps=w, stages=s, bk=bk) for w in (2, 4) for s in (2, 3) for bk in (32, 64)]
+    fixed = _spec("hola_titan.kernels.k")
+    chosen = {"fla.ops.t": [{"kwargs": {"BK": 64}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}]}
+    kept = precompile.chosen_only([*tried, fixed], chosen)
+    assert kept == [_spec("fla.ops.t", warps=4, stages=3, bk=64), fixed]
+
+
+def test_the_workers_of_a_node_compile_each_specialisation_once(tmp_path):
+    """Four workers (threads here; each takes its own file locks, as processes do) over one plan, each starting
+    elsewhere: every specialisation is compiled exactly once, and every worker accounts for all of them."""
+    specs = [_spec(f"fla.ops.k{i}") for i in range(12)]
+    compiled, lock = [], threading.Lock()
+
+    def slow_compile(spec):
+        time.sleep(0.02)
+        with lock:
+            compiled.append(json.loads(spec)["name"])
+
+    results = [None] * 4
+
+    def worker(i):
+        results[i] = precompile.work(specs, offset=i * 3, folder=tmp_path, compile_fn=slow_compile)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(compiled) == sorted(f"fla.ops.k{i}" for i in range(12))
+    assert sum(r["compiled"] for r in results) == 12
+    assert all(r["compiled"] + r["done_elsewhere"] == 12 and not r["failed"] for r in results)
+    # A later run on the node finds everything done.
+    again = precompile.work(specs, offset=0, folder=tmp_path, compile_fn=slow_compile)
+    assert again["compiled"] == 0 and again["done_elsewhere"] == 12 and len(compiled) == 12
+
+
+def test_a_failed_compile_is_reported_and_left_for_the_launch(tmp_path):
+    def broken(spec):
+        raise RuntimeError("ptxas fatal: something\nmore")
+
+    counts = precompile.work([_spec("fla.ops.bad")], offset=0, folder=tmp_path, compile_fn=broken)
+    assert counts["compiled"] == 0 and len(counts["failed"]) == 1
+    assert counts["failed"][0].startswith("fla.ops.bad [") and counts["failed"][0].endswith("]: ptxas fatal: something")
+    assert not list(tmp_path.glob("*.done"))  # nothing claims it was compiled
+
+
+def test_a_kernel_name_resolves_through_autotuner_and_heuristics():
+    from triton.runtime.jit import JITFunction
+
+    fla_kernel = precompile.jit_function("fla.ops.utils.cumsum.chunk_local_cumsum_scalar_kernel")
+    ours = precompile.jit_function("hola_titan.kernels.hola_triton_attn._cache_fwd_kernel")
+    assert isinstance(fla_kernel, JITFunction) and isinstance(ours, JITFunction)
+    with pytest.raises(LookupError, match="not a Triton kernel"):
+        precompile.jit_function("hola_titan.kernels.hola_triton_attn.cache_attention_fwd")
+
+
+def test_the_run_s_workers_report_what_they_could_not_compile(tmp_path, monkeypatch):
+    """The real path of a run (worker threads, Triton's ``preload``): on a CPU Triton cannot compile, so each
+    specialisation fails inside a worker; the run is told which (one line each), nothing raises, and nothing is
+    marked done."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    specs = [precompile.sanitize(_spec("hola_titan.kernels.hola_triton_attn._rstd_kernel", bk=b)) for b in (16, 32)]
+    job = precompile.start(specs, source="plan test", workers=2)
+    result = job.wait(timeout=300)
+    assert result["compiled"] == 0 and result["unfinished"] == 0
+    assert len(result["failed"]) == 2 and all("_rstd_kernel" in f for f in result["failed"]), result
+    assert "2 kernel specialisations from the plan test, 2 worker threads: 0 compiled here" in job.describe()
+    assert not list((tmp_path / "triton").rglob("*.done"))
+
+
+def test_a_worker_past_the_time_limit_is_left_running_and_said(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    release = threading.Event()
+    job = precompile.start([_spec("fla.ops.slow")], source="plan test", workers=1,
+                           compile_fn=lambda spec: release.wait(30))
+    result = job.wait(timeout=0.2)
+    release.set()
+    assert result["unfinished"] == 1 and "1 workers still compiling at the time limit" in job.describe()
+
+
+def test_nothing_starts_without_a_plan():
+    job = precompile.start([], source="no plan for hola/d128/float32/plain", workers=4)
+    assert job.wait() is None and job.describe() == "off (no plan for hola/d128/float32/plain)"
+    assert precompile.auto_workers(3) <= 3 and precompile.auto_workers(100, local_processes=64) == 1
