@@ -73,9 +73,11 @@ def sanitize(specialization_data: str) -> str | None:
         return None
     spec.get("options", {}).pop("extern_libs", None)
     spec.pop("key", None)
-    body = json.dumps(spec, sort_keys=True)
+    # Triton's own field order is kept: the signature lists the kernel's arguments in order (chosen_only reads
+    # constexpr arguments by position).
+    body = json.dumps(spec)
     spec["key"] = "plan:" + hashlib.sha256(body.encode()).hexdigest()[:24]
-    return json.dumps(spec, sort_keys=True)
+    return json.dumps(spec)
 
 
 def _hooks():

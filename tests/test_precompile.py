@@ -37,6 +37,7 @@ def test_a_plan_keeps_no_machine_path_and_only_our_and_fla_kernels():
     spec = json.loads(kept)
     assert "extern_libs" not in spec["options"] and "/some/machine" not in kept
     assert spec["key"].startswith("plan:") and spec["options"]["num_warps"] == 4
+    assert list(spec["signature"]) == ["x", "n", "BK"]  # argument order: constexprs are read by position
     # The same kernel recorded on another machine (another libdevice path) is the same plan entry.
     assert precompile.sanitize(_spec("fla.ops.x.kernel", extern="/elsewhere/libdevice.10.bc")) == kept
     assert precompile.sanitize(_spec("hola_titan.kernels.short_conv._fwd")) is not None
