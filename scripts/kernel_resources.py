@@ -1,0 +1,157 @@
+"""What a Triton kernel costs the GPU in registers, spills and shared memory, compiled here (no GPU needed).
+
+Register spills and shared-memory size decide much of what a launch configuration can reach, and reading them
+costs no device time. Triton compiles for any target given explicitly and its package carries NVIDIA's tools, so
+this script compiles a kernel for sm_90a (H100/H200) on any machine with Triton's NVIDIA backend installed,
+CPU-only ones included, and reports per configuration: registers per thread, the stack frame and local memory per
+thread (bytes; spilled registers go there), shared memory, the count of ``wgmma`` instructions in the PTX
+(Hopper's warpgroup matrix instructions; none means a slower path), and the compile time.
+
+The kernel and its exact argument types come from a compile plan of ``kernels/configs/`` (``kernels/precompile.py``:
+what a real run compiled); constexprs, warps and stages can be overridden, so a sweep over tiles is one command::
+
+    python scripts/kernel_resources.py --plan hola/d256/bfloat16/packed --kernel _cache_fwd_kernel \\
+        --sweep BM=64,128 BN=32,64 --warps 4,8 --stages 2,3 --json /tmp/fwd.json
+
+Numbers are for the Triton installed here; the H200 machines run Triton 3.6 (``pip install triton==3.6.0`` in a
+separate environment reproduces them). Timing still needs the GPU (``scripts/bench_hola_attention.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", type=Path, default=None,
+                        help="configurations file with plans (default: the H200 file under kernels/configs/)")
+    parser.add_argument("--plan", required=True, help="plan key, e.g. hola/d256/bfloat16/packed")
+    parser.add_argument("--kernel", required=True, help="kernel function name (the last part of its full name)")
+    parser.add_argument("--sweep", nargs="*", default=[], metavar="NAME=V1,V2",
+                        help="constexpr values to try (the plan's value otherwise)")
+    parser.add_argument("--warps", default=None, help="comma-separated num_warps (the plan's otherwise)")
+    parser.add_argument("--stages", default=None, help="comma-separated num_stages (the plan's otherwise)")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability to compile for")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    return parser.parse_args(argv)
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"None": None, "True": True, "False": False}.get(text, text)
+
+
+def _find_spec(path: Path, plan: str, kernel: str) -> dict:
+    data = json.loads(path.read_text())
+    plans = data.get("plans", {})
+    if plan not in plans:
+        raise SystemExit(f"error: --plan: {path} has no plan {plan!r}; it has {', '.join(sorted(plans))}")
+    for text in plans[plan]:
+        spec = json.loads(text)
+        if spec["name"].rsplit(".", 1)[-1] == kernel:
+            return spec
+    names = sorted({json.loads(t)["name"].rsplit(".", 1)[-1] for t in plans[plan]})
+    raise SystemExit(f"error: --kernel: plan {plan} has no kernel {kernel!r}; it has {', '.join(names)}")
+
+
+def compile_resources(spec: dict, *, constants: dict, num_warps: int, num_stages: int, arch: int) -> dict:
+    """Compile one specialisation of ``spec`` for ``arch`` and read its resources from ptxas."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hola_titan.kernels.precompile import jit_function
+
+    fn = jit_function(spec["name"])
+    names = fn.arg_names  # constant_keys index the kernel's arguments
+    consts = {}
+    for path, value in zip(spec["constant_keys"], spec["constant_vals"]):
+        value = value["constexpr"] if isinstance(value, dict) and "constexpr" in value else value
+        consts[tuple(path)] = constants.get(names[path[0]], value) if len(path) == 1 else value
+    attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
+    src = ASTSource(fn, dict(spec["signature"]), consts, attrs)
+    began = time.perf_counter()
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    seconds = time.perf_counter() - began
+    ptx = kernel.asm["ptx"]
+    # The binary Triton made, read by the cuobjdump its package carries (the ptxas Triton used may not be the one
+    # in its package folder).
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.cubin").write_bytes(kernel.asm["cubin"])
+        report = subprocess.run([str(cuobjdump), "--dump-resource-usage", "k.cubin"], cwd=tmp, capture_output=True,
+                                text=True, check=True).stdout
+
+    def number(name):
+        found = re.search(rf"\b{name}:(\d+)", report)
+        return int(found.group(1)) if found else None
+
+    # LOCAL: bytes of local memory per thread, where spilled registers go; STACK: the stack frame.
+    return {"registers": number("REG"), "local_bytes": number("LOCAL"), "stack_bytes": number("STACK"),
+            "shared_bytes": kernel.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+            "compile_s": round(seconds, 2)}
+
+
+def main(argv=None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="kernel_resources_"))
+    # The H200 file by name (no import of torch before the arguments are known to be good).
+    path = args.configs or ROOT / "kernels" / "configs" / "NVIDIA_H200__fla-0.6.0__triton-3.6.0.json"
+    spec = _find_spec(path, args.plan, args.kernel)
+    sweep = {}
+    for item in args.sweep:
+        name, _, values = item.partition("=")
+        if name not in spec["signature"] or spec["signature"][name] != "constexpr":
+            raise SystemExit(f"error: --sweep: {name!r} is not a constexpr argument of {args.kernel}")
+        sweep[name] = [_value(v) for v in values.split(",")]
+    warps = [int(w) for w in args.warps.split(",")] if args.warps else [spec["options"]["num_warps"]]
+    stages = [int(s) for s in args.stages.split(",")] if args.stages else [spec["options"]["num_stages"]]
+    rows = []
+    names = list(sweep)
+    header = f"{' '.join(f'{n:>6}' for n in names)} {'warps':>5} {'stages':>6} {'regs':>5} {'stack':>6} {'local':>6} " \
+             f"{'smem KiB':>8} {'wgmma':>5} {'compile s':>9}"
+    print(f"{args.kernel} from plan {args.plan}, sm_{args.arch}a")
+    print(header)
+    for values in itertools.product(*(sweep[n] for n in names)):
+        for num_warps, num_stages in itertools.product(warps, stages):
+            constants = dict(zip(names, values))
+            row = {**constants, "num_warps": num_warps, "num_stages": num_stages}
+            try:
+                row.update(compile_resources(spec, constants=constants, num_warps=num_warps, num_stages=num_stages,
+                                             arch=args.arch))
+                print(f"{' '.join(f'{v!s:>6}' for v in values)} {num_warps:>5} {num_stages:>6} "
+                      f"{row['registers']!s:>5} {row['stack_bytes']!s:>6} {row['local_bytes']!s:>6} "
+                      f"{row['shared_bytes'] / 1024:>8.1f} "
+                      f"{row['wgmma']:>5} {row['compile_s']:>9.1f}", flush=True)
+            except Exception as error:  # noqa: BLE001 (one configuration that does not compile is a row, not the end)
+                row["error"] = str(error).strip().splitlines()[-1][:200] if str(error).strip() else repr(error)
+                print(f"{' '.join(f'{v!s:>6}' for v in values)} {num_warps:>5} {num_stages:>6} error: "
+                      f"{row['error']}", flush=True)
+            rows.append(row)
+    if args.json:
+        import triton
+        args.json.write_text(json.dumps({"plan": args.plan, "kernel": args.kernel, "arch": args.arch,
+                                         "triton": triton.__version__, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
