@@ -263,7 +263,10 @@ class Trainer:
                 and self.attention_backend != "reference":
             # fla's #640 gradient check runs real kernels under autograd: now, not while compile traces a block
             # or inside an activation-checkpointed forward.
-            prepare_backward(self.model_args.head_dim, self.device, cache_folder=config.job.cache_folder or None)
+            # With the run's heads per rank, compute dtype and row layout: the check compiles the step's own kernels.
+            prepare_backward(self.model_args.head_dim, self.device, num_heads=self.model_args.n_heads // self.dims.tp,
+                             dtype=self._compute_dtype(), packed=config.data.varlen,
+                             cache_folder=config.job.cache_folder or None)
         self.model = parallelize_model(
             model, dims=self.dims, mesh=self.mesh, device=self.device, ac_mode=config.activation_checkpoint.mode,
             selective_ac_option=config.activation_checkpoint.selective_ac_option,
@@ -479,6 +482,10 @@ class Trainer:
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError("model.kernel_configs", str(err).removeprefix("model.kernel_configs: ")) from None
 
+    def _compute_dtype(self) -> torch.dtype:
+        """What the token mixers' kernels compute in: bf16 (autocast, or FSDP's bf16 parameters) or float32."""
+        return torch.bfloat16 if self.config.training.mixed_precision_param == "bfloat16" else torch.float32
+
     def _start_precompile(self):
         """Start compiling the plan for this kind of run (``model.precompile_workers``; kernels/precompile.py)."""
         from hola_titan.kernels import precompile
@@ -490,7 +497,7 @@ class Trainer:
             return precompile.Precompile(source="model.precompile_workers = 0")
         from hola_titan.kernels.fla_gdn import padded_head_dim
 
-        dtype = "bfloat16" if self.config.training.mixed_precision_param == "bfloat16" else "float32"
+        dtype = str(self._compute_dtype()).removeprefix("torch.")
         key = precompile.plan_key(self.model_args.flavour, padded_head_dim(self.model_args.head_dim, self.device),
                                   dtype, packed=self.config.data.varlen)
         specs, source = precompile.select(self.kernel_configs.plans, key)

@@ -14,9 +14,10 @@ tiles, and fla 0.6.0 raises there. fla tiles K (and V) at 128 on Hopper when the
 configuration whose results were checked. This module therefore, on Hopper with such a Triton:
 - zero-pads q, k, v (and the initial state) to a head dim of 128 when D < 128 (l2norm, k^T k, the state's real
   block and the score are unchanged by zero padding; the scale stays D^-1/2; outputs are sliced back);
-- before the first backward at a head dim, runs :func:`check_fla_backward` (fla's bf16 backward against this
-  project's fp32 reference at HOLA's shapes and decay ranges, on the running GPU) and lifts fla's guard, only
-  inside fla's backward call and only for head dims whose check passed, logging that it did so;
+- before the first backward at a head dim, runs :func:`check_fla_backward` (fla's backward against this
+  project's float64 reference at HOLA's decay ranges, on the running GPU, with the kernels the run itself will
+  launch: its heads, compute dtype and row layout) and lifts fla's guard, only inside fla's backward call and only
+  for head dims whose check passed, logging that it did so;
 - raises if the check fails. Nothing is patched silently or globally.
 """
 
@@ -148,14 +149,17 @@ def hola_decay(shape, device, generator=None) -> torch.Tensor:
     return -torch.exp(a_log) * F.softplus(a + dt_bias)
 
 
-def verdict_path(cache_folder: str | Path, head_dim: int, device: torch.device, num_heads: int = 4) -> Path:
-    """Where the #640 check's verdict for this GPU, head dim and fla / Triton / torch versions is kept."""
+def verdict_path(cache_folder: str | Path, head_dim: int, device: torch.device, num_heads: int = 4,
+                 dtype: torch.dtype = torch.bfloat16, packed: bool = True) -> Path:
+    """Where the #640 check's verdict for this GPU, head dim, the check's kernels (heads, dtype, row layout) and
+    fla / Triton / torch versions is kept."""
     from hola_titan.kernels.tuned_configs import active_tag, sanitize_gpu_name, versions
 
     v = versions()
     # The configurations the kernels run with are part of what was checked (a miscompile is per configuration).
+    kind = f"d{head_dim}_h{num_heads}_{str(dtype).removeprefix('torch.')}_{'packed' if packed else 'rows'}"
     name = (f"fla640__{sanitize_gpu_name(torch.cuda.get_device_name(device))}__fla-{v['fla']}__triton-{v['triton']}"
-            f"__torch-{v['torch']}__d{head_dim}_h{num_heads}__configs-{active_tag()}.json")
+            f"__torch-{v['torch']}__{kind}__configs-{active_tag()}.json")
     return Path(cache_folder).expanduser() / name
 
 
@@ -186,20 +190,24 @@ def write_verdict(path: Path, errors: dict[str, float]) -> None:
         logger.warning("fla #640: could not keep the check's verdict in %s (%s)", path, err)
 
 
-def check_fla_backward(head_dim: int, device: torch.device, *, num_heads: int = 4, seed: int = 0,
+def check_fla_backward(head_dim: int, device: torch.device, *, num_heads: int = 4,
+                       dtype: torch.dtype = torch.bfloat16, packed: bool = True, seed: int = 0,
                        cache_folder: str | Path | None = None) -> dict[str, float]:
-    """fla's bf16 forward and backward against the fp32 reference at HOLA's shapes, on ``device``.
+    """fla's forward and backward against the float64 reference, on ``device``, with the kernels a run launches.
 
-    Packed documents of 300, 1 and 339 tokens (partial chunks, a length-1 document), ``num_heads`` heads, decays
-    drawn as HOLA initialises them, no initial or final state (as in training). Records and returns the relative
-    RMS error of o and every gradient; raises ``RuntimeError`` when one exceeds ``CHECK_TOLERANCE``.
-    ``cache_folder``: a passing verdict recorded there for this GPU model, head dim and fla / Triton / torch
-    versions is taken instead of running the check again (the check's inputs are fixed by ``seed``, so it would
-    give the same numbers), and a new passing verdict is recorded there.
+    ``num_heads`` heads of ``head_dim`` in ``dtype`` (fla compiles per head count, head dim and dtype), and
+    ``packed``: documents of 300, 1 and 339 tokens in one row (partial chunks, a length-1 document), else two rows
+    of 320 tokens (fla's plain-row kernels; 640 tokens either way, a multiple of 16 as the recipes' lengths are, so
+    that the check compiles what the run's first step then finds compiled). Decays drawn as HOLA initialises them,
+    no initial or final state (as in training). Records and returns the relative RMS error of o and every
+    gradient; raises ``RuntimeError`` when one exceeds ``CHECK_TOLERANCE``. ``cache_folder``: a passing verdict
+    recorded there for this GPU model, the check's kernels and fla / Triton / torch versions is taken instead of
+    running the check again (the check's inputs are fixed by ``seed``, so it would give the same numbers), and a
+    new passing verdict is recorded there.
     """
     _require_fla()
     device = torch.device(device)
-    path = verdict_path(cache_folder, head_dim, device, num_heads) if cache_folder else None
+    path = verdict_path(cache_folder, head_dim, device, num_heads, dtype, packed) if cache_folder else None
     recorded = read_verdict(path) if path is not None and seed == 0 else None
     if recorded is not None:
         _CHECKED[(device.index or 0, head_dim)] = recorded
@@ -209,16 +217,20 @@ def check_fla_backward(head_dim: int, device: torch.device, *, num_heads: int = 
         return recorded
     gen = torch.Generator(device=device).manual_seed(seed)
     lens = [300, 1, 339]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64, device=device)
-    t, h, d = sum(lens), num_heads, head_dim
+    if packed:
+        b, t = 1, sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64, device=device)
+    else:
+        b, t, cu = 2, 320, None
+    h, d = num_heads, head_dim
 
     def rand(*shape):
         return torch.randn(*shape, device=device, generator=gen)
 
-    q, k, v = (rand(1, t, h, d).to(torch.bfloat16) for _ in range(3))
-    g = hola_decay((1, t, h), device, generator=gen)
-    beta = torch.sigmoid(rand(1, t, h))
-    do = rand(1, t, h, d)
+    q, k, v = (rand(b, t, h, d).to(dtype) for _ in range(3))
+    g = hola_decay((b, t, h), device, generator=gen)
+    beta = torch.sigmoid(rand(b, t, h))
+    do = rand(b, t, h, d)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     # The check may first run inside a model's forward: its own graph must not see the caller's autocast, and
     # its saved tensors must not enter an activation-checkpointed region's (identity hooks shadow the region's,
@@ -245,8 +257,9 @@ def check_fla_backward(head_dim: int, device: torch.device, *, num_heads: int = 
         raise RuntimeError(f"fla #640 gradient check failed at head dim {d} on {torch.cuda.get_device_name(device)}: "
                            f"relative errors {bad} exceed {CHECK_TOLERANCE}; fla's gated backward is not usable here")
     _CHECKED[(device.index or 0, d)] = errors
-    logger.warning("fla #640: guard lifted for head dim %d on %s after a gradient check against the fp32 reference "
-                   "(relative errors %s)%s", d, torch.cuda.get_device_name(device),
+    logger.warning("fla #640: guard lifted for head dim %d on %s after a gradient check against the float64 "
+                   "reference (%d heads, %s, %s; relative errors %s)%s", d, torch.cuda.get_device_name(device), h,
+                   str(dtype).removeprefix("torch."), "packed documents" if packed else "plain rows",
                    {k_: f"{e:.1e}" for k_, e in errors.items()}, f"; verdict kept in {path}" if path else "")
     if path is not None and seed == 0:
         write_verdict(path, errors)
@@ -258,7 +271,9 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def ensure_backward_checked(head_dim: int, device: torch.device, *, cache_folder: str | Path | None = None) -> None:
+def ensure_backward_checked(head_dim: int, device: torch.device, *, num_heads: int = 4,
+                            dtype: torch.dtype = torch.bfloat16, packed: bool = True,
+                            cache_folder: str | Path | None = None) -> None:
     """Run the #640 check once per GPU and head dim where fla's guard applies (or take the verdict kept in
     ``cache_folder``, see :func:`check_fla_backward`).
 
@@ -266,19 +281,24 @@ def ensure_backward_checked(head_dim: int, device: torch.device, *, cache_folder
     (the check runs real kernels and autograd), else its backward raises and names this function.
     """
     if guard_applies(device) and ((torch.device(device).index or 0), head_dim) not in _CHECKED:
-        check_fla_backward(head_dim, device, cache_folder=cache_folder)
+        check_fla_backward(head_dim, device, num_heads=num_heads, dtype=dtype, packed=packed,
+                           cache_folder=cache_folder)
 
 
-def prepare_backward(head_dim: int, device: torch.device, *, cache_folder: str | Path | None = None) -> None:
+def prepare_backward(head_dim: int, device: torch.device, *, num_heads: int = 4, dtype: torch.dtype = torch.bfloat16,
+                     packed: bool = True, cache_folder: str | Path | None = None) -> None:
     """Before training a model of head dim ``head_dim`` on ``device``: run the #640 check now if it applies.
 
     The trainer calls this before compiling (a compiled backward cannot run the check) and before the first
     forward (so the check does not run inside an activation-checkpointed block). No-op without fla or the guard.
-    ``cache_folder``: where a passing verdict is kept between processes (``job.cache_folder``).
+    ``num_heads`` (per rank), ``dtype`` (the compute dtype) and ``packed`` (documents in a row, or plain rows):
+    the run's, so that the check runs, and compiles, the kernels the run's steps launch. ``cache_folder``: where
+    a passing verdict is kept between processes (``job.cache_folder``).
     """
     device = torch.device(device)
     if fla_available() and guard_applies(device):
-        ensure_backward_checked(padded_head_dim(head_dim, device), device, cache_folder=cache_folder)
+        ensure_backward_checked(padded_head_dim(head_dim, device), device, num_heads=num_heads, dtype=dtype,
+                                packed=packed, cache_folder=cache_folder)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -464,7 +484,7 @@ def gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, ch
             initial_state = F.pad(initial_state, (0, dp - d, 0, dp - d))
     if (not torch.compiler.is_compiling() and torch.is_grad_enabled()
             and any(x.requires_grad for x in (q, k, v, g, beta))):
-        ensure_backward_checked(dp, q.device)
+        ensure_backward_checked(dp, q.device, num_heads=q.shape[2], dtype=q.dtype, packed=cu_seqlens is not None)
     o, m, final_state = _GDNFunction.apply(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, d ** -0.5,
                                            output_final_state)
     if dp != d:

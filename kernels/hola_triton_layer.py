@@ -187,7 +187,7 @@ def hola_layer(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, b
         initial_state = initial_state.to(torch.float32)
     if (not torch.compiler.is_compiling() and torch.is_grad_enabled()
             and any(x.requires_grad for x in (q, k, v, g, beta))):
-        ensure_backward_checked(d, q.device)
+        ensure_backward_checked(d, q.device, num_heads=q.shape[2], dtype=q.dtype, packed=cu_seqlens is not None)
     o, final_state, m, sel, *_ = layer_fwd_op(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state,
                                               cu_seqlens, chunk_indices, d ** -0.5, output_final_state, block, window,
                                               evict)

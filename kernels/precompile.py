@@ -15,6 +15,9 @@ The binaries land in Triton's on-disk cache, where the run's own launches find t
 on a node take one lock and leave one marker per specialisation in Triton's cache folder, so nine runs started
 together compile each kernel once, not nine times.
 
+Each worker also builds the kernel's launcher (Triton compiles a small C module per kernel signature with the
+system's C compiler at the first launch, about a second each, in the launching thread).
+
 A specialisation that the run does not in fact launch (another shape changed an argument's divisibility, say)
 costs a worker one compile and nothing else; one the plan lacks compiles at its launch, as without a plan. The
 binaries are Triton's, made on this machine: the plan is text (names, argument types, constants, options), not
@@ -157,8 +160,17 @@ def jit_function(name: str):
 
 
 def compile_one(spec: str) -> None:
-    """Compile one specialisation into Triton's on-disk cache (nothing is launched)."""
-    jit_function(json.loads(spec)["name"]).preload(spec)
+    """Compile one specialisation, and its launcher, into Triton's on-disk cache (nothing is launched)."""
+    data = json.loads(spec)
+    fn = jit_function(data["name"])
+    # The kernel's arguments in their order (plans recorded before order was kept list them sorted): the launcher's
+    # C source follows this order, and only the same source finds the launcher the run looks for.
+    data["signature"] = {name: data["signature"][name] for name in fn.arg_names if name in data["signature"]}
+    kernel = fn.preload(json.dumps(data))
+    # Triton builds a small C launcher per kernel signature at the kernel's first launch (a C compiler run of
+    # about a second, in the launching thread); built here, the run's first launch finds it in Triton's cache.
+    from triton.runtime.driver import driver
+    driver.active.launcher_cls(kernel.src, kernel.metadata)
 
 
 def marker_folder() -> Path:

@@ -10,9 +10,9 @@ flavour, precision and row kind runs in its own child process, ``--jobs`` at a t
 ``ptxas`` compiling candidate configurations, one CPU core per process, so a GPU host's cores tune the
 combinations side by side (packed and plain rows, float32 and bf16 are different autotuning keys).
 
-A second phase (``--phases plan``, on by default) runs each combination again with every configuration served and
-records what Triton compiled: the combination's compile *plan*, which ``kernels/precompile.py`` compiles in
-parallel at a run's start.
+A second phase (``--phases plan``, on by default) runs each combination's trainer start and training steps again
+with every configuration served and records what Triton compiled: the combination's compile *plan*, which
+``kernels/precompile.py`` compiles in parallel at a run's start.
 
 The winners (every autotuner's ``cache``, see ``kernels/tuned_configs.py``) and the plans are merged and written to
 ``kernels/configs/<GPU>__fla-<v>__triton-<v>.json`` with the GPU, the fla-core, Triton, torch and CUDA versions,
@@ -91,8 +91,9 @@ def _batch(rows: int, seq_len: int, vocab: int, *, packed: bool, seed: int) -> d
     return batch
 
 
-def _tune_ours(size: str, flavour: str, precision: str, rows: str, args, folder: Path) -> str:
-    """One combination's training steps (and, on plain rows, a chunked prefill); returns its plan key."""
+def _tune_ours(size: str, flavour: str, precision: str, rows: str, args, folder: Path, *, prefill: bool = True) -> str:
+    """One combination's training steps (and, on plain rows with ``prefill``, a chunked prefill, whose launch keys
+    evaluation and decoding need); returns its plan key."""
     import torch
 
     from hola_titan.config import parse_config
@@ -118,7 +119,7 @@ def _tune_ours(size: str, flavour: str, precision: str, rows: str, args, folder:
     for seed in ((0, 1) if rows == "packed" else (2,)):
         trainer.train_step([_batch(args.rows, args.seq_len, vocab, packed=rows == "packed", seed=seed)])
     trainer.resolve_pending()
-    if rows == "packed":
+    if rows == "packed" or not prefill:
         torch.cuda.synchronize()
         return key
     tokens = _batch(1, args.seq_len, vocab, packed=False, seed=3)["input_ids"].to(trainer.device)
@@ -196,8 +197,9 @@ def _record_plan(args, folder: Path) -> None:
 
     t1 = time.time()
     size, flavour, precision, rows = args.child_combo.split("/")
+    # A training run's plan: the trainer's start (the #640 check) and its steps, not the prefill of evaluation.
     with precompile.Recorder() as recorder:
-        key = _tune_ours(size, flavour, precision, rows, args, folder)
+        key = _tune_ours(size, flavour, precision, rows, args, folder, prefill=False)
     # With every key served, what Triton compiled is the plan. A key the file did not serve was autotuned here (the
     # log of the phase counts them): what its autotuner compiled only to time it is not part of a run's plan.
     autotuned = tuned_configs.tuned_entries()
