@@ -82,8 +82,10 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             initial_cache=initial_cache, output_final_state=output_final_state,
             output_final_cache=output_final_cache)
         return (o, final_state, final_cache) if output_final_cache else (o, final_state)
-    # fla's chunk indices, made once per batch with its Documents (None: fla makes them from cu_seqlens).
+    # fla's chunk indices and the block table, made once per batch with its Documents (None: made in the call).
     chunk_indices = documents.chunk_indices if documents is not None else None
+    block_table = (documents.block_table(block) if documents is not None and chosen in ("triton", "sdpa")
+                   and evict != "none" and initial_cache is None else None)
     kw = dict(window=window, block=block, evict=evict, cu_seqlens=cu_seqlens, initial_state=initial_state,
               output_final_state=output_final_state, output_final_cache=output_final_cache)
     if chosen == "reference" or (chosen == "sdpa" and initial_cache is not None):
@@ -94,10 +96,12 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         from hola_titan.kernels.hola_triton import hola_attention_triton
         o, final_state, final_cache = hola_attention_triton(*args, initial_cache=initial_cache,
                                                             overlap_backward=overlap_backward,
-                                                            chunk_indices=chunk_indices, **kw)
+                                                            chunk_indices=chunk_indices, block_table=block_table,
+                                                            **kw)
     else:
         from hola_titan.kernels.hola_sdpa import hola_attention_sdpa
-        o, final_state, final_cache = hola_attention_sdpa(*args, chunk_indices=chunk_indices, **kw)
+        o, final_state, final_cache = hola_attention_sdpa(*args, chunk_indices=chunk_indices,
+                                                          block_table=block_table, **kw)
     if output_final_cache:
         return o, final_state, final_cache
     return o, final_state

@@ -36,7 +36,7 @@ def hola_attention_sdpa(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, windo
                         cu_seqlens=None, initial_state=None, output_final_state: bool = False,
                         output_final_cache: bool = False, selected: torch.Tensor | None = None,
                         return_aux: bool = False, state_impl: str = "auto",
-                        chunk_indices: torch.Tensor | None = None):
+                        chunk_indices: torch.Tensor | None = None, block_table=None):
     """The SDPA backend; same arguments and results as ``hola_attention_triton``."""
     bsz, seq_len, h, d = q.shape
     dtype, device = q.dtype, q.device
@@ -46,7 +46,7 @@ def hola_attention_sdpa(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, windo
     aux = {"m": m}
     if evict == "none":
         return (o_state, final_state, None, aux) if return_aux else (o_state, final_state, None)
-    table = build_block_table(bsz, seq_len, cu_seqlens, block, device)
+    table = block_table if block_table is not None else build_block_table(bsz, seq_len, cu_seqlens, block, device)
     m_flat = m.reshape(bsz * seq_len, h)
     if selected is None:
         sel = _select(m_flat, table, window=window, evict=evict, num_heads=h)

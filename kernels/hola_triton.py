@@ -210,9 +210,11 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
                           cu_seqlens=None, initial_state=None, output_final_state: bool = False,
                           initial_cache: HolaCache | None = None, output_final_cache: bool = False,
                           selected: torch.Tensor | None = None, return_aux: bool = False, state_impl: str = "auto",
-                          overlap_backward: bool = False, chunk_indices: torch.Tensor | None = None):
+                          overlap_backward: bool = False, chunk_indices: torch.Tensor | None = None,
+                          block_table: BlockTable | None = None):
     """The Triton backend (arguments validated by ``hola_titan.ops.hola_attention``); ``chunk_indices`` as in
-    :func:`state_path`.
+    :func:`state_path`; ``block_table``: the batch's table for ``block`` (``Documents.block_table``, made once per
+    batch), or None to build it here.
 
     ``selected`` (``[NB, H, W]`` int32 flat token indices, ``-1`` empty) replaces the selection, for tests that
     compare reading given the same indices. With ``return_aux`` the result gains a dict with the scores ``m``
@@ -245,7 +247,7 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
                                                           evict=evict, output_final_cache=output_final_cache)
         aux.update(sel=sel, table=table)
         return (o, final_state, final_cache, aux) if return_aux else (o, final_state, final_cache)
-    table = build_block_table(bsz, seq_len, cu_seqlens, block, q.device)
+    table = block_table if block_table is not None else build_block_table(bsz, seq_len, cu_seqlens, block, q.device)
     m_flat = m.reshape(bsz * seq_len, h)
     final_keys = None
     if selected is None:

@@ -21,7 +21,7 @@ blocks in order, emits the running top W as the block's cache and merges the blo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,8 @@ class BlockTable:
     doc_first_blk: torch.Tensor  # [N]
     doc_num_blk: torch.Tensor  # [N]
     block: int
+    # Results that depend on the table alone (select_recency), kept for the other layers of a batch that share it.
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_blocks(self) -> int:
@@ -72,6 +74,21 @@ def build_block_table(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None,
         cu = cu_seqlens.to(device=device, dtype=torch.int64)
         doc_start, doc_len = cu[:-1], cu[1:] - cu[:-1]
     return block_table_of_docs(doc_start, doc_len, num_block_rows(batch, seq_len, cu_seqlens, block), block)
+
+
+def block_table_from_host(host: torch.Tensor, *, block: int, device: torch.device) -> BlockTable:
+    """The table of :func:`build_block_table` for the documents of ``host`` (CPU boundaries ``[N + 1]``, one
+    packed row), computed on the host and sent to ``device`` in one copy: what a batch's
+    :class:`~hola_titan.kernels.seqlens.Documents` builds once for all its layers, instead of some thirty small
+    device operations in every layer."""
+    from hola_titan.kernels.seqlens import to_device
+
+    host = host.to(torch.int64)
+    on_host = build_block_table(1, int(host[-1]), host, block, torch.device("cpu"))
+    fields = ("blk_start", "blk_len", "blk_doc_start", "doc_start", "doc_len", "doc_first_blk", "doc_num_blk")
+    parts = [getattr(on_host, name) for name in fields]
+    sent = to_device(torch.cat(parts), torch.device(device))
+    return BlockTable(**dict(zip(fields, sent.split([p.shape[0] for p in parts]))), block=block)
 
 
 def num_block_rows(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, block: int) -> int:
@@ -114,12 +131,20 @@ def keys_to_index(keys: torch.Tensor) -> torch.Tensor:
 
 
 def select_recency(table: BlockTable, num_heads: int, window: int) -> torch.Tensor:
-    """``evict="recency"``: the ``window`` tokens just before each block, within its sequence."""
+    """``evict="recency"``: the ``window`` tokens just before each block, within its sequence. It depends on the
+    table alone, so a table shared by a batch's layers (``Documents.block_table``) computes it once (not inside a
+    compiled region, where the operations are fused instead)."""
+    key = ("recency", num_heads, window)
+    if key in table.derived:
+        return table.derived[key]
     pos = table.blk_start[:, None].long() - window + torch.arange(window, device=table.blk_start.device)[None, :]
     pos = pos.flip(-1)  # selection order for recency: latest position first
     ok = (pos >= table.blk_doc_start[:, None].long()) & (table.blk_len[:, None] > 0)
     pos = torch.where(ok, pos, torch.full_like(pos, -1))
-    return pos.to(torch.int32)[:, None, :].expand(table.num_blocks, num_heads, window).contiguous()
+    sel = pos.to(torch.int32)[:, None, :].expand(table.num_blocks, num_heads, window).contiguous()
+    if not torch.compiler.is_compiling():
+        table.derived[key] = sel
+    return sel
 
 
 if triton is not None:

@@ -13,7 +13,7 @@ nothing about a batch lives outside the objects that batch's forward receives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,8 @@ class Documents:
     host: torch.Tensor
     seq_len: int
     chunk_indices: torch.Tensor | None
+    # The HOLA block tables of these documents, by block size (block_table); filled once per batch.
+    _block_tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_host(cls, host: torch.Tensor, *, device: torch.device | str, seq_len: int) -> Documents:
@@ -87,6 +89,22 @@ class Documents:
     @property
     def num_docs(self) -> int:
         return self.cu_seqlens.shape[0] - 1
+
+    def block_table(self, block: int):
+        """The HOLA block table of these documents for blocks of ``block`` tokens
+        (:class:`~hola_titan.kernels.hola_triton_select.BlockTable`): made from the host copy and sent in one
+        copy the first time, then shared by every layer of the batch. The model asks for it before its blocks run
+        (outside any compiled region); a first request inside a compiled region builds it on the device instead,
+        with traceable operations."""
+        table = self._block_tables.get(block)
+        if table is None:
+            from hola_titan.kernels import hola_triton_select
+            if torch.compiler.is_compiling():
+                return hola_triton_select.build_block_table(1, self.seq_len, self.cu_seqlens, block,
+                                                            self.cu_seqlens.device)
+            table = hola_triton_select.block_table_from_host(self.host, block=block, device=self.cu_seqlens.device)
+            self._block_tables[block] = table
+        return table
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

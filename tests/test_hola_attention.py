@@ -676,6 +676,24 @@ def test_documents_are_checked_once_from_their_host_copy_and_never_read_by_a_lay
                                                                      seq_len=13), **kw)
 
 
+def test_a_batch_s_block_table_is_made_once_from_its_host_copy():
+    """``Documents.block_table`` (the Triton and SDPA backends' block table, made once per batch for all layers)
+    equals the table each call used to build on the device, field by field, for awkward layouts; the second
+    request returns the same object; another block size is another table."""
+    pytest.importorskip("triton")
+    from hola_titan.kernels.hola_triton_select import build_block_table
+    from hola_titan.kernels.seqlens import Documents
+    for cu, block in (([0, 1, 23, 24, 60], 24), ([0, 60], 16), ([0, 16, 32, 33], 16), ([0, 5, 12], 32)):
+        docs = Documents.from_host(torch.tensor(cu, dtype=torch.int32), device="cpu", seq_len=cu[-1])
+        table = docs.block_table(block)
+        expected = build_block_table(1, cu[-1], torch.tensor(cu), block, torch.device("cpu"))
+        for name in ("blk_start", "blk_len", "blk_doc_start", "doc_start", "doc_len", "doc_first_blk",
+                     "doc_num_blk"):
+            got, want = getattr(table, name), getattr(expected, name)
+            assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want), (cu, block, name)
+        assert docs.block_table(block) is table and docs.block_table(block + 1) is not table
+
+
 def test_fla_chunk_indices_from_the_host_copy_equal_fla_s_own():
     """The chunk indices a batch's Documents carry on CUDA are fla's, made from the host copy."""
     pytest.importorskip("fla")

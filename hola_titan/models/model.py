@@ -391,6 +391,9 @@ class HolaTitanLM(nn.Module):
                 # flattening the token ids, not the activations, keeps sequence-sharded activations 3-D.
                 positions = document_positions(bsz, seq_len, cu_seqlens, tokens.device).reshape(1, -1)
                 tokens = tokens.reshape(1, -1)
+                if self.args.evict != "none":
+                    # Made here, once for every layer and outside the compiled blocks (Documents keeps it).
+                    documents.block_table(self.args.block)
             h = self.tok_embeddings(tokens)
             for name, block in self.layers.items():
                 layer_cache = None

@@ -417,3 +417,26 @@ def test_cache_attn_op_registrations():
             table.blk_len, block, window)
     torch.library.opcheck(cache_attn_op, args, test_utils=("test_schema", "test_autograd_registration",
                                                           "test_faketensor"))
+
+
+@pytest.mark.parametrize("evict", ["score", "recency"])
+def test_layers_sharing_a_batch_s_block_table_equal_calls_that_build_their_own(evict):
+    """Two layer calls given one Documents (its block table, and the recency selection derived from it, made by
+    the first call and shared by the second) equal calls given bare cu_seqlens (each building its own), output and
+    every gradient bit for bit."""
+    from hola_titan.kernels.seqlens import Documents
+    cu = [0, 1, 23, 24, 60]
+    docs = Documents.from_host(torch.tensor(cu), device="cpu", seq_len=cu[-1])
+    kw = dict(window=20, block=24, evict=evict, backend="triton")
+    for seed in (0, 1):  # the second call finds the table (and its recency selection) made
+        x = make_inputs(1, cu[-1], 2, 16, seed=seed)
+        o, _ = hola_attention(*[x[n] for n in NAMES], documents=docs, **kw)
+        grads = loss_and_grads(o, None, x)
+        xb = fresh(x)
+        o_b, _ = hola_attention(*[xb[n] for n in NAMES], cu_seqlens=torch.tensor(cu), **kw)
+        grads_b = loss_and_grads(o_b, None, xb)
+        assert torch.equal(o, o_b), f"seed {seed}: o"
+        for name, gr, gr_b in zip(NAMES, grads, grads_b):
+            assert torch.equal(gr, gr_b), f"seed {seed}: d{name}"
+    if evict == "recency":  # the selection was derived once, from the shared table
+        assert ("recency", 2, 20) in docs.block_table(24).derived
