@@ -250,12 +250,13 @@ class Commands:
                                    str(folder / "train" / "checkpoint" / f"step-{sizes.steps}"), str(export)))]
         evals = self._mqar_evals(run, sizes) if run.task == "mqar" else self._text_evals(sizes)
         for name, extra in evals:
-            argv = [self.python, "-m", "hola_titan.eval", name.split("-")[0], "--checkpoint", str(export),
+            command = name.removesuffix("-cache-off")  # the eval adds the suffix to the label itself
+            argv = [self.python, "-m", "hola_titan.eval", command, "--checkpoint", str(export),
                     "--out", str(folder / "eval"), "--no-progress"]
             if self.quick:
                 argv += ["--device", "cpu", "--threads", "1"]
-            label = run.name + ("-cache-off" if name == "mqar-cache-off" else "")
-            stages.append(Stage(name, tuple(argv + extra), folder / "eval" / f"{name.split('-')[0]}_{label}.json"))
+            label = run.name + name.removeprefix(command)
+            stages.append(Stage(name, tuple(argv + extra), folder / "eval" / f"{command}_{label}.json"))
         return stages
 
     def _mqar_evals(self, run: Run, sizes: Sizes) -> list[tuple[str, list[str]]]:
@@ -821,15 +822,15 @@ def _floats(text: str) -> list[float]:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one number")
+    if not values or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct comma-separated numbers, got {text!r}")
     return values
 
 
 def _ints(text: str) -> list[int]:
     values = _floats(text)
-    if any(v != int(v) for v in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"expected distinct comma-separated integers, got {text!r}")
+    if any(v != int(v) for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
     return [int(v) for v in values]
 
 
