@@ -1,11 +1,16 @@
-"""Issue 10 recipes: the small_* configs, replicate_small.py --dry-run, and build_small_corpus.py's splitting."""
+"""Issues 10 and 30: the small_* configs, replicate_small.py (plan, a --quick piece, merging), and
+build_small_corpus.py's splitting."""
 
 from __future__ import annotations
 
 import importlib.util
-import shutil
+import json
+import math
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,26 +30,32 @@ def _load_script(name: str):
 
 
 corpus = _load_script("build_small_corpus")
+replicate = _load_script("replicate_small")
 
 
-def test_six_configs_exist():
-    names = {p.stem for p in CONFIGS}
-    assert names == {f"small_{f}_{t}" for f in ("hola", "gdn", "hola_recency") for t in ("text", "recall")}
+RECIPES = [(task, flavour) for task in ("mqar", "text") for flavour in ("hola", "hola_recency", "gdn")]
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
-def test_config_parses_and_validates(path):
-    config = parse_config(["--job.config_file", str(path)])
+def test_the_replication_uses_the_small_text_and_mqar_recipes():
+    assert {p.stem for p in CONFIGS} == {f"small_{f}_text" for f in ("hola", "gdn", "hola_recency")}
+    assert set(replicate.TASKS) == {"mqar", "text"} and replicate.FLAVOURS == ("hola", "hola_recency", "gdn")
+    assert all((REPO / replicate.TASKS[t].config.format(flavour=f)).is_file() for t, f in RECIPES)
+
+
+@pytest.mark.parametrize("task,flavour", RECIPES, ids=lambda v: v)
+def test_config_parses_and_validates(task, flavour):
+    config = parse_config(["--job.config_file", str(REPO / replicate.TASKS[task].config.format(flavour=flavour))])
     validate(config, world_size=1)
-    assert config.training.seq_len in (512, 1024)
-    task = path.stem.rsplit("_", 1)[1]
-    assert config.data.dataset.startswith("mqar:") == (task == "recall")
+    assert config.model.flavour == flavour and config.checkpoint.enable
+    assert config.training.seq_len == {"mqar": 256, "text": 1024}[task]
+    assert config.data.dataset.startswith("mqar:") == (task == "mqar")
 
 
-@pytest.mark.parametrize("task", ["text", "recall"])
+@pytest.mark.parametrize("task", ["mqar", "text"])
 def test_configs_differ_only_in_flavour(task):
+    """The comparison of replicate_small.py holds everything but the token mixer fixed."""
     def normalised(flavour):
-        config = parse_config(["--job.config_file", str(REPO / "train_configs" / f"small_{flavour}_{task}.toml")])
+        config = parse_config(["--job.config_file", str(REPO / replicate.TASKS[task].config.format(flavour=flavour))])
         config.model.flavour = "x"
         config.job.dump_folder = config.job.description = config.job.config_file = ""
         return config
@@ -52,65 +63,134 @@ def test_configs_differ_only_in_flavour(task):
     assert normalised("hola") == normalised("gdn") == normalised("hola_recency")
 
 
-def test_dry_run_lists_the_commands():
-    result = subprocess.run([sys.executable, "scripts/replicate_small.py", "--dry-run", "--gpus", "0,1"],
-                            cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
-    lines = result.stdout.splitlines()
-    trains = [ln for ln in lines if "-m hola_titan.train" in ln]
-    # recall sweep: 3 flavours x 3 lrs; text: 3 flavours x 2 lrs; recall seeds: 3 flavours x 1 more seed
-    assert len(trains) == 9 + 6 + 3
-    for flavour in ("hola", "gdn", "hola_recency"):
-        for lr in ("0.0003", "0.001", "0.003"):
-            assert any(f"small_{flavour}_recall.toml" in ln and f"--optimizer.lr {lr} " in ln for ln in trains)
-        assert any(f"small_{flavour}_text.toml" in ln and "--data.dataset data/small_corpus/train.jsonl" in ln
-                   for ln in trains)
-    assert any("--optimizer.lr BEST_LR --training.seed 1" in ln for ln in trains)
-    assert sum("scripts/convert_to_safetensors.py" in ln for ln in lines) == 18
-    mqar = [ln for ln in lines if "-m hola_titan.eval mqar" in ln]
-    assert len(mqar) == 12 + 8 and all("--pairs 4,8,16,32,64,128 --seq-lens 512,1024" in ln for ln in mqar)
-    # The 8 recall runs of the HOLA flavours are also evaluated with the cache off, and inspected.
-    off = [ln for ln in mqar if "--cache off" in ln]
-    assert len(off) == 8 and not any("recall_gdn" in ln for ln in off)
-    inspected = [ln for ln in lines if "-m hola_titan.eval cache" in ln]
-    assert len(inspected) == 8 and all("--pairs 16 --seq-len 512" in ln for ln in inspected)
-    niah = [ln for ln in lines if "-m hola_titan.eval niah" in ln]
-    assert len(niah) == 6 and all("--tasks s_niah_1,s_niah_2 --lengths 1024,2048,4096,8192" in ln for ln in niah)
-    ppl = [ln for ln in lines if "-m hola_titan.eval ppl" in ln]
-    assert len(ppl) == 6 and all("--data data/small_corpus/validation.jsonl" in ln for ln in ppl)
-    assert lines[-1].startswith("# estimate:")
+def _main(capsys, *argv) -> tuple[int, str, str]:
+    rc = replicate.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
 
 
-def test_dry_run_per_flavour_lr():
-    result = subprocess.run([sys.executable, "scripts/replicate_small.py", "--dry-run", "--only", "recall",
-                             "--flavours", "gdn", "--lr", "gdn=1e-4:1e-2", "--seeds", "0"],
-                            cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
-    trains = [ln for ln in result.stdout.splitlines() if "-m hola_titan.train" in ln]
-    assert [ln.split("--optimizer.lr ")[1].split()[0] for ln in trains] == ["0.0001", "0.01"]
+def _planned_runs(out: str) -> dict[int, list[str]]:
+    """``{piece: [run line, ...]}`` from --plan's listing."""
+    pieces: dict[int, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("piece "):
+            current = pieces.setdefault(int(line.split()[1].rstrip(":")), [])
+        elif line.startswith("  mqar_") or line.startswith("  text_"):
+            current.append(line.split()[0])
+    return pieces
 
 
-def test_quick_run_resumes_from_carried_results_and_keeps_a_time_budget(tmp_path):
-    """A run whose evaluations exist is done even without its checkpoint (results carried to another machine);
-    past --time-budget-min nothing new starts and the run says what is left."""
-    def replicate(*extra):
-        return subprocess.run([sys.executable, "scripts/replicate_small.py", "--quick", "--only", "recall",
-                               "--mqar-lrs", "1e-3", "--seeds", "0", "--out", str(tmp_path), *extra],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+def test_plan_lists_pieces_that_fit_a_lent_gpu(capsys):
+    rc, out, _ = _main(capsys, "--plan")
+    assert rc == 0
+    headers = [ln for ln in out.splitlines() if ln.startswith("piece ")]
+    minutes = [float(re.search(r"about ([0-9.]+) min", h).group(1)) for h in headers]
+    assert len(headers) == 4 and all(0 < m <= replicate.PIECE_LIMIT_MIN for m in minutes), headers
+    runs = _planned_runs(out)
+    flavours = ("hola", "hola_recency", "gdn")
+    assert sorted(runs[0]) == sorted(f"mqar_{f}_lr{lr}_s0" for f in flavours for lr in ("0.001", "0.003", "0.01"))
+    assert sorted(runs[1]) == sorted(f"text_{f}_lr0.003_s{s}" for f in flavours for s in (0, 1))
+    assert sorted(runs[2] + runs[3]) == sorted(f"mqar_{f}_lrBEST_s{s}" for f in flavours for s in (1, 2, 3, 4))
+    assert len(runs[2]) == len(runs[3]) == 6
+    assert all("needs the sweep results" in h for h in headers[2:]) and not any("needs" in h for h in headers[:2])
+    mqar = [ln for ln in out.splitlines() if "-m hola_titan.eval mqar" in ln]
+    assert mqar and all("--pairs 8,16,32,64,128 --seq-lens 256,512 --samples 256" in ln for ln in mqar)
+    assert any("--cache off" in ln for ln in mqar)
+    assert any("-m hola_titan.eval cache" in ln for ln in out.splitlines())
+    niah = [ln for ln in out.splitlines() if "-m hola_titan.eval niah" in ln]
+    assert len(niah) == 1 and "--tasks s_niah_1,s_niah_2 --lengths 1024,2048,4096" in niah[0]
+    train = [ln for ln in out.splitlines() if "-m hola_titan.train" in ln]
+    assert "train_configs/mqar_hola.toml" in train[0] and "--training.steps 2500" in train[0]
+    assert "small_hola_text.toml" in train[1] and "--data.dataset data/small_corpus/train.jsonl" in train[1]
+    assert out.splitlines()[-1].startswith("total: 4 pieces")
 
-    first = replicate("--flavours", "gdn")
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    assert (tmp_path / "metrics" / "recall_gdn_lr0.001_s0.jsonl").is_file()
-    evaluated = tmp_path / "eval" / "mqar" / "mqar_recall_gdn_lr0.001_s0.json"
-    assert evaluated.is_file()
-    shutil.rmtree(tmp_path / "runs")
-    shutil.rmtree(tmp_path / "exports")
-    again = replicate("--flavours", "gdn")
-    assert again.returncode == 0 and "skip (evaluated): recall_gdn_lr0.001_s0" in again.stdout
-    assert not (tmp_path / "runs").exists(), "a carried-over run was trained again"
-    budget = replicate("--flavours", "gdn,hola", "--time-budget-min", "0")
-    assert budget.returncode == 0, budget.stderr[-2000:]
-    assert "deferred (time budget): train recall_hola_lr0.001_s0" in budget.stdout
-    assert "incomplete: 5 commands deferred" in budget.stdout  # train, export, mqar, mqar cache off, cache
-    assert not (tmp_path / "runs" / "recall_hola_lr0.001_s0").exists()
+
+def _sweep_json(path: Path, scores: dict[float, dict[str, float]]) -> Path:
+    """A finished --quick sweep piece for hola at the lrs of ``scores`` (point -> accuracy)."""
+    runs = [{"name": f"mqar_hola_lr{lr:g}_s0", "task": "mqar", "flavour": "hola", "lr": lr, "seed": 0,
+             "status": "finished", "steps": 2, "warmup_steps": 1, "seq_len": 64, "batch": 2,
+             "stages": [{"name": "train", "command": [], "rc": 0, "seconds": 1.0}],
+             "train": {"tokens_per_s": None, "final_loss": None, "final_val_loss": None},
+             "results": {"mqar": points}, "files": []} for lr, points in scores.items()]
+    data = {"format": replicate.FORMAT, "piece": 0, "kind": "mqar-sweep", "quick": True, "device": "test",
+            "runs": runs}
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+QUICK_SEEDS = ["--quick", "--flavours", "hola", "--mqar-lrs", "1e-3,3e-3", "--seeds", "0,1"]
+"""A plan of three pieces: the sweep (2 runs), text (2 runs), and piece 2: hola at seed 1 (with eval cache)."""
+
+
+def test_errors_are_one_line(capsys, tmp_path):
+    def error(*argv):
+        rc, out, err = _main(capsys, *argv)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+        return err
+
+    assert "--piece 7: the plan has pieces 0-3" in error("--piece", 7, "--out", tmp_path)
+    seeds = error("--piece", 2, "--out", tmp_path)
+    assert "--piece 2 (MQAR seeds" in seeds and "needs the sweep results" in seeds and "--sweep-results" in seeds
+    partial = _sweep_json(tmp_path / "partial.json", {1e-3: {"pairs=8@64": 0.5}})
+    assert "no finished sweep run mqar_hola_lr0.003" in error(*QUICK_SEEDS, "--plan", "--sweep-results", partial)
+    assert "--sweep-results" in error(*QUICK_SEEDS, "--plan", "--sweep-results", tmp_path / "missing.json")
+    assert "--mqar-steps 4000" in error("--plan", "--mqar-steps", 4000)
+    assert "finished in both" in error("--merge", partial, partial, "--out", tmp_path / "report")
+
+
+def test_supervise_stops_what_runs_past_the_deadline():
+    children = {name: subprocess.Popen(argv, start_new_session=True)
+                for name, argv in (("quick", ["true"]), ("slow", ["sleep", "60"]))}
+    start = time.time()
+    stopped = replicate.supervise(children, deadline=replicate.Deadline(start + 1.0), poll_s=0.05)
+    assert stopped == {"quick": False, "slow": True}
+    assert children["slow"].returncode == -signal.SIGKILL and time.time() - start < 10
+
+
+def test_a_piece_past_its_budget_records_its_runs_as_stopped(tmp_path):
+    """A budget shorter than the stop margin stops the runs at once; the JSON still comes, naming them."""
+    result = subprocess.run([sys.executable, "scripts/replicate_small.py", "--quick", "--piece", "0", "--flavours",
+                             "gdn", "--mqar-lrs", "1e-3", "--out", str(tmp_path), "--time-budget-min", "0.1"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    data = json.loads((tmp_path / "piece-0.json").read_text(encoding="utf-8"))
+    assert data["stopped_by"] == "time budget" and [r["status"] for r in data["runs"]] == ["stopped"]
+    assert "stopped: mqar_gdn_lr0.001_s0" in result.stdout
+
+
+def test_quick_piece_end_to_end_and_merge(capsys, tmp_path):
+    """A seed piece trains at the sweep's best lr, exports and evaluates on the CPU, writes its JSON and the cache
+    PNGs; merged with the sweep, the tables give mean [min, max] over the two seeds."""
+    best = {"pairs=8@64": 0.9, "pairs=16@64": 0.7, "pairs=8@128": 0.8, "pairs=16@128": 0.6}
+    sweep = _sweep_json(tmp_path / "sweep.json", {1e-3: dict.fromkeys(best, 0.2), 3e-3: best})
+    out = tmp_path / "results"
+    result = subprocess.run([sys.executable, "scripts/replicate_small.py", *QUICK_SEEDS, "--piece", "2",
+                             "--sweep-results", str(sweep), "--out", str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads((out / "piece-2.json").read_text(encoding="utf-8"))
+    assert data["best_lr"] == {"hola": 0.003} and data["device"] == "cpu" and data["versions"]["torch"]
+    (run,) = data["runs"]
+    assert run["name"] == "mqar_hola_lr0.003_s1" and run["status"] == "finished" and run["lr"] == 0.003
+    assert [s["name"] for s in run["stages"]] == ["train", "export", "mqar", "mqar-cache-off", "cache"]
+    assert all(s["rc"] == 0 and s["seconds"] > 0 for s in run["stages"])
+    assert "--optimizer.lr 0.003 --training.seed 1 --training.steps 2" in " ".join(run["stages"][0]["command"])
+    assert run["train"]["final_step"] == 2 and math.isfinite(run["train"]["final_loss"])
+    accuracy = run["results"]["mqar"]
+    assert set(accuracy) == set(best) and all(0 <= v <= 1 for v in accuracy.values())
+    assert set(run["results"]["mqar-cache-off"]) == set(best)
+    assert run["files"] and all((out / f).is_file() for f in run["files"])
+
+    report = tmp_path / "report"
+    rc, _, _ = _main(capsys, "--merge", sweep, out / "piece-2.json", "--out", report)
+    assert rc == 0
+    text = (report / "RESULTS.md").read_text(encoding="utf-8")
+    pair = [best["pairs=8@64"], accuracy["pairs=8@64"]]
+    cell = f"{sum(pair) / 2:.3f} [{min(pair):.3f}, {max(pair):.3f}]"
+    assert f"| hola | 0.003 (best) | on | 2 | {cell} |" in text, text
+    assert "| hola | 0.001 | on | 1 | 0.200 | 0.200 |" in text
+    assert "| hola | 0.003 | 0.750 | best |" in text  # the sweep table: mean over the points
+    assert (report / "mqar.png").is_file() and all((report / f).is_file() for f in run["files"])
 
 
 def _b64(number: int) -> str:
