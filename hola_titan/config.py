@@ -36,7 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence, Union, get_args, get_origin, get_type_hints
 
+from hola_titan.models import flavours
 from hola_titan.models.args import model_args
+
+# The registry's flavours (hola_titan/models/flavours.py) are the config's choices.
+FlavourName = Literal[tuple(flavours.FLAVOURS)]
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -75,7 +79,7 @@ class Job:
 
 @dataclass
 class Model:
-    flavour: Literal["hola", "hola_recency", "gdn", "transformer"] = "hola"
+    flavour: FlavourName = "hola"
     """Token mixer of every block: HOLA (score eviction), HOLA+recency, GDN (cache off) or Transformer++."""
     size: Literal["debug", "small", "340M", "1.3B", "7B"] = "debug"
     """Widths and depth (``hola_titan.models.args``); the vocabulary size comes from the tokenizer."""

@@ -259,8 +259,7 @@ class Trainer:
             template = HolaTitanLM(self.model_args, **build)
         self.num_params = num_params(model)
         self._join_precompile()
-        if self.device.type == "cuda" and self.model_args.flavour != "transformer" \
-                and self.attention_backend != "reference":
+        if self.device.type == "cuda" and self.model_args.is_recurrent and self.attention_backend != "reference":
             # fla's #640 gradient check runs real kernels under autograd: now, not while compile traces a block
             # or inside an activation-checkpointed forward.
             # With the run's heads per rank, compute dtype and row layout: the check compiles the step's own kernels.

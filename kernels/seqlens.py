@@ -49,8 +49,10 @@ class Documents:
     host: torch.Tensor
     seq_len: int
     chunk_indices: torch.Tensor | None
-    # The HOLA block tables of these documents, by block size (block_table); filled once per batch.
-    _block_tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # What the batch's layers derive from these boundaries alone (derived, block_table); filled once per batch.
+    # An init field: torch's distributed wrappers rebuild dataclass inputs with dataclasses.replace (FSDP's input
+    # casts), which must carry it over.
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_host(cls, host: torch.Tensor, *, device: torch.device | str, seq_len: int) -> Documents:
@@ -90,21 +92,29 @@ class Documents:
     def num_docs(self) -> int:
         return self.cu_seqlens.shape[0] - 1
 
+    def derived(self, key, make, *, traceable=None):
+        """What the batch's layers derive from these boundaries alone (a block table, document ids), made by
+        ``make()`` the first time ``key`` is asked for and kept with the batch. The model asks before its blocks
+        run (outside any compiled region); a first request inside a compiled region is made there by
+        ``traceable()`` (default ``make``) and not kept."""
+        if key in self._derived:
+            return self._derived[key]
+        if torch.compiler.is_compiling():
+            return (traceable or make)()
+        value = self._derived[key] = make()
+        return value
+
     def block_table(self, block: int):
         """The HOLA block table of these documents for blocks of ``block`` tokens
         (:class:`~hola_titan.kernels.hola_triton_select.BlockTable`): made from the host copy and sent in one
-        copy the first time, then shared by every layer of the batch. The model asks for it before its blocks run
-        (outside any compiled region); a first request inside a compiled region builds it on the device instead,
-        with traceable operations."""
-        table = self._block_tables.get(block)
-        if table is None:
-            from hola_titan.kernels import hola_triton_select
-            if torch.compiler.is_compiling():
-                return hola_triton_select.build_block_table(1, self.seq_len, self.cu_seqlens, block,
-                                                            self.cu_seqlens.device)
-            table = hola_triton_select.block_table_from_host(self.host, block=block, device=self.cu_seqlens.device)
-            self._block_tables[block] = table
-        return table
+        copy, once per batch (:meth:`derived`; inside a compiled region, built on the device with traceable
+        operations)."""
+        from hola_titan.kernels import hola_triton_select
+        device = self.cu_seqlens.device
+        return self.derived(
+            ("block_table", block),
+            lambda: hola_triton_select.block_table_from_host(self.host, block=block, device=device),
+            traceable=lambda: hola_triton_select.build_block_table(1, self.seq_len, self.cu_seqlens, block, device))
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Tensor parallelism (Megatron-style, head-sharded) with sequence parallelism for the norms.
 
-Per block, for every flavour:
+Per block, for every flavour (the token mixer's part is what its class declares: ``TP_COLWISE``, ``TP_ROWWISE``,
+``TP_PER_HEAD``; ``hola_titan.models.flavours``):
 
 - ``attention_norm``, ``ffn_norm`` (and the final ``norm``) run sequence-parallel: activations between blocks are
   sharded along the sequence (``Shard(1)``) and gathered to ``Replicate`` at the entry of the token mixer and MLP;
@@ -70,14 +71,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                                                                       output_layouts=Shard(-1),
                                                                       use_local_output=False)})
     for block in model.layers.values():
+        mixer = block.attn
         plan = {
             "attention_norm": SequenceParallel(),
             "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                        use_local_output=True),
-            "attn.q_proj": ColwiseParallel(),
-            "attn.k_proj": ColwiseParallel(),
-            "attn.v_proj": ColwiseParallel(),
-            "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            # The mixer's own projections, as its class declares them (absent optional ones are skipped).
+            **{f"attn.{name}": ColwiseParallel() for name in mixer.TP_COLWISE if getattr(mixer, name) is not None},
+            **{f"attn.{name}": RowwiseParallel(output_layouts=Shard(1)) for name in mixer.TP_ROWWISE},
             "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                                use_local_output=True),
@@ -85,22 +86,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w3": ColwiseParallel(),
         }
-        if args.is_recurrent:
-            plan["attn.a_proj"] = ColwiseParallel()
-            plan["attn.b_proj"] = ColwiseParallel()
-            if block.attn.g_proj is not None:
-                plan["attn.g_proj"] = ColwiseParallel()
         parallelize_module(block, tp_mesh, plan)
-        if args.is_recurrent:
-            for name, style in _head_plan():
-                parallelize_module(block.attn.get_submodule(name), tp_mesh, style)
+        for name, style in _head_plan(mixer.TP_PER_HEAD):
+            parallelize_module(mixer.get_submodule(name), tp_mesh, style)
 
 
-def _head_plan() -> list[tuple[str, HeadParallel]]:
-    """``(submodule of the mixer, style)``: its per-head parameters head-sharded, or replicated with partial
-    gradients ("" is the mixer itself, which a plan dictionary cannot name beside its submodules)."""
-    by_head = HeadParallel({"weight": Shard(0)})
-    return [("q_conv", by_head), ("k_conv", by_head), ("v_conv", by_head),
-            ("o_norm", HeadParallel({"weight": Replicate()})),
-            ("", HeadParallel({"A_log": Shard(0), "dt_bias": Shard(0), "sink": Shard(0), "gate": Shard(0),
-                               "gamma_q": Replicate(), "gamma_k": Replicate()}))]
+_PLACEMENTS = {"shard": Shard(0), "replicate": Replicate()}
+
+
+def _head_plan(per_head: dict[str, dict[str, str]]) -> list[tuple[str, HeadParallel]]:
+    """``(submodule of the mixer, style)`` from the mixer's ``TP_PER_HEAD``: its per-head parameters head-sharded
+    (``shard``), or replicated with partial gradients (``replicate``; "" is the mixer itself, which a plan
+    dictionary cannot name beside its submodules)."""
+    return [(name, HeadParallel({param: _PLACEMENTS[kind] for param, kind in params.items()}))
+            for name, params in per_head.items()]

@@ -69,13 +69,13 @@ FLAVOURS = ("hola", "hola_recency", "gdn")
 
 
 def _evict_by_flavour() -> dict[str, str]:
-    """The model registry's eviction per flavour (``none``: no cache to switch off or inspect). Read by path:
-    importing ``hola_titan`` imports torch and the kernels, seconds that --plan and --merge do not need."""
-    spec = importlib.util.spec_from_file_location("_hola_titan_model_args", REPO / "hola_titan/models/args.py")
+    """The flavour registry's eviction per recurrent flavour (``none``: no cache to switch off or inspect). Read by
+    path: importing ``hola_titan`` imports torch and the kernels, seconds that --plan and --merge do not need."""
+    spec = importlib.util.spec_from_file_location("_hola_titan_flavours", REPO / "hola_titan/models/flavours.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
-    return dict(module.EVICT_BY_FLAVOUR)
+    return {name: entry.evict for name, entry in module.FLAVOURS.items() if entry.recurrent}
 
 
 HAS_CACHE = {flavour: evict != "none" for flavour, evict in _evict_by_flavour().items()}

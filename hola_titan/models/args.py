@@ -1,10 +1,9 @@
-"""Model flavours and sizes (DESIGN §5).
+"""Model sizes, and the numbers of a flavour at a size (DESIGN §5).
 
-A flavour is the token mixer of every block: ``hola`` (score eviction), ``hola_recency`` (the paper's
-HOLA+recency control), ``gdn`` (cache off) and ``transformer`` (Transformer++: RoPE, SwiGLU, RMSNorm,
-document-causal SDPA). A size fixes the widths. ``model_args(flavour, size, vocab_size=...)`` is the only
-way the rest of the system builds a :class:`ModelArgs`, so a TOML names a flavour and a size instead of
-repeating numbers.
+A flavour is the token mixer of every block, registered in :mod:`hola_titan.models.flavours` (``hola``,
+``hola_recency``, ``gdn``, ``transformer``). A size fixes the widths. ``model_args(flavour, size, vocab_size=...)``
+is the only way the rest of the system builds a :class:`ModelArgs`, so a TOML names a flavour and a size instead
+of repeating numbers.
 """
 
 from __future__ import annotations
@@ -12,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-FLAVOURS = ("hola", "hola_recency", "gdn", "transformer")
+from hola_titan.models import flavours
+
+FLAVOURS = tuple(flavours.FLAVOURS)
 SIZES = ("debug", "small", "340M", "1.3B", "7B")
-EVICT_BY_FLAVOUR = {"hola": "score", "hola_recency": "recency", "gdn": "none"}
 
 
 @dataclass(frozen=True)
@@ -43,18 +43,24 @@ class ModelArgs:
     @property
     def evict(self) -> str:
         """The ``evict`` argument of ``hola_attention`` for this flavour (``none`` for GDN)."""
-        if self.flavour == "transformer":
-            raise ValueError("model.flavour: transformer has no HOLA layer")
-        return EVICT_BY_FLAVOUR[self.flavour]
+        evict = flavours.get(self.flavour).evict
+        if evict is None:
+            raise ValueError(f"model.flavour: {self.flavour} has no HOLA layer")
+        return evict
 
     @property
     def is_recurrent(self) -> bool:
-        return self.flavour != "transformer"
+        """Whether the flavour's mixer is recurrent (its registry entry, :mod:`hola_titan.models.flavours`)."""
+        return flavours.get(self.flavour).recurrent
+
+    def mixer_class(self) -> type:
+        """The flavour's token mixer class (``hola_titan.models.model``)."""
+        return flavours.get(self.flavour).mixer_class()
 
 
-# Widths per size, shared by the three recurrent flavours. MLP hidden sizes follow fla's GDN recipe
-# (2/3 * 4 * dim rounded up to a multiple of 256), which with 4 x 256 heads gives 341.6M at 340M.
-_RECURRENT_SIZES = {
+# Widths per size, shared by every flavour (a flavour's entry may give other heads). MLP hidden sizes follow fla's
+# GDN recipe (2/3 * 4 * dim rounded up to a multiple of 256), which with 4 x 256 heads gives 341.6M at 340M.
+SIZE_FIELDS = {
     "debug": dict(dim=128, n_layers=2, n_heads=2, head_dim=64, mlp_hidden=512, tie_embeddings=True,
                   window=8, block=32),
     # ~30M with the bundled tokenizer: the small-scale comparisons (train_configs/small_*.toml).
@@ -63,9 +69,6 @@ _RECURRENT_SIZES = {
     "1.3B": dict(dim=2048, n_layers=24, n_heads=8, head_dim=256, mlp_hidden=5632, tie_embeddings=True),
     "7B": dict(dim=4096, n_layers=32, n_heads=16, head_dim=256, mlp_hidden=11008, tie_embeddings=False),
 }
-
-# Transformer++ uses heads of 128 (debug: 2 x 64), the same widths otherwise.
-_TRANSFORMER_HEADS = {"debug": (2, 64), "small": (4, 128), "340M": (8, 128), "1.3B": (16, 128), "7B": (32, 128)}
 
 
 def model_args(flavour: str, size: str, *, vocab_size: int, window: int | None = None, block: int | None = None,
@@ -76,15 +79,14 @@ def model_args(flavour: str, size: str, *, vocab_size: int, window: int | None =
     length (recurrent flavours), ``n_layers`` the depth; ``max_seq_len`` is the training context recorded in exports
     (``max_position_embeddings``): RoPE angles are computed from the positions, so it bounds nothing.
     """
-    if flavour not in FLAVOURS:
-        raise ValueError(f"model.flavour: unknown flavour {flavour!r}; expected one of {', '.join(FLAVOURS)}")
+    entry = flavours.get(flavour)
     if size not in SIZES:
         raise ValueError(f"model.size: unknown size {size!r}; expected one of {', '.join(SIZES)}")
     if not isinstance(vocab_size, int) or vocab_size <= 0:
         raise ValueError(f"model.vocab_size: must be a positive integer, got {vocab_size!r}")
-    fields = dict(_RECURRENT_SIZES[size])
-    if flavour == "transformer":
-        fields["n_heads"], fields["head_dim"] = _TRANSFORMER_HEADS[size]
+    fields = dict(SIZE_FIELDS[size])
+    if size in entry.heads:
+        fields["n_heads"], fields["head_dim"] = entry.heads[size]
     if window is not None:
         if window < 0:
             raise ValueError(f"model.window: must be >= 0, got {window}")

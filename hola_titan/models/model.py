@@ -111,6 +111,17 @@ class GatedDeltaMixer(LocalParams, nn.Module):
     continuation of the previous rank's state and cache (same signature).
     """
 
+    Cache = RecurrentLayerCache
+    # Tensor parallelism (applied by hola_titan.parallelisms.tensor_parallel): projections split by heads, the
+    # output projection row-wise, and per submodule ("" is the mixer itself) the per-head parameters sharded with
+    # their heads or, per channel, replicated.
+    TP_COLWISE = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj")
+    TP_ROWWISE = ("o_proj",)
+    TP_PER_HEAD = {"q_conv": {"weight": "shard"}, "k_conv": {"weight": "shard"}, "v_conv": {"weight": "shard"},
+                   "o_norm": {"weight": "replicate"},
+                   "": {"A_log": "shard", "dt_bias": "shard", "sink": "shard", "gate": "shard",
+                        "gamma_q": "replicate", "gamma_k": "replicate"}}
+
     def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference",
                  overlap_backward: bool = False):
         super().__init__()
@@ -160,9 +171,27 @@ class GatedDeltaMixer(LocalParams, nn.Module):
                 self.sink.fill_(0.0)
                 self.gate.fill_(-4.0)
 
+    @staticmethod
+    def stream(args: ModelArgs, tokens: torch.Tensor, context: BatchContext,
+               cache: ModelCache | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(tokens, positions)`` as this mixer's blocks take a batch: packed rows become one stream of documents
+        ``[1, B*T]`` (the recurrent op takes B = 1 with ``cu_seqlens``; flattening the token ids, not the
+        activations, keeps sequence-sharded activations 3-D) with in-document positions; plain rows stay, with
+        no positions. What every layer derives from the documents alone (the HOLA block table) is made here,
+        once, outside the compiled blocks."""
+        documents = context.documents
+        if documents is None:
+            return tokens, None
+        bsz, seq_len = tokens.shape
+        positions = document_positions(bsz, seq_len, documents.cu_seqlens, tokens.device).reshape(1, -1)
+        if args.evict != "none":
+            documents.block_table(args.block)
+        return tokens.reshape(1, -1), positions
+
     def forward(self, x: torch.Tensor, *, context: BatchContext, positions: torch.Tensor | None,
                 cache: RecurrentLayerCache | None) -> torch.Tensor:
-        """x ``[B, T, dim]`` (B = 1 with packed documents); ``positions`` in-document positions ``[B, T]``."""
+        """x ``[B, T, dim]`` (B = 1 with packed documents); ``positions`` in-document positions ``[B, T]``
+        (:meth:`stream`)."""
         documents = context.documents
         cp = None
         if context.cp is not None:  # keyed by this mixer: a re-run under activation checkpointing reads its messages
@@ -231,9 +260,17 @@ class GatedDeltaMixer(LocalParams, nn.Module):
 
 
 class Attention(nn.Module):
-    """Transformer++ attention: RoPE, SDPA, causal within each document."""
+    """Transformer++ attention: RoPE, SDPA, causal within each document. Built and called as every mixer is
+    (``hola_titan.models.flavours``); ``backend``, ``kernels`` and ``overlap_backward`` choose paths of the
+    recurrent mixers and change nothing here (SDPA runs)."""
 
-    def __init__(self, args: ModelArgs):
+    Cache = AttentionLayerCache
+    TP_COLWISE = ("q_proj", "k_proj", "v_proj")
+    TP_ROWWISE = ("o_proj",)
+    TP_PER_HEAD: dict = {}
+
+    def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference",
+                 overlap_backward: bool = False):
         super().__init__()
         h, d = args.n_heads, args.head_dim
         self.num_heads, self.head_dim, self.rope_theta = h, d, args.rope_theta
@@ -247,13 +284,33 @@ class Attention(nn.Module):
             nn.init.normal_(lin.weight, std=std)
         nn.init.normal_(self.o_proj.weight, std=out_std)
 
-    def forward(self, x: torch.Tensor, *, doc_ids: torch.Tensor | None, positions: torch.Tensor,
-                cache: AttentionLayerCache | None, cp=None) -> torch.Tensor:
-        """x ``[B, T, dim]``; ``doc_ids`` ``[B, T]`` (None: each row is one document); ``positions`` ``[B, T]``.
-        ``cp``: the batch context's context-parallel view (this rank holds one shard of every row): RoPE at
-        global positions, and exact causal attention over every rank's keys and values (``cp.causal_attention``).
-        """
+    @staticmethod
+    def stream(args: ModelArgs, tokens: torch.Tensor, context: BatchContext,
+               cache: ModelCache | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens, positions)``: rows stay rows; RoPE positions restart at each document start and continue a
+        decoding cache (counting each row's own tokens after left padding). The documents' ids per token, which
+        every layer's mask reads, are made here once."""
+        documents = context.documents
+        bsz, seq_len = tokens.shape
+        cu_seqlens = documents.cu_seqlens if documents is not None else None
+        positions = document_positions(bsz, seq_len, cu_seqlens, tokens.device)
+        if documents is not None:
+            _doc_ids(documents, bsz, seq_len)
+        if cache is not None:
+            positions = positions + cache.seen
+            if cache.pad_slots is not None:
+                positions = positions - cache.pad_slots[:, None]
+        return tokens, positions
+
+    def forward(self, x: torch.Tensor, *, context: BatchContext, positions: torch.Tensor,
+                cache: AttentionLayerCache | None) -> torch.Tensor:
+        """x ``[B, T, dim]``; ``positions`` ``[B, T]`` (:meth:`stream`). The context's documents make the mask
+        document-causal (None: each row is one document); its ``cp`` is the context-parallel view (this rank holds
+        one shard of every row): RoPE at global positions, and exact causal attention over every rank's keys and
+        values (``cp.causal_attention``)."""
         bsz, seq_len, _ = x.shape
+        cp = context.cp
+        doc_ids = _doc_ids(context.documents, bsz, seq_len) if context.documents is not None else None
         if cp is not None:
             if cache is not None:
                 raise ValueError("cache: decoding does not run under context parallelism")
@@ -290,14 +347,19 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 
+def _doc_ids(documents: Documents, bsz: int, seq_len: int) -> torch.Tensor:
+    """Every token's document index ``[B, T]``, made once per batch and kept with its documents."""
+    return documents.derived(("doc_ids", bsz, seq_len),
+                             lambda: document_ids(bsz, seq_len, documents.cu_seqlens, documents.cu_seqlens.device))
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, args: ModelArgs, *, backend: str, kernels: str, overlap_backward: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attn = (GatedDeltaMixer(args, backend=backend, kernels=kernels, overlap_backward=overlap_backward)
-                     if args.is_recurrent else Attention(args))
+        self.attn = args.mixer_class()(args, backend=backend, kernels=kernels, overlap_backward=overlap_backward)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.mlp_hidden)
 
@@ -384,33 +446,12 @@ class HolaTitanLM(nn.Module):
             raise ValueError(f"cu_seqlens: made for {documents.seq_len} tokens, the batch has {tokens.numel()}")
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens: decoding with a cache takes unpacked rows")
-        if self.args.is_recurrent:
-            positions = None
-            if cu_seqlens is not None:
-                # Packed rows become one stream of documents (the recurrent op takes B = 1 with cu_seqlens);
-                # flattening the token ids, not the activations, keeps sequence-sharded activations 3-D.
-                positions = document_positions(bsz, seq_len, cu_seqlens, tokens.device).reshape(1, -1)
-                tokens = tokens.reshape(1, -1)
-                if self.args.evict != "none":
-                    # Made here, once for every layer and outside the compiled blocks (Documents keeps it).
-                    documents.block_table(self.args.block)
-            h = self.tok_embeddings(tokens)
-            for name, block in self.layers.items():
-                layer_cache = None
-                if cache is not None:
-                    layer_cache = cache.layers.setdefault(name, RecurrentLayerCache())
-                h = block(h, context=context, positions=positions, cache=layer_cache)
-        else:
-            h = self.tok_embeddings(tokens)
-            doc_ids = document_ids(bsz, seq_len, cu_seqlens, tokens.device) if cu_seqlens is not None else None
-            positions = document_positions(bsz, seq_len, cu_seqlens, tokens.device)
-            if cache is not None:
-                positions = positions + cache.seen
-                if cache.pad_slots is not None:  # RoPE positions count each row's own tokens
-                    positions = positions - cache.pad_slots[:, None]
-            for name, block in self.layers.items():
-                layer_cache = cache.layers.setdefault(name, AttentionLayerCache()) if cache is not None else None
-                h = block(h, doc_ids=doc_ids, positions=positions, cache=layer_cache, cp=context.cp)
+        mixer = self.args.mixer_class()
+        tokens, positions = mixer.stream(self.args, tokens, context, cache)
+        h = self.tok_embeddings(tokens)
+        for name, block in self.layers.items():
+            layer_cache = cache.layers.setdefault(name, mixer.Cache()) if cache is not None else None
+            h = block(h, context=context, positions=positions, cache=layer_cache)
         if cache is not None:
             cache.seen += seq_len
         return self.norm(h.reshape(-1, h.shape[-1]) if flat else h)
