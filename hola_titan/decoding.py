@@ -29,18 +29,15 @@ token; it decodes eagerly (``hola_titan.eval.generation``).
 
 from __future__ import annotations
 
-from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
 
-from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.models.context import NO_CONTEXT
 from hola_titan.models.model import HolaTitanLM, ModelCache, RecurrentLayerCache
 
 MODES = ("buffers", "graph", "compile")
 DECODE_MODES = ("eager", *MODES)
-_LAYER_TENSORS = ("conv_q", "conv_k", "conv_v", "state")
 
 
 def resolve_mode(mode: str, model: HolaTitanLM, device: torch.device) -> str:
@@ -83,28 +80,19 @@ class _Layout:
             layer = cache.layers.get(name)
             if not isinstance(layer, RecurrentLayerCache) or layer.state is None:
                 raise ValueError(f"cache: layer {name} holds no recurrent state; prefill the cache first")
-            hola = layer.hola
             # Every layer has the same window, block and evict (one ModelArgs).
-            self.hola_meta = None if hola is None else {
-                f.name: getattr(hola, f.name) for f in fields(hola) if f.name not in HolaCache._TENSORS}
+            self.hola_meta = layer.meta()
 
     def flatten(self, cache: ModelCache) -> list[list[torch.Tensor]]:
         return [flatten_layer(cache.layers[name]) for name in self.layer_names]
 
 
 def flatten_layer(layer: RecurrentLayerCache) -> list[torch.Tensor]:
-    out = [getattr(layer, t) for t in _LAYER_TENSORS]
-    if layer.hola is not None:
-        out.extend(getattr(layer.hola, t) for t in HolaCache._TENSORS)
-    return out
+    return layer.flatten()
 
 
 def unflatten_layer(tensors: list[torch.Tensor], hola_meta: dict | None) -> RecurrentLayerCache:
-    conv_q, conv_k, conv_v, state = tensors[:4]
-    hola = None
-    if hola_meta is not None:
-        hola = HolaCache(**dict(zip(HolaCache._TENSORS, tensors[4:])), **hola_meta)
-    return RecurrentLayerCache(conv_q=conv_q, conv_k=conv_k, conv_v=conv_v, state=state, hola=hola)
+    return RecurrentLayerCache.unflatten(tensors, hola_meta)
 
 
 def _block_step(block, h: torch.Tensor, tensors: list[torch.Tensor], hola_meta: dict | None):

@@ -62,7 +62,7 @@ from hola_titan.data.packing import IGNORE_INDEX  # noqa: E402 - after transform
 from hola_titan.decoding import DECODE_MODES, StaticDecoder, flatten_layer, resolve_mode  # noqa: E402
 from hola_titan.export import FORMAT_VERSION, MODEL_TYPE  # noqa: E402
 from hola_titan.models.args import ModelArgs, model_args  # noqa: E402
-from hola_titan.models.model import AttentionLayerCache, HolaTitanLM, ModelCache, RecurrentLayerCache  # noqa: E402
+from hola_titan.models.model import HolaTitanLM, ModelCache, RecurrentLayerCache  # noqa: E402
 
 _OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 _CACHE_KWARGS = ("cache", "past_key_values")
@@ -131,14 +131,8 @@ class HolaTitanCache(ModelCache):
         def pick(t):
             return t.index_select(0, beam_idx.to(t.device)) if isinstance(t, torch.Tensor) else t
 
-        for layer in self.layers.values():
-            if isinstance(layer, RecurrentLayerCache):
-                layer.conv_q, layer.conv_k, layer.conv_v = pick(layer.conv_q), pick(layer.conv_k), pick(layer.conv_v)
-                layer.state = pick(layer.state)
-                if layer.hola is not None:
-                    layer.hola = layer.hola.map_tensors(pick)
-            elif isinstance(layer, AttentionLayerCache):
-                layer.k, layer.v, layer.pad = pick(layer.k), pick(layer.v), pick(layer.pad)
+        for layer in self.layers.values():  # in place: the layer objects are the ones the caller holds
+            layer.__dict__.update(layer.map_tensors(pick).__dict__)
         self.pad_slots = pick(self.pad_slots)
 
 
@@ -224,9 +218,9 @@ class HolaTitanForCausalLM(PreTrainedModel, GenerationMixin):
         stop sequences, the padding of finished rows, ``max_length`` / ``max_new_tokens``, streamers, returned
         scores); only the model call of each one-token step changes: the decoder steps its fixed buffers
         (:mod:`hola_titan.decoding`) instead of an eager call through the cache object (7 tokens/s at 340M on an
-        H200 at batch 1 against 267 compiled, README). The prefill is the same forward either way. So the output is
-        transformers' own token for token: bit for bit in the ``buffers`` and ``graph`` modes, which compute the
-        eager step's arithmetic; ``compile`` differs from it only in the order of float32 sums
+        H200 at batch 1 against 267 compiled, docs/status.md). The prefill is the same forward either way. So the
+        output is transformers' own token for token: bit for bit in the ``buffers`` and ``graph`` modes, which
+        compute the eager step's arithmetic; ``compile`` differs from it only in the order of float32 sums
         (:mod:`hola_titan.decoding`), which can flip a near tie.
 
         Args:
@@ -453,9 +447,7 @@ def _hand_back(decoder: StaticDecoder, cache: ModelCache) -> None:
 
 
 def _clone_layer(layer: RecurrentLayerCache) -> RecurrentLayerCache:
-    hola = None if layer.hola is None else layer.hola.map_tensors(torch.clone)
-    return RecurrentLayerCache(conv_q=layer.conv_q.clone(), conv_k=layer.conv_k.clone(),
-                               conv_v=layer.conv_v.clone(), state=layer.state.clone(), hola=hola)
+    return layer.map_tensors(torch.clone)
 
 
 def _padding(attention_mask: torch.Tensor | None, input_ids: torch.Tensor, *, continuing: bool) -> str | None:

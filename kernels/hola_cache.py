@@ -19,7 +19,7 @@ the sequence length: (W + C) entries per head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +40,21 @@ class HolaCache:
     block: int
     evict: str
 
-    _TENSORS = ("scores", "positions", "k", "v", "buf_scores", "buf_k", "buf_v", "seen")
+    # The layout, public: the tensors (in this order, sequences first in every one) and the metadata. Code that
+    # moves a cache (decoding buffers, context-parallel messages, generation's row selection) goes through
+    # flatten / unflatten / map_tensors / cat instead of naming the fields.
+    TENSORS = ("scores", "positions", "k", "v", "buf_scores", "buf_k", "buf_v", "seen")
+    META = ("window", "block", "evict")
+    ROWS = ("k", "v", "buf_k", "buf_v")  # token rows, in the activations' dtype, differentiable
+    SCORES = ("scores", "buf_scores")  # float32 or float64, never differentiated (selection is discrete)
+    INTEGER = ("positions", "seen")  # int64
+
+    @staticmethod
+    def shapes(*, num_seqs: int, num_heads: int, head_dim: int, window: int, block: int) -> dict[str, tuple]:
+        """The shape of every tensor, by name, for these sizes."""
+        n, h, d, w, c = num_seqs, num_heads, head_dim, window, block
+        return {"scores": (n, h, w), "positions": (n, h, w), "k": (n, h, w, d), "v": (n, h, w, d),
+                "buf_scores": (n, h, c), "buf_k": (n, h, c, d), "buf_v": (n, h, c, d), "seen": (n,)}
 
     @classmethod
     def empty(cls, num_seqs: int, num_heads: int, head_dim: int, *, window: int, block: int, evict: str,
@@ -71,12 +85,22 @@ class HolaCache:
     def head_dim(self) -> int:
         return self.k.shape[-1]
 
+    def flatten(self) -> list[torch.Tensor]:
+        """The tensors in :attr:`TENSORS` order (:meth:`unflatten` rebuilds the cache with :meth:`meta`)."""
+        return [getattr(self, name) for name in self.TENSORS]
+
+    def meta(self) -> dict:
+        return {name: getattr(self, name) for name in self.META}
+
+    @classmethod
+    def unflatten(cls, tensors: list[torch.Tensor], meta: dict) -> HolaCache:
+        if len(tensors) != len(cls.TENSORS):
+            raise ValueError(f"cache: a HolaCache has {len(cls.TENSORS)} tensors, got {len(tensors)}")
+        return cls(**dict(zip(cls.TENSORS, tensors)), **meta)
+
     def map_tensors(self, fn) -> HolaCache:
         """A cache whose tensors are ``fn(tensor)``; the metadata is kept."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name in self._TENSORS:
-            values[name] = fn(values[name])
-        return HolaCache(**values)
+        return self.unflatten([fn(t) for t in self.flatten()], self.meta())
 
     def detach(self) -> HolaCache:
         return self.map_tensors(torch.Tensor.detach)
@@ -92,14 +116,11 @@ class HolaCache:
         for other in caches[1:]:
             if (other.window, other.block, other.evict) != (first.window, first.block, first.evict):
                 raise ValueError("initial_cache: caches to concatenate differ in window, block or evict")
-        values = {f.name: getattr(first, f.name) for f in fields(first)}
-        for name in HolaCache._TENSORS:
-            values[name] = torch.cat([getattr(c, name) for c in caches], dim=0)
-        return HolaCache(**values)
+        return HolaCache.unflatten([torch.cat(parts) for parts in zip(*(c.flatten() for c in caches))], first.meta())
 
     def nbytes(self) -> int:
         """Bytes held by the cache's tensors (constant in the sequence length)."""
-        return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in self._TENSORS)
+        return sum(t.numel() * t.element_size() for t in self.flatten())
 
     def check_matches(self, *, num_seqs: int, num_heads: int, head_dim: int, window: int, block: int,
                       evict: str) -> None:
@@ -108,12 +129,7 @@ class HolaCache:
         actual = dict(window=self.window, block=self.block, evict=self.evict)
         if expected != actual:
             raise ValueError(f"initial_cache: built with {actual}, but the call uses {expected}")
-        shapes = {
-            "scores": (num_seqs, num_heads, window), "positions": (num_seqs, num_heads, window),
-            "k": (num_seqs, num_heads, window, head_dim), "v": (num_seqs, num_heads, window, head_dim),
-            "buf_scores": (num_seqs, num_heads, block), "buf_k": (num_seqs, num_heads, block, head_dim),
-            "buf_v": (num_seqs, num_heads, block, head_dim), "seen": (num_seqs,),
-        }
+        shapes = self.shapes(num_seqs=num_seqs, num_heads=num_heads, head_dim=head_dim, window=window, block=block)
         for name, shape in shapes.items():
             got = tuple(getattr(self, name).shape)
             if got != shape:

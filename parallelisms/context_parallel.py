@@ -377,10 +377,10 @@ class _Message:
            has_cache: bool) -> _Message:
         floats = [("tails", (3, rows, k1, width)), ("state", (n, h, d, d))]
         ints = []
-        if has_cache:
-            floats += [("k", (n, h, window, d)), ("v", (n, h, window, d)), ("buf_k", (n, h, block, d)),
-                       ("buf_v", (n, h, block, d)), ("scores", (n, h, window)), ("buf_scores", (n, h, block))]
-            ints += [("positions", (n, h, window)), ("seen", (n,))]
+        if has_cache:  # the cache's own layout (kernels/hola_cache.py)
+            shapes = HolaCache.shapes(num_seqs=n, num_heads=h, head_dim=d, window=window, block=block)
+            floats += [(name, shapes[name]) for name in HolaCache.TENSORS if name not in HolaCache.INTEGER]
+            ints += [(name, shapes[name]) for name in HolaCache.INTEGER]
         return cls(floats=tuple(floats), ints=tuple(ints))
 
     @staticmethod
@@ -543,12 +543,11 @@ class CPLayer:
             if has_cache:
                 fresh = HolaCache.empty(n_call, h, d, window=window, block=block, evict=evict, dtype=q.dtype,
                                         device=device, score_dtype=cdt)
-                parts = dict(k=got["k"].to(q.dtype), v=got["v"].to(q.dtype), buf_k=got["buf_k"].to(q.dtype),
-                             buf_v=got["buf_v"].to(q.dtype), scores=got["scores"].detach(),
-                             buf_scores=got["buf_scores"].detach(), positions=got["positions"], seen=got["seen"])
-                initial_cache = HolaCache(**{name: getattr(fresh, name).index_copy(0, seqs, parts[name])
-                                             for name in HolaCache._TENSORS},
-                                          window=window, block=block, evict=evict)
+                parts = {name: got[name].to(q.dtype) if name in HolaCache.ROWS else
+                         got[name].detach() if name in HolaCache.SCORES else got[name] for name in HolaCache.TENSORS}
+                initial_cache = HolaCache.unflatten(
+                    [empty.index_copy(0, seqs, parts[name]) for name, empty in zip(HolaCache.TENSORS, fresh.flatten())],
+                    fresh.meta())
         if split:
             n0 = layout.seq_len[0]
             rest_docs = cp.memo(("rest_docs", device), lambda: Documents.from_host(
@@ -583,9 +582,9 @@ class CPLayer:
         spec = self._message(tail_rows=tails.shape[1], width=h * d, n=len(self.chains_out))
         values = {"tails": tails, "state": result[1].index_select(0, seqs)}
         if self.evict != "none":
-            final = result[2]
-            values.update({name: getattr(final, name).index_select(0, seqs) for name in HolaCache._TENSORS})
-            values["scores"], values["buf_scores"] = values["scores"].detach(), values["buf_scores"].detach()
+            final = result[2].select(seqs)
+            values.update((name, t.detach() if name in HolaCache.SCORES else t)
+                          for name, t in zip(HolaCache.TENSORS, final.flatten()))
         group = cp.group.mesh.get_group()
         dst = dist.get_global_rank(group, cp.cp_rank + 1)
         if spec.ints and not self.replay:

@@ -32,13 +32,44 @@ INIT_STD = 0.02
 
 @dataclass
 class RecurrentLayerCache:
-    """Decoding state of one HOLA/GDN layer: conv tails ``[B, K-1, H*D]``, state ``[B, H, D, D]``, HOLA cache."""
+    """Decoding state of one HOLA/GDN layer: conv tails ``[B, K-1, H*D]``, state ``[B, H, D, D]``, HOLA cache.
+
+    Its layout is public (:attr:`TENSORS`, then the HOLA cache's; :meth:`flatten`, :meth:`unflatten`,
+    :meth:`map_tensors`, :meth:`stack_rows`): the static decoder's buffers, generation's row selection and the
+    batching of prompts move it through these, without naming its parts."""
 
     conv_q: torch.Tensor | None = None
     conv_k: torch.Tensor | None = None
     conv_v: torch.Tensor | None = None
     state: torch.Tensor | None = None
     hola: HolaCache | None = None
+
+    TENSORS = ("conv_q", "conv_k", "conv_v", "state")
+
+    def flatten(self) -> list[torch.Tensor]:
+        """Its tensors (batch rows first in each): :attr:`TENSORS`, then the HOLA cache's, if any."""
+        return [getattr(self, name) for name in self.TENSORS] + (self.hola.flatten() if self.hola is not None else [])
+
+    def meta(self) -> dict | None:
+        """What :meth:`unflatten` needs besides the tensors: the HOLA cache's settings (None: no HOLA cache)."""
+        return None if self.hola is None else self.hola.meta()
+
+    @classmethod
+    def unflatten(cls, tensors: list[torch.Tensor], meta: dict | None) -> RecurrentLayerCache:
+        own = len(cls.TENSORS)
+        hola = None if meta is None else HolaCache.unflatten(list(tensors[own:]), meta)
+        return cls(**dict(zip(cls.TENSORS, tensors[:own])), hola=hola)
+
+    def map_tensors(self, fn) -> RecurrentLayerCache:
+        """The same cache with every tensor ``fn(tensor)`` (select rows, clone, detach)."""
+        return self.unflatten([fn(t) for t in self.flatten()], self.meta())
+
+    @classmethod
+    def stack_rows(cls, layers: list[RecurrentLayerCache], *, slots: int,
+                   pad_slots: torch.Tensor) -> RecurrentLayerCache:
+        """One batch from one-row caches: every row continues exactly where its own prompt stopped (the state is
+        the state, whatever the padding), so the rows are concatenated."""
+        return cls.unflatten([torch.cat(parts) for parts in zip(*(x.flatten() for x in layers))], layers[0].meta())
 
 
 @dataclass
@@ -49,6 +80,24 @@ class AttentionLayerCache:
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     pad: torch.Tensor | None = None
+
+    def flatten(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.pad) if t is not None]
+
+    def map_tensors(self, fn) -> AttentionLayerCache:
+        """The same cache with every tensor ``fn(tensor)`` (select rows, clone)."""
+        return AttentionLayerCache(**{name: None if t is None else fn(t)
+                                      for name, t in (("k", self.k), ("v", self.v), ("pad", self.pad))})
+
+    @classmethod
+    def stack_rows(cls, layers: list[AttentionLayerCache], *, slots: int,
+                   pad_slots: torch.Tensor) -> AttentionLayerCache:
+        """One batch from one-row caches: keys and values left-padded to ``slots``, the pad slots masked."""
+        def left_pad(t: torch.Tensor) -> torch.Tensor:
+            return F.pad(t, (0, 0, 0, 0, slots - t.shape[1], 0))
+        pad = torch.arange(slots, device=pad_slots.device)[None, :] < pad_slots[:, None]
+        return cls(k=torch.cat([left_pad(x.k) for x in layers]), v=torch.cat([left_pad(x.v) for x in layers]),
+                   pad=pad)
 
 
 @dataclass
@@ -69,35 +118,16 @@ class ModelCache:
         row are that row's; Transformer++ keys and values are left-padded, and the pad slots masked)."""
         if not rows or any(r.pad_slots is not None or r.seen > slots for r in rows):
             raise ValueError("cache: stack_rows takes unpadded one-row caches of at most `slots` tokens")
-        some = next(iter(rows[0].layers.values()))
-        device = some.state.device if isinstance(some, RecurrentLayerCache) else some.k.device
+        device = next(iter(rows[0].layers.values())).flatten()[0].device
         out = cls(seen=slots, pad_slots=torch.tensor([slots - r.seen for r in rows], dtype=torch.int64,
                                                      device=device))
         for name, first in rows[0].layers.items():
-            layers = [r.layers[name] for r in rows]
-            if isinstance(first, RecurrentLayerCache):
-                hola = HolaCache.cat([x.hola for x in layers]) if first.hola is not None else None
-                out.layers[name] = RecurrentLayerCache(
-                    conv_q=torch.cat([x.conv_q for x in layers]), conv_k=torch.cat([x.conv_k for x in layers]),
-                    conv_v=torch.cat([x.conv_v for x in layers]), state=torch.cat([x.state for x in layers]),
-                    hola=hola)
-            else:
-                def left_pad(t: torch.Tensor) -> torch.Tensor:
-                    return F.pad(t, (0, 0, 0, 0, slots - t.shape[1], 0))
-                pad = torch.arange(slots, device=device)[None, :] < out.pad_slots[:, None]
-                out.layers[name] = AttentionLayerCache(k=torch.cat([left_pad(x.k) for x in layers]),
-                                                       v=torch.cat([left_pad(x.v) for x in layers]), pad=pad)
+            out.layers[name] = type(first).stack_rows([r.layers[name] for r in rows], slots=slots,
+                                                      pad_slots=out.pad_slots)
         return out
 
     def nbytes(self) -> int:
-        total = 0
-        for layer in self.layers.values():
-            for value in vars(layer).values():
-                if isinstance(value, torch.Tensor):
-                    total += value.numel() * value.element_size()
-                elif isinstance(value, HolaCache):
-                    total += value.nbytes()
-        return total
+        return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in layer.flatten())
 
 
 class GatedDeltaMixer(LocalParams, nn.Module):
