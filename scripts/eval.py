@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Evaluate checkpoints: ``python scripts/eval.py EVAL --checkpoint FOLDER [options]``.
 
-The same command line as ``python -m hola_titan.eval`` (see ``hola_titan/eval/README.md``): ``ppl``,
+The same command line as ``python -m hola_titan.eval`` (see docs/evaluation.md): ``ppl``,
 ``generate``, ``niah`` and ``mqar``, each with ``--compare A B ...`` for a table across checkpoints.
 """
 

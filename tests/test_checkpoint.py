@@ -375,7 +375,7 @@ def _scripts():
 
 
 def test_initial_load_path_loads_without_checkpoint_enable_and_the_run_says_so(one_process, tmp_path, caplog):
-    """The README's route back from safetensors (convert, import, --checkpoint.initial_load_path) with
+    """The route back from safetensors in docs/checkpoints.md (convert, import, --checkpoint.initial_load_path) with
     checkpoint.enable false: the first step runs on the source's weights (checkpoint.enable governs saving and
     resuming only), and the log and paths.json name the weights the run started from."""
     convert, imported = _scripts()

@@ -30,7 +30,7 @@ TEXTS = ["The cat sat on the mat and looked at the door.",
          "A river runs through the old town, past the mill and under three bridges.",
          "Numbers: one two three four five six seven eight nine ten."]
 REPO = Path(__file__).resolve().parents[1]
-# The README's offline example task (its data path is relative to the repository's root).
+# The offline example task of docs/evaluation.md (its data path is relative to the repository's root).
 LOCAL_TASK = REPO / "scripts" / "lm_eval_local"
 QUESTIONS = [json.loads(line) for line in (LOCAL_TASK / "questions.jsonl").read_text().splitlines()]
 PROMPTS = [{"prompt": "Once upon a time", "answer": " there"}, {"prompt": "The", "answer": " end"},
@@ -141,7 +141,7 @@ def test_the_plain_lm_eval_command_opens_the_export_in_a_fresh_process(export, t
     folder's auto_map does what ``import hola_titan.hf_model`` did; the scores equal the in-process run's."""
     _, _, root = export
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    # The README's offline example as written (the shipped task, run from the repository's root), beside the
+    # docs/evaluation.md's offline example as written (the shipped task, run from the repository's root), beside the
     # generation task of this module.
     tasks = tmp_path / "tasks"
     tasks.mkdir()

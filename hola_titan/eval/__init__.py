@@ -13,7 +13,7 @@ Modules:
 * :mod:`~hola_titan.eval.report`: result JSON, plots and comparison tables;
 * :mod:`~hola_titan.eval.runtime`: errors, lengths like ``4k``, devices and peak memory.
 
-The project README (section Evaluation) shows one command per eval and how to run lm-eval on an exported folder.
+docs/evaluation.md shows one command per eval and how to run lm-eval on an exported folder.
 """
 
 from hola_titan.eval.generation import Generation, SamplingOptions, generate, measure_decoding_memory
