@@ -66,7 +66,8 @@ def resolve_mode(mode: str, model: HolaTitanLM, device: torch.device) -> str:
 def _one_token_step(model: HolaTitanLM) -> bool:
     """Whether the token mixer takes the one-token step (every backend but ``"reference"``)."""
     first = next(iter(model.layers.values())).attn
-    return getattr(first, "backend", "reference") != "reference"
+    settings = getattr(first, "settings", None)  # recurrent mixers (Transformer++ has none)
+    return settings is not None and settings.backend != "reference"
 
 
 class _Layout:

@@ -15,6 +15,8 @@ largest m (``evict="score"``) or the ``window`` positions just before the block 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hola_titan.kernels import hola_decode
@@ -25,6 +27,34 @@ from hola_titan.kernels.hola_reference import hola_attention_reference
 EVICT_MODES = ("score", "recency", "none")
 BACKENDS = ("auto", "reference", "sdpa", "triton")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class HolaSettings:
+    """What one HOLA (or GDN) layer passes to :func:`hola_attention` on every call: its cache's ``window`` and
+    ``block``, the eviction, the backend and the overlapped backward. Made once by the layer, checked then, and
+    handed whole to the op (:meth:`kwargs`) and to context parallelism, so that no caller repeats the keywords."""
+
+    window: int
+    block: int
+    evict: str
+    backend: str = "auto"
+    overlap_backward: bool = False
+
+    def __post_init__(self):
+        if self.window < 0:
+            raise ValueError(f"window: must be >= 0, got {self.window}")
+        if self.block <= 0:
+            raise ValueError(f"block: must be >= 1, got {self.block}")
+        if self.evict not in EVICT_MODES:
+            raise ValueError(f"evict: expected one of {EVICT_MODES}, got {self.evict!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+
+    def kwargs(self) -> dict:
+        """The keyword arguments of :func:`hola_attention` these settings give."""
+        return dict(window=self.window, block=self.block, evict=self.evict, backend=self.backend,
+                    overlap_backward=self.overlap_backward)
 
 
 def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -61,7 +61,7 @@ from hola_titan.kernels import seqlens
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.kernels.hola_reference import compute_dtype
 from hola_titan.kernels.seqlens import Documents
-from hola_titan.ops import hola_attention
+from hola_titan.ops import HolaSettings, hola_attention
 
 
 @dataclass(frozen=True)
@@ -294,10 +294,11 @@ class CPBatch:
         return self.group._gather(x, differentiable=differentiable)
 
     @torch.compiler.disable
-    def layer(self, key, *, head_dim: int, window: int, block: int, evict: str) -> CPLayer:
-        """One recurrent layer call (its convolution tails, then its attention). ``key`` names the layer (the
-        mixer module): a second call with the same key is its forward re-run under activation checkpointing."""
-        return CPLayer(self, key, head_dim=head_dim, window=window, block=block, evict=evict)
+    def layer(self, key, *, head_dim: int, settings: HolaSettings) -> CPLayer:
+        """One recurrent layer call (its convolution tails, then its attention) with the layer's ``settings``.
+        ``key`` names the layer (the mixer module): a second call with the same key is its forward re-run under
+        activation checkpointing."""
+        return CPLayer(self, key, head_dim=head_dim, settings=settings)
 
     @torch.compiler.disable
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -416,9 +417,10 @@ class CPLayer:
     r+1. Made per call by ``CPBatch.layer(key)``; what it received is kept in the batch under ``key``, so that a
     forward re-run under activation checkpointing reads the same and sends nothing."""
 
-    def __init__(self, cp: CPBatch, key, *, head_dim: int, window: int, block: int, evict: str):
+    def __init__(self, cp: CPBatch, key, *, head_dim: int, settings: HolaSettings):
         self.cp, self.layout = cp, cp.layout
-        self.head_dim, self.window, self.block, self.evict = head_dim, window, block, evict
+        self.head_dim, self.settings = head_dim, settings
+        self.window, self.block, self.evict = settings.window, settings.block, settings.evict
         self._kept = cp._handover.setdefault(key, {})
         self.replay = "done" in self._kept
         r, layout = self.layout.cp_rank, self.layout
@@ -500,19 +502,12 @@ class CPLayer:
         return {**_Message.unpack(spec.floats, floats), **_Message.unpack(spec.ints, self._kept["ints"])}
 
     @torch.compiler.disable
-    def attention(self, q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int = 64, block: int = 256,
-                  evict: str = "score", cu_seqlens=None, documents: Documents | None = None, initial_state=None,
-                  output_final_state: bool = False, initial_cache=None, output_final_cache: bool = False,
-                  backend: str = "auto", overlap_backward: bool = False):
-        """``hola_attention`` over this rank's shard as the continuation of what rank r-1 sent (the module
-        docstring); same signature and result as ``hola_attention``, without decoding options.
-        ``overlap_backward`` is accepted and not used: shards run the layered form."""
-        if initial_state is not None or initial_cache is not None or output_final_state or output_final_cache:
-            raise ValueError("initial_state: context parallelism runs whole training rows; states and caches "
-                             "of a call are not available under it")
-        if (window, block, evict) != (self.window, self.block, self.evict):
-            raise ValueError(f"window/block/evict: the call's ({window}, {block}, {evict}) differ from the layer's "
-                             f"({self.window}, {self.block}, {self.evict}) given to CPBatch.layer")
+    def attention(self, q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, documents: Documents | None = None,
+                  cu_seqlens=None):
+        """``hola_attention`` over this rank's shard, with the layer's settings, as the continuation of what rank
+        r-1 sent (the module docstring): ``(o, None)``. Whole training rows only (no states or caches of a call);
+        the settings' ``overlap_backward`` does not apply: shards run the layered form."""
+        window, block, evict, backend = self.window, self.block, self.evict, self.settings.backend
         if cu_seqlens is not None:
             if documents is not None:
                 raise ValueError("cu_seqlens: give cu_seqlens or documents, not both")

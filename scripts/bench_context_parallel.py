@@ -398,6 +398,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if use_cuda else torch.float32
     from hola_titan import hola_attention
+    from hola_titan.ops import HolaSettings
     from hola_titan.kernels.seqlens import Documents
     from hola_titan.parallelisms.context_parallel import ContextParallel, build_layout
     from hola_titan.parallelisms.parallel_dims import end_process_group
@@ -429,9 +430,8 @@ def main(argv=None) -> int:
 
             def cp_step():
                 batch = cp.batch(layout)  # one batch per step: each layer's messages are kept in it
-                layers = [batch.layer(i, head_dim=args.dim, **kw) for i in range(args.layers)]
-                stack(lambda i, *a: layers[i].attention(*a, documents=docs_local, **kw)[0], args.layers, local,
-                      do_local)
+                layers = [batch.layer(i, head_dim=args.dim, settings=HolaSettings(**kw)) for i in range(args.layers)]
+                stack(lambda i, *a: layers[i].attention(*a, documents=docs_local)[0], args.layers, local, do_local)
 
             try:
                 dist.barrier()

@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     _stub_heavy_parts()
     from torch.distributed.device_mesh import init_device_mesh
 
+    from hola_titan.ops import HolaSettings
     from hola_titan.parallelisms.context_parallel import ContextParallel, build_layout
 
     dist.init_process_group("gloo")
@@ -96,9 +97,9 @@ def main(argv=None) -> int:
 
     def call():
         # A new batch each call: the count includes making the layout's index tensors.
-        layer = cp.batch(layout).layer("count", head_dim=d, window=args.window, block=args.block, evict="score")
-        o, _ = layer.attention(*x.values(), cu_seqlens=cu_seqlens, window=args.window, block=args.block,
-                               evict="score", backend="triton")
+        settings = HolaSettings(window=args.window, block=args.block, evict="score", backend="triton")
+        layer = cp.batch(layout).layer("count", head_dim=d, settings=settings)
+        o, _ = layer.attention(*x.values(), cu_seqlens=cu_seqlens)
         o.sum().backward()
 
     call()  # warm: the interpreter's first launches

@@ -34,6 +34,7 @@ from hola_titan.kernels.seqlens import Documents  # noqa: E402
 from hola_titan.models.args import model_args, replace  # noqa: E402
 from hola_titan.models.context import BatchContext  # noqa: E402
 from hola_titan.models.model import HolaTitanLM  # noqa: E402
+from hola_titan.ops import HolaSettings  # noqa: E402
 from hola_titan.parallelisms.context_parallel import (ContextParallel, build_layout,  # noqa: E402
                                                       context_parallel_for)
 
@@ -127,9 +128,9 @@ def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | Non
     if before is not None:
         before()
     cp.bytes_received = 0
-    layer = cp_batch.layer("attn", head_dim=dim, window=window, block=block, evict=evict)
-    o, _ = layer.attention(*(local[n] for n in INPUTS), *cache_args(local), window=window, block=block, evict=evict,
-                           cu_seqlens=cu_local, backend=backend)
+    settings = HolaSettings(window=window, block=block, evict=evict, backend=backend)
+    layer = cp_batch.layer("attn", head_dim=dim, settings=settings)
+    o, _ = layer.attention(*(local[n] for n in INPUTS), *cache_args(local), cu_seqlens=cu_local)
     received = cp.bytes_received
     (o * x["weight"][:, cols]).sum().backward()
     if after is not None:

@@ -25,7 +25,7 @@ from hola_titan.models.args import ModelArgs
 from hola_titan.models.context import NO_CONTEXT, BatchContext
 from hola_titan.models.layers import (FeedForward, RMSNorm, ShortConvolution, _is_plain_linear, apply_rope,
                                       document_ids, document_positions, LocalParams)
-from hola_titan.ops import hola_attention
+from hola_titan.ops import HolaSettings, hola_attention
 
 INIT_STD = 0.02
 
@@ -157,9 +157,10 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         super().__init__()
         dim, h, d = args.dim, args.n_heads, args.head_dim
         self.num_heads, self.head_dim = h, d
-        self.evict, self.window, self.block = args.evict, args.window, args.block
-        self.backend = backend
-        self.overlap_backward = overlap_backward
+        # What every call of the op takes, made (and checked) once; context parallelism gets it whole.
+        self.settings = HolaSettings(window=args.window, block=args.block, evict=args.evict, backend=backend,
+                                     overlap_backward=overlap_backward)
+        self.evict = args.evict
         if kernels not in ("triton", "reference"):
             raise ValueError(f"kernels: expected 'triton' or 'reference' (resolved), got {kernels!r}")
         self.kernels = kernels
@@ -221,37 +222,53 @@ class GatedDeltaMixer(LocalParams, nn.Module):
     def forward(self, x: torch.Tensor, *, context: BatchContext, positions: torch.Tensor | None,
                 cache: RecurrentLayerCache | None) -> torch.Tensor:
         """x ``[B, T, dim]`` (B = 1 with packed documents); ``positions`` in-document positions ``[B, T]``
-        (:meth:`stream`)."""
-        documents = context.documents
+        (:meth:`stream`). With ``cache``, continues from it (decoding, chunked prefill) and updates it in place."""
         cp = None
         if context.cp is not None:  # keyed by this mixer: a re-run under activation checkpointing reads its messages
-            cp = context.cp.layer(self, head_dim=self.head_dim, window=self.window, block=self.block,
-                                  evict=self.evict)
-        if cp is not None and cache is not None:
-            raise ValueError("cache: decoding does not run under context parallelism")
+            if cache is not None:
+                raise ValueError("cache: decoding does not run under context parallelism")
+            cp = context.cp.layer(self, head_dim=self.head_dim, settings=self.settings)
         continuing = cache is not None and cache.state is not None
+        q, k, v, tails = self._convolve(x, positions=positions, cp=cp, cache=cache, continuing=continuing)
+        o = self._attend(x, q, k, v, documents=context.documents, cp=cp, cache=cache, continuing=continuing)
+        if cache is not None:
+            cache.conv_q, cache.conv_k, cache.conv_v = tails
+        o = self.o_norm(o)
+        bsz, seq_len, _ = x.shape
+        if self.g_proj is not None:
+            o = o * F.silu(self.g_proj(x).view(bsz, seq_len, -1, self.head_dim))
+        return self.o_proj(o.reshape(bsz, seq_len, -1))
+
+    def _convolve(self, x, *, positions, cp, cache, continuing: bool):
+        """``(q, k, v [B, T, H*D], tails)``: the projections through the short convolutions, and the tails they
+        leave. One path whatever supplies the tails the convolutions start from: the previous shard (context
+        parallelism, which also says which tokens continue a document of an earlier rank), a decoding cache being
+        continued, or nothing (every row or document starts here). The fused kernel serves the last case where it
+        applies (:meth:`_fused_conv_applies`)."""
         if self._fused_conv_applies(cp, cache):
             # One q|k|v projection and one convolution kernel each way (kernels/short_conv.py).
             from hola_titan.kernels.short_conv import short_conv_qkv
             w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
             q, k, v = short_conv_qkv(F.linear(x, w_qkv), [self.q_conv.weight, self.k_conv.weight,
                                                            self.v_conv.weight], positions=positions)
-            return self._mix(x, q, k, v, documents=documents, cache=None, cp=None, continuing=False, tails=None)
+            return q, k, v, None
         projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+        continues = None
         if cp is not None:
             tails, continues = cp.conv_tails(projected, positions)
-            conv_inputs = [dict(positions=positions, tail=t, continues=continues) for t in tails]
+        elif continuing:
+            tails, positions = (cache.conv_q, cache.conv_k, cache.conv_v), None
         else:
-            tails = (cache.conv_q, cache.conv_k, cache.conv_v) if continuing else (None, None, None)
-            conv_inputs = [dict(positions=None if continuing else positions, tail=t) for t in tails]
+            tails = (None, None, None)
         (q, tail_q), (k, tail_k), (v, tail_v) = (
-            conv(p, **kw) for conv, p, kw in zip((self.q_conv, self.k_conv, self.v_conv), projected, conv_inputs))
-        return self._mix(x, q, k, v, documents=documents, cache=cache, cp=cp, continuing=continuing,
-                         tails=(tail_q, tail_k, tail_v))
+            conv(p, positions=positions, tail=t, continues=continues)
+            for conv, p, t in zip((self.q_conv, self.k_conv, self.v_conv), projected, tails))
+        return q, k, v, (tail_q, tail_k, tail_v)
 
     def _fused_conv_applies(self, cp, cache) -> bool:
-        """The fused convolution serves a plain forward (no context parallelism, no decoding cache) of plain
-        projections and convolutions (not tensor-parallel, not converted); the PyTorch path serves the rest."""
+        """The fused convolution serves a call that starts every row or document here (no context parallelism, no
+        decoding cache) with plain projections and convolutions (not tensor-parallel, not converted) on the
+        Triton kernels; the PyTorch path serves the rest."""
         if self.kernels != "triton" or cp is not None or cache is not None:
             return False
         if self.computes_locally or any(c.computes_locally for c in (self.q_conv, self.k_conv, self.v_conv)):
@@ -260,8 +277,9 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         return (all(_is_plain_linear(p) for p in (self.q_proj, self.k_proj, self.v_proj))
                 and supports(self.q_proj.out_features, self.q_proj.weight.device))
 
-    def _mix(self, x, q, k, v, *, documents, cache, cp, continuing: bool, tails) -> torch.Tensor:
-        """Gates, the attention op, the output norm and projection, from the convolved ``q, k, v [B, T, H*D]``."""
+    def _attend(self, x, q, k, v, *, documents, cp, cache, continuing: bool) -> torch.Tensor:
+        """The gates and the op over the convolved ``q, k, v [B, T, H*D]``: ``o [B, T, H, D]`` before the output
+        norm; a decoding ``cache`` gets the final state and HOLA cache."""
         bsz, seq_len, _ = x.shape
         # -1: under tensor parallelism only the local heads are here.
         q, k, v = (t.view(bsz, seq_len, -1, self.head_dim) for t in (q, k, v))
@@ -272,21 +290,16 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         cache_params = (None, None, None, None)
         if self.evict != "none":
             cache_params = tuple(self.param(name) for name in ("gamma_q", "gamma_k", "sink", "gate"))
+        if cp is not None:
+            return cp.attention(q, k, v, g, beta, *cache_params, documents=documents)[0]
         want_cache = cache is not None and self.evict != "none"
-        attention = cp.attention if cp is not None else hola_attention
-        result = attention(
-            q, k, v, g, beta, *cache_params, window=self.window, block=self.block, evict=self.evict,
-            documents=documents, initial_state=cache.state if continuing else None,
-            output_final_state=cache is not None, initial_cache=cache.hola if want_cache and continuing else None,
-            output_final_cache=want_cache, backend=self.backend, overlap_backward=self.overlap_backward)
-        o = result[0]
+        result = hola_attention(
+            q, k, v, g, beta, *cache_params, **self.settings.kwargs(), documents=documents,
+            initial_state=cache.state if continuing else None, output_final_state=cache is not None,
+            initial_cache=cache.hola if want_cache and continuing else None, output_final_cache=want_cache)
         if cache is not None:
-            (cache.conv_q, cache.conv_k, cache.conv_v), cache.state = tails, result[1]
-            cache.hola = result[2] if want_cache else None
-        o = self.o_norm(o)
-        if self.g_proj is not None:
-            o = o * F.silu(self.g_proj(x).view(bsz, seq_len, -1, self.head_dim))
-        return self.o_proj(o.reshape(bsz, seq_len, -1))
+            cache.state, cache.hola = result[1], result[2] if want_cache else None
+        return result[0]
 
 
 class Attention(nn.Module):

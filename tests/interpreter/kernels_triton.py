@@ -319,7 +319,7 @@ def test_overlapped_layer_op_matches_the_layered_form(monkeypatch):
 
     monkeypatch.setattr(hola_triton_layer, "_gdn_fwd_impl", fwd)
     monkeypatch.setattr(hola_triton_layer, "_gdn_bwd_impl", bwd)
-    monkeypatch.setattr(hola_triton_layer, "ensure_backward_checked", lambda *a: None)
+    monkeypatch.setattr(hola_triton_layer, "ensure_backward_checked", lambda *a, **k: None)
     b, t, h, d = 1, 40, 2, 16
     cu = torch.tensor([0, 3, 21, 40])
     x = make_inputs(b, t, h, d, seed=17)
