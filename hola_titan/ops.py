@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hola_titan.kernels import hola_decode
+from hola_titan.kernels import hola_step
 from hola_titan.kernels.seqlens import Documents
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.kernels.hola_reference import hola_attention_reference
@@ -83,7 +83,7 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         initial_cache / output_final_cache: a :class:`HolaCache` to continue from / to return.
         backend: ``"auto"``, ``"reference"``, ``"sdpa"`` or ``"triton"``. A decoding step (one token per row,
             no ``cu_seqlens``, continuing from a state and cache, no gradient wanted) runs the same arithmetic
-            as the reference through ``kernels/hola_decode.py`` with every backend but ``"reference"``.
+            as the reference through ``kernels/hola_step.py`` with every backend but ``"reference"``.
         overlap_backward: Triton backend on CUDA: the layer as one op whose backward overlaps the cache
             attention's backward (a side stream) with fla's (``kernels/hola_triton_layer.py``); same results.
 
@@ -103,11 +103,11 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         else:
             check_supported(q, chosen)
     args = (q, k, v, g, beta, gamma_q, gamma_k, sink, gate)
-    if backend != "reference" and hola_decode.applies(args, cu_seqlens=cu_seqlens, initial_state=initial_state,
+    if backend != "reference" and hola_step.applies(args, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                                       initial_cache=initial_cache, evict=evict):
-        # Decoding: one token per row through a fixed, small set of tensor ops (kernels/hola_decode.py); the
+        # Decoding: one token per row through a fixed, small set of tensor ops (kernels/hola_step.py); the
         # blocked paths below cost about 1,500 ATen calls per layer for a single token.
-        o, final_state, final_cache = hola_decode.decode_step(
+        o, final_state, final_cache = hola_step.decode_step(
             *args, window=window, block=block, evict=evict, initial_state=initial_state,
             initial_cache=initial_cache, output_final_state=output_final_state,
             output_final_cache=output_final_cache)

@@ -34,7 +34,7 @@ def test_buffers_equal_the_cache_object(flavour, dtype):
     eager = generate(model, prompt, max_new_tokens=30, decode="eager")
     static = generate(model, prompt, max_new_tokens=30, decode="buffers")
     assert static.tokens == eager.tokens and static.steps == eager.steps == 30
-    assert static.decode_path["decode"] == "buffers" and static.decode_path["mixer_step"] == "hola_decode"
+    assert static.decode_path["decode"] == "buffers" and static.decode_path["mixer_step"] == "hola_step"
     assert eager.decode_path == {"decode": "eager"}
     # The whole cache after 29 steps, bit for bit (the same operations on the same values).
     for a, b in zip(flat_cache(eager.cache), flat_cache(static.cache), strict=True):

@@ -79,7 +79,7 @@ def _both(hf, make_kwargs, *, seed: int = 0) -> dict:
 def _assert_same(runs: dict) -> torch.Tensor:
     (eager, eager_path, eager_rng), (static, static_path, static_rng) = runs["eager"], runs["buffers"]
     assert eager_path["decode"] == "eager" and static_path["decode"] == "buffers"
-    assert static_path["mixer_step"] == "hola_decode" and static_path["steps"] > 0
+    assert static_path["mixer_step"] == "hola_step" and static_path["steps"] > 0
     assert static.shape == eager.shape and torch.equal(static, eager)
     assert torch.equal(static_rng, eager_rng)  # as many draws: a later sampled call continues alike
     return eager
