@@ -1,7 +1,8 @@
 """What a resumed run may change, and how each change is applied.
 
 A checkpoint carries the resolved config of the run that wrote it (``info.config``), its global batch and its
-tokenizer's fingerprint. When a run resumes from it, every setting that differs falls in one class:
+tokenizer's fingerprint. When a run resumes from it, every setting that differs falls in one class, which each
+config field names in its :func:`hola_titan.config.setting` (``resume=``):
 
 - **fixed** (:data:`FIXED`): they change the model's function or the document stream (flavour, size, cache
   window and block, layers, vocabulary, sequence length, seed, data source, split, text field, packing,
@@ -16,7 +17,7 @@ tokenizer's fingerprint. When a run resumes from it, every setting that differs 
   with another number of data-parallel ranks or another local batch, gradient accumulation makes up the
   difference, and when it cannot (the rows per micro-step do not divide the old global batch) the resume is
   refused naming ``training.global_batch_size``.
-- **everything else** (parallel layout, compile, checkpointing, metrics, kernels, ...): applied as given.
+- **applied** (everything else: parallel layout, compile, checkpointing, metrics, kernels, ...): applied as given.
 
 Every applied change is logged once at the start (``resume: ... changed``); the run's ``config.toml`` then
 records the new values. Keys that only say how to launch (:data:`LAUNCH`) are not compared.
@@ -26,14 +27,11 @@ from __future__ import annotations
 
 from typing import Any
 
-FIXED = ("model.flavour", "model.size", "model.window", "model.block", "model.n_layers", "model.vocab_size",
-         "training.seq_len", "training.seed", "data.dataset", "data.dataset_config", "data.split", "data.text_field",
-         "data.varlen", "data.holdout_every", "data.streaming")
-SCHEDULE = ("optimizer.lr", "optimizer.weight_decay", "optimizer.betas", "optimizer.eps", "lr_scheduler.warmup_steps",
-            "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor", "training.steps")
-LAUNCH = ("job.config_file", "job.dump_folder", "checkpoint.load_step", "checkpoint.initial_load_path",
-          "model.tokenizer_path", "job.cache_folder", "model.kernel_configs",
-          "data.allow_changed_data", "checkpoint.allow_unverified")
+from hola_titan.config import resume_keys
+
+FIXED = resume_keys("fixed")
+SCHEDULE = resume_keys("schedule")
+LAUNCH = resume_keys("launch")
 
 
 def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,12 @@ from hola_titan.config import (
     SECTIONS,
     ConfigError,
     JobConfig,
+    Resume,
     field_docs,
     load_toml,
     parse_config,
     resolve_degrees,
+    setting,
     to_dict,
     validate,
     write_resolved,
@@ -66,6 +69,35 @@ def test_optional_fields_default_to_none():
         for name, f in zip(table, dataclasses.fields(SECTIONS[section])):
             if "None" in str(f.type):
                 assert table[name] is None, f"{section}.{name}"
+
+
+def _fields():
+    """(key, type, metadata) of every config field."""
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            yield f"{section}.{f.name}", hints[f.name], f.metadata
+
+
+def test_every_field_has_a_resume_class():
+    # A field added without setting(..., resume=...) fails here: a resume would not know whether to compare it.
+    missing = [key for key, _, metadata in _fields() if metadata.get("resume") not in typing.get_args(Resume)]
+    assert not missing, missing
+    with pytest.raises(TypeError, match="resume class 'fixd'"):
+        setting(1, resume="fixd")
+
+
+_BOUNDED = [(key, hint, metadata) for key, hint, metadata in _fields() if {"ge", "gt", "le", "lt"} & set(metadata)]
+
+
+@pytest.mark.parametrize("key, hint, metadata", _BOUNDED, ids=[key for key, _, _ in _BOUNDED])
+def test_every_bound_is_enforced_naming_the_key(key, hint, metadata):
+    width = len(typing.get_args(hint)) if typing.get_origin(hint) is tuple else 1
+    for name, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        if name in metadata:
+            bound = metadata[name]
+            outside = {"ge": bound - 1, "gt": bound, "le": bound + 1, "lt": bound}[name]
+            _raises(key, [f"--{key}", ",".join([str(outside)] * width)], match=f"must be {sign} {bound}")
 
 
 # ---- precedence --------------------------------------------------------------------------------------------------
