@@ -677,7 +677,7 @@ def schedule_warning(config: JobConfig) -> str | None:
     warmup, steps = config.lr_scheduler.warmup_steps, config.training.steps
     if warmup < steps:
         return None
-    peak = steps / (warmup + 1)  # the factor of the last step, train.lr_lambda(steps - 1)
+    peak = steps / (warmup + 1)  # the factor of the last step, optim.lr_lambda(steps - 1)
     return (f"lr_scheduler.warmup_steps {warmup} >= training.steps {steps}: the learning rate is still warming up "
             f"when the run ends (at most {peak:.0%} of optimizer.lr, no decay); set lr_scheduler.warmup_steps below "
             "training.steps for the whole schedule")

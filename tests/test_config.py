@@ -13,12 +13,15 @@ from hola_titan.config import (
     ConfigError,
     JobConfig,
     Resume,
+    check_fields,
     field_docs,
+    flat_items,
     load_toml,
     parse_config,
     resolve_degrees,
     setting,
     to_dict,
+    to_toml,
     validate,
     write_resolved,
 )
@@ -98,6 +101,44 @@ def test_every_bound_is_enforced_naming_the_key(key, hint, metadata):
             bound = metadata[name]
             outside = {"ge": bound - 1, "gt": bound, "le": bound + 1, "lt": bound}[name]
             _raises(key, [f"--{key}", ",".join([str(outside)] * width)], match=f"must be {sign} {bound}")
+
+
+def _changed(key: str, hint) -> JobConfig | None:
+    """The defaults with ``key`` set to another valid value (None: there is none)."""
+    section, name = key.split(".")
+    literal = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else ()
+    for value in [False, True, 3, 0.5, (0.5, 0.25), ["other"], "3", "other", None, *literal]:
+        config = JobConfig()
+        setattr(getattr(config, section), name, value)
+        try:
+            check_fields(config)
+        except ConfigError:
+            continue
+        if flat_items(config)[key] != flat_items(JobConfig())[key]:
+            return config
+    return None
+
+
+def test_the_resume_class_of_a_field_decides_what_a_resume_does_with_it():
+    from hola_titan.checkpoint import CheckpointMismatchError
+    from hola_titan.resume import plan_resume
+
+    degrees = resolve_degrees(JobConfig().parallelism, JobConfig().training, world_size=1)
+    saved = {"config": to_toml(JobConfig()), "global_batch_size": degrees.global_batch_size, "tokenizer": "t"}
+    unchangeable = []
+    for key, hint, metadata in _fields():
+        config = _changed(key, hint)
+        if config is None:
+            unchangeable.append(key)
+            continue
+        resume = dict(path="step-4", config=config, degrees=degrees, tokenizer_fingerprint="t")
+        if metadata["resume"] == "fixed":
+            with pytest.raises(CheckpointMismatchError, match=rf"^{key}: .* a resumed run cannot change it"):
+                plan_resume(saved, **resume)
+        else:
+            expected = set() if metadata["resume"] == "launch" else {key}
+            assert set(plan_resume(saved, **resume).changes) == expected, key
+    assert unchangeable == ["optimizer.name"]
 
 
 # ---- precedence --------------------------------------------------------------------------------------------------
