@@ -159,7 +159,7 @@ class Trainer:
     """Owns the model, optimizer, schedule, data and counters of one run (see the module docstring)."""
 
     def __init__(self, config: JobConfig):
-        from hola_titan.data import build_dataloader, build_validation_dataloader
+        from hola_titan.data import build_dataloader
 
         self.config = config
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -257,23 +257,9 @@ class Trainer:
         self._watch_steps = 0  # steps left that are held to the checkpoint's running loss mean (after a resume)
         self._resume_changes: dict = {}
         self.dp_rank, self.dp_size = mesh_rank_and_size(self.mesh, "dp")
-        data = config.data
-        common = dict(dataset=data.dataset, tokenizer=self.tokenizer, seq_len=config.training.seq_len,
-                      local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
-                      dp_world_size=self.dp_size, varlen=data.varlen, text_field=data.text_field,
-                      dataset_config=data.dataset_config, streaming=data.streaming,
-                      holdout_every=data.holdout_every)
-        self.dataloader = build_dataloader(split=data.split, seed=config.training.seed,
-                                           allow_changed_data=data.allow_changed_data, **common)
-        self.val_loader_args = None
-        if config.validation.enable:
-            # The held-out split of the training data, or another dataset's validation split.
-            # A separate validation dataset is read whole; the training data gives its held-out documents.
-            separate = config.validation.dataset not in (None, data.dataset)
-            self.val_loader_args = dict(common, dataset=config.validation.dataset or data.dataset,
-                                        split="validation", max_batches=config.validation.steps,
-                                        holdout_every=None if separate else data.holdout_every)
-        self._build_val = build_validation_dataloader
+        self.dataloader = build_dataloader(data=config.data, tokenizer=self.tokenizer, seq_len=config.training.seq_len,
+                                           local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
+                                           dp_world_size=self.dp_size, seed=config.training.seed)
         self.state = TrainState()
         self._restore_guard_state()
         self.flops = flops_per_token(self.model_args, config.training.seq_len)
@@ -632,10 +618,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ validation
 
+    def _validation_loader(self):
+        """The held-out documents of the training data, or ``validation.dataset`` read whole: the same batches at
+        every validation."""
+        from hola_titan.data import build_validation_dataloader
+
+        config = self.config
+        return build_validation_dataloader(data=config.data, dataset=config.validation.dataset,
+                                           tokenizer=self.tokenizer, seq_len=config.training.seq_len,
+                                           local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
+                                           dp_world_size=self.dp_size, max_batches=config.validation.steps)
+
     @torch.no_grad()
     def validate(self) -> dict:
         self.model.eval()
-        loader = self._build_val(**self.val_loader_args)
+        loader = self._validation_loader()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)
         for batch in loader:
             if self.cp is not None:

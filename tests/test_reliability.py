@@ -352,8 +352,7 @@ def test_validation_never_reads_the_training_documents(tmp_path):
     trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "run"), "--data.dataset", str(path),
                                     "--data.holdout_every", "10", "--validation.enable", "true",
                                     "--training.seq_len", "32", "--validation.steps", "1"]))
-    assert trainer.val_loader_args["holdout_every"] == 10
-    val = trainer._build_val(**trainer.val_loader_args)
+    val = trainer._validation_loader()
     assert val.holdout == "validation/10" and trainer.dataloader.holdout == "train/10"
 
 
