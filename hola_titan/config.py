@@ -17,10 +17,14 @@ choices, ranges); :func:`validate` adds the checks that need the world size or t
 before any model is built. :func:`write_resolved` writes the final config into the run folder as TOML that
 :func:`load_toml` reads back to an equal config.
 
-To add a field: add an annotated attribute with a default and a docstring to its section class. Supported
-types are ``bool``, ``int``, ``float``, ``str``, ``Literal[...]`` of strings, ``list[str]``, ``tuple`` of fixed
-length, and ``X | None`` (whose default must be None, because TOML has no null and None is written by leaving
-the key out). Put a numeric bound in ``_MINIMUM`` and a cross-field rule in :func:`validate`.
+To add a field: add an annotated attribute to its section class whose default is a :func:`setting` (the default,
+the field's resume class and its numeric bounds), followed by a docstring. Supported types are ``bool``, ``int``,
+``float``, ``str``, ``Literal[...]`` of strings, ``list[str]``, ``tuple`` of fixed length, and ``X | None`` (whose
+default must be None, because TOML has no null and None is written by leaving the key out). Put a cross-field rule
+in :func:`validate`.
+
+The parser is this module's, not tyro's (torchtitan's): tyro takes ``--no-flag`` and space-separated lists and
+reports mistakes in a multi-line panel, not the forms above and the one-line ``error: key: problem`` (exit 2).
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import math
+import operator
 import os
 import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Mapping, NamedTuple, Sequence, Union, get_args, get_origin, get_type_hints
 
 from hola_titan.models import flavours
 from hola_titan.models.args import model_args
@@ -59,6 +65,30 @@ class ConfigError(ValueError):
         super().__init__(" ".join(f"{key}: {problem}".split()))
 
 
+Resume = Literal["fixed", "schedule", "applied", "launch"]
+"""What a resumed run does with a key whose value differs from its checkpoint's (``hola_titan/resume.py``):
+``fixed`` refuses the resume, ``schedule`` applies the new value to the optimizer and the schedule from the resume
+step, ``applied`` takes it as given, ``launch`` does not compare it (it says how to start, not what to train)."""
+
+_BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+
+
+def setting(default: Any, *, resume: Resume, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, lt: float | None = None, also: int | None = None) -> Any:
+    """A config field: its ``default``, its resume class and the bounds :func:`check_fields` enforces (``ge`` >=,
+    ``gt`` >, ``le`` <=, ``lt`` <; on every item of a tuple; None passes; ``also``: one more accepted value, -1
+    for "fill in"), kept in the field's metadata, from which the resume rules and the checks are derived."""
+    if resume not in get_args(Resume):
+        raise TypeError(f"resume class {resume!r} is none of {', '.join(get_args(Resume))}")
+    bounds = {name: bound for name, bound in zip(_BOUNDS, (ge, gt, le, lt)) if bound is not None}
+    metadata = {"resume": resume, **bounds}
+    if also is not None:
+        metadata["also"] = also
+    if isinstance(default, list):  # dataclasses refuse a shared mutable default: every config gets its own list
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Schema
 # ---------------------------------------------------------------------------------------------------------------
@@ -66,55 +96,55 @@ class ConfigError(ValueError):
 
 @dataclass
 class Job:
-    config_file: str | None = None
+    config_file: str | None = setting(None, resume="launch")
     """The TOML file the config was read from (set by ``--job.config_file``)."""
-    dump_folder: str = "./outputs"
+    dump_folder: str = setting("./outputs", resume="launch")
     """Run folder: the resolved config, checkpoints and TensorBoard logs go under it."""
-    description: str = ""
+    description: str = setting("", resume="applied")
     """Free text shown in logs."""
-    cache_folder: str = "~/.cache/hola_titan"
+    cache_folder: str = setting("~/.cache/hola_titan", resume="launch")
     """Per-node cache shared by runs: the verdict of fla's #640 gradient check per GPU, head dim and versions, so
     that a second process does not repeat it. Empty: keep nothing (every process runs the check)."""
 
 
 @dataclass
 class Model:
-    flavour: FlavourName = "hola"
+    flavour: FlavourName = setting("hola", resume="fixed")
     """Token mixer of every block: HOLA (score eviction), HOLA+recency, GDN (cache off) or Transformer++."""
-    size: Literal["debug", "small", "340M", "1.3B", "7B"] = "debug"
+    size: Literal["debug", "small", "340M", "1.3B", "7B"] = setting("debug", resume="fixed")
     """Widths and depth (``hola_titan.models.args``); the vocabulary size comes from the tokenizer."""
-    tokenizer_path: str = BUNDLED
+    tokenizer_path: str = setting(BUNDLED, resume="launch")
     """``bundled`` (``hola_titan/assets/tokenizer``) or a folder or ``tokenizer.json`` of a HF tokenizer."""
-    vocab_size: int | None = None
+    vocab_size: int | None = setting(None, resume="fixed", ge=1)
     """The vocabulary size; None: the tokenizer's. When set, training checks it against the tokenizer (an error
     names both), and ``--dry-run`` uses it when the tokenizer is not on disk (a dry run needs no data)."""
-    window: int | None = None
+    window: int | None = setting(None, resume="fixed", ge=0)
     """Override of the HOLA cache size in tokens (recurrent flavours); None keeps the size's value."""
-    block: int | None = None
+    block: int | None = setting(None, resume="fixed", ge=1)
     """Override of the block (chunk) length in tokens (recurrent flavours); None keeps the size's value."""
-    n_layers: int | None = None
+    n_layers: int | None = setting(None, resume="fixed", ge=1)
     """Override of the number of blocks (a shallow model of a size's width, for tests and ablations)."""
-    attention_backend: Literal["auto", "reference", "sdpa", "triton"] = "auto"
+    attention_backend: Literal["auto", "reference", "sdpa", "triton"] = setting("auto", resume="applied")
     """Token-mixer implementation: ``auto`` picks the fastest available for flavour and device, ``reference`` is
     pure PyTorch, ``sdpa`` PyTorch scaled-dot-product attention, ``triton`` the Triton kernels."""
-    overlap_backward: bool = False
+    overlap_backward: bool = setting(False, resume="applied")
     """HOLA layers on the Triton backend (CUDA): run each layer as one op whose backward overlaps the cache
     attention's backward (a side CUDA stream) with fla's GDN backward. Same results bit for bit; 0.3-0.9 ms faster
     per layer call at the 340M shape on an H200, not yet measured in whole-model training."""
-    require_fast_path: bool = False
+    require_fast_path: bool = setting(False, resume="applied")
     """Refuse to start when ``attention_backend = auto`` on a GPU cannot use the Triton kernels (it falls back to
     the reference backend then, with a warning that says why)."""
-    kernels: Literal["auto", "triton", "reference"] = "auto"
+    kernels: Literal["auto", "triton", "reference"] = setting("auto", resume="applied")
     """The rest of the step: the fused q|k|v short convolution and the head's cross-entropy. ``triton``: this
     project's Triton kernels (``kernels/short_conv.py``, ``kernels/cross_entropy.py``; CUDA); ``reference``: the
     PyTorch forms they are tested against; ``auto``: ``triton`` on CUDA, ``reference`` elsewhere. The run's log
     names what ran (``paths``)."""
-    kernel_configs: str = "auto"
+    kernel_configs: str = setting("auto", resume="launch")
     """Launch configurations of fla-core's autotuned kernels (``kernels/tuned_configs.py``): ``auto`` takes the
     file shipped for this GPU and these fla-core and Triton versions (``kernels/configs/``) when there is one, else
     autotunes (the log says which); ``off`` autotunes every kernel at its first launch (minutes on a fresh
     machine); or the path of a file written by ``scripts/tune_kernels.py``."""
-    precompile_workers: int = -1
+    precompile_workers: int = setting(-1, resume="applied", ge=-1)
     """Worker processes that compile this run's Triton kernels side by side before the first launch, from the plan
     that the kernel configurations file holds for this kind of run (``kernels/precompile.py``; CUDA, recurrent
     flavours): -1 chooses (half the CPU cores shared by the node's processes, at most 8), 0 compiles each kernel
@@ -123,69 +153,69 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW"] = "AdamW"
+    name: Literal["AdamW"] = setting("AdamW", resume="applied")
     """Optimizer class."""
-    lr: float = 4e-4
+    lr: float = setting(4e-4, resume="schedule", gt=0)
     """Peak learning rate."""
-    eps: float = 1e-8
+    eps: float = setting(1e-8, resume="schedule", gt=0)
     """Adam epsilon."""
-    weight_decay: float = 0.01
+    weight_decay: float = setting(0.01, resume="schedule", ge=0)
     """Decoupled weight decay."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = setting((0.9, 0.95), resume="schedule", ge=0, lt=1)
     """Adam beta1, beta2."""
-    fused: bool | None = None
+    fused: bool | None = setting(None, resume="applied")
     """Use the fused AdamW kernel; None: fused where the device supports it."""
 
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = 200
+    warmup_steps: int = setting(200, resume="schedule", ge=0)
     """Linear warmup from 0 to ``optimizer.lr`` over this many steps."""
-    decay_type: Literal["cosine", "linear", "constant"] = "cosine"
+    decay_type: Literal["cosine", "linear", "constant"] = setting("cosine", resume="schedule")
     """Shape of the decay after warmup, over the remaining ``training.steps``."""
-    min_lr_factor: float = 0.1
+    min_lr_factor: float = setting(0.1, resume="schedule", ge=0, le=1)
     """Final learning rate as a fraction of the peak (0 to 1)."""
 
 
 @dataclass
 class Training:
-    steps: int = 10_000
+    steps: int = setting(10_000, resume="schedule", ge=1)
     """Optimizer steps to train for."""
-    seq_len: int = 2048
+    seq_len: int = setting(2048, resume="fixed", ge=1)
     """Tokens per row."""
-    local_batch_size: int = 8
+    local_batch_size: int = setting(8, resume="applied", ge=1)
     """Rows per micro-batch on one data-parallel rank."""
-    global_batch_size: int | None = None
+    global_batch_size: int | None = setting(None, resume="applied", ge=1, also=-1)
     """Rows per optimizer step over all ranks; None or -1: ``local_batch_size`` x data-parallel degree. A larger
     multiple of that product accumulates gradients over several micro-batches."""
-    max_norm: float = 1.0
+    max_norm: float = setting(1.0, resume="applied", ge=0)
     """Gradient clipping by total norm; 0 turns clipping off."""
-    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    mixed_precision_param: Literal["bfloat16", "float32"] = setting("bfloat16", resume="applied")
     """Dtype of parameters in forward and backward (FSDP mixed precision); the optimizer keeps float32 copies."""
-    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = setting("float32", resume="applied")
     """Dtype of gradient reduction across data-parallel ranks."""
-    seed: int = 0
+    seed: int = setting(0, resume="fixed", ge=0)
     """Seed of parameter init and data order."""
-    deterministic: bool = False
+    deterministic: bool = setting(False, resume="applied")
     """Use deterministic algorithms (slower); for parallel-equals-serial comparisons."""
-    skip_nan_inf: bool = False
+    skip_nan_inf: bool = setting(False, resume="applied")
     """Skip (and log) an optimizer step whose loss or gradient norm is NaN or inf, or whose loss spikes (see
     ``loss_spike_factor``), instead of stopping the run."""
-    max_consecutive_skips: int = 10
+    max_consecutive_skips: int = setting(10, resume="applied", ge=1)
     """With ``skip_nan_inf``: stop the run once this many consecutive steps were skipped (a run that skips every
     step is diverging, not recovering)."""
-    loss_spike_factor: float = 4.0
+    loss_spike_factor: float = setting(4.0, resume="applied", ge=0)
     """Treat a step as failed (stop, or skip with ``skip_nan_inf``) when its loss exceeds this factor times the
     running mean (exponential, decay 0.9) of the accepted steps' losses; checked from step
     ``loss_spike_warmup + 1`` on, before the optimizer update. 0 turns the guard off."""
-    loss_spike_warmup: int = 20
+    loss_spike_warmup: int = setting(20, resume="applied", ge=0)
     """Accepted steps before the loss-spike guard starts (the running mean settles first)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", resume="applied")
     """``auto``: CUDA when available, else CPU."""
-    loss_chunk_size: int = 0
+    loss_chunk_size: int = setting(0, resume="applied")
     """Rows (tokens) per chunk of the chunked output-head cross-entropy, used without tensor parallelism; 0: auto
     (about 256 MiB of float32 logits per chunk)."""
-    gc_freq: int = 50
+    gc_freq: int = setting(50, resume="applied", ge=0)
     """Collect Python garbage (generation 1) every this many steps, with automatic collection off while training:
     an automatic collection pauses one rank at a random step and every rank waits for it at the next collective
     (torchtitan does the same). 0 leaves Python's automatic collection on."""
@@ -193,129 +223,129 @@ class Training:
 
 @dataclass
 class Parallelism:
-    data_parallel_shard_degree: int = -1
+    data_parallel_shard_degree: int = setting(-1, resume="applied", ge=1, also=-1)
     """FSDP (sharded data parallel) degree; -1 fills the ranks the other degrees leave."""
-    data_parallel_replicate_degree: int = 1
+    data_parallel_replicate_degree: int = setting(1, resume="applied", ge=1)
     """Replicated data-parallel degree (HSDP when both data-parallel degrees exceed 1)."""
-    tensor_parallel_degree: int = 1
+    tensor_parallel_degree: int = setting(1, resume="applied", ge=1)
     """Tensor-parallel degree; must divide the number of heads."""
-    context_parallel_degree: int = 1
+    context_parallel_degree: int = setting(1, resume="applied", ge=1)
     """Context (sequence) parallel degree; rows are split into this many contiguous pieces."""
-    fsdp_cpu_offload: bool = False
+    fsdp_cpu_offload: bool = setting(False, resume="applied")
     """Keep FSDP-sharded parameters, gradients and optimizer state in CPU memory."""
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
+    mode: Literal["none", "full", "selective"] = setting("none", resume="applied")
     """Recompute activations in backward: none, every block (full) or per ``selective_ac_option``."""
-    selective_ac_option: str = "2"
+    selective_ac_option: str = setting("2", resume="applied")
     """With ``selective``: ``op`` (save the outputs of expensive ops) or a positive integer N as a string
     (checkpoint every N-th block)."""
 
 
 @dataclass
 class Compile:
-    enable: bool = False
+    enable: bool = setting(False, resume="applied")
     """``torch.compile`` each block."""
-    fullgraph: bool = True
+    fullgraph: bool = setting(True, resume="applied")
     """Require each compiled block to be one graph (fail on graph breaks)."""
 
 
 @dataclass
 class Float8:
-    enable: bool = False
+    enable: bool = setting(False, resume="applied")
     """Train linear layers in float8 (torchao); needs a CUDA device with compute capability 8.9 or newer."""
-    recipe: Literal["tensorwise", "rowwise"] = "rowwise"
+    recipe: Literal["tensorwise", "rowwise"] = setting("rowwise", resume="applied")
     """torchao float8 scaling recipe."""
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    filter_fqns: list[str] = setting(["output"], resume="applied")
     """Linear layers that stay in high precision: those whose fully qualified name is one of these or ends with
     ``.<entry>`` (``output`` keeps an untied head, ``attn.o_proj`` every block's output projection)."""
 
 
 @dataclass
 class Checkpoint:
-    enable: bool = False
+    enable: bool = setting(False, resume="applied")
     """Save distributed checkpoints and resume from the latest one in ``folder``."""
-    folder: str = "checkpoint"
+    folder: str = setting("checkpoint", resume="applied")
     """Checkpoint folder, relative to ``job.dump_folder``."""
-    interval: int = 500
+    interval: int = setting(500, resume="applied", ge=1)
     """Save every this many steps (and at the last step)."""
-    keep_latest_k: int = 0
+    keep_latest_k: int = setting(0, resume="applied", ge=0)
     """Keep only the latest k checkpoints; 0 keeps all."""
-    async_mode: Literal["disabled", "async"] = "disabled"
+    async_mode: Literal["disabled", "async"] = setting("disabled", resume="applied")
     """``async`` saves in a background thread while training continues."""
-    allow_unverified: bool = False
+    allow_unverified: bool = setting(False, resume="launch")
     """Resume from a checkpoint that has no ``manifest.json`` (its checksums; written before they existed, or
     removed since), whose bytes therefore cannot be verified. False: such a checkpoint is refused by name and the
     previous verified one is tried."""
-    initial_load_path: str | None = None
+    initial_load_path: str | None = setting(None, resume="launch")
     """Weights to start from (weights only, at step 0): a checkpoint step folder, a checkpoint or run folder (its
     newest complete step) or a safetensors export folder. Loaded whether or not ``enable`` is set; with ``enable``
     only while ``folder`` holds no checkpoint of this run (a resume wins). The log and ``paths.json`` say which
     weights the run started from."""
-    load_step: int = -1
+    load_step: int = setting(-1, resume="launch", ge=-1)
     """Step to resume from; -1: the latest."""
-    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    export_dtype: Literal["float32", "bfloat16"] = setting("float32", resume="applied")
     """Dtype of exported model weights."""
 
 
 @dataclass
 class Metrics:
-    log_freq: int = 10
+    log_freq: int = setting(10, resume="applied", ge=1)
     """Log loss, throughput and memory every this many steps."""
-    enable_tensorboard: bool = False
+    enable_tensorboard: bool = setting(False, resume="applied")
     """Write TensorBoard event files."""
-    save_tb_folder: str = "tb"
+    save_tb_folder: str = setting("tb", resume="applied")
     """TensorBoard folder, relative to ``job.dump_folder``."""
 
 
 @dataclass
 class Profiling:
-    enable: bool = False
+    enable: bool = setting(False, resume="applied")
     """Record ``torch.profiler`` traces of training steps on every rank."""
-    freq: int = 100
+    freq: int = setting(100, resume="applied", ge=1)
     """Trace one step in every this many: the last of each window, after ``warmup`` traced-and-dropped steps."""
-    warmup: int = 2
+    warmup: int = setting(2, resume="applied", ge=0)
     """Steps recorded before each traced one and dropped (the profiler's own start-up)."""
-    traces_folder: str = "profile_traces"
+    traces_folder: str = setting("profile_traces", resume="applied")
     """Relative to ``job.dump_folder``: ``step-N/rank{R}.json.gz`` (a Chrome trace; Perfetto opens it) and
     ``step-N/rank{R}.txt`` (the operators with the most self time, on the device where there is one)."""
 
 
 @dataclass
 class Validation:
-    enable: bool = False
+    enable: bool = setting(False, resume="applied")
     """Measure validation loss during training."""
-    freq: int = 500
+    freq: int = setting(500, resume="applied", ge=1)
     """Validate every this many steps."""
-    steps: int = 20
+    steps: int = setting(20, resume="applied", ge=1)
     """Batches per validation."""
-    dataset: str | None = None
+    dataset: str | None = setting(None, resume="applied")
     """Validation data (same forms as ``data.dataset``); None: the held-out split of the training data."""
 
 
 @dataclass
 class Data:
-    dataset: str = BUNDLED
+    dataset: str = setting(BUNDLED, resume="fixed")
     """``bundled``, a Hugging Face hub name, or local ``.jsonl``/``.parquet``/``.txt`` files (file, folder or
     glob)."""
-    dataset_config: str | None = None
+    dataset_config: str | None = setting(None, resume="fixed")
     """Hub dataset configuration (subset) name."""
-    split: str = "train"
+    split: str = setting("train", resume="fixed")
     """Split to train on."""
-    text_field: str = "text"
+    text_field: str = setting("text", resume="fixed")
     """Column that holds the document text."""
-    streaming: bool | None = None
+    streaming: bool | None = setting(None, resume="fixed")
     """Stream instead of downloading; None: true for hub names, false for local files."""
-    varlen: bool = True
+    varlen: bool = setting(True, resume="fixed")
     """Pack documents into rows with document boundaries (no attention or state across documents); false:
     plain concatenation, every row one causal sequence."""
-    holdout_every: int = 100
+    holdout_every: int = setting(100, resume="fixed", ge=0)
     """Local data without ``train``/``validation`` sub-folders (one file, a glob, a plain folder): every N-th
     document in reading order is held out for validation and never trained on. 0: no hold-out (validation on
     such data is then refused: it would read training documents). Bundled and hub data have their own splits."""
-    allow_changed_data: bool = False
+    allow_changed_data: bool = setting(False, resume="launch")
     """Resume even when the training data differs from what the checkpoint's run read (its fingerprint: per file
     the size and the bytes at both ends; hub data by name), with a warning. False: such a resume is refused in one
     line naming the files, since it would continue at a row of another document stream."""
@@ -351,39 +381,31 @@ def _sections() -> dict[str, type]:
 
 SECTIONS: dict[str, type] = _sections()
 
-# Lower bounds of numeric fields; None (where a field allows it) always passes.
-_MINIMUM: dict[str, float] = {
-    "model.window": 0,
-    "model.block": 1,
-    "model.n_layers": 1,
-    "model.precompile_workers": -1,
-    "model.vocab_size": 1,
-    "optimizer.weight_decay": 0,
-    "lr_scheduler.warmup_steps": 0,
-    "lr_scheduler.min_lr_factor": 0,
-    "training.steps": 1,
-    "training.seq_len": 1,
-    "training.local_batch_size": 1,
-    "training.max_norm": 0,
-    "training.gc_freq": 0,
-    "training.max_consecutive_skips": 1,
-    "training.loss_spike_factor": 0,
-    "training.loss_spike_warmup": 0,
-    "profiling.freq": 1,
-    "profiling.warmup": 0,
-    "training.seed": 0,
-    "parallelism.data_parallel_replicate_degree": 1,
-    "parallelism.tensor_parallel_degree": 1,
-    "parallelism.context_parallel_degree": 1,
-    "checkpoint.interval": 1,
-    "checkpoint.keep_latest_k": 0,
-    "checkpoint.load_step": -1,
-    "metrics.log_freq": 1,
-    "validation.freq": 1,
-    "validation.steps": 1,
-    "data.holdout_every": 0,
-}
-_POSITIVE = ("optimizer.lr", "optimizer.eps")
+
+class _Key(NamedTuple):
+    section: str
+    name: str
+    hint: Any
+    metadata: Mapping[str, Any]
+    """What :func:`setting` recorded: the resume class and the bounds."""
+
+
+def _keys() -> dict[str, _Key]:
+    """``{"section.name": _Key}`` of every config key, in schema order."""
+    keys = {}
+    for section, cls in SECTIONS.items():
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            keys[f"{section}.{f.name}"] = _Key(section, f.name, hints[f.name], f.metadata)
+    return keys
+
+
+_KEYS = _keys()
+
+
+def resume_keys(resume: Resume) -> tuple[str, ...]:
+    """The keys of one resume class, in schema order (``hola_titan/resume.py``)."""
+    return tuple(key for key, entry in _KEYS.items() if entry.metadata.get("resume") == resume)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -404,107 +426,84 @@ def _type_name(hint: Any) -> str:
     return hint.__name__
 
 
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
 def _coerce(key: str, hint: Any, value: Any, *, text: bool) -> Any:
     """``value`` as type ``hint``; ``text`` says it is a command-line string rather than a TOML value."""
     origin, args = get_origin(hint), get_args(hint)
     if origin in (Union, types.UnionType):
-        (inner,) = [a for a in args if a is not type(None)]
         if value is None or (text and value.strip().lower() in ("", "none", "null")):
             return None
+        (inner,) = [a for a in args if a is not type(None)]
         return _coerce(key, inner, value, text=text)
     if origin is Literal:
         if value not in args:
             raise ConfigError(key, f"expected one of {', '.join(args)}; got {value!r}")
         return value
     if origin in (list, tuple):
-        items = ([] if not value.strip() else [v.strip() for v in value.split(",")]) if text else value
-        if not isinstance(items, (list, tuple)):
+        items = ([v.strip() for v in value.split(",")] if value.strip() else []) if text else value
+        if not isinstance(items, (list, tuple)) or (origin is tuple and len(items) != len(args)):
             raise ConfigError(key, f"expected {_type_name(hint)}, got {value!r}")
-        if origin is tuple:
-            if len(items) != len(args):
-                raise ConfigError(key, f"expected {_type_name(hint)}, got {len(items)} values: {value!r}")
-            return tuple(_coerce(key, a, v, text=text) for a, v in zip(args, items))
-        return [_coerce(key, args[0], v, text=text) for v in items]
-    if hint is bool:
-        if text and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.strip().lower() in ("true", "1", "yes", "on")
-        if not text and isinstance(value, bool):
-            return value
-    elif hint is int:
-        if text:
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        elif isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        number = value
-        if text:
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if isinstance(number, (int, float)) and not isinstance(number, bool):
-            if not math.isfinite(number):
-                raise ConfigError(key, f"expected a finite float, got {value!r}")
-            return float(number)
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-    else:  # pragma: no cover - a schema type this module does not handle
-        raise TypeError(f"{key}: unsupported config type {hint!r}")
-    raise ConfigError(key, f"expected {_type_name(hint)}, got {value!r}")
+        item_hints = args if origin is tuple else args * len(items)  # a tuple types each place, a list all alike
+        return origin(_coerce(key, a, v, text=text) for a, v in zip(item_hints, items))
+    parsed = None
+    if text and hint is bool:
+        word = value.strip().lower()
+        parsed = True if word in _TRUE else False if word in _FALSE else None
+    elif text:
+        try:
+            parsed = hint(value)
+        except ValueError:
+            pass
+    elif not isinstance(value, bool) or hint is bool:  # bool is an int subclass, but never a number here
+        if isinstance(value, (int, float) if hint is float else hint):
+            parsed = float(value) if hint is float else value  # a TOML integer where a float is expected is fine
+    if parsed is None:
+        raise ConfigError(key, f"expected {_type_name(hint)}, got {value!r}")
+    if hint is float and not math.isfinite(parsed):
+        raise ConfigError(key, f"expected a finite float, got {value!r}")
+    return parsed
 
 
-def _field_hints(section: str) -> dict[str, Any]:
-    return get_type_hints(SECTIONS[section])
-
-
-def _split_key(key: str) -> tuple[str, str]:
-    """``section.name`` -> (section, name), or a ConfigError naming the key."""
-    section, dot, name = key.partition(".")
+def _key(key: str) -> _Key:
+    """The schema entry of ``section.name``, or a ConfigError naming the key."""
+    if key in _KEYS:
+        return _KEYS[key]
+    section, dot, _ = key.partition(".")
     if not dot or section not in SECTIONS:
         raise ConfigError(key, f"unknown config section {section!r}; sections are {', '.join(SECTIONS)}")
-    hints = _field_hints(section)
-    if name not in hints:
-        raise ConfigError(key, f"unknown key; {section} has {', '.join(hints)}")
-    return section, name
+    names = ", ".join(f.name for f in dataclasses.fields(SECTIONS[section]))
+    raise ConfigError(key, f"unknown key; {section} has {names}")
 
 
 def _set(config: JobConfig, key: str, value: Any, *, text: bool) -> None:
-    section, name = _split_key(key)
-    setattr(getattr(config, section), name, _coerce(key, _field_hints(section)[name], value, text=text))
+    entry = _key(key)
+    setattr(getattr(config, entry.section), entry.name, _coerce(key, entry.hint, value, text=text))
 
 
-def _get(config: JobConfig, key: str) -> Any:
-    section, name = key.split(".")
-    return getattr(getattr(config, section), name)
+def _check_bounds(key: str, metadata: Mapping[str, Any], value: Any) -> None:
+    """The bounds of a :func:`setting`; a two-sided range is named whole."""
+    bounds = {name: metadata[name] for name in _BOUNDS if name in metadata}
+    items = value if isinstance(value, (list, tuple)) else [value]
+    for name, bound in bounds.items():
+        holds, sign = _BOUNDS[name]
+        if all(v is None or v == metadata.get("also") or holds(v, bound) for v in items):
+            continue
+        also = f" or {metadata['also']}" if "also" in metadata else ""
+        low = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds.get('gt')}"
+        high = f"{bounds['le']}]" if "le" in bounds else f"{bounds.get('lt')})"
+        span = f" (range {low}, {high})" if len(bounds) > 1 else ""
+        each = "each value " if items is value else ""
+        raise ConfigError(key, f"{each}must be {sign} {bound}{also}{span}, got {value}")
 
 
 def check_fields(config: JobConfig) -> None:
-    """Check every field on its own: type, choices, bounds. Raises :class:`ConfigError`."""
-    for section in SECTIONS:
-        for name, hint in _field_hints(section).items():
-            key = f"{section}.{name}"
-            _coerce(key, hint, _get(config, key), text=False)
-    for key, minimum in _MINIMUM.items():
-        value = _get(config, key)
-        if value is not None and value < minimum:
-            raise ConfigError(key, f"must be >= {minimum}, got {value}")
-    for key in _POSITIVE:
-        if _get(config, key) <= 0:
-            raise ConfigError(key, f"must be > 0, got {_get(config, key)}")
-    if not all(0 <= beta < 1 for beta in config.optimizer.betas):
-        raise ConfigError("optimizer.betas", f"each beta must be in [0, 1), got {config.optimizer.betas}")
-    if config.lr_scheduler.min_lr_factor > 1:
-        raise ConfigError("lr_scheduler.min_lr_factor", f"must be <= 1, got {config.lr_scheduler.min_lr_factor}")
-    global_batch_size = config.training.global_batch_size
-    if global_batch_size is not None and global_batch_size != -1 and global_batch_size < 1:
-        raise ConfigError("training.global_batch_size", f"must be >= 1 or -1, got {global_batch_size}")
-    shard = config.parallelism.data_parallel_shard_degree
-    if shard != -1 and shard < 1:
-        raise ConfigError("parallelism.data_parallel_shard_degree", f"must be >= 1 or -1, got {shard}")
+    """Check every field on its own: type, choices, the bounds of its :func:`setting`. Raises :class:`ConfigError`."""
+    for key, entry in _KEYS.items():
+        value = getattr(getattr(config, entry.section), entry.name)
+        _coerce(key, entry.hint, value, text=False)
+        _check_bounds(key, entry.metadata, value)
     option = config.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ConfigError("activation_checkpoint.selective_ac_option",
@@ -516,41 +515,43 @@ def check_fields(config: JobConfig) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _apply_toml(config: JobConfig, path: str) -> None:
+def _read_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
-            tables = tomllib.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError("job.config_file", f"no such file {path!r}") from None
     except IsADirectoryError:
         raise ConfigError("job.config_file", f"{path!r} is a folder, not a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("job.config_file", f"cannot parse TOML file {path!r}: {e}") from None
+
+
+def _apply_tables(config: JobConfig, tables: dict[str, Any], *, source: str, known_only: bool) -> None:
+    """Set the keys of parsed TOML; type errors name ``source``. ``known_only``: skip sections and keys this version
+    does not know (an older run's record) instead of refusing them."""
     for section, table in tables.items():
+        if known_only and (section not in SECTIONS or not isinstance(table, dict)):
+            continue
         if section not in SECTIONS:
-            raise ConfigError(section, f"unknown config section in {path!r}; sections are {', '.join(SECTIONS)}")
+            raise ConfigError(section, f"unknown config section in {source}; sections are {', '.join(SECTIONS)}")
         if not isinstance(table, dict):
-            raise ConfigError(section, f"expected a [{section}] table in {path!r}, got {table!r}")
+            raise ConfigError(section, f"expected a [{section}] table in {source}, got {table!r}")
         for name, value in table.items():
+            key = f"{section}.{name}"
+            if known_only and key not in _KEYS:
+                continue
             try:
-                _set(config, f"{section}.{name}", value, text=False)
+                _set(config, key, value, text=False)
             except ConfigError as e:
-                raise ConfigError(e.key, f"{str(e).removeprefix(e.key + ': ')} (in {path!r})") from None
+                raise ConfigError(e.key, f"{str(e).removeprefix(e.key + ': ')} (in {source})") from None
 
 
 def config_from_text(text: str, *, source: str) -> JobConfig:
     """The config of TOML ``text`` over the defaults (e.g. the resolved config a checkpoint carries); keys this
     version does not know are skipped, so an older run's record still reads."""
     config = JobConfig()
-    for section, table in tomllib.loads(text).items():
-        if section not in SECTIONS or not isinstance(table, dict):
-            continue
-        for name, value in table.items():
-            try:
-                _set(config, f"{section}.{name}", value, text=False)
-            except ConfigError as e:
-                if "unknown" not in str(e):
-                    raise ConfigError(e.key, f"{str(e).removeprefix(e.key + ': ')} (in {source})") from None
+    _apply_tables(config, tomllib.loads(text), source=source, known_only=True)
     return config
 
 
@@ -562,7 +563,7 @@ def flat_items(config: JobConfig) -> dict[str, Any]:
 def load_toml(path: str | os.PathLike[str]) -> JobConfig:
     """The config of a TOML file over the defaults, with no command line (e.g. a resolved ``config.toml``)."""
     config = JobConfig()
-    _apply_toml(config, os.fspath(path))
+    _apply_tables(config, _read_toml(os.fspath(path)), source=repr(os.fspath(path)), known_only=False)
     check_fields(config)
     return config
 
@@ -604,11 +605,10 @@ def parse_config(argv: Sequence[str]) -> JobConfig:
     config = JobConfig(dry_run=dry_run)
     config_files = [value for key, value in overrides if key == "job.config_file" and value is not None]
     if config_files:
-        _apply_toml(config, config_files[-1])
+        _apply_tables(config, _read_toml(config_files[-1]), source=repr(config_files[-1]), known_only=False)
     for key, value in overrides:
-        section, name = _split_key(key)
         if value is None:
-            if _field_hints(section)[name] is not bool:
+            if _key(key).hint is not bool:
                 raise ConfigError(key, "missing value")
             value = "true"
         _set(config, key, value, text=True)
@@ -681,7 +681,7 @@ def schedule_warning(config: JobConfig) -> str | None:
     warmup, steps = config.lr_scheduler.warmup_steps, config.training.steps
     if warmup < steps:
         return None
-    peak = steps / (warmup + 1)  # the factor of the last step, train.lr_lambda(steps - 1)
+    peak = steps / (warmup + 1)  # the factor of the last step, optim.lr_lambda(steps - 1)
     return (f"lr_scheduler.warmup_steps {warmup} >= training.steps {steps}: the learning rate is still warming up "
             f"when the run ends (at most {peak:.0%} of optimizer.lr, no decay); set lr_scheduler.warmup_steps below "
             "training.steps for the whole schedule")
@@ -783,21 +783,9 @@ def to_dict(config: JobConfig) -> dict[str, dict[str, Any]]:
     }
 
 
-_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        escaped = "".join(_TOML_ESCAPES.get(c, f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
-                          for c in value)
-        return f'"{escaped}"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {value!r}")
+def _toml_value(value: bool | int | float | str | list) -> str:
+    # JSON's literals of these types are TOML's (the same escapes), except that TOML escapes DEL too.
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def to_toml(config: JobConfig) -> str:
@@ -843,13 +831,13 @@ def field_docs() -> dict[str, str]:
 
 def format_help() -> str:
     """Every config key with its type, default and doc, for ``--help``."""
-    docs = field_docs()
-    defaults = to_dict(JobConfig())
+    docs, defaults = field_docs(), flat_items(JobConfig())
     lines = ["Options: --job.config_file PATH, --section.key VALUE (overrides the TOML file), --dry-run."]
-    for section in SECTIONS:
-        lines.append(f"\n[{section}]")
-        for name, hint in _field_hints(section).items():
-            key = f"{section}.{name}"
-            lines.append(f"  --{key} ({_type_name(hint)}; default {defaults[section][name]!r})")
-            lines.append(f"      {docs.get(key, '')}")
+    section = None
+    for key, entry in _KEYS.items():
+        if entry.section != section:
+            section = entry.section
+            lines.append(f"\n[{section}]")
+        lines.append(f"  --{key} ({_type_name(entry.hint)}; default {defaults[key]!r})")
+        lines.append(f"      {docs.get(key, '')}")
     return "\n".join(lines)

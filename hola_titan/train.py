@@ -24,7 +24,6 @@ the device and sharded.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import gc
 import json
@@ -47,10 +46,8 @@ from hola_titan.builder import model_args_of
 from hola_titan.checkpoint import CheckpointError, Checkpointer
 from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
-from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, config_from_text, flat_items,
-                               parse_config, resolve_degrees, schedule_warning, to_toml, validate,
-                               write_resolved)
-from hola_titan.fqn import strip_wrappers
+from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, parse_config, resolve_degrees,
+                               schedule_warning, to_toml, validate, write_resolved)
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
 from hola_titan.kernels import seqlens
 from hola_titan.kernels.seqlens import Documents
@@ -59,11 +56,13 @@ from hola_titan.loss import chunked_linear_cross_entropy
 from hola_titan.metrics import MetricsLogger, peak_memory_gib, setup_logging
 from hola_titan.models.context import BatchContext
 from hola_titan.models.model import HolaTitanLM, build_model, num_params
+from hola_titan.optim import apply_settings, build_optimizer
 from hola_titan.parallelisms.context_parallel import context_parallel_for
 from hola_titan.parallelisms.parallel_dims import ParallelDims, end_process_group, mesh_rank_and_size, submesh
 from hola_titan.parallelisms.init import init_like_one_process
 from hola_titan.parallelisms.parallelize import parallelize_model
 from hola_titan.profiling import step_profiler
+from hola_titan.resume import plan_resume
 from hola_titan.runfolder import RunFolderError, RunFolderLock, die_with_parent
 
 logger = logging.getLogger("hola_titan")
@@ -148,51 +147,6 @@ def fast_path_check(chosen: str, why: str, *, device_type: str, backend: str, re
             "than the Triton kernels. Set model.require_fast_path = true to refuse such a start")
 
 
-def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_factor: float) -> float:
-    """Multiplier of the peak learning rate after ``step`` optimizer steps: linear warmup, then decay."""
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    if decay_type == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if decay_type == "linear":
-        return 1.0 - (1.0 - min_lr_factor) * progress
-    return min_lr_factor + (1.0 - min_lr_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-class Schedule:
-    """The learning-rate multiplier of each step: linear warmup, then decay to ``min_lr_factor`` at ``total_steps``
-    (:func:`lr_lambda`). A callable object, not a closure: ``LambdaLR`` saves and restores it by its attributes, so
-    a checkpoint carries the schedule it ran.
-
-    ``anchor_step`` / ``anchor_factor``: set when a resumed run changes the schedule after its warmup (more steps,
-    another decay): from ``anchor_step`` on, the factor decays from ``anchor_factor`` (the old schedule's factor at
-    that step) to ``min_lr_factor`` at ``total_steps`` with the chosen decay, so the learning rate continues
-    without a jump.
-    """
-
-    def __init__(self, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_factor: float,
-                 anchor_step: int | None = None, anchor_factor: float | None = None):
-        self.warmup_steps, self.total_steps = warmup_steps, total_steps
-        self.decay_type, self.min_lr_factor = decay_type, min_lr_factor
-        self.anchor_step, self.anchor_factor = anchor_step, anchor_factor
-
-    def settings(self) -> dict:
-        return dict(warmup_steps=self.warmup_steps, total_steps=self.total_steps, decay_type=self.decay_type,
-                    min_lr_factor=self.min_lr_factor)
-
-    def __call__(self, step: int) -> float:
-        if self.anchor_step is None or step < self.anchor_step:
-            return lr_lambda(step, **self.settings())
-        if self.decay_type == "constant":
-            return self.anchor_factor
-        progress = min(1.0, (step - self.anchor_step) / max(1, self.total_steps - self.anchor_step))
-        low, high = self.min_lr_factor, self.anchor_factor
-        if self.decay_type == "linear":
-            return high - (high - low) * progress
-        return low + (high - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -205,7 +159,7 @@ class Trainer:
     """Owns the model, optimizer, schedule, data and counters of one run (see the module docstring)."""
 
     def __init__(self, config: JobConfig):
-        from hola_titan.data import build_dataloader, build_validation_dataloader
+        from hola_titan.data import build_dataloader
 
         self.config = config
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -292,35 +246,19 @@ class Trainer:
                                   and config.training.mixed_precision_param == "bfloat16" else torch.float32)
         # The cross-entropy kernel works on the head's low-precision logits.
         self.loss_kernel = self.kernels == "triton" and self.head_matmul_dtype != torch.float32
-        self.optimizer = self._build_optimizer()
+        self.optimizer, self.lr_scheduler = build_optimizer(
+            self.model, optimizer=config.optimizer, lr_scheduler=config.lr_scheduler, steps=config.training.steps,
+            device_type=self.device.type)
         # A fused AdamW skips a non-finite step on the device (found_inf); otherwise the step reads the check.
         self._fused_optimizer = bool(self.optimizer.defaults.get("fused"))
         self._pending: PendingStep | None = None
         self._consecutive_skips = 0
         self._watch_steps = 0  # steps left that are held to the checkpoint's running loss mean (after a resume)
         self._resume_changes: dict = {}
-        self.schedule = Schedule(warmup_steps=config.lr_scheduler.warmup_steps, total_steps=config.training.steps,
-                                 decay_type=config.lr_scheduler.decay_type,
-                                 min_lr_factor=config.lr_scheduler.min_lr_factor)
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule)
         self.dp_rank, self.dp_size = mesh_rank_and_size(self.mesh, "dp")
-        data = config.data
-        common = dict(dataset=data.dataset, tokenizer=self.tokenizer, seq_len=config.training.seq_len,
-                      local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
-                      dp_world_size=self.dp_size, varlen=data.varlen, text_field=data.text_field,
-                      dataset_config=data.dataset_config, streaming=data.streaming,
-                      holdout_every=data.holdout_every)
-        self.dataloader = build_dataloader(split=data.split, seed=config.training.seed,
-                                           allow_changed_data=data.allow_changed_data, **common)
-        self.val_loader_args = None
-        if config.validation.enable:
-            # The held-out split of the training data, or another dataset's validation split.
-            # A separate validation dataset is read whole; the training data gives its held-out documents.
-            separate = config.validation.dataset not in (None, data.dataset)
-            self.val_loader_args = dict(common, dataset=config.validation.dataset or data.dataset,
-                                        split="validation", max_batches=config.validation.steps,
-                                        holdout_every=None if separate else data.holdout_every)
-        self._build_val = build_validation_dataloader
+        self.dataloader = build_dataloader(data=config.data, tokenizer=self.tokenizer, seq_len=config.training.seq_len,
+                                           local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
+                                           dp_world_size=self.dp_size, seed=config.training.seed)
         self.state = TrainState()
         self._restore_guard_state()
         self.flops = flops_per_token(self.model_args, config.training.seq_len)
@@ -376,77 +314,26 @@ class Trainer:
                 "tokenizer": self.tokenizer.fingerprint}
 
     def check_resume(self, saved: dict, path) -> None:
-        """Before a checkpoint's state is read: refuse settings a resume cannot change, settle the global batch,
-        and keep the changes for :meth:`_apply_resume_changes` (rules in ``hola_titan/resume.py``)."""
-        from hola_titan.checkpoint import CheckpointMismatchError
-        from hola_titan.resume import FIXED, changed_settings
-
-        old = flat_items(config_from_text(saved["config"], source=f"the config recorded in {path}"))
-        changes = changed_settings(old, flat_items(self.config))
-        for key in FIXED:
-            if key in changes:
-                was, now = changes[key]
-                raise CheckpointMismatchError(
-                    f"{key}: {was!r} in the run that wrote {path}, {now!r} now; a resumed run cannot change it (it "
-                    "changes the model or the documents it reads): set it back, or start a new run in another "
-                    "job.dump_folder")
-        if saved["tokenizer"] != self.tokenizer.fingerprint:
-            raise CheckpointMismatchError(
-                f"model.tokenizer_path: {self.config.model.tokenizer_path!r} is another tokenizer than the one the run "
-                f"that wrote {path} used (their fingerprints differ); use that tokenizer")
-        self._settle_global_batch(int(saved["global_batch_size"]), path)
-        self._resume_changes = changes
-
-    def _settle_global_batch(self, saved: int, path) -> None:
-        from hola_titan.checkpoint import CheckpointMismatchError
-
-        current = self.degrees.global_batch_size
-        if current == saved:
-            return
-        if self.config.training.global_batch_size not in (None, -1):
-            logger.info("resume: training.global_batch_size changed: %d -> %d rows (set explicitly)", saved, current)
-            return
-        micro_rows = self.config.training.local_batch_size * self.degrees.dp_replicate * self.degrees.dp_shard
-        if saved % micro_rows:
-            raise CheckpointMismatchError(
-                f"training.global_batch_size: the run that wrote {path} trained with a global batch of {saved} rows; "
-                f"{micro_rows} rows per micro-step here (local batch {self.config.training.local_batch_size} x "
-                f"{micro_rows // self.config.training.local_batch_size} data-parallel ranks) do not divide it. Set "
-                "training.global_batch_size to the batch you want, or a local batch that divides it")
-        self.degrees = dataclasses.replace(self.degrees, global_batch_size=saved, grad_accum_steps=saved // micro_rows)
-        if self.checkpointer is not None:
-            self.checkpointer.run_info["global_batch_size"] = saved
-        logger.info("resume: keeping the global batch of %d rows of the run that wrote %s: %d rows per micro-step, "
-                    "%d accumulation steps", saved, path, micro_rows, self.degrees.grad_accum_steps)
+        """Before a checkpoint's state is read: the rules of ``hola_titan/resume.py`` refuse what a resume cannot
+        change and settle the global batch; the changes are kept for :meth:`_apply_resume_changes`."""
+        plan = plan_resume(saved, path=path, config=self.config, degrees=self.degrees,
+                           tokenizer_fingerprint=self.tokenizer.fingerprint)
+        if plan.degrees.global_batch_size != self.degrees.global_batch_size and self.checkpointer is not None:
+            self.checkpointer.run_info["global_batch_size"] = plan.degrees.global_batch_size
+        self.degrees, self._resume_changes = plan.degrees, plan.changes
 
     def _apply_resume_changes(self) -> None:
-        """After the checkpoint loaded: apply the schedule and optimizer settings that changed, and log every
-        change (``hola_titan/resume.py``)."""
+        """After the checkpoint loaded: log every change and set the config's optimizer and schedule settings
+        over the restored ones (``hola_titan/optim.py``)."""
         changes, self._resume_changes = self._resume_changes, {}
         for key, (was, now) in changes.items():
             logger.info("resume: %s changed: %r -> %r", key, was, now)
         config = self.config
-        step = self.lr_scheduler.last_epoch
-        wanted = dict(warmup_steps=config.lr_scheduler.warmup_steps, total_steps=config.training.steps,
-                      decay_type=config.lr_scheduler.decay_type, min_lr_factor=config.lr_scheduler.min_lr_factor)
-        if self.schedule.settings() != wanted:
-            factor = self.schedule(step)
-            self.schedule.__init__(**wanted)
-            if step > wanted["warmup_steps"]:
-                # No jump: the remaining decay starts from where the old schedule was.
-                self.schedule.anchor_step, self.schedule.anchor_factor = step, factor
-            logger.info("resume: schedule from step %d: %s, learning-rate factor %.4f there (was %.4f)", step,
-                        ", ".join(f"{k} {v}" for k, v in wanted.items()), self.schedule(step), factor)
-        base = config.optimizer.lr
-        if any(b != base for b in self.lr_scheduler.base_lrs):
-            self.lr_scheduler.base_lrs = [base] * len(self.optimizer.param_groups)
-        for index, group in enumerate(self.optimizer.param_groups):
-            group["initial_lr"] = base
-            group["betas"], group["eps"] = tuple(config.optimizer.betas), config.optimizer.eps
-            if index == 0:  # the decay group (see _build_optimizer)
-                group["weight_decay"] = config.optimizer.weight_decay
-        for group in self.optimizer.param_groups:  # the rate of the next step, as LambdaLR would set it
-            group["lr"] = base * self.schedule(step)
+        schedule_change = apply_settings(self.optimizer, self.lr_scheduler, model=self.model,
+                                         optimizer=config.optimizer, lr_scheduler=config.lr_scheduler,
+                                         steps=config.training.steps)
+        if schedule_change:
+            logger.info("resume: %s", schedule_change)
 
     def _resolve_attention_backend(self) -> tuple[str, str]:
         """The token mixer's backend, decided once for this model and device (``hola_titan.ops.explain_backend``);
@@ -536,21 +423,6 @@ class Trainer:
         paths["optimizer"] = ("fused AdamW (non-finite steps skipped on the device)" if self._fused_optimizer
                               else "AdamW (foreach)")
         return paths
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        opt = self.config.optimizer
-        if opt.name != "AdamW":
-            raise ConfigError("optimizer.name", f"unknown optimizer {opt.name!r}; expected AdamW")
-        no_decay = self.model.no_weight_decay_names() if hasattr(self.model, "no_weight_decay_names") else set()
-        # Both sides without wrapper prefixes: checkpoint and compile wrappers insert them into every name.
-        no_decay = {strip_wrappers(name) for name in no_decay}
-        decay, plain = [], []
-        for name, param in self.model.named_parameters():
-            (plain if strip_wrappers(name) in no_decay else decay).append(param)
-        groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": plain, "weight_decay": 0.0}]
-        fused = opt.fused if opt.fused is not None else self.device.type == "cuda"
-        return torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, fused=fused,
-                                 foreach=None if fused else True)
 
     # ------------------------------------------------------------------ the step
 
@@ -745,10 +617,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ validation
 
+    def _validation_loader(self):
+        """The held-out documents of the training data, or ``validation.dataset`` read whole: the same batches at
+        every validation."""
+        from hola_titan.data import build_validation_dataloader
+
+        config = self.config
+        return build_validation_dataloader(data=config.data, dataset=config.validation.dataset,
+                                           tokenizer=self.tokenizer, seq_len=config.training.seq_len,
+                                           local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
+                                           dp_world_size=self.dp_size, max_batches=config.validation.steps)
+
     @torch.no_grad()
     def validate(self) -> dict:
         self.model.eval()
-        loader = self._build_val(**self.val_loader_args)
+        loader = self._validation_loader()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)
         for batch in loader:
             if self.cp is not None:

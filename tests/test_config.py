@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,16 @@ from hola_titan.config import (
     SECTIONS,
     ConfigError,
     JobConfig,
+    Resume,
+    check_fields,
     field_docs,
+    flat_items,
     load_toml,
     parse_config,
     resolve_degrees,
+    setting,
     to_dict,
+    to_toml,
     validate,
     write_resolved,
 )
@@ -66,6 +72,73 @@ def test_optional_fields_default_to_none():
         for name, f in zip(table, dataclasses.fields(SECTIONS[section])):
             if "None" in str(f.type):
                 assert table[name] is None, f"{section}.{name}"
+
+
+def _fields():
+    """(key, type, metadata) of every config field."""
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            yield f"{section}.{f.name}", hints[f.name], f.metadata
+
+
+def test_every_field_has_a_resume_class():
+    # A field added without setting(..., resume=...) fails here: a resume would not know whether to compare it.
+    missing = [key for key, _, metadata in _fields() if metadata.get("resume") not in typing.get_args(Resume)]
+    assert not missing, missing
+    with pytest.raises(TypeError, match="resume class 'fixd'"):
+        setting(1, resume="fixd")
+
+
+_BOUNDED = [(key, hint, metadata) for key, hint, metadata in _fields() if {"ge", "gt", "le", "lt"} & set(metadata)]
+
+
+@pytest.mark.parametrize("key, hint, metadata", _BOUNDED, ids=[key for key, _, _ in _BOUNDED])
+def test_every_bound_is_enforced_naming_the_key(key, hint, metadata):
+    width = len(typing.get_args(hint)) if typing.get_origin(hint) is tuple else 1
+    for name, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        if name in metadata:
+            bound = metadata[name]
+            outside = {"ge": bound - 1, "gt": bound, "le": bound + 1, "lt": bound}[name]
+            _raises(key, [f"--{key}", ",".join([str(outside)] * width)], match=f"must be {sign} {bound}")
+
+
+def _changed(key: str, hint) -> JobConfig | None:
+    """The defaults with ``key`` set to another valid value (None: there is none)."""
+    section, name = key.split(".")
+    literal = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else ()
+    for value in [False, True, 3, 0.5, (0.5, 0.25), ["other"], "3", "other", None, *literal]:
+        config = JobConfig()
+        setattr(getattr(config, section), name, value)
+        try:
+            check_fields(config)
+        except ConfigError:
+            continue
+        if flat_items(config)[key] != flat_items(JobConfig())[key]:
+            return config
+    return None
+
+
+def test_the_resume_class_of_a_field_decides_what_a_resume_does_with_it():
+    from hola_titan.checkpoint import CheckpointMismatchError
+    from hola_titan.resume import plan_resume
+
+    degrees = resolve_degrees(JobConfig().parallelism, JobConfig().training, world_size=1)
+    saved = {"config": to_toml(JobConfig()), "global_batch_size": degrees.global_batch_size, "tokenizer": "t"}
+    unchangeable = []
+    for key, hint, metadata in _fields():
+        config = _changed(key, hint)
+        if config is None:
+            unchangeable.append(key)
+            continue
+        resume = dict(path="step-4", config=config, degrees=degrees, tokenizer_fingerprint="t")
+        if metadata["resume"] == "fixed":
+            with pytest.raises(CheckpointMismatchError, match=rf"^{key}: .* a resumed run cannot change it"):
+                plan_resume(saved, **resume)
+        else:
+            expected = set() if metadata["resume"] == "launch" else {key}
+            assert set(plan_resume(saved, **resume).changes) == expected, key
+    assert unchangeable == ["optimizer.name"]
 
 
 # ---- precedence --------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from hola_titan.config import Data
 from hola_titan.data import (
     IGNORE_INDEX,
     PackedDataLoader,
@@ -35,6 +36,11 @@ SEQ_LEN = 16
 
 # One pytest-xdist worker runs the module: its module-scoped fixtures are made once.
 pytestmark = pytest.mark.xdist_group("test_data")
+
+
+def _data(dataset: str, **fields: Any) -> Data:
+    """The ``[data]`` section the loaders are built from, without a hold-out: these tests read their files whole."""
+    return Data(dataset=dataset, holdout_every=0, **fields)
 
 
 @pytest.fixture(scope="module")
@@ -234,8 +240,8 @@ def test_loader_matches_reference_across_epochs(corpus, tokenizer, varlen):
     ref = Reference(docs, tokenizer)
     batch_size = 3
     steps = ref.epoch_len // (batch_size * SEQ_LEN) + 3  # runs into the second epoch
-    loader = build_dataloader(dataset=path, tokenizer=tokenizer, seq_len=SEQ_LEN, local_batch_size=batch_size,
-                              varlen=varlen, shuffle=False)
+    loader = build_dataloader(data=_data(path, varlen=varlen), tokenizer=tokenizer, seq_len=SEQ_LEN,
+                              local_batch_size=batch_size, shuffle=False)
     ignored = 0
     for step, batch in enumerate(take(loader, steps)):
         check_batch_against_reference(batch, ref, step * batch_size, varlen)
@@ -253,8 +259,8 @@ def test_shuffle_is_a_seeded_permutation_per_epoch(corpus, tokenizer):
     assert epoch_permutation(len(docs), seed=3, epoch=1).tolist() == orders[1].tolist()
     assert epoch_permutation(len(docs), seed=4, epoch=1).tolist() != orders[1].tolist()
 
-    loader = build_dataloader(dataset=path, tokenizer=tokenizer, seq_len=SEQ_LEN, local_batch_size=1, seed=3,
-                              varlen=False)
+    loader = build_dataloader(data=_data(path, varlen=False), tokenizer=tokenizer, seq_len=SEQ_LEN,
+                              local_batch_size=1, seed=3)
     rows = 2 * ref.epoch_len // SEQ_LEN + 1
     stream = torch.cat([b["input_ids"][0] for b in take(loader, rows)]).tolist()  # inputs tile the stream
     for epoch in range(2):
@@ -265,7 +271,7 @@ def test_shuffle_is_a_seeded_permutation_per_epoch(corpus, tokenizer):
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_resume_gives_the_same_next_batches(corpus, tokenizer, shuffle):
     _, path = corpus
-    kwargs: dict[str, Any] = dict(dataset=path, tokenizer=tokenizer, seq_len=SEQ_LEN, local_batch_size=4, seed=7,
+    kwargs: dict[str, Any] = dict(data=_data(path), tokenizer=tokenizer, seq_len=SEQ_LEN, local_batch_size=4, seed=7,
                                   shuffle=shuffle)
     reference = take(build_dataloader(**kwargs), 30)
     first = build_dataloader(**kwargs)
@@ -284,7 +290,7 @@ def test_resume_gives_the_same_next_batches(corpus, tokenizer, shuffle):
 
 def test_dp_ranks_together_see_the_single_process_rows_and_resume_at_another_degree(corpus, tokenizer):
     _, path = corpus
-    common: dict[str, Any] = dict(dataset=path, tokenizer=tokenizer, seq_len=SEQ_LEN, seed=1)
+    common: dict[str, Any] = dict(data=_data(path), tokenizer=tokenizer, seq_len=SEQ_LEN, seed=1)
     single = take(build_dataloader(**common, local_batch_size=4), 25)
     ranks = [build_dataloader(**common, local_batch_size=2, dp_rank=r, dp_world_size=2) for r in range(2)]
     per_rank = [take(loader, 10) for loader in ranks]
@@ -308,7 +314,7 @@ def test_dp_ranks_together_see_the_single_process_rows_and_resume_at_another_deg
 def test_validation_loader_is_fixed_and_sharded(corpus, tokenizer):
     docs, path = corpus
     ref = Reference(docs, tokenizer)
-    full = build_validation_dataloader(dataset=path, split="train", tokenizer=tokenizer, seq_len=SEQ_LEN,
+    full = build_validation_dataloader(data=_data(path), split="train", tokenizer=tokenizer, seq_len=SEQ_LEN,
                                        local_batch_size=4)
     assert len(full) == ((ref.epoch_len - 1) // SEQ_LEN) // 4
     batches = list(full)
@@ -316,7 +322,7 @@ def test_validation_loader_is_fixed_and_sharded(corpus, tokenizer):
     assert_same_batches(list(full), batches)  # every iteration yields the same rows
     for step, batch in enumerate(batches):
         check_batch_against_reference(batch, ref, step * 4, varlen=True)
-    ranks = [build_validation_dataloader(dataset=path, split="train", tokenizer=tokenizer, seq_len=SEQ_LEN,
+    ranks = [build_validation_dataloader(data=_data(path), split="train", tokenizer=tokenizer, seq_len=SEQ_LEN,
                                          local_batch_size=2, dp_rank=r, dp_world_size=2, max_batches=3)
              for r in range(2)]
     assert [len(r) for r in ranks] == [3, 3]
@@ -360,9 +366,9 @@ def test_streamed_hub_data_matches_in_memory_and_resumes(fake_hub, corpus, token
     docs, calls = fake_hub
     _, path = corpus
     common: dict[str, Any] = dict(tokenizer=tokenizer, seq_len=SEQ_LEN, shuffle=False)
-    in_memory = take(build_dataloader(dataset=path, local_batch_size=4, **common), 30)
-    streamed = build_dataloader(dataset="someone/corpus", dataset_config="en", text_field="content",
-                                local_batch_size=4, **common)
+    in_memory = take(build_dataloader(data=_data(path), local_batch_size=4, **common), 30)
+    hub = _data("someone/corpus", dataset_config="en", text_field="content")
+    streamed = build_dataloader(data=hub, local_batch_size=4, **common)
     assert isinstance(streamed.stream, StreamingTokenStream)
     assert_same_batches(take(streamed, 12), in_memory[:12])  # runs into the second epoch
     assert calls[0] == ("someone/corpus", "en", "train", True)
@@ -370,20 +376,19 @@ def test_streamed_hub_data_matches_in_memory_and_resumes(fake_hub, corpus, token
     state = streamed.state_dict()
     assert {"stream_epoch", "stream_doc", "stream_offset"} <= set(state)
     for rank in range(2):
-        resumed = build_dataloader(dataset="someone/corpus", dataset_config="en", text_field="content",
-                                   local_batch_size=2, dp_rank=rank, dp_world_size=2, **common)
+        resumed = build_dataloader(data=hub, local_batch_size=2, dp_rank=rank, dp_world_size=2, **common)
         resumed.load_state_dict(state)
         for step, batch in enumerate(take(resumed, 6)):
             expected = in_memory[12 + step]["input_ids"][2 * rank:2 * rank + 2]
             assert torch.equal(batch["input_ids"], expected)
     with pytest.raises(ValueError, match="content"):
-        next(iter(build_dataloader(dataset="someone/corpus", text_field="body", local_batch_size=4, **common)))
+        next(iter(build_dataloader(data=_data("someone/corpus", text_field="body"), local_batch_size=4, **common)))
     with pytest.raises(ValueError, match="max_batches"):
-        build_validation_dataloader(dataset="someone/corpus", tokenizer=tokenizer, seq_len=SEQ_LEN,
-                                    local_batch_size=2, text_field="content")
-    val = build_validation_dataloader(dataset="someone/corpus", tokenizer=tokenizer, seq_len=SEQ_LEN,
-                                      local_batch_size=2, text_field="content", max_batches=1000)
-    val_in_memory = build_validation_dataloader(dataset=path, split="train", tokenizer=tokenizer, seq_len=SEQ_LEN,
+        build_validation_dataloader(data=_data("someone/corpus", text_field="content"), tokenizer=tokenizer,
+                                    seq_len=SEQ_LEN, local_batch_size=2)
+    val = build_validation_dataloader(data=_data("someone/corpus", text_field="content"), tokenizer=tokenizer,
+                                      seq_len=SEQ_LEN, local_batch_size=2, max_batches=1000)
+    val_in_memory = build_validation_dataloader(data=_data(path), split="train", tokenizer=tokenizer, seq_len=SEQ_LEN,
                                                 local_batch_size=2)
     # Stops at the end of the single epoch (not at max_batches), on the same rows as in-memory data.
     assert_same_batches(list(val), list(val_in_memory))
@@ -424,7 +429,7 @@ def test_local_file_formats(tmp_path, tokenizer, monkeypatch):
 
     # Local data works without the datasets package.
     monkeypatch.setitem(sys.modules, "datasets", None)
-    loader = build_dataloader(dataset=str(tmp_path / "text"), tokenizer=tokenizer, seq_len=4, local_batch_size=2)
+    loader = build_dataloader(data=_data(str(tmp_path / "text")), tokenizer=tokenizer, seq_len=4, local_batch_size=2)
     assert next(iter(loader))["input_ids"].shape == (2, 4)
 
 
@@ -436,7 +441,7 @@ def test_parquet_files(tmp_path, tokenizer):
     source = resolve_source(str(tmp_path / "part.parquet"), split="train")
     assert list(read_documents(source)) == docs
     ref = Reference(docs, tokenizer)
-    loader = build_dataloader(dataset=str(tmp_path / "part.parquet"), tokenizer=tokenizer, seq_len=SEQ_LEN,
+    loader = build_dataloader(data=_data(str(tmp_path / "part.parquet")), tokenizer=tokenizer, seq_len=SEQ_LEN,
                               local_batch_size=2, shuffle=False)
     check_batch_against_reference(next(iter(loader)), ref, 0, varlen=True)
     bad = resolve_source(str(tmp_path / "part.parquet"), split="train", text_field="body")
@@ -446,23 +451,23 @@ def test_parquet_files(tmp_path, tokenizer):
 
 def test_clear_errors(tmp_path, tokenizer):
     with pytest.raises(FileNotFoundError, match="missing/data.jsonl"):
-        build_dataloader(dataset=str(tmp_path / "missing" / "data.jsonl"), tokenizer=tokenizer, seq_len=8,
+        build_dataloader(data=_data(str(tmp_path / "missing" / "data.jsonl")), tokenizer=tokenizer, seq_len=8,
                          local_batch_size=1)
     with pytest.raises(FileNotFoundError, match="matches no"):
         resolve_source(str(tmp_path / "*.jsonl"), split="train")
     path = write_jsonl(tmp_path / "d.jsonl", ["hello"], field="body")
     with pytest.raises(ValueError, match=r"d.jsonl line 1: no text field 'text' \(fields: body, id\)"):
-        build_dataloader(dataset=str(path), tokenizer=tokenizer, seq_len=8, local_batch_size=1)
+        build_dataloader(data=_data(str(path)), tokenizer=tokenizer, seq_len=8, local_batch_size=1)
     (tmp_path / "n.jsonl").write_text(json.dumps({"text": 3}) + "\n")
     with pytest.raises(ValueError, match="holds int"):
         list(read_documents(resolve_source(str(tmp_path / "n.jsonl"), split="train")))
     with pytest.raises(ValueError, match="split"):
         resolve_source("bundled", split="test")
     with pytest.raises(ValueError, match="dp_rank"):
-        build_dataloader(dataset=str(path), text_field="body", tokenizer=tokenizer, seq_len=8, local_batch_size=1,
+        build_dataloader(data=_data(str(path), text_field="body"), tokenizer=tokenizer, seq_len=8, local_batch_size=1,
                          dp_rank=2, dp_world_size=2)
     with pytest.raises(ValueError, match="fewer than one global batch"):
-        build_validation_dataloader(dataset=str(path), split="train", text_field="body", tokenizer=tokenizer,
+        build_validation_dataloader(data=_data(str(path), text_field="body"), split="train", tokenizer=tokenizer,
                                     seq_len=64, local_batch_size=1)
 
 
@@ -480,11 +485,11 @@ def test_bundled_corpus_splits_and_lengths(tokenizer):
     assert sum(n < 256 for n in lengths) > len(lengths) // 3 and sum(n > 1024 for n in lengths) > 100
     assert 1_000_000 < sum(lengths) < 3_000_000
 
-    loader = build_dataloader(dataset="bundled", tokenizer=tokenizer, seq_len=256, local_batch_size=4)
+    loader = build_dataloader(data=_data("bundled"), tokenizer=tokenizer, seq_len=256, local_batch_size=4)
     starts = sum(len(batch["cu_seqlens"]) - 1 for batch in take(loader, 20))
     # Besides the 80 row starts, about 20 * 4 * 256 / 341 (mean document length) documents start inside rows.
     assert starts - 20 * 4 > 30
-    val = build_validation_dataloader(dataset="bundled", tokenizer=tokenizer, seq_len=256, local_batch_size=4,
+    val = build_validation_dataloader(data=_data("bundled"), tokenizer=tokenizer, seq_len=256, local_batch_size=4,
                                       max_batches=5)
     assert len(val) == 5
     assert_same_batches(list(val), list(val))

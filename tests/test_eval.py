@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hola_titan.config import Data
 from hola_titan.data import IGNORE_INDEX, build_dataloader, build_validation_dataloader, load_tokenizer
 from hola_titan.data.synthetic import FILLER_ID, mqar_row, parse_mqar
 from hola_titan.eval.generation import SamplingOptions, filter_logits, generate, measure_decoding_memory
@@ -139,7 +140,7 @@ def test_mqar_rows_put_the_answers_where_the_metadata_says():
 
 
 def test_mqar_loader_is_deterministic_and_independent_of_the_layout(tokenizer):
-    common = dict(dataset="mqar:vocab=512,pairs=2-8", tokenizer=tokenizer, seq_len=64, seed=5)
+    common = dict(data=Data(dataset="mqar:vocab=512,pairs=2-8"), tokenizer=tokenizer, seq_len=64, seed=5)
     single = next(iter(build_dataloader(local_batch_size=4, **common)))
     ranks = [next(iter(build_dataloader(local_batch_size=2, dp_rank=r, dp_world_size=2, **common))) for r in (0, 1)]
     assert torch.equal(single["input_ids"], torch.cat([b["input_ids"] for b in ranks]))
@@ -154,7 +155,7 @@ def test_mqar_loader_is_deterministic_and_independent_of_the_layout(tokenizer):
     resumed = build_dataloader(local_batch_size=4, **common)
     resumed.load_state_dict(state)
     assert torch.equal(next(iter(resumed))["input_ids"], expected["input_ids"])
-    validation = build_validation_dataloader(dataset=common["dataset"], tokenizer=tokenizer, seq_len=64,
+    validation = build_validation_dataloader(data=common["data"], tokenizer=tokenizer, seq_len=64,
                                              local_batch_size=4, max_batches=2)
     batches = list(validation)
     assert len(batches) == 2 and not torch.equal(batches[0]["input_ids"], single["input_ids"])
@@ -174,7 +175,7 @@ def test_mqar_bad_specs_name_the_problem(dataset, message):
 
 def test_mqar_row_too_long_for_seq_len_is_an_error(tokenizer):
     with pytest.raises(ValueError, match="too short for 64 pairs"):
-        build_dataloader(dataset="mqar:pairs=64", tokenizer=tokenizer, seq_len=128, local_batch_size=1)
+        build_dataloader(data=Data(dataset="mqar:pairs=64"), tokenizer=tokenizer, seq_len=128, local_batch_size=1)
 
 
 def test_mqar_eval_scores_a_perfect_oracle():
@@ -332,7 +333,7 @@ def test_mqar_recipes_validate_and_feed_answer_only_labels(flavour, tokenizer):
     config = load_toml(Path(__file__).resolve().parents[1] / "train_configs" / f"mqar_{flavour}.toml")
     validate(config, world_size=1)
     assert config.model.flavour == flavour and config.model.size == "debug"
-    loader = build_dataloader(dataset=config.data.dataset, tokenizer=tokenizer, seq_len=config.training.seq_len,
+    loader = build_dataloader(data=config.data, tokenizer=tokenizer, seq_len=config.training.seq_len,
                               local_batch_size=2, seed=config.training.seed)
     batch = next(iter(loader))
     labels, inputs = batch["labels"], batch["input_ids"]

@@ -352,8 +352,7 @@ def test_validation_never_reads_the_training_documents(tmp_path):
     trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "run"), "--data.dataset", str(path),
                                     "--data.holdout_every", "10", "--validation.enable", "true",
                                     "--training.seq_len", "32", "--validation.steps", "1"]))
-    assert trainer.val_loader_args["holdout_every"] == 10
-    val = trainer._build_val(**trainer.val_loader_args)
+    val = trainer._validation_loader()
     assert val.holdout == "validation/10" and trainer.dataloader.holdout == "train/10"
 
 
@@ -413,7 +412,7 @@ def test_a_changed_learning_rate_is_applied_on_resume_and_logged(tmp_path, caplo
         Trainer(parse_config([*RESUME, "--job.dump_folder", str(tmp_path), "--training.steps", "6",
                               "--optimizer.lr", "5e-4"])).train()
     assert "resume: optimizer.lr changed: 0.001 -> 0.0005" in caplog.text
-    from hola_titan.train import Schedule
+    from hola_titan.optim import Schedule
     schedule = Schedule(warmup_steps=2, total_steps=4, decay_type="cosine", min_lr_factor=0.1)
     # Step 5 runs at the new peak times the factor the old schedule had reached at step 4 (its end: 0.1), and
     # the longer run continues from there without a jump.
@@ -433,7 +432,7 @@ def test_more_steps_on_resume_continue_the_decay_without_a_jump(tmp_path, caplog
     lrs, before = _lrs(tmp_path), _lrs(uninterrupted)
     assert lrs[5] == pytest.approx(before[5])  # the first resumed step keeps the learning rate it would have had
     assert all(lrs[s + 1] <= lrs[s] + 1e-12 for s in range(5, 16))  # and it decays monotonically
-    from hola_titan.train import Schedule
+    from hola_titan.optim import Schedule
     old = Schedule(warmup_steps=2, total_steps=8, decay_type="cosine", min_lr_factor=0.1)
     new = Schedule(warmup_steps=2, total_steps=16, decay_type="cosine", min_lr_factor=0.1, anchor_step=4,
                    anchor_factor=old(4))

@@ -20,7 +20,8 @@ from hola_titan.config import ConfigError, parse_config
 from hola_titan.flops import flops_per_token, matmul_params, mean_visible_keys
 from hola_titan.models.args import model_args, replace
 from hola_titan.models.model import build_model
-from hola_titan.train import Trainer, lr_lambda, main
+from hola_titan.optim import lr_lambda
+from hola_titan.train import Trainer, main
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
@@ -193,6 +194,45 @@ def test_lr_schedule_warmup_and_cosine_floor():
     assert lr_lambda(60, **kw) == pytest.approx(0.55)
     assert lr_lambda(110, **kw) == pytest.approx(0.1)
     assert lr_lambda(500, **kw) == pytest.approx(0.1)
+
+
+def test_optimizer_settings_apply_at_build_and_over_restored_ones_by_parameter():
+    """apply_settings sets every ``schedule`` key (hola_titan/resume.py) over what a checkpoint restored; the groups
+    that decay are found by their parameters, in whatever order the restored optimizer lists them."""
+    from hola_titan.optim import apply_settings, build_optimizer
+    from hola_titan.resume import SCHEDULE
+
+    model = torch.nn.Linear(4, 4)
+    model.no_weight_decay_names = lambda: {"bias"}
+    config = parse_config([])
+    adamw, scheduler = build_optimizer(model, optimizer=config.optimizer, lr_scheduler=config.lr_scheduler,
+                                       steps=10, device_type="cpu")
+    assert [[p is model.weight for p in g["params"]] for g in adamw.param_groups] == [[True], [False]]
+    assert [g["weight_decay"] for g in adamw.param_groups] == [config.optimizer.weight_decay, 0.0]
+    for _ in range(3):
+        adamw.step()
+        scheduler.step()
+    adamw.param_groups.reverse()
+    new = {"optimizer.lr": "1e-3", "optimizer.weight_decay": "0.2", "optimizer.betas": "0.8,0.9",
+           "optimizer.eps": "1e-6", "lr_scheduler.warmup_steps": "1", "lr_scheduler.decay_type": "linear",
+           "lr_scheduler.min_lr_factor": "0.5", "training.steps": "20"}
+    assert set(new) == set(SCHEDULE)  # a new schedule key needs its place here and in apply_settings
+    config = parse_config([word for key, value in new.items() for word in (f"--{key}", value)])
+    change = apply_settings(adamw, scheduler, model=model, optimizer=config.optimizer,
+                            lr_scheduler=config.lr_scheduler, steps=config.training.steps)
+    schedule = scheduler.lr_lambdas[0]
+    assert change.startswith("schedule from step 3: warmup_steps 1, total_steps 20, decay_type linear")
+    assert schedule.settings() == dict(warmup_steps=1, total_steps=20, decay_type="linear", min_lr_factor=0.5)
+    assert schedule.anchor_step == 3 and schedule.anchor_factor == lr_lambda(3, warmup_steps=200, total_steps=10,
+                                                                             decay_type="cosine", min_lr_factor=0.1)
+    for group in adamw.param_groups:
+        assert group["weight_decay"] == (0.2 if group["params"][0] is model.weight else 0.0)
+        assert group["betas"] == (0.8, 0.9) and group["eps"] == 1e-6 and group["initial_lr"] == 1e-3
+        assert group["lr"] == pytest.approx(1e-3 * schedule(3))
+    scheduler.step()
+    assert all(g["lr"] == pytest.approx(1e-3 * schedule(4)) for g in adamw.param_groups)
+    assert apply_settings(adamw, scheduler, model=model, optimizer=config.optimizer,
+                          lr_scheduler=config.lr_scheduler, steps=config.training.steps) is None
 
 
 @pytest.mark.parametrize("argv,key", [

@@ -3,12 +3,13 @@
 Public API::
 
     tokenizer = load_tokenizer("bundled")          # or a folder / tokenizer.json of a HF tokenizer
-    loader = build_dataloader(dataset="bundled", tokenizer=tokenizer, seq_len=2048, local_batch_size=8,
+    data = config.data                             # hola_titan.config.Data: dataset, split, packing, hold-out
+    loader = build_dataloader(data=data, tokenizer=tokenizer, seq_len=2048, local_batch_size=8,
                               dp_rank=rank, dp_world_size=world)
     for batch in loader:                           # endless; batch: input_ids, labels, position_ids, cu_seqlens
         ...
     state = loader.state_dict()                    # global rows consumed; resumes at any dp_world_size
-    val = build_validation_dataloader(dataset="bundled", tokenizer=tokenizer, seq_len=2048, local_batch_size=8)
+    val = build_validation_dataloader(data=data, tokenizer=tokenizer, seq_len=2048, local_batch_size=8)
 
 Layouts: rows, labels and ``cu_seqlens`` in :mod:`hola_titan.data.packing`; the global row order, sharding and
 resume in :mod:`hola_titan.data.loader`; accepted ``dataset`` strings in :mod:`hola_titan.data.sources`.

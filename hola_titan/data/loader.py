@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from hola_titan.config import Data
 from hola_titan.data.packing import Batch, RowLoader, pack_rows
 from hola_titan.data.sources import (DataError, Source, TxtDocuments, fingerprint_changes, hub_documents,
                                      read_documents, resolve_source, source_fingerprint)
@@ -259,82 +260,54 @@ def _build_stream(source: Source, tokenizer: Tokenizer, *, streaming: bool | Non
     return InMemoryTokenStream(tokens, offsets, shuffle=shuffle, seed=seed, epochs=epochs)
 
 
-def build_dataloader(
-    *,
-    dataset: str,
-    tokenizer: Tokenizer,
-    seq_len: int,
-    local_batch_size: int,
-    dp_rank: int = 0,
-    dp_world_size: int = 1,
-    varlen: bool = True,
-    seed: int = 0,
-    shuffle: bool = True,
-    split: str = "train",
-    text_field: str = "text",
-    dataset_config: str | None = None,
-    streaming: bool | None = None,
-    txt_documents: TxtDocuments = "paragraph",
-    holdout_every: int | None = None,
-    allow_changed_data: bool = False,
-) -> PackedDataLoader | MqarLoader:
+def build_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: int, local_batch_size: int, dp_rank: int = 0,
+                     dp_world_size: int = 1, seed: int = 0, shuffle: bool = True,
+                     txt_documents: TxtDocuments = "paragraph") -> PackedDataLoader | MqarLoader:
     """Endless, resumable training loader for one data-parallel rank (module docstring).
 
     Args:
-        dataset: ``"bundled"``, a local file/folder/glob, or a hub name (``hola_titan.data.sources``); or a
-            synthetic token source ``"mqar:..."`` (``hola_titan.data.synthetic``).
+        data: the config's ``[data]`` section (``hola_titan.config.Data``): ``dataset`` (``"bundled"``, a local
+            file/folder/glob, a hub name: ``hola_titan.data.sources``; or a synthetic token source ``"mqar:..."``:
+            ``hola_titan.data.synthetic``), the ``split`` to read, its ``text_field`` and ``dataset_config``,
+            ``streaming`` (hub data: stream when True or None, else download the split and shuffle it like local
+            data; bundled and local data are always held in memory), ``varlen`` (document boundaries in each batch:
+            ``hola_titan.data.packing``), ``holdout_every`` (local data without split folders: every N-th document
+            is held out for validation and never read here; 0: none) and ``allow_changed_data`` (resume from a
+            checkpoint whose data's fingerprint, kept in the loader's state, differs from the data now, with a
+            warning, instead of refusing).
         tokenizer: from :func:`~hola_titan.data.tokenizer.load_tokenizer`.
         seq_len: tokens per row ``T``.
         local_batch_size: rows per batch on this rank.
         dp_rank, dp_world_size: data-parallel rank and degree (not the context- or tensor-parallel ones).
-        varlen: document boundaries in each batch (``cu_seqlens``, ignored cross-document labels); see
-            ``hola_titan.data.packing``.
         seed: document order of each epoch when ``shuffle``.
         shuffle: reshuffle the documents of finite data every epoch; streamed hub data is always read in order.
-        split: ``train``/``validation`` for ``bundled``; the hub split; a sub-folder name for local folders.
-        text_field: column or JSON key holding the text (not used for ``bundled`` and ``.txt``).
-        dataset_config: hub configuration (subset) name.
-        streaming: hub data only: stream (True, also when None) or download the split and hold it in memory
-            (False; then it is shuffled like local data). Bundled and local data are always held in memory.
         txt_documents: ``.txt`` files: ``paragraph`` (blank-line separated blocks) or ``file``.
-        holdout_every: local data without split folders: every N-th document is held out for validation and
-            never read here (``hola_titan.data.sources``); 0 or None: none.
-        allow_changed_data: resume from a checkpoint whose data's fingerprint (``sources.source_fingerprint``,
-            kept in the loader's state) differs from the data now, with a warning, instead of refusing.
     """
     _check_args(tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
                 dp_world_size=dp_world_size)
-    if is_synthetic(dataset):
-        return build_synthetic_dataloader(dataset, vocab_size=tokenizer.vocab_size, seq_len=seq_len,
+    if is_synthetic(data.dataset):
+        return build_synthetic_dataloader(data.dataset, vocab_size=tokenizer.vocab_size, seq_len=seq_len,
                                           local_batch_size=local_batch_size, dp_rank=dp_rank,
-                                          dp_world_size=dp_world_size, seed=seed, split=split)
-    source = resolve_source(dataset, split=split, text_field=text_field, dataset_config=dataset_config,
-                            txt_documents=txt_documents, holdout_every=holdout_every)
-    stream = _build_stream(source, tokenizer, streaming=streaming, shuffle=shuffle, seed=seed, epochs=None)
+                                          dp_world_size=dp_world_size, seed=seed, split=data.split)
+    source = resolve_source(data.dataset, split=data.split, text_field=data.text_field,
+                            dataset_config=data.dataset_config, txt_documents=txt_documents,
+                            holdout_every=data.holdout_every)
+    stream = _build_stream(source, tokenizer, streaming=data.streaming, shuffle=shuffle, seed=seed, epochs=None)
     return PackedDataLoader(stream, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
-                            dp_world_size=dp_world_size, eos_id=tokenizer.eos_id, varlen=varlen, seed=seed,
+                            dp_world_size=dp_world_size, eos_id=tokenizer.eos_id, varlen=data.varlen, seed=seed,
                             holdout=source.holdout_tag, fingerprint=source_fingerprint(source),
-                            allow_changed_data=allow_changed_data)
+                            allow_changed_data=data.allow_changed_data)
 
 
-def build_validation_dataloader(
-    *,
-    dataset: str,
-    tokenizer: Tokenizer,
-    seq_len: int,
-    local_batch_size: int,
-    dp_rank: int = 0,
-    dp_world_size: int = 1,
-    varlen: bool = True,
-    split: str = "validation",
-    text_field: str = "text",
-    dataset_config: str | None = None,
-    streaming: bool | None = None,
-    txt_documents: TxtDocuments = "paragraph",
-    max_batches: int | None = None,
-    holdout_every: int | None = None,
-) -> PackedDataLoader | MqarLoader:
+def build_validation_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
+                                dp_rank: int = 0, dp_world_size: int = 1, dataset: str | None = None,
+                                split: str = "validation", max_batches: int | None = None,
+                                txt_documents: TxtDocuments = "paragraph") -> PackedDataLoader | MqarLoader:
     """Loader over fixed held-out rows: the first epoch of ``split`` in stored order, the same every iteration.
+
+    ``dataset``: a separate validation dataset (``validation.dataset``), read whole; None (or ``data.dataset``):
+    ``data.dataset``, of which local data without split folders gives the documents ``data.holdout_every`` holds
+    out. ``data.split`` and ``data.allow_changed_data`` concern the training loader and are not read here.
 
     It yields ``min(max_batches, full global batches in one epoch)`` batches (``max_batches`` is required for
     streamed hub data, whose length is unknown); every rank yields the same number. Other arguments as in
@@ -343,6 +316,9 @@ def build_validation_dataloader(
     Raises:
         ValueError: the split is too small for one global batch, or ``max_batches`` is missing for streamed data.
     """
+    # The hold-out belongs to the training data: a separate dataset has none of it.
+    holdout_every = data.holdout_every if dataset in (None, data.dataset) else None
+    dataset = dataset or data.dataset
     _check_args(tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
                 dp_world_size=dp_world_size)
     if max_batches is not None and max_batches < 1:
@@ -352,9 +328,9 @@ def build_validation_dataloader(
                                           local_batch_size=local_batch_size, dp_rank=dp_rank,
                                           dp_world_size=dp_world_size, seed=0, split=split, num_batches=max_batches,
                                           validation=True)
-    source = resolve_source(dataset, split=split, text_field=text_field, dataset_config=dataset_config,
+    source = resolve_source(dataset, split=split, text_field=data.text_field, dataset_config=data.dataset_config,
                             txt_documents=txt_documents, holdout_every=holdout_every)
-    stream = _build_stream(source, tokenizer, streaming=streaming, shuffle=False, seed=0, epochs=1)
+    stream = _build_stream(source, tokenizer, streaming=data.streaming, shuffle=False, seed=0, epochs=1)
     global_rows = dp_world_size * local_batch_size
     if isinstance(stream, InMemoryTokenStream):
         # Row j needs stream positions up to j*T + T, inside the single epoch.
@@ -371,5 +347,5 @@ def build_validation_dataloader(
     else:
         num_batches = max_batches
     return PackedDataLoader(stream, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
-                            dp_world_size=dp_world_size, eos_id=tokenizer.eos_id, varlen=varlen, seed=0,
+                            dp_world_size=dp_world_size, eos_id=tokenizer.eos_id, varlen=data.varlen, seed=0,
                             num_batches=num_batches, holdout=source.holdout_tag)
