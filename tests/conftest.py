@@ -21,6 +21,30 @@ if not os.environ.get("TORCH_TRACE"):
     _trace.propagate = True
 
 
+def pytest_configure(config):
+    """One intra-op thread in each pytest-xdist worker and, through OMP_NUM_THREADS, in the processes its tests
+    start (unless OMP_NUM_THREADS is set): the workers already fill the cores. With two threads per worker on the
+    2-core CI machine, the threads of every small op spun waiting for cores that the other worker and the tests'
+    torchrun processes held: ``-n 2`` of test_train.py took 268 s of CPU (260 s wall) with two threads, 114 s
+    (97 s) with one; test_reliability.py 480 s with two, 295 s with one."""
+    if hasattr(config, "workerinput"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Under ``--dist loadgroup`` pytest-xdist appends each test's ``xdist_group`` to its id, which is how its
+    scheduler keeps a group on one worker. Fail a grouped test whose id lacks it (pytest 9.2 with xdist 3.8 drops it
+    silently, pytest-dev/pytest-xdist#1386) before its fixtures run, rather than make every group's shared runs on
+    every worker."""
+    if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group") \
+            and "@" not in item.nodeid:
+        pytest.fail(f"the xdist_group mark is not in this test's id: pytest {pytest.__version__} and this "
+                    "pytest-xdist do not group tests (pytest-dev/pytest-xdist#1386); install pytest<9.2 "
+                    "(scripts/setup_env.sh)", pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_torch_rng():
     """Seed torch's global RNG before each test and restore it afterwards.

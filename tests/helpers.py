@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +49,30 @@ def run_parallel_worker(out: Path, nproc: int, args: list[str], *, timeout: floa
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return torch.load(out / "result.pt")
+
+
+def run_parallel_runs(out: Path, nproc: int, runs: dict[str, list[str]], *,
+                      timeout: float = 600) -> dict[str, dict | str]:
+    """One ``torchrun`` of ``nproc`` processes of ``tests/parallel_worker.py`` that trains ``runs`` (name -> config
+    overrides) one after another. Returns name -> rank 0's ``result.pt`` for each run that finished; where the
+    launch failed, the runs without a result map to a report of the failure instead (the run it failed in, the
+    exit status and the output's end), for the test of that run to show."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "runs.json").write_text(json.dumps(runs))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               HOLA_TITAN_CACHE=str(out / "cache"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", str(ROOT / "tests" / "parallel_worker.py"), str(out), "--runs",
+           str(out / "runs.json")]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    results: dict[str, dict | str] = {name: torch.load(out / name / "result.pt") for name in runs
+                                      if (out / name / "result.pt").exists()}
+    started = re.findall(r"^parallel_worker: run (\S+)$", result.stdout, flags=re.M)
+    report = (f"torchrun of {nproc} processes exited with {result.returncode} in run "
+              f"{started[-1] if started else '(none started)'}:\n{result.stdout[-3000:]}{result.stderr[-5000:]}")
+    for name in runs:
+        results.setdefault(name, report)
+    return results
 
 
 def flat_cache(cache) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
 """Context parallelism (DESIGN §3) on CPU with gloo: layouts and sharding in-process; parity with one
-process through torchrun (``tests/cp_worker.py``, 2 and 4 ranks) and through the trainer (``run_train.sh``).
+process through torchrun (``tests/cp_worker.py``, 2, 4 and 8 ranks) and through the trainer
+(``tests/parallel_worker.py``: the layouts of each process count in one launch).
 
 Parity bounds. Float64 cases: 1e-10 of each tensor's scale (the CP run chunks the state path at other token
 offsets, so only rounding differs: ~1e-15 is typical). Float32 ``hola_attention``: 1e-5 (~100x the roundoff).
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from hola_titan.parallelisms.context_parallel import build_layout, shard_batch
+from helpers import run_parallel_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "train_configs" / "debug_model.toml")
@@ -219,52 +221,58 @@ def test_bytes_received_per_layer_do_not_grow_with_sequence_length(nproc):
 # The trainer: debug_model.toml unchanged, context parallel from the command line
 # ----------------------------------------------------------------------------------------------------------------
 
-def _train_losses(tmp_path: Path, nproc: int, extra: list[str]) -> list[float]:
-    env = _env() | {"NGPU": str(nproc), "CONFIG_FILE": DEBUG, "LOG_RANK": "0", "PYTHON": sys.executable}
-    result = subprocess.run([str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp_path), "--training.steps", "3",
-                             "--metrics.log_freq", "1", "--validation.freq", "3", "--validation.steps", "1",
-                             "--training.seq_len", "128", *extra], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    return [row["loss"] for row in rows if "loss" in row] + [row["val_loss"] for row in rows if "val_loss" in row]
+# name: (processes, cp degree, rows per step, replicate degree, activation checkpointing, more overrides)
+TRAIN_LAYOUTS = {
+    "cp2": (2, 2, 2, 1, "none", []),
+    "cp4_ac": (4, 4, 2, 1, "full", []),
+    "cp2_fsdp2": (4, 2, 4, 1, "none", []),
+    "cp2_hsdp2x1": (4, 2, 4, 2, "none", []),
+    "cp2_hsdp2x2": (8, 2, 4, 2, "none", []),
+    # Compiled blocks around the eager handover (compile.fullgraph false; true is refused by the config check).
+    "cp2_compile": (2, 2, 2, 1, "none", ["--compile.enable", "true", "--compile.fullgraph", "false"]),
+}
+TRAIN = ["--job.config_file", DEBUG, "--training.steps", "3", "--metrics.log_freq", "1", "--validation.freq", "3",
+         "--validation.steps", "1", "--training.seq_len", "128", "--metrics.enable_tensorboard", "false"]
+
+
+def _train_runs(nproc: int) -> dict[str, list[str]]:
+    """The trainer runs of ``nproc`` processes: the layouts, or at 1 the one-process runs of 2 and 4 rows."""
+    if nproc == 1:
+        return {f"rows{rows}": [*TRAIN, "--training.local_batch_size", str(rows)] for rows in (2, 4)}
+    runs = {}
+    for name, (n, cp, rows, replicate, ac, extra) in TRAIN_LAYOUTS.items():
+        if n == nproc:
+            runs[name] = [*TRAIN, "--training.local_batch_size", str(rows * cp // nproc),
+                          "--parallelism.context_parallel_degree", str(cp),
+                          "--parallelism.data_parallel_replicate_degree", str(replicate),
+                          "--parallelism.data_parallel_shard_degree", str(nproc // (cp * replicate)),
+                          "--activation_checkpoint.mode", ac, *extra]
+    return runs
 
 
 @functools.cache
-def _one_process_losses(rows: int) -> list[float]:
+def _train_results(nproc: int) -> dict[str, dict | str]:
+    """The runs of ``nproc`` processes, in one torchrun launch (tests/parallel_worker.py: one after another in the
+    same processes, whose start costs more than the runs)."""
     with tempfile.TemporaryDirectory() as folder:
-        return _train_losses(Path(folder), 1, ["--training.local_batch_size", str(rows)])
+        return run_parallel_runs(Path(folder), nproc, _train_runs(nproc))
+
+
+def _losses(nproc: int, name: str) -> list[float]:
+    """The 3 training losses and the validation loss of run ``name``."""
+    got = _train_results(nproc)[name]
+    assert isinstance(got, dict), f"{name}: {got}"
+    return got["losses"] + got["val_losses"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, cp, rows, replicate, ac", [
-    pytest.param(*case, id=name, marks=pytest.mark.xdist_group(f"cp_one_process_{case[2]}"))
-    for name, case in [("cp2", (2, 2, 2, 1, "none")), ("cp4_ac", (4, 4, 2, 1, "full")),
-                       ("cp2_fsdp2", (4, 2, 4, 1, "none")), ("cp2_hsdp2x1", (4, 2, 4, 2, "none")),
-                       ("cp2_hsdp2x2", (8, 2, 4, 2, "none"))]])
-def test_training_with_context_parallel_matches_one_process(tmp_path, nproc, cp, rows, replicate, ac):
+@pytest.mark.xdist_group("cp_training")  # the runs of each process count and the one-process runs are shared
+@pytest.mark.parametrize("layout", list(TRAIN_LAYOUTS))
+def test_training_with_context_parallel_matches_one_process(layout):
     """Same global batch of packed rows: 3 training losses and the validation loss agree with one process (with
-    activation checkpointing of every block in ``cp4_ac``)."""
-    one = _one_process_losses(rows)
-    shard = nproc // (cp * replicate)
-    many = _train_losses(tmp_path / "cp", nproc, ["--training.local_batch_size", str(rows * cp // nproc),
-                                                  "--parallelism.context_parallel_degree", str(cp),
-                                                  "--parallelism.data_parallel_replicate_degree", str(replicate),
-                                                  "--parallelism.data_parallel_shard_degree", str(shard),
-                                                  "--activation_checkpoint.mode", ac])
+    activation checkpointing of every block in ``cp4_ac``; compiled blocks in ``cp2_compile``)."""
+    nproc, _, rows, *_ = TRAIN_LAYOUTS[layout]
+    one = _losses(1, f"rows{rows}")
+    many = _losses(nproc, layout)
     assert len(one) == len(many) == 4
-    assert max(abs(a - b) for a, b in zip(one, many)) < 1e-5, (one, many)
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("cp_one_process_2")  # shares the one-process run of rows 2
-def test_training_with_context_parallel_and_compile_matches_one_process(tmp_path):
-    """Compiled blocks around the eager handover (compile.fullgraph false; true is refused by the
-    config check) train the one-process function."""
-    one = _one_process_losses(2)
-    many = _train_losses(tmp_path / "cp", 2, ["--training.local_batch_size", "2",  # every cp rank reads the rows
-                                              "--parallelism.context_parallel_degree", "2",
-                                              "--parallelism.data_parallel_shard_degree", "1",
-                                              "--compile.enable", "true", "--compile.fullgraph", "false"])
-    assert len(one) == len(many) == 4
-    assert max(abs(a - b) for a, b in zip(one, many)) < 1e-5, (one, many)
+    assert max(abs(a - b) for a, b in zip(one, many)) < 1e-5, (layout, one, many)

@@ -16,7 +16,7 @@ import torch
 
 from hola_titan.config import parse_config
 from hola_titan.train import Trainer
-from helpers import run_parallel_worker
+from helpers import run_parallel_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--training.steps", "3",
@@ -35,35 +35,52 @@ LAYOUTS = {
 }
 
 
+INIT_LAYOUTS = {**{name: LAYOUTS[name] for name in ("fsdp2", "tp2", "fsdp2_tp2")},
+                # Transformer++ under context parallelism takes unpacked rows; the data does not touch the init.
+                "cp2": (2, ["--parallelism.data_parallel_shard_degree", "1",
+                            "--parallelism.context_parallel_degree", "2", "--data.varlen", "false"])}
+FLAVOURS = ("hola", "transformer")
+
 # One module of this file runs in one pytest-xdist worker (the runs below are shared by its tests).
 pytestmark = pytest.mark.xdist_group("test_parallel")
-_RUNS: dict[tuple, dict] = {}
+_RUNS: dict[int, dict[str, dict | str]] = {}
 
 
-def _run(tmp_path_factory, nproc: int, args: list[str]) -> dict:
-    """The worker's result for these arguments, run once per session: the layout tests and the initial-weight
-    tests of a layout read the same run (the initial weights are gathered before the first step)."""
-    key = (nproc, *args)
-    if key not in _RUNS:
-        _RUNS[key] = run_parallel_worker(tmp_path_factory.mktemp("run"), nproc, [*COMMON, *args])
-    return _RUNS[key]
+def _run(tmp_path_factory, nproc: int, name: str) -> dict:
+    """The worker's result of run ``name`` (``flavour-layout``, ``flavour-single``). Every run of ``nproc``
+    processes trains in one torchrun launch, once per session (one after another in the same processes: their
+    start-up costs more than the runs): the layout tests and the initial-weight tests of a layout read the same
+    run (the initial weights are gathered before the first step); layouts that only the initial-weight test
+    reads run one step."""
+    if nproc not in _RUNS:
+        runs = {}
+        for flavour in FLAVOURS:
+            if nproc == 1:
+                runs[f"{flavour}-single"] = [*COMMON, "--model.flavour", flavour]
+            for layout, (n, args) in {**INIT_LAYOUTS, **LAYOUTS}.items():
+                if n == nproc:
+                    steps = [] if layout in LAYOUTS else ["--training.steps", "1"]
+                    runs[f"{flavour}-{layout}"] = [*COMMON, *args, "--model.flavour", flavour, *steps]
+        _RUNS[nproc] = run_parallel_runs(tmp_path_factory.mktemp(f"runs{nproc}"), nproc, runs)
+    got = _RUNS[nproc][name]
+    assert isinstance(got, dict), f"{name}: {got}"
+    return got
 
 
-@pytest.fixture(scope="module", params=["hola", "transformer"])
+@pytest.fixture(scope="module", params=FLAVOURS)
 def single(request, tmp_path_factory):
     flavour = request.param
-    return flavour, _run(tmp_path_factory, 1, ["--model.flavour", flavour])
+    return flavour, _run(tmp_path_factory, 1, f"{flavour}-single")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(single, layout, tmp_path_factory):
     flavour, ref = single
-    nproc, args = LAYOUTS[layout]
-    got = _run(tmp_path_factory, nproc, [*args, "--model.flavour", flavour])
+    got = _run(tmp_path_factory, LAYOUTS[layout][0], f"{flavour}-{layout}")
     assert len(got["losses"]) == len(ref["losses"]) == 3
     for a, b in zip(got["losses"], ref["losses"]):
-        assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], ref["losses"])
+        assert abs(a - b) <= 1e-5 * abs(b), (layout, flavour, got["losses"], ref["losses"])
     assert set(got["grads"]) == set(ref["grads"])
     names = sorted(ref["grads"])
     whole = torch.cat([(got["grads"][n] - ref["grads"][n]).flatten() for n in names]).norm()
@@ -76,12 +93,6 @@ def test_layout_matches_single_process(single, layout, tmp_path_factory):
         assert diff <= 1e-4, f"{layout} {flavour}: gradient of {name} differs by {diff:.2e} (relative L2)"
 
 
-INIT_LAYOUTS = {**{name: LAYOUTS[name] for name in ("fsdp2", "tp2", "fsdp2_tp2")},
-                # Transformer++ under context parallelism takes unpacked rows; the data does not touch the init.
-                "cp2": (2, ["--parallelism.data_parallel_shard_degree", "1",
-                            "--parallelism.context_parallel_degree", "2", "--data.varlen", "false"])}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(INIT_LAYOUTS))
 def test_initial_weights_are_identical_at_every_layout(single, layout, tmp_path_factory):
@@ -89,9 +100,7 @@ def test_initial_weights_are_identical_at_every_layout(single, layout, tmp_path_
     weights equal the single process's bit for bit. Layouts that train above read their 3-step runs (the
     weights are gathered before the first step); the others run one step."""
     flavour, ref = single
-    nproc, args = INIT_LAYOUTS[layout]
-    steps = [] if layout in LAYOUTS else ["--training.steps", "1"]
-    got = _run(tmp_path_factory, nproc, [*args, "--model.flavour", flavour, *steps])
+    got = _run(tmp_path_factory, INIT_LAYOUTS[layout][0], f"{flavour}-{layout}")
     assert set(got["init"]) == set(ref["init"])
     for name, value in ref["init"].items():
         assert torch.equal(got["init"][name], value), f"{layout} {flavour}: {name}"
