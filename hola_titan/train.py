@@ -194,15 +194,22 @@ class Trainer:
             self.kernels = resolve_kernels(config.model.kernels, self.device)
         except ValueError as err:
             raise ConfigError("model.kernels", str(err).removeprefix("kernels: ")) from None
+        # The run's kernels start compiling (worker threads) as soon as the configurations file is known, before
+        # fla is imported and the backend resolved: on a fresh node their compiles are most of the first step, and
+        # the slowest of them (this project's cache kernels) need no fla. Joined before the first launch; stopped
+        # if the backend turns out to be the reference.
+        located = self._locate_kernel_configs()
+        self.precompile = self._start_precompile(located)
         self.attention_backend, self._backend_why = self._resolve_attention_backend()
         if self.model_args.is_recurrent:
             # validate() refused what it could foresee; an auto backend that fell back to the reference on a GPU
             # (no fla-core) is known only now.
             check_compile_fullgraph(config, backend=self.attention_backend,
                                     where=f"{self.device.type} ({self._backend_why})")
-        self.kernel_configs = self._install_kernel_configs()
-        # Compiles the run's kernels in worker processes while the model is built; joined before the first launch.
-        self.precompile = self._start_precompile()
+        if self.attention_backend == "reference":
+            self.precompile.stop(f"the attention backend is the reference ({self._backend_why})")
+        self.kernel_configs = self._install_kernel_configs(located)
+        self.precompile.imports_done()  # fla imported (on this thread): the workers may compile its kernels too
         # Built on the meta device, parallelised, materialised with to_empty (each rank holds only its shards, on its
         # device), then initialised with the values one process draws from the seed (parallelisms/init.py): the
         # same initial weights at every layout, and never the whole model on a rank's host or GPU.
@@ -355,30 +362,38 @@ class Trainer:
             logger.warning("%s", warning)
         return chosen, why
 
-    def _install_kernel_configs(self):
-        """fla's launch configurations (``model.kernel_configs``), chosen before any fla kernel launches."""
-        from hola_titan.kernels.tuned_configs import Installed, install
+    def _locate_kernel_configs(self):
+        """The configurations file ``model.kernel_configs`` names for this run (read, nothing installed yet)."""
+        from hola_titan.kernels.tuned_configs import Installed, locate
 
         uses_fla = (self.device.type == "cuda" and self.model_args.is_recurrent
-                    and self.attention_backend != "reference")
+                    and self.config.model.attention_backend != "reference")
         if not uses_fla:
             return Installed("off", None, "no fla kernels in this run")
         try:
-            return install(self.config.model.kernel_configs, self.device)
+            return locate(self.config.model.kernel_configs, self.device)
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError("model.kernel_configs", str(err).removeprefix("model.kernel_configs: ")) from None
+
+    def _install_kernel_configs(self, located):
+        """fla's launch configurations, installed before any fla kernel launches (and before the model is built)."""
+        from hola_titan.kernels.tuned_configs import Installed, install
+
+        if self.attention_backend == "reference" or located.path is None:
+            return located if located.path is None else Installed("off", None, "no fla kernels in this run")
+        return install(located, self.device)
 
     def _compute_dtype(self) -> torch.dtype:
         """What the token mixers' kernels compute in: bf16 (autocast, or FSDP's bf16 parameters) or float32."""
         return torch.bfloat16 if self.config.training.mixed_precision_param == "bfloat16" else torch.float32
 
-    def _start_precompile(self):
+    def _start_precompile(self, located):
         """Start compiling the plan for this kind of run (``model.precompile_workers``; kernels/precompile.py)."""
         from hola_titan.kernels import precompile
 
         workers = self.config.model.precompile_workers
-        if self.kernel_configs.path is None:
-            return precompile.Precompile(source=f"no kernel configurations file: {self.kernel_configs.why}")
+        if located.path is None:
+            return precompile.Precompile(source=f"no kernel configurations file: {located.why}")
         if workers == 0:
             return precompile.Precompile(source="model.precompile_workers = 0")
         from hola_titan.kernels.fla_gdn import padded_head_dim
@@ -386,13 +401,13 @@ class Trainer:
         dtype = str(self._compute_dtype()).removeprefix("torch.")
         key = precompile.plan_key(self.model_args.flavour, padded_head_dim(self.model_args.head_dim, self.device),
                                   dtype, packed=self.config.data.varlen)
-        specs, source = precompile.select(self.kernel_configs.plans, key)
+        specs, source = precompile.select(located.plans, key)
         if not specs:
-            return precompile.Precompile(source=f"{source} in {self.kernel_configs.path}")
+            return precompile.Precompile(source=f"{source} in {located.path}")
         if workers < 0:
             workers = precompile.auto_workers(len(specs),
                                               local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        return precompile.start(specs, source=source, workers=workers)
+        return precompile.start(specs, source=source, workers=workers, imports_done=False)
 
     def _join_precompile(self) -> None:
         if self.precompile is None or not self.precompile.workers:

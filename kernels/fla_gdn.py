@@ -239,6 +239,7 @@ def check_fla_backward(head_dim: int, device: torch.device, *, num_heads: int = 
     isolated.enter_context(torch.enable_grad())
     isolated.enter_context(torch.autocast(device.type, enabled=False))
     isolated.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x))
+    began = time.perf_counter()
     with isolated:
         _CHECKED[(device.index or 0, d)] = {}  # lets the guarded call run once, for the check itself
         try:
@@ -246,6 +247,8 @@ def check_fla_backward(head_dim: int, device: torch.device, *, num_heads: int = 
             o.backward(do.to(o.dtype))
         finally:
             del _CHECKED[(device.index or 0, d)]
+        torch.cuda.synchronize(device)
+        fla_seconds = time.perf_counter() - began
         ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
         o_r, _, _ = reference_gdn_with_scores(*ref_leaves, cu_seqlens=cu)
         o_r.backward(do.double())
@@ -258,9 +261,10 @@ def check_fla_backward(head_dim: int, device: torch.device, *, num_heads: int = 
                            f"relative errors {bad} exceed {CHECK_TOLERANCE}; fla's gated backward is not usable here")
     _CHECKED[(device.index or 0, d)] = errors
     logger.warning("fla #640: guard lifted for head dim %d on %s after a gradient check against the float64 "
-                   "reference (%d heads, %s, %s; relative errors %s)%s", d, torch.cuda.get_device_name(device), h,
-                   str(dtype).removeprefix("torch."), "packed documents" if packed else "plain rows",
-                   {k_: f"{e:.1e}" for k_, e in errors.items()}, f"; verdict kept in {path}" if path else "")
+                   "reference (%d heads, %s, %s; relative errors %s; %.1f s, of which fla's forward and backward "
+                   "%.1f s)%s", d, torch.cuda.get_device_name(device), h, str(dtype).removeprefix("torch."),
+                   "packed documents" if packed else "plain rows", {k_: f"{e:.1e}" for k_, e in errors.items()},
+                   time.perf_counter() - began, fla_seconds, f"; verdict kept in {path}" if path else "")
     if path is not None and seed == 0:
         write_verdict(path, errors)
     return errors

@@ -11,6 +11,9 @@ a chunked prefill of that kind compiled, in Triton's own serialised form (the ``
 :func:`start` compiles the run's plan in worker threads of the run's own process (Triton's compiler spends most
 of its time in ``ptxas`` subprocesses and native passes, so threads overlap, and a thread needs no second import of
 torch and fla) while the trainer builds the model; :meth:`Precompile.wait`, before the first launch, joins them.
+A plan lists its specialisations slowest to compile first, as recorded, and the workers take them in that order:
+with the three cache kernels of the float32 MQAR step at 7-11 s each and most others under 3 s, the plan cannot end
+before its slowest compile, so that one starts first.
 The binaries land in Triton's on-disk cache, where the run's own launches find them. The workers of every process
 on a node take one lock and leave one marker per specialisation in Triton's cache folder, so nine runs started
 together compile each kernel once, not nine times.
@@ -90,25 +93,43 @@ def _hooks():
 
 class Recorder:
     """Within ``with Recorder() as rec:``, every specialisation Triton compiles for a kernel under
-    :data:`MODULE_PREFIXES` is kept (``rec.specs``, sanitised, in compile order, without repeats)."""
+    :data:`MODULE_PREFIXES` is kept (``rec.specs``, sanitised, in compile order, without repeats), with the seconds
+    its compile took (``rec.seconds``; from Triton's hook before a compile to its hook after, in that thread).
+
+    The plan lists its specialisations slowest first (:func:`slowest_first`): the workers take them in that order,
+    so the longest compiles start at once and the plan ends soon after its slowest kernel does.
+    """
 
     def __init__(self):
         self.specs: list[str] = []
-        self._previous = None
+        self.seconds: dict[str, float] = {}
+        self._previous = (None, None)
+        self._began = threading.local()
+
+    def _before(self, **_) -> None:
+        self._began.at = time.perf_counter()  # returns None: Triton compiles as usual
 
     def _hook(self, *, compile, **_):  # noqa: A002 (Triton's keyword)
         spec = sanitize(compile["specialization_data"])
         if spec is not None and spec not in self.specs:
             self.specs.append(spec)
+            began = getattr(self._began, "at", None)
+            self.seconds[spec] = round(time.perf_counter() - began, 3) if began is not None else 0.0
+        self._began.at = None
 
     def __enter__(self) -> Recorder:
         runtime = _hooks()
-        self._previous = runtime.jit_post_compile_hook
-        runtime.jit_post_compile_hook = self._hook
+        self._previous = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._before, self._hook
         return self
 
     def __exit__(self, *exc) -> None:
-        _hooks().jit_post_compile_hook = self._previous
+        runtime = _hooks()
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._previous
+
+    def slowest_first(self, specs: list[str]) -> list[str]:
+        """``specs`` ordered by their recorded compile seconds, longest first (ties keep their order)."""
+        return sorted(specs, key=lambda spec: -self.seconds.get(spec, 0.0))
 
 
 def chosen_only(specs: list[str], chosen: dict[str, list[dict]]) -> list[str]:
@@ -184,14 +205,82 @@ def digest(spec: str) -> str:
     return hashlib.sha256(spec.encode()).hexdigest()[:24]
 
 
-def work(specs: list[str], *, offset: int, folder: Path, compile_fn=compile_one) -> dict:
-    """One worker's share: every specialisation of the plan, from ``offset`` on, compiled unless its marker says
-    a worker of this node already did. A specialisation another worker holds is left for a second pass, which
-    waits for that worker's lock (and then finds the marker)."""
+class SpecQueue:
+    """A process's plan, handed to its worker threads one specialisation at a time in plan order (slowest first):
+    every worker takes the longest compile not yet taken.
+
+    Imports stay on the main thread. A worker that imported a module while the main thread imported another one
+    of the same package could deadlock on Python's module locks; Python breaks such a cycle by raising in one of
+    the two threads, and when that was the main thread's import of fla, the run fell back to the PyTorch reference
+    (seen on the H200). So a worker compiles only kernels whose modules the main thread has imported: this
+    project's kernel modules at :func:`start`, fla's once the run says its imports are done
+    (:meth:`Precompile.imports_done`); until then it takes the next kernel whose module is ready, or waits.
+    """
+
+    def __init__(self, specs: list[str], *, ready_modules: set[str] | None = None):
+        self.specs = list(specs)
+        self._taken = [False] * len(self.specs)
+        self._ready_modules = ready_modules  # None: every module may be imported
+        self._cond = threading.Condition()
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def allow_all(self) -> None:
+        with self._cond:
+            self._ready_modules = None
+            self._cond.notify_all()
+
+    def take(self) -> str | None:
+        with self._cond:
+            while not self._stopped:
+                waiting = False
+                for i, spec in enumerate(self.specs):
+                    if self._taken[i]:
+                        continue
+                    if self._ready_modules is None or module_of(spec) in self._ready_modules:
+                        self._taken[i] = True
+                        return spec
+                    waiting = True
+                if not waiting:
+                    return None
+                self._cond.wait()
+            return None
+
+
+def module_of(spec: str) -> str:
+    """The module that defines a specialisation's kernel."""
+    return json.loads(spec)["name"].rpartition(".")[0]
+
+
+def import_modules(specs: list[str], *, prefix: str = "") -> set[str]:
+    """Import (on this thread) the modules of ``specs`` that start with ``prefix``; returns those that imported. A
+    module that does not import is left to the worker, which reports it as the kernel's failure."""
+    done = set()
+    for module in dict.fromkeys(module_of(spec) for spec in specs):
+        if module.startswith(prefix):
+            try:
+                importlib.import_module(module)
+            except Exception:  # noqa: BLE001 (reported by the worker that compiles its kernels)
+                continue
+            done.add(module)
+    return done
+
+
+def work(queue: SpecQueue, *, folder: Path, compile_fn=compile_one) -> dict:
+    """One worker: specialisations taken from ``queue`` and compiled unless their marker says a worker of this
+    node already did. One that another process's worker holds is left for a second pass, which waits for that
+    worker's lock (and then finds the marker)."""
     folder.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     counts = {"compiled": 0, "done_elsewhere": 0, "failed": [], "times": []}
-    order = specs[offset:] + specs[:offset]
     deferred = []
 
     def attempt(spec: str, *, block: bool) -> bool:
@@ -223,10 +312,12 @@ def work(specs: list[str], *, offset: int, folder: Path, compile_fn=compile_one)
                 fcntl.flock(lock, fcntl.LOCK_UN)
         return True
 
-    for spec in order:
+    while (spec := queue.take()) is not None:
         if not attempt(spec, block=False):
             deferred.append(spec)
     for spec in deferred:
+        if queue.stopped:
+            break
         attempt(spec, block=True)
     counts["seconds"] = time.perf_counter() - began
     return counts
@@ -247,6 +338,22 @@ class Precompile:
     _threads: list = dataclasses.field(default_factory=list, repr=False)
     _counts: list = dataclasses.field(default_factory=list, repr=False)
     _started: float = 0.0
+    _queue: SpecQueue | None = dataclasses.field(default=None, repr=False)
+    stopped: str = ""  # why the workers were told to take nothing more (the run does not launch these kernels)
+
+    def stop(self, why: str) -> None:
+        """Take no further specialisation (those being compiled finish): the run will not launch the plan's
+        kernels after all, e.g. its backend fell back to the PyTorch reference."""
+        if self._queue is not None:
+            self._queue.stop()
+            self.stopped = why
+
+    def imports_done(self) -> None:
+        """The run has imported fla (its backend resolved, its configurations installed): import the rest of the
+        plan's modules here, on the main thread, and let the workers compile every kernel (see :class:`SpecQueue`)."""
+        if self._queue is not None and not self._queue.stopped:
+            import_modules(self._queue.specs)
+            self._queue.allow_all()
 
     def wait(self, timeout: float = 600.0) -> dict | None:
         """Join the workers (at most ``timeout`` seconds in all: a worker still compiling then goes on in the
@@ -283,10 +390,13 @@ class Precompile:
                      f"{len(r['failed'])} failed, in {r['seconds']:.1f} s (waited {r['waited_s']:.1f} s)")
             if r["unfinished"]:
                 text += f"; {r['unfinished']} workers still compiling at the time limit"
+        if self.stopped:
+            text += f"; stopped early: {self.stopped}"
         return text
 
     def record(self) -> dict:
-        return {"source": self.source, "specs": self.specs, "workers": self.workers, **(self.result or {})}
+        return {"source": self.source, "specs": self.specs, "workers": self.workers, "stopped": self.stopped,
+                **(self.result or {})}
 
 
 def auto_workers(specs: int, *, local_processes: int = 1) -> int:
@@ -295,18 +405,27 @@ def auto_workers(specs: int, *, local_processes: int = 1) -> int:
     return max(1, min(8, specs, cores // (2 * max(1, local_processes))))
 
 
-def start(specs: list[str], *, source: str, workers: int, compile_fn=compile_one) -> Precompile:
-    """Start ``workers`` threads compiling ``specs`` (see the module docstring); returns at once."""
+def start(specs: list[str], *, source: str, workers: int, compile_fn=compile_one,
+          imports_done: bool = True) -> Precompile:
+    """Start ``workers`` threads compiling ``specs`` (see the module docstring); returns at once.
+
+    ``imports_done=False``: the caller is still importing (fla); the workers compile only this project's kernels
+    (their modules imported here first) until it calls :meth:`Precompile.imports_done`, or :meth:`Precompile.stop`.
+    """
     if not specs or workers <= 0:
         return Precompile(source=source)
     folder = marker_folder()
-    job = Precompile(source=source, specs=len(specs), workers=workers, _started=time.perf_counter())
+    if imports_done:
+        import_modules(specs)
+        queue = SpecQueue(specs)
+    else:
+        queue = SpecQueue(specs, ready_modules=import_modules(specs, prefix="hola_titan.kernels."))
+    job = Precompile(source=source, specs=len(specs), workers=workers, _started=time.perf_counter(), _queue=queue)
     for i in range(workers):
         counts: dict = {}
 
-        def run(offset=i * len(specs) // workers, counts=counts):
-            # Spread the workers' starting points over the plan, so that they begin with different kernels.
-            counts.update(work(specs, offset=offset, folder=folder, compile_fn=compile_fn))
+        def run(counts=counts):
+            counts.update(work(queue, folder=folder, compile_fn=compile_fn))
 
         thread = threading.Thread(target=run, name=f"hola-precompile-{i}", daemon=True)
         job._threads.append(thread)

@@ -238,6 +238,8 @@ class Installed:
     served: Served = dataclasses.field(default_factory=Served)
     # The file's compile plans (kernels/precompile.py): plan key -> serialised Triton specialisations.
     plans: dict = dataclasses.field(default_factory=dict, repr=False)
+    # The file as read, between locate() and install() (install() drops it).
+    data: dict | None = dataclasses.field(default=None, repr=False)
 
     def describe(self) -> str:
         if self.path is None:
@@ -271,13 +273,13 @@ def read_file(path: Path) -> dict:
     return data
 
 
-def install(choice: str, device) -> Installed:
-    """Choose the configurations for this process and give fla's autotuners tables that serve them.
+def locate(choice: str, device) -> Installed:
+    """Which configurations file ``choice`` names for ``device`` (read and checked), without importing fla or
+    changing anything: the decision :func:`install` then applies. The file's plans are known from here on, so a
+    run can start compiling them (kernels/precompile.py) while fla imports.
 
     ``choice``: ``auto`` (the shipped file for this GPU and these fla and Triton versions, when there is one),
-    ``off`` (autotune as fla does), or the path of a file written by ``scripts/tune_kernels.py``. Idempotent for
-    the same choice; call it before the first launch of an fla kernel (kernels launched earlier keep the
-    configurations they tuned).
+    ``off`` (autotune as fla does), or the path of a file written by ``scripts/tune_kernels.py``.
     """
     import torch
 
@@ -304,6 +306,21 @@ def install(choice: str, device) -> Installed:
     if source == "file" and (meta.get("gpu") != gpu or meta.get("fla") != v["fla"]
                              or meta.get("triton") != v["triton"]):
         why += f"; this process: {gpu}, fla-core {v['fla']}, Triton {v['triton']}"
+    return Installed(source, str(path), why, kernels=len(data["kernels"]), plans=data.get("plans", {}),
+                     data=data)
+
+
+def install(choice: str | Installed, device) -> Installed:
+    """Choose the configurations for this process and give fla's autotuners tables that serve them.
+
+    ``choice``: as :func:`locate` takes it, or what :func:`locate` returned. Idempotent for the same choice; call
+    it before the first launch of an fla kernel (kernels launched earlier keep the configurations they tuned).
+    """
+    located = choice if isinstance(choice, Installed) else locate(choice, device)
+    if located.path is None:
+        return located
+    path = Path(located.path)
+    data = located.data if located.data is not None else read_file(path)
     import_fla_kernels()
     _active.append(hashlib.sha256(path.read_bytes()).hexdigest()[:12])
     served = _installed_served.setdefault(str(path), Served())
@@ -315,8 +332,7 @@ def install(choice: str, device) -> Installed:
             continue
         tuner.cache = ConfigTable(tuner, name, kernel["entries"], list(kernel.get("key_names", [])), served, lock)
         count += 1
-    return Installed(source, str(path), why, kernels=len(data["kernels"]), served=served,
-                     plans=data.get("plans", {}))
+    return dataclasses.replace(located, served=served, data=None)
 
 
 _installed_served: dict[str, Served] = {}

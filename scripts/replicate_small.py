@@ -93,13 +93,20 @@ STOP_MARGIN_S = 15.0
 MQAR_RUNS_PER_PIECE = 9
 """Nine MQAR processes started side by side on one 16-core H200 (first steps all within 44.3 s; docs/LOG.md,
 2026-12-02 later session); each uses a few percent of the GPU (issue 30)."""
-MQAR_STEPS_PER_S = 2500 / 330
-"""Steps per second of one MQAR run (64 x 256 tokens a step): three ran side by side on one H200 with tuned
-kernels, 2,500 steps each in about 5.5 minutes (issue 30). Assumed to hold for nine side by side: not measured."""
+MQAR_STEPS_PER_S = {"hola": 2.75, "hola_recency": 2.75, "gdn": 9.2}
+"""Steps per second of one MQAR run (64 x 256 tokens a step) with eight others beside it on one H200, measured in
+piece 0 of the sweep (2026-12-02, third session; docs/results/replicate_small_h200_2026-12-02/): HOLA and
+HOLA+recency 45k tokens/s each while three GDN runs trained beside them (64k once those had finished), GDN 150k.
+The six HOLA runs together made about 23 steps/s whether three or six shared the GPU (the issue's three side by
+side: 7.6 steps/s each): the GPU, shared by processes in turn, is the limit, so more runs a piece do not add
+steps. The slowest flavour sets a piece's length."""
+MQAR_STEPS = 1000
+"""Steps of an MQAR run: what a HOLA run makes in a piece at the rate above (2,500 would have taken 15 minutes
+there; at step 1,000 of that sweep the lr 1e-2 HOLA run was at validation loss 4.40 from 9.04)."""
 MQAR_STARTUP_S = 45.0
 """Imports, build and first step of nine MQAR runs side by side, with compile plans (44.3 s measured)."""
 TEXT_RUNS_PER_PIECE = 6
-TEXT_STEPS_PER_S = 2.5
+TEXT_STEPS_PER_S = {"hola": 2.5, "hola_recency": 2.5, "gdn": 2.5}
 """Estimate, not measured: one ``small`` text run (16 x 1024 tokens a step, bf16) of six sharing one H200, from
 the 340M rate (116k tokens/s alone, docs/LOG.md 2026-12-01) scaled by FLOPs per token and halved for host overhead."""
 TEXT_STARTUP_S = 60.0
@@ -141,7 +148,8 @@ class Task:
     """The option that sets the steps (named in errors)."""
     runs_per_piece: int
     startup_s: float
-    steps_per_s: float
+    steps_per_s: dict[str, float]
+    """By flavour."""
 
 
 TASKS = {"mqar": Task("mqar", "train_configs/mqar_{flavour}.toml", "--mqar-steps", MQAR_RUNS_PER_PIECE,
@@ -288,7 +296,8 @@ class Commands:
         task = TASKS[run.task]
         evals = [s.name for s in self.stages(run, Path("<work>"))[2:]]
         steps = self.sizes(run.task, run.flavour).steps
-        return task.startup_s + steps / task.steps_per_s + EXPORT_S + sum(EVAL_S[name] for name in evals)
+        return (task.startup_s + steps / task.steps_per_s[run.flavour] + EXPORT_S
+                + sum(EVAL_S[name] for name in evals))
 
 
 def balanced_chunks(items: list[Run], *, limit: int) -> list[list[Run]]:
@@ -857,7 +866,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=_ints, default=[0, 1, 2, 3, 4],
                         help="MQAR seeds: the first runs the lr sweep, the others the seed pieces")
     parser.add_argument("--mqar-lrs", type=_floats, default=[1e-3, 3e-3, 1e-2], help="MQAR lr sweep")
-    parser.add_argument("--mqar-steps", type=int, default=2500, help="steps of an MQAR run (sized to fit a piece)")
+    parser.add_argument("--mqar-steps", type=int, default=MQAR_STEPS,
+                        help="steps of an MQAR run (sized to fit a piece)")
     parser.add_argument("--text-seeds", type=_ints, default=[0, 1], help="seeds of the text runs")
     parser.add_argument("--text-lr", type=float, default=3e-3, help="lr of the text runs (the recipes')")
     parser.add_argument("--text-steps", type=int, default=600, help="steps of a text run (sized to fit a piece)")

@@ -203,12 +203,15 @@ def _record_plan(args, folder: Path) -> None:
     # With every key served, what Triton compiled is the plan. A key the file did not serve was autotuned here (the
     # log of the phase counts them): what its autotuner compiled only to time it is not part of a run's plan.
     autotuned = tuned_configs.tuned_entries()
-    specs = recorder.specs
+    # Slowest to compile first: the order a run's precompile workers take them in.
+    specs = recorder.slowest_first(recorder.specs)
     if autotuned:
         chosen = {name: [tuned_configs.config_to_json(c) for c in {id(c): c for c in tuner.cache.values()}.values()]
                   for name, tuner in tuned_configs.find_autotuners().items() if name in autotuned}
         specs = precompile.chosen_only(specs, chosen)
+    slowest = [[json.loads(spec)["name"].rsplit(".", 1)[-1], recorder.seconds.get(spec, 0.0)] for spec in specs[:5]]
     args.child_out.write_text(json.dumps({"plan": key, "specs": specs, "recorded": len(recorder.specs),
+                                          "slowest": slowest,
                                           "autotuned": sum(len(k["entries"]) for k in autotuned.values()),
                                           "seconds": time.time() - t1}) + "\n")
     print(f"plan {key}: {len(specs)} specialisations in {time.time() - t1:.0f} s", flush=True)
@@ -282,8 +285,13 @@ def main(argv=None) -> int:
                 cmd = [sys.executable, __file__, "--child", "fla_gdn" if part == "fla_gdn" else "ours",
                        "--child-phase", phase, "--child-combo", part, "--child-out", str(part_out),
                        "--child-configs", known, "--seq-len", str(args.seq_len), "--rows", str(args.rows)]
-                running.append((part, subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1")),
-                                time.time(), part_out))
+                env = dict(os.environ, PYTHONUNBUFFERED="1")
+                if phase == "plan":
+                    # Each plan child compiles in a Triton cache of its own: the seconds it records per compile
+                    # order the plan (slowest first), and a kernel another child had compiled would load in
+                    # milliseconds and be ordered last.
+                    env["TRITON_CACHE_DIR"] = str(Path(tmp) / f"triton_{part.replace('/', '_')}")
+                running.append((part, subprocess.Popen(cmd, env=env), time.time(), part_out))
             time.sleep(1.0)
             for item in list(running):
                 part, proc, started, part_out = item
@@ -301,7 +309,7 @@ def main(argv=None) -> int:
                     if phase == "plan":
                         plans[data["plan"]] = data["specs"]
                         row.update(plan=data["plan"], specs=len(data["specs"]), recorded=data["recorded"],
-                                   autotuned=data["autotuned"])
+                                   autotuned=data["autotuned"], slowest=data.get("slowest"))
                     else:
                         results.append(data["kernels"])
                         row.update(phases=data["seconds"], kernels=len(data["kernels"]))

@@ -2,7 +2,7 @@
 
 Triton cannot compile here (no GPU driver), so the compile itself is a stand-in where a test needs it to succeed;
 what is real: the plan's text form, which plan a run takes, the node-wide once-only division of the work between
-workers (threads and processes with their own file locks), the workers as subprocesses with their failures
+workers (threads, and processes with their own file locks) in the plan's order, the workers' failures
 reported rather than raised, the resolution of a kernel's name to its ``JITFunction``, and the trainer's record
 of what it did.
 """
@@ -75,8 +75,8 @@ def test_only_the_configurations_an_autotuner_chose_stay_in_a_plan():
 
 
 def test_the_workers_of_a_node_compile_each_specialisation_once(tmp_path):
-    """Four workers (threads here; each takes its own file locks, as processes do) over one plan, each starting
-    elsewhere: every specialisation is compiled exactly once, and every worker accounts for all of them."""
+    """Two processes' worth of workers (two queues over one plan, two threads each; each worker takes its own file
+    locks, as processes do): every specialisation is compiled exactly once, and every queue accounts for all."""
     specs = [_spec(f"fla.ops.k{i}") for i in range(12)]
     compiled, lock = [], threading.Lock()
 
@@ -85,10 +85,11 @@ def test_the_workers_of_a_node_compile_each_specialisation_once(tmp_path):
         with lock:
             compiled.append(json.loads(spec)["name"])
 
+    queues = [precompile.SpecQueue(specs), precompile.SpecQueue(specs)]
     results = [None] * 4
 
     def worker(i):
-        results[i] = precompile.work(specs, offset=i * 3, folder=tmp_path, compile_fn=slow_compile)
+        results[i] = precompile.work(queues[i // 2], folder=tmp_path, compile_fn=slow_compile)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
@@ -97,17 +98,66 @@ def test_the_workers_of_a_node_compile_each_specialisation_once(tmp_path):
         t.join()
     assert sorted(compiled) == sorted(f"fla.ops.k{i}" for i in range(12))
     assert sum(r["compiled"] for r in results) == 12
-    assert all(r["compiled"] + r["done_elsewhere"] == 12 and not r["failed"] for r in results)
+    for pair in (results[:2], results[2:]):
+        assert sum(r["compiled"] + r["done_elsewhere"] for r in pair) == 12 and not any(r["failed"] for r in pair)
     # A later run on the node finds everything done.
-    again = precompile.work(specs, offset=0, folder=tmp_path, compile_fn=slow_compile)
+    again = precompile.work(precompile.SpecQueue(specs), folder=tmp_path, compile_fn=slow_compile)
     assert again["compiled"] == 0 and again["done_elsewhere"] == 12 and len(compiled) == 12
+
+
+def test_workers_take_the_plan_in_its_order_and_a_stopped_queue_gives_nothing_more(tmp_path, monkeypatch):
+    """The workers of one process take the plan's specialisations in order (the plan lists the slowest first), each
+    once; after stop() nothing further starts, and the run's record says why."""
+    specs = [_spec(f"fla.ops.k{i}") for i in range(6)]
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "first"))
+    started = []
+    job = precompile.start(specs, source="plan test", workers=1, compile_fn=lambda spec: started.append(spec))
+    job.wait(timeout=30)
+    assert started == specs
+    gate, seen = threading.Event(), []
+
+    def blocking(spec):
+        seen.append(spec)
+        gate.wait(30)
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "second"))  # nothing marked done yet
+    job = precompile.start(specs, source="plan test", workers=2, compile_fn=blocking)
+    deadline = time.time() + 10
+    while len(seen) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    job.stop("the backend is the PyTorch reference")
+    gate.set()
+    result = job.wait(timeout=30)
+    assert sorted(seen) == sorted(specs[:2]) and result["compiled"] == 2
+    assert "stopped early: the backend is the PyTorch reference" in job.describe()
+    assert job.record()["stopped"] == "the backend is the PyTorch reference"
+
+
+def test_a_plan_is_ordered_by_recorded_compile_time():
+    """The recorder times each compile between Triton's hook before it and its hook after (in the compiling thread);
+    slowest_first puts the longest first and keeps the order of ties."""
+    triton_runtime = precompile._hooks()
+    before = (triton_runtime.jit_cache_hook, triton_runtime.jit_post_compile_hook)
+    names = ("fla.ops.quick", "hola_titan.kernels.slow", "fla.ops.middle", "fla.ops.tie")
+    with precompile.Recorder() as recorder:
+        for name, seconds in zip(names, (0.0, 0.2, 0.1, 0.0)):
+            assert triton_runtime.jit_cache_hook(key="k", repr="r", fn=None, compile={}, is_manual_warmup=False,
+                                                 already_compiled=False) is None  # never skips a compile
+            time.sleep(seconds)
+            triton_runtime.jit_post_compile_hook(key="k", repr="r", fn=None,
+                                                 compile={"specialization_data": _spec(name)},
+                                                 is_manual_warmup=False, already_compiled=False)
+    assert (triton_runtime.jit_cache_hook, triton_runtime.jit_post_compile_hook) == before
+    ordered = [json.loads(s)["name"] for s in recorder.slowest_first(recorder.specs)]
+    assert ordered == ["hola_titan.kernels.slow", "fla.ops.middle", "fla.ops.quick", "fla.ops.tie"]
+    assert recorder.seconds[recorder.specs[1]] >= 0.2
 
 
 def test_a_failed_compile_is_reported_and_left_for_the_launch(tmp_path):
     def broken(spec):
         raise RuntimeError("ptxas fatal: something\nmore")
 
-    counts = precompile.work([_spec("fla.ops.bad")], offset=0, folder=tmp_path, compile_fn=broken)
+    counts = precompile.work(precompile.SpecQueue([_spec("fla.ops.bad")]), folder=tmp_path, compile_fn=broken)
     assert counts["compiled"] == 0 and len(counts["failed"]) == 1
     assert counts["failed"][0].startswith("fla.ops.bad [") and counts["failed"][0].endswith("]: ptxas fatal: something")
     assert not list(tmp_path.glob("*.done"))  # nothing claims it was compiled
@@ -151,3 +201,42 @@ def test_nothing_starts_without_a_plan():
     job = precompile.start([], source="no plan for hola/d128/float32/plain", workers=4)
     assert job.wait() is None and job.describe() == "off (no plan for hola/d128/float32/plain)"
     assert precompile.auto_workers(3) <= 3 and precompile.auto_workers(100, local_processes=64) == 1
+
+
+def test_workers_compile_only_kernels_whose_modules_the_main_thread_imported(tmp_path, monkeypatch):
+    """Until the run's imports are done, the workers take only this project's kernels (their modules imported by
+    start() on the calling thread), however the plan orders them; fla's wait, and compile once imports_done() has
+    imported their modules on the calling thread. A worker importing fla beside the main thread's import of fla
+    deadlocked on the module locks, and Python's way out failed the main thread's import (a silent fallback to the
+    reference backend, seen on the H200)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    fla_spec = _spec("fla.ops.utils.cumsum.chunk_local_cumsum_scalar_kernel")
+    ours = _spec("hola_titan.kernels.hola_triton_attn._rstd_kernel")
+    queue = precompile.SpecQueue([fla_spec, ours], ready_modules={"hola_titan.kernels.hola_triton_attn"})
+    assert queue.take() == ours
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(queue.take()))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not got  # waits for the imports rather than importing fla itself
+    queue.allow_all()
+    waiter.join(10)
+    assert got == [fla_spec] and queue.take() is None
+
+    threads_seen, compiled = [], []
+
+    def compile_fn(spec):
+        threads_seen.append(threading.current_thread().name)
+        compiled.append(json.loads(spec)["name"])
+
+    job = precompile.start([fla_spec, ours], source="plan test", workers=2, compile_fn=compile_fn,
+                           imports_done=False)
+    deadline = time.time() + 10
+    while not compiled and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert compiled == ["hola_titan.kernels.hola_triton_attn._rstd_kernel"]
+    job.imports_done()
+    result = job.wait(timeout=30)
+    assert result["compiled"] == 2 and compiled[1] == "fla.ops.utils.cumsum.chunk_local_cumsum_scalar_kernel"
+    assert all(name.startswith("hola-precompile-") for name in threads_seen)

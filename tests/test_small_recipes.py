@@ -100,7 +100,7 @@ def test_plan_lists_pieces_that_fit_a_lent_gpu(capsys):
     niah = [ln for ln in out.splitlines() if "-m hola_titan.eval niah" in ln]
     assert len(niah) == 1 and "--tasks s_niah_1,s_niah_2 --lengths 1024,2048,4096" in niah[0]
     train = [ln for ln in out.splitlines() if "-m hola_titan.train" in ln]
-    assert "train_configs/mqar_hola.toml" in train[0] and "--training.steps 2500" in train[0]
+    assert "train_configs/mqar_hola.toml" in train[0] and "--training.steps 1000" in train[0]
     assert "small_hola_text.toml" in train[1] and "--data.dataset data/small_corpus/train.jsonl" in train[1]
     assert out.splitlines()[-1].startswith("total: 4 pieces")
 

@@ -197,8 +197,8 @@ def test_first_step_reports_every_phase(tmp_path):
                    check=True, capture_output=True, timeout=300)
     result = json.loads(out.read_text())
     phases = result["phases"]
-    assert set(phases) == {"imports", "build", "kernel_configs", "fla640_check", "first_batch", "first_forward",
-                           "first_backward", "first_optimizer", "second_step"}
+    assert set(phases) == {"imports", "build", "model_args", "backend", "kernel_configs", "fla640_check",
+                           "first_batch", "first_forward", "first_backward", "first_optimizer", "second_step"}
     first = sum(v for k, v in phases.items() if k != "second_step")
     assert all(v >= 0 for v in phases.values()) and abs(first - result["first_step_s"]) < 0.5
     assert result["kernel_configs"]["source"] == "off" and result["paths"]["kernel_configs"]
