@@ -90,7 +90,7 @@ def _run(root, batch_size: int) -> dict:
         _RUNS[key] = lm_eval.simple_evaluate(
             model="hf", model_args=f"pretrained={root / 'model'},trust_remote_code=True,dtype=float32,max_length=256",
             tasks=["ht_rolling", "ht_choice", "ht_generate"], batch_size=batch_size, device="cpu", log_samples=True,
-            task_manager=TaskManager(include_path=str(root / "tasks")))
+            task_manager=TaskManager(include_path=str(root / "tasks"), include_defaults=False))
     return _RUNS[key]
 
 
@@ -203,7 +203,7 @@ def test_generate_until_runs_the_static_decoder_and_matches_eager_steps(export):
     assert min(new for _, new in tokens) < 16  # the stop sequence ended a batch early
 
     fast = lm_eval.simple_evaluate(model=lm, tasks=["ht_generate"], log_samples=True,
-                                   task_manager=TaskManager(include_path=str(root / "tasks")))
+                                   task_manager=TaskManager(include_path=str(root / "tasks"), include_defaults=False))
     default = _run(root, batch_size=2)
     assert lm.model.generate_path["decode"] == "buffers"
     assert [s["filtered_resps"] for s in _samples(fast, "ht_generate")] == [
