@@ -103,8 +103,10 @@ steps. The slowest flavour sets a piece's length."""
 MQAR_STEPS = 1000
 """Steps of an MQAR run: what a HOLA run makes in a piece at the rate above (2,500 would have taken 15 minutes
 there; at step 1,000 of that sweep the lr 1e-2 HOLA run was at validation loss 4.40 from 9.04)."""
-MQAR_STARTUP_S = 45.0
-"""Imports, build and first step of nine MQAR runs side by side, with compile plans (44.3 s measured)."""
+MQAR_STARTUP_S = 30.0
+"""Imports, build and first step of nine MQAR runs side by side on a fresh H200: all within 26.2 s with the compile
+plans (`first_step.py --procs 9`, 2026-12-02, third session); in piece 0 the runs logged step 1 22-23 s after the
+piece started."""
 TEXT_RUNS_PER_PIECE = 6
 TEXT_STEPS_PER_S = {"hola": 2.5, "hola_recency": 2.5, "gdn": 2.5}
 """Estimate, not measured: one ``small`` text run (16 x 1024 tokens a step, bf16) of six sharing one H200, from
