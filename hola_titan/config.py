@@ -145,7 +145,7 @@ class Model:
     autotunes (the log says which); ``off`` autotunes every kernel at its first launch (minutes on a fresh
     machine); or the path of a file written by ``scripts/tune_kernels.py``."""
     precompile_workers: int = setting(-1, resume="applied", ge=-1)
-    """Worker processes that compile this run's Triton kernels side by side before the first launch, from the plan
+    """Worker threads that compile this run's Triton kernels side by side before the first launch, from the plan
     that the kernel configurations file holds for this kind of run (``kernels/precompile.py``; CUDA, recurrent
     flavours): -1 chooses (half the CPU cores shared by the node's processes, at most 8), 0 compiles each kernel
     at its first launch instead. Workers of several runs on one node compile each kernel once."""

@@ -379,8 +379,10 @@ class Trainer:
         """fla's launch configurations, installed before any fla kernel launches (and before the model is built)."""
         from hola_titan.kernels.tuned_configs import Installed, install
 
-        if self.attention_backend == "reference" or located.path is None:
-            return located if located.path is None else Installed("off", None, "no fla kernels in this run")
+        if located.path is None:
+            return located
+        if self.attention_backend == "reference":
+            return Installed("off", None, "no fla kernels in this run")
         return install(located, self.device)
 
     def _compute_dtype(self) -> torch.dtype:

@@ -325,13 +325,11 @@ def install(choice: str | Installed, device) -> Installed:
     _active.append(hashlib.sha256(path.read_bytes()).hexdigest()[:12])
     served = _installed_served.setdefault(str(path), Served())
     lock = threading.Lock()
-    count = 0
     for name, tuner in find_autotuners().items():
         kernel = data["kernels"].get(name)
         if kernel is None or isinstance(tuner.cache, ConfigTable):
             continue
         tuner.cache = ConfigTable(tuner, name, kernel["entries"], list(kernel.get("key_names", [])), served, lock)
-        count += 1
     return dataclasses.replace(located, served=served, data=None)
 
 
