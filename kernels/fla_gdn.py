@@ -9,6 +9,12 @@ fla computes and drops, whose norm is the score ``m_t = beta_t ||e_t||`` (float3
 fla's ``chunk_gated_delta_rule_bwd`` unchanged (the score takes no gradient). Both directions are
 ``torch.library`` custom ops, so a compiled block does not graph-break around fla's ``compiler.disable``.
 
+What the backward keeps: fla's own op saves the l2-normalised ``qn``, ``kn`` and their reciprocal norms. A caller
+that keeps the raw ``q`` and ``k`` for its own backward anyway (HOLA's cache path) passes ``recompute_norms=True``:
+the op then saves those same raw tensors (one copy in memory for both) and recomputes the two l2norms in backward
+(fla's kernel again, so the gradients are bitwise those of the default), at 3 GiB less for the 340M model at
+2,048 x 16 tokens a step, for two light passes over q and k per layer.
+
 fla issue #640. Triton >= 3.4 and < 3.7.1 miscompiles fla's gated ``chunk_bwd_dqkwg`` on Hopper with 64-wide K
 tiles, and fla 0.6.0 raises there. fla tiles K (and V) at 128 on Hopper when the head dim is at least 128, the
 configuration whose results were checked. This module therefore, on Hopper with such a Triton:
@@ -372,11 +378,15 @@ def _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, sc
 
 
 def _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, chunk_indices,
-                  scale):
-    from fla.modules.norm.l2norm import l2norm_bwd
+                  scale, recompute_norms: bool = False):
+    """fla's backward; with ``recompute_norms`` ``qn``, ``kn`` hold the raw q, k and the norms are made here."""
+    from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
 
     with torch.cuda.device(do.device.index), fla_backward_allowed(kn.shape[-1], do.device):
+        if recompute_norms:
+            qn, q_rstd = l2norm_fwd(qn.contiguous())
+            kn, k_rstd = l2norm_fwd(kn.contiguous())
         dq, dk, dv, db, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
             q=qn, k=kn, v=v, g=g_cum, beta=beta, A=a, scale=scale, initial_state=initial_state,
             do=do.contiguous(), dht=dht, cu_seqlens=cu_seqlens,
@@ -389,40 +399,52 @@ def _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_st
 @torch.library.custom_op("hola::gdn_fwd", mutates_args=())
 def gdn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-               chunk_indices: torch.Tensor | None, scale: float,
-               output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                  torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                  torch.Tensor]:
-    """``(o, m, final_state or empty, saved for backward...)``; see the module docstring."""
-    return _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state)
+               chunk_indices: torch.Tensor | None, scale: float, output_final_state: bool,
+               recompute_norms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]:
+    """``(o, m, final_state or empty, saved for backward...)``; see the module docstring. With
+    ``recompute_norms`` the four normalisation outputs are empty (the backward remakes them from q and k)."""
+    out = _gdn_fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state)
+    if recompute_norms:
+        empty = q.new_empty(0, dtype=torch.float32)
+        return (*out[:3], q.new_empty(0), empty, k.new_empty(0), empty.clone(), *out[7:])
+    return out
 
 
 @gdn_fwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state, recompute_norms):
     b, t, h, d = q.shape
     n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    final = q.new_empty(n, h, d, d, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
-    return (torch.empty_like(q), q.new_empty(b, t, h, dtype=torch.float32), final, torch.empty_like(q),
-            q.new_empty(b, t, h, dtype=torch.float32), torch.empty_like(k), k.new_empty(b, t, h, dtype=torch.float32),
-            g.new_empty(b, t, h, dtype=torch.float32), k.new_empty(b, t, h, CHUNK))
+    f32 = torch.float32
+    final = q.new_empty(n, h, d, d, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32)
+    if recompute_norms:
+        norms = (q.new_empty(0), q.new_empty(0, dtype=f32), k.new_empty(0), k.new_empty(0, dtype=f32))
+    else:
+        norms = (torch.empty_like(q), q.new_empty(b, t, h, dtype=f32), torch.empty_like(k),
+                 k.new_empty(b, t, h, dtype=f32))
+    return (torch.empty_like(q), q.new_empty(b, t, h, dtype=f32), final, *norms, g.new_empty(b, t, h, dtype=f32),
+            k.new_empty(b, t, h, CHUNK))
 
 
 @torch.library.custom_op("hola::gdn_bwd", mutates_args=())
 def gdn_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, qn: torch.Tensor, q_rstd: torch.Tensor, kn: torch.Tensor,
                k_rstd: torch.Tensor, v: torch.Tensor, g_cum: torch.Tensor, beta: torch.Tensor, a: torch.Tensor,
                initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-               chunk_indices: torch.Tensor | None,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.Tensor]:
+               chunk_indices: torch.Tensor | None, scale: float,
+               recompute_norms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]:
+    """fla's backward; with ``recompute_norms``, ``qn`` and ``kn`` are the raw q and k (rstd arguments empty)."""
     dq, dk, dv, dg, db, dh0 = _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state,
-                                            cu_seqlens, chunk_indices, scale)
+                                            cu_seqlens, chunk_indices, scale, recompute_norms)
     if dh0 is None:
         dh0 = do.new_empty(0, dtype=torch.float32)
     return dq, dk, dv, dg, db, dh0
 
 
 @gdn_bwd_op.register_fake
-def _(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, chunk_indices, scale):
+def _(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, chunk_indices, scale,
+      recompute_norms):
     dh0 = (torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None
            else do.new_empty(0, dtype=torch.float32))
     return (torch.empty_like(qn), torch.empty_like(kn), torch.empty_like(v), torch.empty_like(g_cum),
@@ -430,10 +452,13 @@ def _(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seql
 
 
 def _gdn_setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state, recompute_norms = inputs
     _, _, _, qn, q_rstd, kn, k_rstd, g_cum, a = output
+    if recompute_norms:  # the raw q and k, which the caller keeps for its own backward too: one copy for both
+        qn, kn = q, k
     ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, chunk_indices)
     ctx.scale = scale
+    ctx.recompute_norms = recompute_norms
     ctx.output_final_state = output_final_state
     ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the score and the saved outputs
@@ -447,10 +472,10 @@ def _gdn_backward(ctx, do, dm, dht, *unused):
         dht = None
     # The forward ran fla on contiguous copies of v and beta; the saved inputs are the originals.
     dq, dk, dv, dg, db, dh0 = gdn_bwd_op(do, dht, qn, q_rstd, kn, k_rstd, v.contiguous(), g_cum, beta.contiguous(), a,
-                                         initial_state, cu_seqlens, chunk_indices, ctx.scale)
+                                         initial_state, cu_seqlens, chunk_indices, ctx.scale, ctx.recompute_norms)
     tq, tk, tv, tg, tb = ctx.dtypes
     return (dq.to(tq), dk.to(tk), dv.to(tv), dg.to(tg), db.to(tb), dh0 if initial_state is not None else None,
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 torch.library.register_autograd("hola::gdn_fwd", _gdn_backward, setup_context=_gdn_setup_context)
@@ -460,19 +485,23 @@ class _GDNFunction:
     """Calls the custom op; kept as a tiny namespace so the #640 check and the adapter share one entry."""
 
     @staticmethod
-    def apply(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state):
+    def apply(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state,
+              recompute_norms=False):
         o, m, final_state, *_ = gdn_fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale,
-                                           output_final_state)
+                                           output_final_state, recompute_norms)
         return o, m, (final_state if output_final_state else None)
 
 
 def gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, chunk_indices=None,
-                    output_final_state=False):
+                    output_final_state=False, recompute_norms: bool = False):
     """GDN state path through fla with the score: ``(o_state [B,T,H,D], m [B,T,H] float32, final_state or None)``.
 
     ``q, k`` are pre-l2norm (fla normalises them in its kernel); ``g`` is the log-decay, ``beta`` in (0, 1).
     ``chunk_indices``: fla's chunk indices of ``cu_seqlens`` made once per batch from the host copy
     (``Documents.chunk_indices``, :func:`chunk_indices_from_host`); None makes them here, from the device tensor.
+    ``recompute_norms``: keep the raw q and k for backward, not their normalised copies (see the module
+    docstring); only where they are kept unpadded (a padded head dim makes copies, so it would add a pass and save
+    nothing).
     """
     if not torch.compiler.is_compiling():
         _require_fla()
@@ -490,7 +519,7 @@ def gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, ch
             and any(x.requires_grad for x in (q, k, v, g, beta))):
         ensure_backward_checked(dp, q.device, num_heads=q.shape[2], dtype=q.dtype, packed=cu_seqlens is not None)
     o, m, final_state = _GDNFunction.apply(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, d ** -0.5,
-                                           output_final_state)
+                                           output_final_state, recompute_norms and dp == d)
     if dp != d:
         o = o[..., :d]
         if final_state is not None:

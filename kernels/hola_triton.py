@@ -85,8 +85,8 @@ def check_supported(q: torch.Tensor, backend: str) -> None:
 def cache_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_state: torch.Tensor, gamma_q: torch.Tensor,
                   gamma_k: torch.Tensor, sink: torch.Tensor, gate: torch.Tensor, sel: torch.Tensor,
                   blk_start: torch.Tensor, blk_len: torch.Tensor, block: int,
-                  window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o, o_cache, lse, r_q, r_k)`` for ``[B, T, H, D]`` inputs; see :mod:`hola_triton_attn`."""
+                  window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o, lse, r_q, r_k)`` for ``[B, T, H, D]`` inputs; see :mod:`hola_triton_attn`."""
     from hola_titan.kernels.hola_triton_attn import cache_attention_fwd
     q, k, v, o_state = (x.contiguous() for x in (q, k, v, o_state))
     with _device_ctx(q):
@@ -98,12 +98,12 @@ def cache_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_state: to
 @cache_attn_op.register_fake
 def _(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, block, window):
     stats = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    return (torch.empty_like(q), torch.empty_like(q), stats, torch.empty_like(stats), torch.empty_like(stats))
+    return torch.empty_like(q), stats, torch.empty_like(stats), torch.empty_like(stats)
 
 
 @torch.library.custom_op("hola::cache_attn_bwd", mutates_args=())
-def cache_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, oc: torch.Tensor,
-                      lse: torch.Tensor, rq: torch.Tensor, rk: torch.Tensor, gamma_q: torch.Tensor,
+def cache_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                      rq: torch.Tensor, rk: torch.Tensor, gamma_q: torch.Tensor,
                       gamma_k: torch.Tensor, sink: torch.Tensor, gate: torch.Tensor, sel: torch.Tensor,
                       blk_start: torch.Tensor, blk_len: torch.Tensor, block: int,
                       window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -111,12 +111,12 @@ def cache_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     """``(dq, dk, dv, dgamma_q, dgamma_k, dsink, dgate)``, parameter gradients in float32."""
     from hola_titan.kernels.hola_triton_attn import cache_attention_bwd
     with _device_ctx(q):
-        return cache_attention_bwd(do.contiguous(), q, k, v, oc, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel,
+        return cache_attention_bwd(do.contiguous(), q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel,
                                    blk_start, blk_len, block=block, window=window)
 
 
 @cache_attn_bwd_op.register_fake
-def _(do, q, k, v, oc, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, block, window):
+def _(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, block, window):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             gamma_q.new_empty(gamma_q.shape, dtype=torch.float32),
             gamma_k.new_empty(gamma_k.shape, dtype=torch.float32),
@@ -125,20 +125,19 @@ def _(do, q, k, v, oc, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start
 
 def _cache_attn_setup(ctx, inputs, output):
     q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, block, window = inputs
-    _, oc, lse, rq, rk = output
-    # The saved outputs take no gradient: without this, autograd fills a zero [B, T, H, D] gradient for o_cache on
-    # every call (one of five bf16 fills in the profile of docs/LOG.md).
+    _, lse, rq, rk = output
+    # The saved outputs take no gradient: no zero-filled gradients for them.
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, oc, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len)
+    ctx.save_for_backward(q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len)
     ctx.block, ctx.window = block, window
 
 
-def _cache_attn_backward(ctx, do, doc, dlse, drq, drk):
-    q, k, v, oc, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len = ctx.saved_tensors
+def _cache_attn_backward(ctx, do, dlse, drq, drk):
+    q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len = ctx.saved_tensors
     if do is None:  # the output was not used
         do = torch.zeros_like(q)
     dq, dk, dv, dgq, dgk, dsink, dgate = cache_attn_bwd_op(
-        do, q.contiguous(), k.contiguous(), v.contiguous(), oc, lse, rq, rk, gamma_q.contiguous(),
+        do, q.contiguous(), k.contiguous(), v.contiguous(), lse, rq, rk, gamma_q.contiguous(),
         gamma_k.contiguous(), sink.contiguous(), gate.contiguous(), sel, blk_start, blk_len, ctx.block, ctx.window)
     return (dq, dk, dv, do, dgq.to(gamma_q.dtype), dgk.to(gamma_k.dtype), dsink.to(sink.dtype), dgate.to(gate.dtype),
             None, None, None, None, None)
@@ -177,17 +176,20 @@ def _device_ctx(x: torch.Tensor):
 
 
 def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_state, impl: str = "auto",
-               chunk_indices=None):
+               chunk_indices=None, recompute_norms: bool = False):
     """fla on CUDA, the fp32 reference elsewhere: ``(o_state in q.dtype, m [B, T, H] float32, final_state)``.
 
     ``impl="reference"`` forces the reference (tests of the cache path alone on a GPU). ``chunk_indices``: fla's,
-    made once per batch (``Documents.chunk_indices``), or None.
+    made once per batch (``Documents.chunk_indices``), or None. ``recompute_norms``: the caller keeps these very
+    ``q`` and ``k`` for its own backward, so fla's op keeps them too instead of normalised copies
+    (:func:`~hola_titan.kernels.fla_gdn.gdn_with_scores`).
     """
     if impl == "fla" or (impl == "auto" and q.device.type == "cuda"):
         from hola_titan.kernels.fla_gdn import gdn_with_scores
         o_state, m, final_state = gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
                                                   cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-                                                  output_final_state=output_final_state)
+                                                  output_final_state=output_final_state,
+                                                  recompute_norms=recompute_norms)
     else:
         from hola_titan.kernels.fla_gdn import reference_gdn_with_scores
         o_state, m, final_state = reference_gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
@@ -233,9 +235,11 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, initial_state=initial_state,
             output_final_state=output_final_state)
         return o, final_state, None
+    # The cache op of a call without an initial cache saves these same q and k for its backward.
     o_state, m, final_state = state_path(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                          output_final_state=output_final_state, impl=state_impl,
-                                         chunk_indices=chunk_indices)
+                                         chunk_indices=chunk_indices,
+                                         recompute_norms=evict != "none" and initial_cache is None)
     aux = {"m": m}
     if evict == "none":
         return (o_state, final_state, None, aux) if return_aux else (o_state, final_state, None)

@@ -12,13 +12,18 @@ The RMSNorms are fused: r_q and r_k are computed once per token (a [B*T, H] floa
 the loops (the query side carries both gammas). The softmax runs in float32 base 2 from the sink
 (``m = sink, l = 1``), and saves the log-sum-exp per query.
 
-Backward (FlashAttention-2 style): ``delta_t = lambda <do_t, o_cache_t>``; one program per query tile recomputes
-the probabilities for dq; one program per key tile (a cache tile of block b, or an in-block tile) accumulates
-dk and dv over the queries that read it. In-block keys belong to one block, so their rows are written directly;
-cache rows are read by many blocks, so each block writes its partial [W, D] rows and a deterministic segmented
-reduction (stable sort by destination row, fixed order) adds them. The RMSNorm backward is linear in the
-incoming gradient, so every program applies it to its own partial. gamma, sink and gate gradients are per-program
-partial sums reduced by torch in a fixed order: the whole backward is deterministic.
+Backward (FlashAttention-2 style, without the cache output): ``delta_t = lambda <do_t, o_cache_t>``, which the
+softmax backward needs per query, is not read from a saved ``o_cache`` (one more [B, T, H, D] tensor kept per layer
+for backward) but formed by the dq program of the query tile in the same pass as dq: with ``dp_tj = lambda <do_t,
+v_j>`` and ``delta_t = sum_j p_tj dp_tj``, ``dq_t = sum_j p_tj (dp_tj - delta_t) kc_j = sum_j p_tj dp_tj kc_j -
+delta_t sum_j p_tj kc_j``, so the program accumulates both sums and ``delta`` and combines them at the end (one
+more product per key tile). It writes ``delta`` for the dk/dv programs, which run after it, and the per-program
+partial sums of the sink and gate gradients. One program per key tile (a cache tile of block b, or an in-block
+tile) accumulates dk and dv over the queries that read it. In-block keys belong to one block, so their rows are
+written directly; cache rows are read by many blocks, so each block writes its partial [W, D] rows and a
+deterministic segmented reduction (stable sort by destination row, fixed order) adds them. The RMSNorm backward is
+linear in the incoming gradient, so every program applies it to its own partial. gamma, sink and gate gradients
+are per-program partial sums reduced by torch in a fixed order: the whole backward is deterministic.
 """
 
 from __future__ import annotations
@@ -136,7 +141,7 @@ if triton is not None:
         return b_m_new, b_l, b_acc
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
-    def _cache_fwd_kernel(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, oc_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+    def _cache_fwd_kernel(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                           sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W,
                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           DOT_PREC: tl.constexpr):
@@ -162,31 +167,9 @@ if triton is not None:
             b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, b_ok, DOT_PREC)
         b_oc = b_acc / b_l[:, None]
         tl.store(lse_ptr + row_q, b_m + tl.log2(b_l), mask=m_ok)
-        tl.store(oc_ptr + p_q, b_oc.to(oc_ptr.dtype.element_ty), mask=m_ok[:, None])
         b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
         b_os = tl.load(os_ptr + p_q, mask=m_ok[:, None], other=0.0).to(tl.float32)
         tl.store(o_ptr + p_q, (b_os + b_lam * b_oc).to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
-
-    @triton.jit(do_not_specialize=["R", "H"])
-    def _bwd_pre_kernel(do_ptr, oc_ptr, lse_ptr, delta_ptr, dsink_ptr, dgate_ptr, sink_ptr, gate_ptr, R, H,
-                        D: tl.constexpr, BR: tl.constexpr):
-        """delta = lambda <do, o_cache> per query; per-program partial sums for the sink and gate gradients."""
-        i_r = tl.program_id(0)
-        i_h = tl.program_id(1).to(tl.int64)
-        o_t = i_r.to(tl.int64) * BR + tl.arange(0, BR)
-        mask = o_t < R
-        row = o_t * H + i_h
-        p = row[:, None] * D + tl.arange(0, D)[None, :]
-        b_do = tl.load(do_ptr + p, mask=mask[:, None], other=0.0).to(tl.float32)
-        b_oc = tl.load(oc_ptr + p, mask=mask[:, None], other=0.0).to(tl.float32)
-        b_r = tl.sum(b_do * b_oc, axis=1)
-        b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
-        b_delta = b_lam * b_r
-        tl.store(delta_ptr + row, b_delta, mask=mask)
-        b_lse = tl.load(lse_ptr + row, mask=mask, other=0.0)
-        b_psink = tl.exp2(tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634 - b_lse)
-        tl.store(dsink_ptr + i_r * H + i_h, -tl.sum(tl.where(mask, b_psink * b_delta, 0.0), axis=0))
-        tl.store(dgate_ptr + i_r * H + i_h, tl.sum(b_r, axis=0))
 
     @triton.jit
     def _norm_bwd(b_dy, b_x, b_r, b_g, D: tl.constexpr):
@@ -196,18 +179,26 @@ if triton is not None:
         return b_dx, tl.sum(b_dy * b_x * b_r[:, None], axis=0)
 
     @triton.jit
-    def _dq_tile(b_qs, b_do, b_lse, b_delta, b_dq, b_k, b_v, b_rk, b_ok, b_lam, DOT_PREC: tl.constexpr):
+    def _dq_tile(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_k, b_v, b_rk, b_ok, b_lam, DOT_PREC: tl.constexpr):
+        """One key tile of the dq pass: ``b_r += sum_j p <do, v_j>``, ``b_dq += sum_j p dp kc_j``, ``b_pk += sum_j
+        p kc_j`` (kc_j = k_j r_k; the gammas and the scale are applied at the end)."""
         b_s = tl.dot(b_qs, tl.trans(b_k), input_precision=DOT_PREC) * b_rk[None, :]
         b_p = tl.where(b_ok, tl.exp2(b_s - b_lse[:, None]), 0.0)
-        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC) * b_lam
-        b_ds = b_p * (b_dp - b_delta[:, None])
-        return b_dq + tl.dot((b_ds * b_rk[None, :]).to(b_k.dtype), b_k, input_precision=DOT_PREC)
+        b_dov = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
+        b_r += tl.sum(b_p * b_dov, axis=1)
+        b_prk = b_p * b_rk[None, :]
+        b_dq += tl.dot((b_prk * (b_dov * b_lam)).to(b_k.dtype), b_k, input_precision=DOT_PREC)
+        b_pk += tl.dot(b_prk.to(b_k.dtype), b_k, input_precision=DOT_PREC)
+        return b_r, b_dq, b_pk
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
-                             gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, H, NQT, scale, W,
+                             sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
+                             dgate_ptr, H, NQT, scale, W,
                              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                              DOT_PREC: tl.constexpr):
+        """dq of a query tile, its ``delta`` (written for the dk/dv programs) and its partial sink and gate
+        gradients (see the module docstring)."""
         pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM)
         if q0 >= length:
             return
@@ -215,22 +206,28 @@ if triton is not None:
                                                                              length, q0, H, scale, D, BM)
         b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
         b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
-        b_delta = tl.load(delta_ptr + row_q, mask=m_ok, other=0.0)
         b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
+        b_r = tl.zeros([BM], dtype=tl.float32)
         b_dq = tl.zeros([BM, D], dtype=tl.float32)
+        b_pk = tl.zeros([BM, D], dtype=tl.float32)
         if W > 0:
             for c0 in range(0, W, BN):
                 o_n, n_ok, row, b_k, b_v, b_rk = _load_keys(k_ptr, v_ptr, rk_ptr, sel_ptr, i_b, i_h, start, length,
                                                             c0, H, W, True, D, BN)
                 b_ok = n_ok[None, :] & m_ok[:, None]
-                b_dq = _dq_tile(b_qs, b_do, b_lse, b_delta, b_dq, b_k, b_v, b_rk, b_ok, b_lam, DOT_PREC)
+                b_r, b_dq, b_pk = _dq_tile(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_k, b_v, b_rk, b_ok, b_lam, DOT_PREC)
         hi = tl.minimum(q0 + BM, length)
         for c0 in range(0, hi, BN):
             o_n, n_ok, row, b_k, b_v, b_rk = _load_keys(k_ptr, v_ptr, rk_ptr, sel_ptr, i_b, i_h, start, length,
                                                         c0, H, W, False, D, BN)
             b_ok = n_ok[None, :] & m_ok[:, None] & (o_n[None, :] <= o_m[:, None])
-            b_dq = _dq_tile(b_qs, b_do, b_lse, b_delta, b_dq, b_k, b_v, b_rk, b_ok, b_lam, DOT_PREC)
-        b_dqc = b_dq * (scale * b_gk)[None, :]
+            b_r, b_dq, b_pk = _dq_tile(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_k, b_v, b_rk, b_ok, b_lam, DOT_PREC)
+        b_delta = b_lam * b_r
+        tl.store(delta_ptr + row_q, b_delta, mask=m_ok)
+        b_psink = tl.exp2(tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634 - b_lse)
+        tl.store(dsink_ptr + pid * H + i_h, -tl.sum(tl.where(m_ok, b_psink * b_delta, 0.0), axis=0))
+        tl.store(dgate_ptr + pid * H + i_h, tl.sum(b_r, axis=0))
+        b_dqc = (b_dq - b_delta[:, None] * b_pk) * (scale * b_gk)[None, :]
         b_dx, b_dg = _norm_bwd(b_dqc, b_q.to(tl.float32), b_rq, b_gq, D)
         tl.store(dq_ptr + p_q, b_dx.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
         tl.store(dgq_ptr + (pid * H + i_h) * D + o_d, b_dg)
@@ -345,12 +342,12 @@ def rms_rstd(x: torch.Tensor) -> torch.Tensor:
 
 def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, *, block: int,
                         window: int):
-    """Forward launches. Returns ``(o, o_cache, lse [B*T, H] base 2, r_q, r_k)``."""
+    """Forward launches. Returns ``(o, lse [B*T, H] base 2, r_q, r_k)``: what the backward needs besides the
+    inputs (no cache output: the backward forms ``delta`` itself)."""
     h, d = q.shape[-2], q.shape[-1]
     num_blocks = blk_start.shape[0]
     rq, rk = rms_rstd(q), rms_rstd(k)
     o = _empty(*q.shape, dtype=q.dtype, device=q.device)
-    oc = _empty(*q.shape, dtype=q.dtype, device=q.device)
     lse = _empty(*q.shape[:-1], dtype=torch.float32, device=q.device)
     sel = sel if sel.numel() else blk_start  # window 0: never read, but Triton needs a valid pointer
     cfg = _config("fwd", d, q.device)
@@ -358,12 +355,12 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     nqt = triton.cdiv(block, bm)
     if num_blocks:
         _cache_fwd_kernel[(num_blocks * nqt, h)](
-            q, k, v, o_state, o, oc, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len,
+            q, k, v, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len,
             h, nqt, d ** -0.5, W=window, D=d, BM=bm, BN=bn, DOT_PREC=_dot_precision(q.dtype), **cfg)
-    return o, oc, lse, rq, rk
+    return o, lse, rq, rk
 
 
-def cache_attention_bwd(do, q, k, v, oc, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, *,
+def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, *,
                         block: int, window: int):
     """Backward launches. Returns ``(dq, dk, dv, dgamma_q, dgamma_k, dsink, dgate)`` (parameter grads float32)."""
     h, d = q.shape[-2], q.shape[-1]
@@ -372,24 +369,21 @@ def cache_attention_bwd(do, q, k, v, oc, lse, rq, rk, gamma_q, gamma_k, sink, ga
     device = q.device
     scale = d ** -0.5
     prec = _dot_precision(q.dtype)
-    br = 16 if device.type != "cuda" else 32
-    nr = triton.cdiv(num_tokens, br)
+    # Written by the dq programs for every query row of a block; the dk/dv programs read only those rows.
     delta = _empty(num_tokens, h, dtype=torch.float32, device=device)
-    dsink_part = torch.zeros(nr, h, dtype=torch.float32, device=device)
-    dgate_part = torch.zeros(nr, h, dtype=torch.float32, device=device)
-    if num_tokens:
-        _bwd_pre_kernel[(nr, h)](do, oc, lse, delta, dsink_part, dgate_part, sink, gate, num_tokens, h, D=d, BR=br,
-                                 num_warps=4)
     sel = sel if sel.numel() else blk_start  # window 0: never read, but Triton needs a valid pointer
     dq = _empty(*q.shape, dtype=q.dtype, device=device)
     cfg = _config("dq", d, device)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nqt = triton.cdiv(block, bm)
+    # Zeros: a program whose query tile lies past its block's end returns before writing its partials.
     dgq_part = torch.zeros(num_blocks * nqt, h, d, dtype=torch.float32, device=device)
+    dsink_part = torch.zeros(num_blocks * nqt, h, dtype=torch.float32, device=device)
+    dgate_part = torch.zeros(num_blocks * nqt, h, dtype=torch.float32, device=device)
     if num_blocks:
         _cache_bwd_dq_kernel[(num_blocks * nqt, h)](
-            q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dq,
-            dgq_part, h, nqt, scale, W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
+            q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
+            dgq_part, dsink_part, dgate_part, h, nqt, scale, W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
     dk = _empty(*k.shape, dtype=k.dtype, device=device)
     dv = _empty(*v.shape, dtype=v.dtype, device=device)
     cfg = _config("dkdv", d, device)

@@ -40,25 +40,23 @@ def layer_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                  chunk_indices: torch.Tensor | None, scale: float, output_final_state: bool, block: int, window: int,
                  evict: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                       torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                       torch.Tensor]:
-    """``(o, final_state or empty, m, sel, blk_start, blk_len, then saved for backward: qn, q_rstd, kn, k_rstd,
-    g_cum, a, oc, lse, rq, rk)``."""
+    """``(o, final_state or empty, m, sel, blk_start, blk_len, then saved for backward: g_cum, a, lse, rq, rk)``.
+    The backward has q and k: it remakes their l2norms rather than keeping a normalised copy of each."""
     from hola_titan.kernels.hola_triton import _device_ctx, select
     from hola_titan.kernels.hola_triton_attn import cache_attention_fwd
 
     bsz, seq_len, h, _ = q.shape
     with _device_ctx(q):
-        o_state, m, final_state, qn, q_rstd, kn, k_rstd, g_cum, a = _gdn_fwd_impl(
+        o_state, m, final_state, _, _, _, _, g_cum, a = _gdn_fwd_impl(
             q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state)
         table = _select.build_block_table(bsz, seq_len, cu_seqlens, block, q.device)
         sel, _ = select(m.reshape(bsz * seq_len, h), table, window=window, evict=evict, num_heads=h)
-        o, oc, lse, rq, rk = cache_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), o_state,
-                                                 gamma_q.contiguous(), gamma_k.contiguous(), sink.contiguous(),
-                                                 gate.contiguous(), sel, table.blk_start, table.blk_len,
-                                                 block=block, window=window)
-    return (o, final_state, m, sel, table.blk_start, table.blk_len, qn, q_rstd, kn, k_rstd, g_cum, a, oc, lse, rq,
-            rk)
+        o, lse, rq, rk = cache_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), o_state,
+                                             gamma_q.contiguous(), gamma_k.contiguous(), sink.contiguous(),
+                                             gate.contiguous(), sel, table.blk_start, table.blk_len,
+                                             block=block, window=window)
+    return o, final_state, m, sel, table.blk_start, table.blk_len, g_cum, a, lse, rq, rk
 
 
 @layer_fwd_op.register_fake
@@ -73,9 +71,8 @@ def _(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens,
     stats = q.new_empty(bsz, seq_len, h, dtype=f32)
     i32 = torch.int32
     return (torch.empty_like(q), final, torch.empty_like(stats), q.new_empty(nb, h, window, dtype=i32),
-            q.new_empty(nb, dtype=i32), q.new_empty(nb, dtype=i32), torch.empty_like(q), torch.empty_like(stats),
-            torch.empty_like(k), torch.empty_like(stats), g.new_empty(bsz, seq_len, h, dtype=f32),
-            k.new_empty(bsz, seq_len, h, CHUNK), torch.empty_like(q), torch.empty_like(stats), torch.empty_like(stats),
+            q.new_empty(nb, dtype=i32), q.new_empty(nb, dtype=i32), g.new_empty(bsz, seq_len, h, dtype=f32),
+            k.new_empty(bsz, seq_len, h, CHUNK), torch.empty_like(stats), torch.empty_like(stats),
             torch.empty_like(stats))
 
 
@@ -83,8 +80,7 @@ def _(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens,
 def layer_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  beta: torch.Tensor, gamma_q: torch.Tensor, gamma_k: torch.Tensor, sink: torch.Tensor,
                  gate: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-                 chunk_indices: torch.Tensor | None, qn: torch.Tensor, q_rstd: torch.Tensor, kn: torch.Tensor,
-                 k_rstd: torch.Tensor, g_cum: torch.Tensor, a: torch.Tensor, oc: torch.Tensor, lse: torch.Tensor,
+                 chunk_indices: torch.Tensor | None, g_cum: torch.Tensor, a: torch.Tensor, lse: torch.Tensor,
                  rq: torch.Tensor, rk: torch.Tensor,
                  sel: torch.Tensor, blk_start: torch.Tensor, blk_len: torch.Tensor, scale: float, block: int,
                  window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -97,22 +93,25 @@ def layer_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k:
     do = do.contiguous()
 
     def cache_backward():
-        return cache_attention_bwd(do, q, k, v, oc, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start,
+        return cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start,
                                    blk_len, block=block, window=window)
 
+    no_rstd = lse.new_empty(0)  # the l2norms are remade from q and k (recompute_norms)
     with _device_ctx(q):
         if q.device.type != "cuda":  # the interpreter tests: one stream, one path after the other
             cache = cache_backward()
-            dq, dk, dv, dg, db, dh0 = _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a,
-                                                    initial_state, cu_seqlens, chunk_indices, scale)
+            dq, dk, dv, dg, db, dh0 = _gdn_bwd_impl(do, dht, q, no_rstd, k, no_rstd, v, g_cum, beta, a,
+                                                    initial_state, cu_seqlens, chunk_indices, scale,
+                                                    recompute_norms=True)
         else:
             main = torch.cuda.current_stream()
             side = _side_stream(q.device)
             side.wait_stream(main)  # do and everything saved are ready
             with torch.cuda.stream(side):
                 cache = cache_backward()
-            dq, dk, dv, dg, db, dh0 = _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a,
-                                                    initial_state, cu_seqlens, chunk_indices, scale)
+            dq, dk, dv, dg, db, dh0 = _gdn_bwd_impl(do, dht, q, no_rstd, k, no_rstd, v, g_cum, beta, a,
+                                                    initial_state, cu_seqlens, chunk_indices, scale,
+                                                    recompute_norms=True)
             main.wait_stream(side)
             for t in cache:
                 t.record_stream(main)  # made on the side stream, used and freed on this one
@@ -124,8 +123,8 @@ def layer_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k:
 
 
 @layer_bwd_op.register_fake
-def _(do, dht, q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, qn, q_rstd, kn,
-      k_rstd, g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len, scale, block, window):
+def _(do, dht, q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, g_cum, a, lse,
+      rq, rk, sel, blk_start, blk_len, scale, block, window):
     f32 = torch.float32
     dh0 = (torch.empty_like(initial_state, dtype=f32) if initial_state is not None else do.new_empty(0, dtype=f32))
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g_cum),
@@ -147,17 +146,17 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 def _setup(ctx, inputs, output):
     (q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, scale, ofs, block,
      window, evict) = inputs
-    _, _, _, sel, blk_start, blk_len, qn, q_rstd, kn, k_rstd, g_cum, a, oc, lse, rq, rk = output
-    ctx.save_for_backward(q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, qn,
-                          q_rstd, kn, k_rstd, g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len)
+    _, _, _, sel, blk_start, blk_len, g_cum, a, lse, rq, rk = output
+    ctx.save_for_backward(q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices,
+                          g_cum, a, lse, rq, rk, sel, blk_start, blk_len)
     ctx.scale, ctx.output_final_state, ctx.block, ctx.window = scale, ofs, block, window
     ctx.g_dtype = g.dtype
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs saved for backward
 
 
 def _backward(ctx, do, dht, *unused):
-    (q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, qn, q_rstd, kn, k_rstd,
-     g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len) = ctx.saved_tensors
+    (q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, g_cum, a, lse, rq, rk,
+     sel, blk_start, blk_len) = ctx.saved_tensors
     if do is None:  # only the final state was used
         do = torch.zeros_like(q)
     if not ctx.output_final_state or dht is None or dht.numel() == 0:
@@ -166,8 +165,8 @@ def _backward(ctx, do, dht, *unused):
     q, k, v, beta, gamma_q, gamma_k, sink, gate = (
         t.contiguous() for t in (q, k, v, beta, gamma_q, gamma_k, sink, gate))
     dq, dk, dv, dg, db, dh0, dgq, dgk, dsink, dgate = layer_bwd_op(
-        do, dht, q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, qn, q_rstd,
-        kn, k_rstd, g_cum, a, oc, lse, rq, rk, sel, blk_start, blk_len, ctx.scale, ctx.block, ctx.window)
+        do, dht, q, k, v, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, g_cum, a,
+        lse, rq, rk, sel, blk_start, blk_len, ctx.scale, ctx.block, ctx.window)
     return (dq, dk, dv, dg.to(ctx.g_dtype), db.to(beta.dtype), dgq.to(gamma_q.dtype), dgk.to(gamma_k.dtype),
             dsink.to(sink.dtype), dgate.to(gate.dtype), dh0 if initial_state is not None else None,
             None, None, None, None, None, None, None)

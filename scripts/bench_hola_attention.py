@@ -187,7 +187,7 @@ def main():
             row["stage_cache_fwd_ms"] = bench(fwd_fn, None, args.rep_ms)
 
             def bwd_fn():
-                return cache_attn_bwd_op(do, q, k, v, out[1], out[2], out[3], out[4], gamma_q, gamma_k, sink, gate, sel,
+                return cache_attn_bwd_op(do, q, k, v, out[1], out[2], out[3], gamma_q, gamma_k, sink, gate, sel,
                                          table.blk_start, table.blk_len, block, window)
             bwd_fn()
             row["stage_cache_bwd_ms"] = bench(bwd_fn, None, args.rep_ms)

@@ -171,6 +171,49 @@ def test_fla_adapter_is_bit_identical_to_fla_and_scores_match_reference():
     assert rel(m, m_r) < 2e-2, f"score error {rel(m, m_r):.2e}"
 
 
+def test_fla_adapter_recomputing_the_norms_gives_the_same_gradients():
+    """``recompute_norms=True`` (fla's op keeps the raw q, k and remakes their l2norms in backward): output and
+    every gradient bit for bit those of the default, which keeps the normalised copies."""
+    b, t, h, d = 1, 700, 4, 256
+    cu_t = torch.tensor([0, 1, 300, 301, 700], device=DEVICE)
+    x = make_inputs(b, t, h, d, num_states=4, seed=3, dtype=torch.bfloat16)
+    w = torch.randn(b, t, h, d, device=DEVICE)
+    results = []
+    for recompute in (False, True):
+        leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+        o, _, _ = fla_gdn.gdn_with_scores(*leaves, cu_seqlens=cu_t, recompute_norms=recompute)
+        results.append((o, torch.autograd.grad((o.float() * w).sum(), leaves)))
+    (o_a, g_a), (o_b, g_b) = results
+    assert torch.equal(o_a, o_b)
+    for name, a, e in zip(("q", "k", "v", "g", "beta"), g_a, g_b):
+        assert torch.equal(a, e), f"d{name} differs with recompute_norms"
+
+
+def test_hola_layer_keeps_q_k_v_once_and_no_cache_output():
+    """What a HOLA layer call (Triton backend, no initial cache) keeps for backward, by storage: of the
+    token-sized [B, T, H, D] tensors only the inputs q, k and v, each once (fla's op and the cache op share the raw
+    q and k; neither keeps a normalised copy, and the cache op keeps no output of its own)."""
+    b, t, h, d = 1, 4096, 4, 256
+    cu = torch.tensor([0, 1, 2000, 2001, 4096], device=DEVICE)
+    x = make_inputs(b, t, h, d, num_states=4, seed=9, dtype=torch.bfloat16)
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in NAMES if n != "initial_state"}
+    kept = {}
+
+    def pack(tensor):
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        o, _, _ = hola_attention_triton(*(leaves[n] for n in NAMES[:-1]), window=64, block=BLOCK, evict="score",
+                                        cu_seqlens=cu)
+    token_sized = {ptr for ptr, nbytes in kept.items() if nbytes >= t * h * d * 2}
+    inputs = {leaves[n].untyped_storage().data_ptr() for n in ("q", "k", "v")}
+    assert token_sized == inputs, (f"{len(token_sized)} token-sized tensors kept for backward, "
+                                   f"{len(token_sized - inputs)} of them not q, k or v")
+    o.float().sum().backward()  # and the backward runs from what was kept
+    assert all(torch.isfinite(leaves[n].grad).all() for n in ("q", "k", "v"))
+
+
 def test_fla_640_gradient_check_passes():
     errors = fla_gdn.check_fla_backward(256, DEVICE)
     print(f"\nfla #640 check, head dim 256, guard applies: {fla_gdn.guard_applies(DEVICE)}:",
@@ -215,8 +258,8 @@ def test_cache_backward_is_deterministic():
     fwd = cache_attn_op(x["q"], x["k"], x["v"], o_state, x["gamma_q"], x["gamma_k"], x["sink"], x["gate"], sel,
                         table.blk_start, table.blk_len, block, window)
     do = torch.randn_like(x["q"])
-    args = (do, x["q"], x["k"], x["v"], fwd[1], fwd[2], fwd[3], fwd[4], x["gamma_q"], x["gamma_k"], x["sink"],
-            x["gate"], sel, table.blk_start, table.blk_len, block, window)
+    args = (do, x["q"], x["k"], x["v"], fwd[1], fwd[2], fwd[3], x["gamma_q"], x["gamma_k"], x["sink"], x["gate"],
+            sel, table.blk_start, table.blk_len, block, window)
     first, second = cache_attn_bwd_op(*args), cache_attn_bwd_op(*args)
     for name, a, c in zip(("dq", "dk", "dv", "dgamma_q", "dgamma_k", "dsink", "dgate"), first, second):
         assert torch.equal(a, c), f"{name} differs between two identical runs"

@@ -292,12 +292,16 @@ def test_overlapped_layer_op_matches_the_layered_form(monkeypatch):
         o, m, final = fla_gdn.reference_gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
                                                         cu_seqlens=cu_seqlens, output_final_state=True)
         final = final if output_final_state else q.new_empty(0, dtype=torch.float32)
-        # Stand-ins for fla's saved tensors, fresh tensors (custom-op outputs may not alias inputs): "qn" and
-        # "kn" carry q and k to the stand-in backward, which recomputes the reference from them.
+        # Stand-ins for fla's saved tensors, fresh tensors (custom-op outputs may not alias inputs); the layer
+        # keeps only g_cum and a of them (it passes the raw q and k to the backward).
         return (o.to(q.dtype), m, final, q.clone(), q.new_empty(0), k.clone(), q.new_empty(0), g.float().clone(),
                 q.new_empty(*q.shape[:3], 64))
 
-    def bwd(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, chunk_indices, scale):
+    def bwd(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, chunk_indices, scale,
+            recompute_norms=False):
+        # The layer saves no normalised copies: "qn" and "kn" are the raw q and k, which the stand-in backward
+        # recomputes the reference from.
+        assert recompute_norms and q_rstd.numel() == 0 and k_rstd.numel() == 0
         # A custom op's body runs below autograd; a fresh thread starts with autograd on (its state is per thread).
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             return pool.submit(reference_bwd, do, dht, qn, kn, v, g_cum, beta, initial_state, cu_seqlens).result()
