@@ -200,7 +200,10 @@ if triton is not None:
         """dq of a query tile, its ``delta`` (written for the dk/dv programs) and its partial sink and gate
         gradients (see the module docstring)."""
         pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM)
-        if q0 >= length:
+        if q0 >= length:  # past the block's end: zero partials (the buffers are not zero-filled first)
+            tl.store(dgq_ptr + (pid * H + i_h) * D + tl.arange(0, D), tl.zeros([D], dtype=tl.float32))
+            tl.store(dsink_ptr + pid * H + i_h, 0.0)
+            tl.store(dgate_ptr + pid * H + i_h, 0.0)
             return
         o_m, m_ok, o_d, row_q, p_q, b_q, b_rq, b_gq, b_gk, b_qs = _query_tile(q_ptr, rq_ptr, gq_ptr, gk_ptr, i_h, start,
                                                                              length, q0, H, scale, D, BM)
@@ -226,7 +229,7 @@ if triton is not None:
         tl.store(delta_ptr + row_q, b_delta, mask=m_ok)
         b_psink = tl.exp2(tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634 - b_lse)
         tl.store(dsink_ptr + pid * H + i_h, -tl.sum(tl.where(m_ok, b_psink * b_delta, 0.0), axis=0))
-        tl.store(dgate_ptr + pid * H + i_h, tl.sum(b_r, axis=0))
+        tl.store(dgate_ptr + pid * H + i_h, tl.sum(b_r, axis=0) * b_lam * (1.0 - b_lam))
         b_dqc = (b_dq - b_delta[:, None] * b_pk) * (scale * b_gk)[None, :]
         b_dx, b_dg = _norm_bwd(b_dqc, b_q.to(tl.float32), b_rq, b_gq, D)
         tl.store(dq_ptr + p_q, b_dx.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
@@ -248,7 +251,8 @@ if triton is not None:
         is_cache = j < NCT
         c0 = tl.where(is_cache, j, j - NCT) * BN
         lo = tl.where(is_cache, 0, (c0 // BM) * BM)
-        if (c0 >= length) & (j >= NCT):
+        if (c0 >= length) & (j >= NCT):  # past the block's end: a zero partial (the buffer is not zero-filled)
+            tl.store(dgk_ptr + (pid * H + i_h) * D + tl.arange(0, D), tl.zeros([D], dtype=tl.float32))
             return
         o_n = c0 + tl.arange(0, BN)
         o_d = tl.arange(0, D)
@@ -376,10 +380,10 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     cfg = _config("dq", d, device)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nqt = triton.cdiv(block, bm)
-    # Zeros: a program whose query tile lies past its block's end returns before writing its partials.
-    dgq_part = torch.zeros(num_blocks * nqt, h, d, dtype=torch.float32, device=device)
-    dsink_part = torch.zeros(num_blocks * nqt, h, dtype=torch.float32, device=device)
-    dgate_part = torch.zeros(num_blocks * nqt, h, dtype=torch.float32, device=device)
+    # Per-program partials, every one written (zeros past a block's end): no fill launches.
+    dgq_part = _empty(num_blocks * nqt, h, d, dtype=torch.float32, device=device)
+    dsink_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
+    dgate_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
     if num_blocks:
         _cache_bwd_dq_kernel[(num_blocks * nqt, h)](
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
@@ -393,7 +397,7 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     num_slots = num_blocks * h * window
     pdk = _empty(max(num_slots, 1), d, dtype=torch.float32, device=device)
     pdv = _empty(max(num_slots, 1), d, dtype=torch.float32, device=device)
-    dgk_part = torch.zeros(num_blocks * nkt, h, d, dtype=torch.float32, device=device)
+    dgk_part = _empty(num_blocks * nkt, h, d, dtype=torch.float32, device=device)
     if num_blocks:
         _cache_bwd_dkdv_kernel[(num_blocks * nkt, h)](
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
@@ -406,6 +410,5 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
         dest_sorted, order = torch.sort(dest, stable=True)
         _scatter_cache_grads_kernel[(num_slots,)](dest_sorted, order, pdk, pdv, dk, dv, num_slots, sentinel, D=d,
                                                   num_warps=1 if d <= 64 else 2)
-    lam = torch.sigmoid(gate.float())
-    dgate = dgate_part.sum(0) * lam * (1 - lam)
-    return dq, dk, dv, dgq_part.sum((0, 1)), dgk_part.sum((0, 1)), dsink_part.sum(0), dgate
+    # The gate's partials carry sigmoid'(gate) already.
+    return dq, dk, dv, dgq_part.sum((0, 1)), dgk_part.sum((0, 1)), dsink_part.sum(0), dgate_part.sum(0)
