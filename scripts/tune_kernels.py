@@ -143,6 +143,15 @@ def _tune_reference(args) -> None:
                         device=torch.device("cuda"), measured_tflops=1.0)
 
 
+def read_child_output(phase: str, path: Path, code):
+    """``(what a child wrote or None, its exit code)``: a plan child that exited without writing a plan (its file
+    missing, or holding anything but a plan) counts as failed, so the run reports it and goes on."""
+    data = json.loads(path.read_text()) if path.exists() else None
+    if phase == "plan" and (data is None or "specs" not in data):
+        return None, code or "0 without a plan"
+    return data, code
+
+
 def child(args) -> int:
     """Tune one combination (or the reference) in this process and write what the autotuners chose."""
     sys.path.insert(0, str(ROOT))
@@ -171,7 +180,10 @@ def child(args) -> int:
             time.sleep(15.0)
             save()
 
-    threading.Thread(target=keep_saving, daemon=True).start()
+    if args.child == "fla_gdn" or args.child_phase == "tune":
+        # Not in the plan phase, whose child writes its plan once at the end into the same file: a save after that
+        # replaced the plan with the tuning tables (seen on an H200, 2026-12-02: the parent read no plan).
+        threading.Thread(target=keep_saving, daemon=True).start()
 
     with tempfile.TemporaryDirectory(prefix="tune_kernels_") as tmp:
         if args.child == "fla_gdn":
@@ -304,8 +316,8 @@ def main(argv=None) -> int:
                 running.remove(item)
                 row = log.setdefault(f"{phase} {part}", {})
                 row["seconds"] = round(time.time() - started, 1)
-                if part_out.exists():  # a tuning child that stopped early still wrote what it tuned so far
-                    data = json.loads(part_out.read_text())
+                data, code = read_child_output(phase, part_out, code)
+                if data is not None:  # a tuning child that stopped early still wrote what it tuned so far
                     if phase == "plan":
                         plans[data["plan"]] = data["specs"]
                         row.update(plan=data["plan"], specs=len(data["specs"]), recorded=data["recorded"],

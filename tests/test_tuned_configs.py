@@ -202,3 +202,30 @@ def test_first_step_reports_every_phase(tmp_path):
     first = sum(v for k, v in phases.items() if k != "second_step")
     assert all(v >= 0 for v in phases.values()) and abs(first - result["first_step_s"]) < 0.5
     assert result["kernel_configs"]["source"] == "off" and result["paths"]["kernel_configs"]
+
+
+def _tune_kernels_script():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tune_kernels.py"
+    spec = importlib.util.spec_from_file_location("tune_kernels_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tune_kernels_counts_a_plan_child_without_a_plan_as_failed(tmp_path):
+    """A plan child whose file holds no plan (or none at all) is a failed part, not a crash of the whole run (an
+    H200 run of 2026-12-02 lost every plan to a KeyError when one child's file held tuning tables instead)."""
+    read = _tune_kernels_script().read_child_output
+    out = tmp_path / "plan_debug_hola_float32_plain.json"
+    assert read("plan", out, 0) == (None, "0 without a plan")
+    out.write_text(json.dumps({"kernels": {}, "seconds": {}}))
+    assert read("plan", out, 0) == (None, "0 without a plan")
+    assert read("plan", out, 1) == (None, 1)
+    plan = {"plan": "hola/d64/float32/plain", "specs": ["{}"], "recorded": 1, "autotuned": 0}
+    out.write_text(json.dumps(plan))
+    assert read("plan", out, 0) == (plan, 0)
+    tables = {"kernels": {"k": {}}, "seconds": {}}
+    out.write_text(json.dumps(tables))
+    assert read("tune", out, "timeout") == (tables, "timeout")  # a stopped tuning child keeps what it tuned
