@@ -81,7 +81,7 @@ def is_device_kernel(evt) -> bool:
 _KINDS = (
     ("inductor", ("triton_poi", "triton_red", "triton_per", "triton_tem")),
     ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
-    ("hola_cache", ("_cache_", "_rstd_kernel", "_bwd_pre_kernel", "_merge_topw", "_select", "_topw", "_recency")),
+    ("hola_cache", ("_cache_", "_rstd_kernel", "_merge_topw", "_select", "_topw", "_recency")),
     ("hola_fused", ("_short_conv_", "_xent_")),
     ("fla", ("chunk", "l2norm", "recompute_w_u", "prepare_wy", "solve_tril", "merge_16", "kkt", "causal_conv",
              "layer_norm", "rms_norm", "swiglu", "cross_entropy", "logsumexp", "fused_")),
