@@ -200,26 +200,28 @@ class Trainer:
         # if the backend turns out to be the reference.
         located = self._locate_kernel_configs()
         self.precompile = self._start_precompile(located)
-        self.attention_backend, self._backend_why = self._resolve_attention_backend()
-        if self.model_args.is_recurrent:
-            # validate() refused what it could foresee; an auto backend that fell back to the reference on a GPU
-            # (no fla-core) is known only now.
-            check_compile_fullgraph(config, backend=self.attention_backend,
-                                    where=f"{self.device.type} ({self._backend_why})")
-        if self.attention_backend == "reference":
-            self.precompile.stop(f"the attention backend is the reference ({self._backend_why})")
-        self.kernel_configs = self._install_kernel_configs(located)
-        self.precompile.imports_done()  # fla imported (on this thread): the workers may compile its kernels too
-        # Built on the meta device, parallelised, materialised with to_empty (each rank holds only its shards, on its
-        # device), then initialised with the values one process draws from the seed (parallelisms/init.py): the
-        # same initial weights at every layout, and never the whole model on a rank's host or GPU.
-        with torch.device("meta"):
-            build = dict(backend=self.attention_backend, kernels=self.kernels,
-                         overlap_backward=config.model.overlap_backward)
-            model = HolaTitanLM(self.model_args, **build)
-            template = HolaTitanLM(self.model_args, **build)
-        self.num_params = num_params(model)
-        self._join_precompile()
+        from hola_titan.kernels.precompile import stopped_on_error
+        with stopped_on_error(self.precompile, "the run's start"):
+            self.attention_backend, self._backend_why = self._resolve_attention_backend()
+            if self.model_args.is_recurrent:
+                # validate() refused what it could foresee; an auto backend that fell back to the reference on a GPU
+                # (no fla-core) is known only now.
+                check_compile_fullgraph(config, backend=self.attention_backend,
+                                        where=f"{self.device.type} ({self._backend_why})")
+            if self.attention_backend == "reference":
+                self.precompile.stop(f"the attention backend is the reference ({self._backend_why})")
+            self.kernel_configs = self._install_kernel_configs(located)
+            self.precompile.imports_done()  # fla imported (on this thread): the workers may compile its kernels too
+            # Built on the meta device, parallelised, materialised with to_empty (each rank holds only its shards, on
+            # its device), then initialised with the values one process draws from the seed (parallelisms/init.py):
+            # the same initial weights at every layout, and never the whole model on a rank's host or GPU.
+            with torch.device("meta"):
+                build = dict(backend=self.attention_backend, kernels=self.kernels,
+                             overlap_backward=config.model.overlap_backward)
+                model = HolaTitanLM(self.model_args, **build)
+                template = HolaTitanLM(self.model_args, **build)
+            self.num_params = num_params(model)
+            self._join_precompile()
         if self.device.type == "cuda" and self.model_args.is_recurrent and self.attention_backend != "reference":
             # fla's #640 gradient check runs real kernels under autograd: now, not while compile traces a block
             # or inside an activation-checkpointed forward.

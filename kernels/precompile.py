@@ -29,6 +29,7 @@ code.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -403,6 +404,18 @@ def auto_workers(specs: int, *, local_processes: int = 1) -> int:
     """Half the CPU cores shared among the node's processes, at most 8 per process and one per specialisation."""
     cores = os.cpu_count() or 1
     return max(1, min(8, specs, cores // (2 * max(1, local_processes))))
+
+
+@contextlib.contextmanager
+def stopped_on_error(job: Precompile, what: str):
+    """Stop ``job``'s workers if the block raises: until :meth:`Precompile.imports_done` a worker may be waiting for
+    the run's imports, and a run whose start failed (in a process that goes on, a notebook or a test) would leave it
+    waiting for the life of the process."""
+    try:
+        yield job
+    except BaseException as err:
+        job.stop(f"{what} failed ({type(err).__name__})")
+        raise
 
 
 def start(specs: list[str], *, source: str, workers: int, compile_fn=compile_one,

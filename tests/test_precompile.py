@@ -240,3 +240,20 @@ def test_workers_compile_only_kernels_whose_modules_the_main_thread_imported(tmp
     result = job.wait(timeout=30)
     assert result["compiled"] == 2 and compiled[1] == "fla.ops.utils.cumsum.chunk_local_cumsum_scalar_kernel"
     assert all(name.startswith("hola-precompile-") for name in threads_seen)
+
+
+def test_a_failed_run_start_releases_workers_waiting_for_its_imports(tmp_path, monkeypatch):
+    """A worker waiting for the run's imports (an fla kernel before imports_done) ends when the run's start raises
+    inside ``stopped_on_error``, instead of waiting for the life of the process; the error goes on unchanged."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    compiled = []
+    job = precompile.start([_spec("fla.ops.utils.cumsum.chunk_local_cumsum_scalar_kernel")], source="plan test",
+                           workers=1, compile_fn=lambda spec: compiled.append(spec), imports_done=False)
+    time.sleep(0.2)
+    assert job._threads[0].is_alive()  # parked: the run has not said its imports are done
+    with pytest.raises(RuntimeError, match="model build"):
+        with precompile.stopped_on_error(job, "the run's start"):
+            raise RuntimeError("model build")
+    job._threads[0].join(10)
+    assert not job._threads[0].is_alive() and not compiled
+    assert "stopped early: the run's start failed (RuntimeError)" in job.describe()
