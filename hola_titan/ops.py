@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hola_titan.kernels import hola_step
+from hola_titan.kernels.dispatch import call_path, explain_backend, resolve_backend, resolve_kernels
 from hola_titan.kernels.seqlens import Documents
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.kernels.hola_reference import hola_attention_reference
@@ -96,15 +97,15 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                           initial_cache=initial_cache, output_final_cache=output_final_cache, backend=backend)
     cu_seqlens = documents.cu_seqlens if documents is not None else None
     chosen = resolve_backend(backend, q.device)  # raises for a backend that cannot run here, decoding or not
-    if chosen != "reference":
-        from hola_titan.kernels.hola_triton import check_supported, is_supported
-        if backend == "auto" and not is_supported(q):
-            chosen = "reference"  # e.g. float64 or an odd head dim on a GPU
-        else:
-            check_supported(q, chosen)
     args = (q, k, v, g, beta, gamma_q, gamma_k, sink, gate)
-    if backend != "reference" and hola_step.applies(args, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                                                      initial_cache=initial_cache, evict=evict):
+    decoding = hola_step.applies(args, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                 initial_cache=initial_cache, evict=evict)
+    from hola_titan.kernels import hola_triton_layer
+    overlap = chosen == "triton" and hola_triton_layer.applies(
+        q, overlap_backward=overlap_backward, evict=evict, initial_cache=initial_cache, selected=None,
+        state_impl="auto", output_final_cache=output_final_cache, return_aux=False)
+    path, _ = call_path(backend, chosen, q, decoding=decoding, initial_cache=initial_cache, overlap=overlap)
+    if path == "decode_step":
         # Decoding: one token per row through a fixed, small set of tensor ops (kernels/hola_step.py); the
         # blocked paths below cost about 1,500 ATen calls per layer for a single token.
         o, final_state, final_cache = hola_step.decode_step(
@@ -114,15 +115,13 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         return (o, final_state, final_cache) if output_final_cache else (o, final_state)
     # fla's chunk indices and the block table, made once per batch with its Documents (None: made in the call).
     chunk_indices = documents.chunk_indices if documents is not None else None
-    block_table = (documents.block_table(block) if documents is not None and chosen in ("triton", "sdpa")
+    block_table = (documents.block_table(block) if documents is not None and path in ("triton", "sdpa")
                    and evict != "none" and initial_cache is None else None)
     kw = dict(window=window, block=block, evict=evict, cu_seqlens=cu_seqlens, initial_state=initial_state,
               output_final_state=output_final_state, output_final_cache=output_final_cache)
-    if chosen == "reference" or (chosen == "sdpa" and initial_cache is not None):
-        # The SDPA backend starts every sequence from an empty cache; a call that continues from a cache object
-        # (chunked prefill, decoding) runs on the reference backend there.
+    if path == "reference":
         o, final_state, final_cache = hola_attention_reference(*args, initial_cache=initial_cache, **kw)
-    elif chosen == "triton":
+    elif path in ("triton", "triton_layer"):
         from hola_titan.kernels.hola_triton import hola_attention_triton
         o, final_state, final_cache = hola_attention_triton(*args, initial_cache=initial_cache,
                                                             overlap_backward=overlap_backward,
@@ -135,87 +134,6 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     if output_final_cache:
         return o, final_state, final_cache
     return o, final_state
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend that runs on ``device``: ``"auto"`` is ``"triton"`` on CUDA, ``"reference"`` elsewhere.
-
-    ``"triton"`` needs a CUDA device and the Triton kernels with fla-core, or a CPU under ``TRITON_INTERPRET=1``
-    (tests: the kernels run in Triton's interpreter, with the fp32 reference state path in place of fla);
-    ``"sdpa"`` needs fla-core on CUDA and runs anywhere else with the reference state path. Raises
-    ``ValueError`` naming ``backend`` when the requested one cannot run here.
-    """
-    device = torch.device(device)
-    if backend == "reference":
-        return backend
-    from hola_titan.kernels.hola_triton import gpu_kernels_available, interpreting, triton_importable
-    on_cuda = device.type == "cuda"
-    gpu_ready = on_cuda and gpu_kernels_available()
-    if backend == "auto":
-        return "triton" if on_cuda and gpu_ready else "reference"
-    if on_cuda and not gpu_ready:
-        raise ValueError(f"backend: {backend!r} on CUDA needs triton and fla-core; use 'reference'")
-    if backend == "triton" and not on_cuda and not (interpreting() and triton_importable()):
-        raise ValueError("backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 with triton installed); "
-                         "use 'reference' or 'auto'")
-    return backend
-
-
-def explain_backend(backend: str, device: torch.device, *, head_dim: int,
-                    dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
-    """``(backend that runs, why)`` for a model of head dim ``head_dim`` on ``device``, resolved once at build.
-
-    Unlike :func:`resolve_backend` (what a call can use), this names the reason an ``"auto"`` choice fell back:
-    no CUDA device, fla-core missing or not the pinned version, Triton not importable, a head dim or dtype the
-    kernels do not take. An explicit backend that cannot run raises ``ValueError`` as there.
-    """
-    device = torch.device(device)
-    chosen = resolve_backend(backend, device)
-    from hola_titan.kernels.hola_triton import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, triton_importable
-    if chosen in ("triton", "sdpa"):
-        if head_dim not in SUPPORTED_HEAD_DIMS or dtype not in SUPPORTED_DTYPES:
-            problem = f"head dim {head_dim} / {dtype} is not taken by the kernels (head dims {SUPPORTED_HEAD_DIMS})"
-            if backend != "auto":
-                raise ValueError(f"backend: {backend!r}: {problem}; use 'reference'")
-            return "reference", f"auto: {problem}"
-        why = "as set" if backend != "auto" else ("CUDA with Triton and fla-core" if device.type == "cuda" else
-                                                   "Triton's interpreter")
-        return chosen, why
-    if backend != "auto":
-        return chosen, "as set"
-    if device.type != "cuda":
-        return chosen, "auto: no CUDA device"
-    from hola_titan.kernels.fla_gdn import FLA_VERSION, fla_version
-    found = fla_version()
-    if not triton_importable():
-        return chosen, "auto: Triton does not import"
-    if found is None:
-        return chosen, f"auto: fla-core is not installed (the state path needs fla-core=={FLA_VERSION})"
-    if found != FLA_VERSION:
-        return chosen, f"auto: fla-core {found} is installed, the adapter is written against {FLA_VERSION}"
-    return chosen, "auto: fla-core's kernels do not import"
-
-
-KERNELS = ("auto", "triton", "reference")
-
-
-def resolve_kernels(kernels: str, device: torch.device) -> str:
-    """``model.kernels`` for ``device``: ``"triton"`` (the fused short convolution and cross-entropy kernels) or
-    ``"reference"`` (their PyTorch forms). ``"auto"`` is ``"triton"`` on CUDA with Triton installed; ``"triton"``
-    also runs on a CPU under ``TRITON_INTERPRET=1`` (tests). Raises ``ValueError`` naming ``kernels`` when the
-    requested one cannot run here."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels: unknown {kernels!r}; expected one of {KERNELS}")
-    device = torch.device(device)
-    if kernels == "reference":
-        return kernels
-    from hola_titan.kernels.hola_triton import interpreting, triton_importable
-    if kernels == "auto":
-        return "triton" if device.type == "cuda" and triton_importable() else "reference"
-    if not triton_importable() or not (device.type == "cuda" or interpreting()):
-        raise ValueError("kernels: 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on a CPU); use "
-                         "'reference' or 'auto'")
-    return kernels
 
 
 def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, cu_seqlens, documents,
@@ -284,3 +202,8 @@ def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, 
         initial_cache.check_matches(num_seqs=num_seqs, num_heads=h, head_dim=d, window=window, block=block,
                                     evict=evict)
     return documents
+
+
+# The public interface: the op, its settings, and the decisions of kernels/dispatch.py that the trainer asks.
+__all__ = ["hola_attention", "HolaSettings", "EVICT_MODES", "BACKENDS", "resolve_backend", "explain_backend",
+           "resolve_kernels"]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hola_titan.kernels.hola_reference import rms_norm
-from hola_titan.kernels.hola_triton import final_cache_from_selection, state_path
+from hola_titan.kernels.hola_stages import final_cache_from_selection, state_path
 from hola_titan.kernels.hola_triton_select import build_block_table, select_recency, select_topw_torch
 
 KEY_ALIGN = 16  # pad the key dimension (W + C + 1) so SDPA's fused kernels take the mask without copies

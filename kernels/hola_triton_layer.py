@@ -43,7 +43,8 @@ def layer_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                                       torch.Tensor]:
     """``(o, final_state or empty, m, sel, blk_start, blk_len, then saved for backward: g_cum, a, lse, rq, rk)``.
     The backward has q and k: it remakes their l2norms rather than keeping a normalised copy of each."""
-    from hola_titan.kernels.hola_triton import _device_ctx, select
+    from hola_titan.kernels.hola_stages import select
+    from hola_titan.kernels.hola_triton_ops import _device_ctx
     from hola_titan.kernels.hola_triton_attn import cache_attention_fwd
 
     bsz, seq_len, h, _ = q.shape
@@ -87,7 +88,7 @@ def layer_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k:
                                        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dg, dbeta, dh0 or empty, dgamma_q, dgamma_k, dsink, dgate)``: the cache backward on a side
     stream, fla's backward on the current stream, joined before the gradients of q, k, v are summed."""
-    from hola_titan.kernels.hola_triton import _device_ctx
+    from hola_titan.kernels.hola_triton_ops import _device_ctx
     from hola_titan.kernels.hola_triton_attn import cache_attention_bwd
 
     do = do.contiguous()

@@ -523,7 +523,7 @@ class CPLayer:
         split = layout.packed and bool(self.chains_in) and num_seqs > 1
         # ``split``: the continuing document alone, as one row, then the documents that start in this shard as a
         # fresh packed call. The Triton backend continues rows by a concatenation and packed documents by a
-        # permutation of all the call's tokens (hola_titan.kernels.hola_triton). The continuing document is then
+        # permutation of all the call's tokens (hola_titan.kernels.hola_continue). The continuing document is then
         # not the one that crosses out (that would be the shard's only document).
         initial_state = initial_cache = None
         if self.chains_in:

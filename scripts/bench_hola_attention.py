@@ -88,7 +88,8 @@ def main():
     device = torch.device("cuda")
     from hola_titan import hola_attention
     from hola_titan.kernels import fla_gdn, hola_triton_attn
-    from hola_titan.kernels.hola_triton import cache_attn_bwd_op, cache_attn_op, select_topw_op, state_path
+    from hola_titan.kernels.hola_stages import state_path
+    from hola_titan.kernels.hola_triton_ops import cache_attn_bwd_op, cache_attn_op, select_topw_op
     from hola_titan.kernels.hola_triton_select import build_block_table
     from hola_titan.kernels.seqlens import Documents
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule

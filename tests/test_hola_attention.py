@@ -768,3 +768,24 @@ def test_nan_in_one_document_does_not_leak_into_others(evict, poisoned):
     assert_close_scaled(state[others], s_clean[others], TOL_PACKED_FP32, "final_state of clean documents")
     if evict != "none":
         assert_cache_close(cache.select(others), c_clean.select(others), TOL_PACKED_FP32, "cache of clean documents")
+
+
+def test_each_call_s_path_and_its_reason():
+    """kernels/dispatch.call_path: the path one hola_attention call takes, and why, for every kind of call."""
+    from hola_titan.kernels.dispatch import call_path
+
+    q = torch.zeros(1, 4, 2, 16)
+    plain = dict(decoding=False, initial_cache=None, overlap=False)
+    assert call_path("auto", "reference", q, **plain) == ("reference", "auto: reference on cpu")
+    assert call_path("triton", "triton", q, **plain) == ("triton", "as set")
+    assert call_path("auto", "triton", q, **(plain | {"overlap": True}))[0] == "triton_layer"
+    assert call_path("auto", "reference", q, **(plain | {"decoding": True}))[0] == "decode_step"
+    assert call_path("reference", "reference", q, **(plain | {"decoding": True})) == ("reference", "as set")
+    path, why = call_path("sdpa", "sdpa", q, **(plain | {"initial_cache": object()}))
+    assert path == "reference" and "continuing from a cache" in why
+    # What the kernels do not take: auto falls back and says so; an explicit backend is refused, naming q.
+    odd = torch.zeros(1, 4, 2, 16, dtype=torch.float64)
+    path, why = call_path("auto", "triton", odd, **plain)
+    assert path == "reference" and why == "auto: head dim 16 / torch.float64 is not taken by the kernels"
+    with pytest.raises(ValueError, match=r"^q: dtype torch.float64 is not supported by backend 'triton'"):
+        call_path("triton", "triton", odd, **plain)

@@ -247,7 +247,7 @@ def test_compiled_backend_is_one_graph_and_matches_eager():
 
 def test_cache_backward_is_deterministic():
     """Cache rows read by many blocks get their gradient by a fixed-order reduction: two runs are identical."""
-    from hola_titan.kernels.hola_triton import cache_attn_bwd_op, cache_attn_op
+    from hola_titan.kernels.hola_triton_ops import cache_attn_bwd_op, cache_attn_op
     b, t, h, d, window, block = 1, 4096, 4, 256, 64, 256
     cu = torch.tensor([0, 1, 2000, 2001, 4096], device=DEVICE)
     x = make_inputs(b, t, h, d, num_states=4, seed=9, dtype=torch.bfloat16)

@@ -353,10 +353,10 @@ def test_dispatch(monkeypatch):
     assert resolve_backend("reference", cpu) == "reference"
     assert resolve_backend("triton", cpu) == "triton"  # under the interpreter
     assert resolve_backend("sdpa", cpu) == "sdpa"
-    from hola_titan.kernels import hola_triton
-    assert hola_triton.interpreting(), "the kernels of this process were defined for the interpreter"
+    from hola_titan.kernels import dispatch
+    assert dispatch.interpreting(), "the kernels of this process were defined for the interpreter"
     with monkeypatch.context() as mp:  # a process whose kernels were compiled for a GPU
-        mp.setattr(hola_triton, "interpreting", lambda: False)
+        mp.setattr(dispatch, "interpreting", lambda: False)
         with pytest.raises(ValueError, match=r"^backend\b"):
             resolve_backend("triton", cpu)
     x = make_inputs(1, 20, 2, 16, seed=5)
@@ -410,7 +410,7 @@ def test_custom_ops_trace_without_graph_breaks():
 
 def test_cache_attn_op_registrations():
     """torch.library.opcheck: schema, fake tensor and autograd registrations of the cache-attention op."""
-    from hola_titan.kernels.hola_triton import cache_attn_op
+    from hola_titan.kernels.hola_triton_ops import cache_attn_op
     b, t, h, d, block, window = 1, 20, 2, 16, 8, 3
     x = make_inputs(b, t, h, d, seed=11)
     table = hola_triton_select.build_block_table(b, t, None, block, torch.device("cpu"))

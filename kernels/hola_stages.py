@@ -1,0 +1,113 @@
+"""Stages shared by the Triton and SDPA backends: the state path with the score, the selection, and the
+:class:`HolaCache` after a call that started from an empty cache.
+
+Shape legend: B batch, T tokens, H heads, D head dim, N sequences, NB blocks, W window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hola_titan.kernels import hola_triton_select as _select
+from hola_titan.kernels.hola_cache import HolaCache
+from hola_titan.kernels.hola_triton_ops import select_topw_op
+from hola_titan.kernels.hola_triton_select import BlockTable, keys_to_index
+
+
+def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_state, impl: str = "auto",
+               chunk_indices=None, recompute_norms: bool = False):
+    """fla on CUDA, the fp32 reference elsewhere: ``(o_state in q.dtype, m [B, T, H] float32, final_state)``.
+
+    ``impl="reference"`` forces the reference (tests of the cache path alone on a GPU). ``chunk_indices``: fla's,
+    made once per batch (``Documents.chunk_indices``), or None. ``recompute_norms``: the caller keeps these very
+    ``q`` and ``k`` for its own backward, so fla's op keeps them too instead of normalised copies
+    (:func:`~hola_titan.kernels.fla_gdn.gdn_with_scores`).
+    """
+    if impl == "fla" or (impl == "auto" and q.device.type == "cuda"):
+        from hola_titan.kernels.fla_gdn import gdn_with_scores
+        o_state, m, final_state = gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
+                                                  cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                                                  output_final_state=output_final_state,
+                                                  recompute_norms=recompute_norms)
+    else:
+        from hola_titan.kernels.fla_gdn import reference_gdn_with_scores
+        o_state, m, final_state = reference_gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
+                                                            cu_seqlens=cu_seqlens,
+                                                            output_final_state=output_final_state)
+    return o_state.to(q.dtype), m, final_state
+
+
+def select(m: torch.Tensor, table: BlockTable, *, window: int, evict: str, num_heads: int):
+    """``(sel [NB, H, W] int32, final top-W keys [N, H, W] or None)`` for ``m`` ``[B * T, H]``."""
+    if window == 0:
+        return torch.empty(table.num_blocks, num_heads, 0, dtype=torch.int32, device=m.device), None
+    if evict == "recency":
+        return _select.select_recency(table, num_heads, window), None
+    return select_topw_op(m, table.blk_start, table.blk_len, table.doc_first_blk, table.doc_num_blk, table.block,
+                          window)
+
+
+def final_cache_from_selection(q, k, v, m_flat, sel, final_keys, table: BlockTable, *, window: int, block: int,
+                               evict: str) -> HolaCache:
+    """The :class:`HolaCache` after the call, from the backend's selection (no initial cache).
+
+    The persistent cache after a sequence is the top W over its completed blocks: the merged keys of the
+    selection kernel when the last block is complete, else the cache the last (unfinished) block read.
+    """
+    bsz, seq_len, h, d = q.shape
+    device = q.device
+    n = table.num_seqs
+    last_blk = (table.doc_first_blk + table.doc_num_blk - 1).long()
+    complete = (table.doc_len % block == 0)
+    if window == 0:
+        top = torch.empty(n, h, 0, dtype=torch.int32, device=device)
+    elif evict == "score" and final_keys is not None:
+        top = torch.where(complete[:, None, None], keys_to_index(final_keys), sel[last_blk.clamp_min(0)])
+    elif evict == "recency":  # the W tokens before the end of the last completed block
+        end = (table.doc_start + (table.doc_len // block) * block).long()
+        pos = end[:, None] - 1 - torch.arange(window, device=device)[None, :]
+        pos = torch.where(pos >= table.doc_start[:, None].long(), pos, torch.full_like(pos, -1))
+        top = pos[:, None, :].expand(n, h, window).to(torch.int32)
+    else:
+        raise ValueError("output_final_cache: needs the backend's own selection, not a given one")
+    doc_start, doc_len = table.doc_start.long(), table.doc_len.long()
+    rows = torch.arange(bsz * seq_len, device=device)
+    row_pos = rows - doc_start[torch.searchsorted(doc_start + doc_len, rows, right=True).clamp(max=n - 1)]
+    return _cache_from_rows(k.reshape(-1, h, d), v.reshape(-1, h, d), m_flat, row_pos[:, None].expand(-1, h), top,
+                            doc_start + doc_len - doc_len % block, doc_len % block, doc_len, window=window,
+                            block=block, evict=evict)
+
+
+def _cache_from_rows(k_rows, v_rows, m_rows, pos_rows, top, buf_start, rem, seen, *, window: int, block: int,
+                     evict: str) -> HolaCache:
+    """A :class:`HolaCache` gathered from flat rows ``[R, H, ...]``: the persistent entries at rows ``top``
+    ``[N, H, W]`` (-1 empty; scores ``m_rows``, positions ``pos_rows``), the unfinished block the ``rem`` [N] rows
+    from ``buf_start`` [N], ``seen`` [N] tokens."""
+    device = k_rows.device
+    h = top.shape[1]
+    ok = top >= 0
+    # Gathers through index_select over flattened (row, head) pairs: its backward is an index_add, where advanced
+    # indexing's backward sorts the indices over the whole [R, H, D] gradient.
+    flat = (top.long().clamp_min(0) * h + torch.arange(h, device=device)[None, :, None]).reshape(-1)
+
+    def entries(x):
+        return x.reshape(-1, *x.shape[2:]).index_select(0, flat).view(*top.shape, *x.shape[2:])
+
+    zero = torch.zeros((), dtype=k_rows.dtype, device=device)
+    offs = torch.arange(block, device=device)
+    buf_ok = offs[None, :] < rem[:, None]
+    buf_row = torch.where(buf_ok, buf_start[:, None] + offs[None, :], torch.zeros((), dtype=torch.long,
+                                                                                  device=device)).reshape(-1)
+
+    def buffered(x):
+        return x.index_select(0, buf_row).view(rem.shape[0], block, *x.shape[1:]).transpose(1, 2)
+
+    return HolaCache(
+        scores=torch.where(ok, entries(m_rows).float(), float("-inf")),
+        positions=torch.where(ok, entries(pos_rows), -1),
+        k=torch.where(ok[..., None], entries(k_rows), zero), v=torch.where(ok[..., None], entries(v_rows), zero),
+        buf_scores=torch.where(buf_ok[:, None, :], buffered(m_rows).float(), float("-inf")),
+        buf_k=torch.where(buf_ok[:, None, :, None], buffered(k_rows), zero),
+        buf_v=torch.where(buf_ok[:, None, :, None], buffered(v_rows), zero),
+        seen=seen, window=window, block=block, evict=evict)
+
