@@ -404,7 +404,7 @@ class Trainer:
 
         dtype = str(self._compute_dtype()).removeprefix("torch.")
         key = precompile.plan_key(self.model_args.flavour, padded_head_dim(self.model_args.head_dim, self.device),
-                                  dtype, packed=self.config.data.varlen)
+                                  self.model_args.n_heads // self.dims.tp, dtype, packed=self.config.data.varlen)
         specs, source = precompile.select(located.plans, key)
         if not specs:
             return precompile.Precompile(source=f"{source} in {located.path}")

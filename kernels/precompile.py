@@ -5,9 +5,10 @@ fresh H200, with every autotuning served from the shipped configurations, the de
 about 50 s there (docs/LOG.md, 2026-12-02): compiling, mostly ``ptxas``, one kernel at a time on one core.
 
 The configurations file (``kernels/tuned_configs.py``) therefore also holds *plans*: per kind of run (flavour,
-fla head dim, compute dtype, packed or plain rows; :func:`plan_key`) the specialisations that a training step and
-a chunked prefill of that kind compiled, in Triton's own serialised form (the ``specialization_data`` that
-``JITFunction.preload`` takes back), recorded by ``scripts/tune_kernels.py`` with :class:`Recorder`.
+fla head dim, heads per rank, compute dtype, packed or plain rows; :func:`plan_key`) the specialisations that a
+training step and a chunked prefill of that kind compiled, in Triton's own serialised form (the
+``specialization_data`` that ``JITFunction.preload`` takes back), recorded by ``scripts/tune_kernels.py`` with
+:class:`Recorder`.
 :func:`start` compiles the run's plan in worker threads of the run's own process (Triton's compiler spends most
 of its time in ``ptxas`` subprocesses and native passes, so threads overlap, and a thread needs no second import of
 torch and fla) while the trainer builds the model; :meth:`Precompile.wait`, before the first launch, joins them.
@@ -45,15 +46,17 @@ MODULE_PREFIXES = ("fla.", "hola_titan.kernels.")
 MARKER_FOLDER = "hola_titan_precompile"
 
 
-def plan_key(flavour: str, head_dim: int, dtype: str, packed: bool) -> str:
-    """The plan a run takes: ``hola/d128/float32/plain``. ``head_dim`` is the one fla's kernels see (padded where
-    the #640 workaround pads), ``dtype`` the compute dtype (``bfloat16`` under autocast)."""
-    return f"{flavour}/d{head_dim}/{dtype}/{'packed' if packed else 'plain'}"
+def plan_key(flavour: str, head_dim: int, heads: int, dtype: str, packed: bool) -> str:
+    """The plan a run takes: ``hola/d128/h2/float32/plain``. ``head_dim`` is the one fla's kernels see (padded where
+    the #640 workaround pads), ``heads`` the heads per rank (fla's kernels take the head count as a compile-time
+    constant, and the fused convolution its width: a plan recorded at 16 heads serves a 4-head run nothing, seen on
+    an H200, 2026-12-02), ``dtype`` the compute dtype (``bfloat16`` under autocast)."""
+    return f"{flavour}/d{head_dim}/h{heads}/{dtype}/{'packed' if packed else 'plain'}"
 
 
 def select(plans: dict[str, list[str]], key: str) -> tuple[list[str], str]:
     """The specialisations for ``key`` and where they came from: the plan itself, else the union of the plans of
-    other flavours at the same head dim, dtype and rows (mostly the same fla kernels), else none."""
+    other flavours at the same head dim, heads, dtype and rows (mostly the same fla kernels), else none."""
     if key in plans:
         return list(plans[key]), f"plan {key}"
     suffix = key.split("/", 1)[1]

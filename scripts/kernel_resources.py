@@ -10,7 +10,7 @@ thread (bytes; spilled registers go there), shared memory, the count of ``wgmma`
 The kernel and its exact argument types come from a compile plan of ``kernels/configs/`` (``kernels/precompile.py``:
 what a real run compiled); constexprs, warps and stages can be overridden, so a sweep over tiles is one command::
 
-    python scripts/kernel_resources.py --plan hola/d256/bfloat16/packed --kernel _cache_fwd_kernel \\
+    python scripts/kernel_resources.py --plan hola/d256/h4/bfloat16/packed --kernel _cache_fwd_kernel \\
         --sweep BM=64,128 BN=32,64 --warps 4,8 --stages 2,3 --json /tmp/fwd.json
 
 Numbers are for the Triton installed here; the H200 machines run Triton 3.6 (``pip install triton==3.6.0`` in a
@@ -37,7 +37,7 @@ def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", type=Path, default=None,
                         help="configurations file with plans (default: the H200 file under kernels/configs/)")
-    parser.add_argument("--plan", required=True, help="plan key, e.g. hola/d256/bfloat16/packed")
+    parser.add_argument("--plan", required=True, help="plan key, e.g. hola/d256/h4/bfloat16/packed")
     parser.add_argument("--kernel", required=True, help="kernel function name (the last part of its full name)")
     parser.add_argument("--sweep", nargs="*", default=[], metavar="NAME=V1,V2",
                         help="constexpr values to try (the plan's value otherwise)")

@@ -112,8 +112,8 @@ def _tune_ours(size: str, flavour: str, precision: str, rows: str, args, folder:
     from hola_titan.kernels.fla_gdn import padded_head_dim
     from hola_titan.kernels.precompile import plan_key
 
-    key = plan_key(flavour, padded_head_dim(trainer.model_args.head_dim, trainer.device), precision,
-                   packed=rows == "packed")
+    key = plan_key(flavour, padded_head_dim(trainer.model_args.head_dim, trainer.device), trainer.model_args.n_heads,
+                   precision, packed=rows == "packed")
     vocab = trainer.model_args.vocab_size
     # Two steps on packed rows: their documents cut at other places, as consecutive batches of a run do.
     for seed in ((0, 1) if rows == "packed" else (2,)):

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_a_planned_kernel_compiles_for_hopper_here_and_reports_its_resources(tmp_path):
     out = tmp_path / "rstd.json"
-    result = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--plan", "hola/d128/float32/plain",
+    result = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--plan", "hola/d128/h2/float32/plain",
                              "--kernel", "_rstd_kernel", "--sweep", "BR=16,32", "--warps", "4", "--json", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -28,10 +28,10 @@ def test_a_planned_kernel_compiles_for_hopper_here_and_reports_its_resources(tmp
 
 
 def test_an_unknown_kernel_or_constexpr_is_one_line_naming_it():
-    bad = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--plan", "hola/d128/float32/plain",
+    bad = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--plan", "hola/d128/h2/float32/plain",
                           "--kernel", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "--kernel: plan hola/d128/float32/plain has no kernel 'nope'" in bad.stderr
-    bad = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--plan", "hola/d128/float32/plain",
+    assert bad.returncode != 0 and "--kernel: plan hola/d128/h2/float32/plain has no kernel 'nope'" in bad.stderr
+    bad = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--plan", "hola/d128/h2/float32/plain",
                           "--kernel", "_rstd_kernel", "--sweep", "R=1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode != 0 and "--sweep: 'R' is not a constexpr argument of _rstd_kernel" in bad.stderr

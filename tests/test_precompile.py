@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import types
 
 import pytest
 
@@ -57,13 +58,34 @@ def test_the_recorder_keeps_what_triton_reports_once():
 
 
 def test_a_run_takes_its_plan_or_the_same_kind_of_another_flavour():
-    plans = {"hola/d128/float32/plain": ["a", "b"], "gdn/d128/float32/plain": ["a", "c"],
-             "hola/d256/bfloat16/packed": ["d"]}
-    assert precompile.select(plans, "hola/d128/float32/plain") == (["a", "b"], "plan hola/d128/float32/plain")
-    specs, source = precompile.select(plans, "hola_recency/d128/float32/plain")
-    assert specs == ["a", "c", "b"] and "gdn/d128/float32/plain, hola/d128/float32/plain" in source
-    assert precompile.select(plans, "hola/d128/bfloat16/plain") == ([], "no plan for hola/d128/bfloat16/plain")
-    assert precompile.plan_key("gdn", 256, "bfloat16", packed=True) == "gdn/d256/bfloat16/packed"
+    plans = {"hola/d128/h2/float32/plain": ["a", "b"], "gdn/d128/h2/float32/plain": ["a", "c"],
+             "hola/d256/h4/bfloat16/packed": ["d"], "hola/d256/h16/bfloat16/packed": ["e"]}
+    assert precompile.select(plans, "hola/d128/h2/float32/plain") == (["a", "b"], "plan hola/d128/h2/float32/plain")
+    specs, source = precompile.select(plans, "hola_recency/d128/h2/float32/plain")
+    assert specs == ["a", "c", "b"] and "gdn/d128/h2/float32/plain, hola/d128/h2/float32/plain" in source
+    assert precompile.select(plans, "hola/d128/h2/bfloat16/plain") == ([], "no plan for hola/d128/h2/bfloat16/plain")
+    # Another head count is another plan (fla's kernels take the heads as a constant): none is borrowed.
+    assert precompile.select(plans, "hola/d256/h8/bfloat16/packed") == ([], "no plan for hola/d256/h8/bfloat16/packed")
+    assert precompile.select(plans, "hola/d256/h4/bfloat16/packed")[0] == ["d"]
+    assert precompile.plan_key("gdn", 256, 4, "bfloat16", packed=True) == "gdn/d256/h4/bfloat16/packed"
+
+
+def test_the_shipped_plans_hold_the_head_count_their_key_names():
+    """Every shipped plan's fla kernels were compiled for the heads its key says (a 16-head plan under a 4-head key
+    served the 340M run nothing: its #640 check and first step compiled on the main thread, 2026-12-02)."""
+    from hola_titan.kernels import tuned_configs
+    files = sorted(tuned_configs.CONFIG_DIR.glob("*.json"))
+    assert files
+    for path in files:
+        for key, specs in json.loads(path.read_text()).get("plans", {}).items():
+            heads = int(key.split("/")[2].removeprefix("h"))
+            for spec in specs:
+                data = json.loads(spec)
+                names = list(data["signature"])
+                values = {names[k[0] if isinstance(k, list) else k]: v
+                          for keys, v in zip(data["constant_keys"], data["constant_vals"]) for k in keys}
+                if data["name"].startswith("fla.ops.") and "H" in values:
+                    assert values["H"] == heads, f"{path.name}: plan {key} holds {data['name']} for H={values['H']}"
 
 
 def test_only_the_configurations_an_autotuner_chose_stay_in_a_plan():
@@ -133,9 +155,12 @@ def test_workers_take_the_plan_in_its_order_and_a_stopped_queue_gives_nothing_mo
     assert job.record()["stopped"] == "the backend is the PyTorch reference"
 
 
-def test_a_plan_is_ordered_by_recorded_compile_time():
+def test_a_plan_is_ordered_by_recorded_compile_time(monkeypatch):
     """The recorder times each compile between Triton's hook before it and its hook after (in the compiling thread);
-    slowest_first puts the longest first and keeps the order of ties."""
+    slowest_first puts the longest first and keeps the order of ties. The recorder's clock is a fake that the test
+    moves: with real sleeps, a loaded machine timed one of two instant compiles at 1 ms and swapped the tie."""
+    clock = [0.0]
+    monkeypatch.setattr(precompile, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     triton_runtime = precompile._hooks()
     before = (triton_runtime.jit_cache_hook, triton_runtime.jit_post_compile_hook)
     names = ("fla.ops.quick", "hola_titan.kernels.slow", "fla.ops.middle", "fla.ops.tie")
@@ -143,7 +168,7 @@ def test_a_plan_is_ordered_by_recorded_compile_time():
         for name, seconds in zip(names, (0.0, 0.2, 0.1, 0.0)):
             assert triton_runtime.jit_cache_hook(key="k", repr="r", fn=None, compile={}, is_manual_warmup=False,
                                                  already_compiled=False) is None  # never skips a compile
-            time.sleep(seconds)
+            clock[0] += seconds
             triton_runtime.jit_post_compile_hook(key="k", repr="r", fn=None,
                                                  compile={"specialization_data": _spec(name)},
                                                  is_manual_warmup=False, already_compiled=False)
