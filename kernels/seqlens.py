@@ -13,6 +13,7 @@ nothing about a batch lives outside the objects that batch's forward receives.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -86,7 +87,7 @@ class Documents:
             if fla_available():
                 chunk_indices = chunk_indices_from_host(host, device)
         cu_seqlens = on_device if on_device is not None else to_device(host, device)
-        return cls(cu_seqlens=cu_seqlens, host=host, seq_len=seq_len, chunk_indices=chunk_indices)
+        return cls(cu_seqlens=_varying(cu_seqlens), host=host, seq_len=seq_len, chunk_indices=_varying(chunk_indices))
 
     @property
     def num_docs(self) -> int:
@@ -101,7 +102,7 @@ class Documents:
             return self._derived[key]
         if torch.compiler.is_compiling():
             return (traceable or make)()
-        value = self._derived[key] = make()
+        value = self._derived[key] = _varying(make())
         return value
 
     def block_table(self, block: int):
@@ -115,6 +116,22 @@ class Documents:
             ("block_table", block),
             lambda: hola_triton_select.block_table_from_host(self.host, block=block, device=device),
             traceable=lambda: hola_triton_select.build_block_table(1, self.seq_len, self.cu_seqlens, block, device))
+
+
+def _varying(value):
+    """Mark the first dimension of ``value``'s tensors (a tensor, a dataclass of them, or None) as one that varies
+    from batch to batch: a compiled region then traces it as a symbol at its first batch, instead of specialising
+    on the first batch's document count and recompiling at the second (Dynamo's automatic dynamic shapes): a second
+    graph at step 2, 8 s of the 340M run's start on an H200 (2026-12-02). ``maybe``: a size of 1 may still
+    specialise, as torch decides, without an error."""
+    if value is None:
+        return None
+    tensors = [value] if isinstance(value, torch.Tensor) else [
+        getattr(value, f.name) for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    return value
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

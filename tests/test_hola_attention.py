@@ -789,3 +789,26 @@ def test_each_call_s_path_and_its_reason():
     assert path == "reference" and why == "auto: head dim 16 / torch.float64 is not taken by the kernels"
     with pytest.raises(ValueError, match=r"^q: dtype torch.float64 is not supported by backend 'triton'"):
         call_path("triton", "triton", odd, **plain)
+
+
+def test_a_compiled_region_does_not_recompile_for_another_document_count():
+    """A batch's Documents mark the sizes that vary from batch to batch (cu_seqlens, the derived block table) as
+    dynamic, so a compiled region traces them as symbols at the first batch: a batch with another number of
+    documents reuses the graph. (Unmarked, Dynamo specialised on the first batch's count and compiled a second graph
+    at the second: 8 s of the 340M run's start.)"""
+    from torch._dynamo.testing import CompileCounter
+
+    from hola_titan.kernels.seqlens import Documents
+
+    def per_batch(cu_seqlens, blk_start, blk_len):
+        return cu_seqlens.diff().float().mean() + (blk_start + blk_len).sum()
+
+    counter = CompileCounter()
+    compiled = torch.compile(per_batch, backend=counter)
+    torch._dynamo.reset()
+    for bounds in ([0, 5, 9, 40, 64], [0, 30, 64], [0, 1, 2, 3, 50, 60, 64]):
+        docs = Documents.from_host(torch.tensor(bounds), device="cpu", seq_len=64)
+        table = docs.block_table(8)
+        got = compiled(docs.cu_seqlens, table.blk_start, table.blk_len)
+        assert torch.equal(got, per_batch(docs.cu_seqlens, table.blk_start, table.blk_len))
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for three document counts"
