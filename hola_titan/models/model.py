@@ -160,7 +160,6 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         # What every call of the op takes, made (and checked) once; context parallelism gets it whole.
         self.settings = HolaSettings(window=args.window, block=args.block, evict=args.evict, backend=backend,
                                      overlap_backward=overlap_backward)
-        self.evict = args.evict
         if kernels not in ("triton", "reference"):
             raise ValueError(f"kernels: expected 'triton' or 'reference' (resolved), got {kernels!r}")
         self.kernels = kernels
@@ -174,7 +173,7 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         self.b_proj = nn.Linear(dim, h, bias=False)
         self.A_log = nn.Parameter(torch.empty(h))
         self.dt_bias = nn.Parameter(torch.empty(h))
-        if self.evict != "none":
+        if self.settings.evict != "none":
             self.gamma_q = nn.Parameter(torch.empty(d))
             self.gamma_k = nn.Parameter(torch.empty(d))
             self.sink = nn.Parameter(torch.empty(h))
@@ -196,7 +195,7 @@ class GatedDeltaMixer(LocalParams, nn.Module):
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
             dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-            if self.evict != "none":
+            if self.settings.evict != "none":
                 self.gamma_q.fill_(1.0)
                 self.gamma_k.fill_(1.0)
                 self.sink.fill_(0.0)
@@ -288,11 +287,11 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         g = -self.param("A_log").to(gate_dtype).exp() * F.softplus(self.a_proj(x).to(gate_dtype)
                                                                       + self.param("dt_bias").to(gate_dtype))
         cache_params = (None, None, None, None)
-        if self.evict != "none":
+        if self.settings.evict != "none":
             cache_params = tuple(self.param(name) for name in ("gamma_q", "gamma_k", "sink", "gate"))
         if cp is not None:
             return cp.attention(q, k, v, g, beta, *cache_params, documents=documents)[0]
-        want_cache = cache is not None and self.evict != "none"
+        want_cache = cache is not None and self.settings.evict != "none"
         result = hola_attention(
             q, k, v, g, beta, *cache_params, **self.settings.kwargs(), documents=documents,
             initial_state=cache.state if continuing else None, output_final_state=cache is not None,
