@@ -62,8 +62,9 @@ POISON_OUTPUTS = False
 
 
 def _empty(*shape, dtype, device):
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    if POISON_OUTPUTS:  # NaN, or for indices the most negative value: no valid row
+        poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+        return torch.full(shape, poison, dtype=dtype, device=device)
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
@@ -238,10 +239,12 @@ if triton is not None:
     @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
     def _cache_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                                gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
-                               dgk_ptr, H, NKT, NCT, scale, W,
+                               dgk_ptr, dest_ptr, SENTINEL, H, NKT, NCT, scale, W,
                                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                                DOT_PREC: tl.constexpr):
-        """One key tile: cache tiles (j < NCT) read by all queries of the block, then in-block tiles."""
+        """One key tile: cache tiles (j < NCT) read by all queries of the block, then in-block tiles. A cache tile
+        also writes the destination row (token * H + head, ``SENTINEL`` for an empty slot) of each of its slots, the
+        keys the reduction of the cache partials sorts by."""
         pid = tl.program_id(0)
         i_h = tl.program_id(1).to(tl.int64)
         i_b = (pid // NKT).to(tl.int64)
@@ -300,6 +303,7 @@ if triton is not None:
             e_ok = (o_n < W)[:, None]
             tl.store(pdk_ptr + p_e, b_dx, mask=e_ok)
             tl.store(pdv_ptr + p_e, b_dv, mask=e_ok)
+            tl.store(dest_ptr + (i_b * H + i_h) * W + o_n, tl.where(n_ok, row_k, SENTINEL), mask=o_n < W)
         else:
             tl.store(dk_ptr + p_k, b_dx.to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
             tl.store(dv_ptr + p_k, b_dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None])
@@ -398,15 +402,14 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     pdk = _empty(max(num_slots, 1), d, dtype=torch.float32, device=device)
     pdv = _empty(max(num_slots, 1), d, dtype=torch.float32, device=device)
     dgk_part = _empty(num_blocks * nkt, h, d, dtype=torch.float32, device=device)
+    # Destination row of every cache slot (token * H + head), written by the cache tiles; empty slots sort last.
+    sentinel = torch.iinfo(torch.int64).max
+    dest = _empty(max(num_slots, 1), dtype=torch.int64, device=device)
     if num_blocks:
         _cache_bwd_dkdv_kernel[(num_blocks * nkt, h)](
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
-            pdk, pdv, dgk_part, h, nkt, nct, scale, W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
+            pdk, pdv, dgk_part, dest, sentinel, h, nkt, nct, scale, W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
     if num_slots:
-        # Destination row (token * H + head) of every cache slot; empty slots sort last.
-        sentinel = torch.iinfo(torch.int64).max
-        heads = torch.arange(h, device=device).view(1, h, 1)
-        dest = torch.where(sel >= 0, sel.long() * h + heads, torch.full((), sentinel, device=device)).reshape(-1)
         dest_sorted, order = torch.sort(dest, stable=True)
         _scatter_cache_grads_kernel[(num_slots,)](dest_sorted, order, pdk, pdv, dk, dv, num_slots, sentinel, D=d,
                                                   num_warps=1 if d <= 64 else 2)
