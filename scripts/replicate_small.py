@@ -93,9 +93,11 @@ STOP_MARGIN_S = 15.0
 MQAR_RUNS_PER_PIECE = 9
 """Nine MQAR processes started side by side on one 16-core H200 (first steps all within 44.3 s; docs/LOG.md,
 2026-12-02 later session); each uses a few percent of the GPU (issue 30)."""
-MQAR_STEPS_PER_S = {"hola": 2.75, "hola_recency": 2.75, "gdn": 9.2}
+MQAR_STEPS_PER_S = {"hola": 3.5, "hola_recency": 3.5, "gdn": 9.2}
 """Steps per second of one MQAR run (64 x 256 tokens a step) with eight others beside it on one H200, measured in
-piece 0 of the sweep (2026-12-02, third session; docs/results/replicate_small_h200_2026-12-02/): HOLA and
+piece 0 of the sweep: at 1,000 steps (2026-12-02, fourth session; docs/results/replicate_small_h200_2026-12-02b/)
+HOLA and HOLA+recency 58k tokens/s each, GDN 150-155k, the nine runs trained, exported and evaluated in 5.3
+minutes; in the first, 2,500-step attempt (third session; docs/results/replicate_small_h200_2026-12-02/) HOLA and
 HOLA+recency 45k tokens/s each while three GDN runs trained beside them (64k once those had finished), GDN 150k.
 The six HOLA runs together made about 23 steps/s whether three or six shared the GPU (the issue's three side by
 side: 7.6 steps/s each): the GPU, shared by processes in turn, is the limit, so more runs a piece do not add
