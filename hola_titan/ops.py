@@ -100,11 +100,7 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     args = (q, k, v, g, beta, gamma_q, gamma_k, sink, gate)
     decoding = hola_step.applies(args, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                  initial_cache=initial_cache, evict=evict)
-    from hola_titan.kernels import hola_triton_layer
-    overlap = chosen == "triton" and hola_triton_layer.applies(
-        q, overlap_backward=overlap_backward, evict=evict, initial_cache=initial_cache, selected=None,
-        state_impl="auto", output_final_cache=output_final_cache, return_aux=False)
-    path, _ = call_path(backend, chosen, q, decoding=decoding, initial_cache=initial_cache, overlap=overlap)
+    path, _ = call_path(backend, chosen, q, decoding=decoding, initial_cache=initial_cache)
     if path == "decode_step":
         # Decoding: one token per row through a fixed, small set of tensor ops (kernels/hola_step.py); the
         # blocked paths below cost about 1,500 ATen calls per layer for a single token.
@@ -121,7 +117,7 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
               output_final_state=output_final_state, output_final_cache=output_final_cache)
     if path == "reference":
         o, final_state, final_cache = hola_attention_reference(*args, initial_cache=initial_cache, **kw)
-    elif path in ("triton", "triton_layer"):
+    elif path == "triton":
         from hola_titan.kernels.hola_triton import hola_attention_triton
         o, final_state, final_cache = hola_attention_triton(*args, initial_cache=initial_cache,
                                                             overlap_backward=overlap_backward,

@@ -4,8 +4,9 @@ Three decisions, each a function whose answer (and, where it falls back, why) th
 - the attention backend a model or a call can use on a device (:func:`resolve_backend`; :func:`explain_backend`
   adds the reason an ``"auto"`` choice fell back, and the trainer logs it once per model and writes it to the run
   folder);
-- the path one call takes (:func:`call_path`): a decoding step, the reference, the Triton backend (layered, or
-  the whole layer as one op with ``overlap_backward``), or the SDPA backend;
+- the path one call takes (:func:`call_path`): a decoding step, the reference, the Triton backend, or the SDPA
+  backend (the Triton backend itself decides whether ``overlap_backward`` runs the layer as one op:
+  :func:`hola_titan.kernels.hola_triton_layer.applies`);
 - the fused short-convolution and cross-entropy kernels (:func:`resolve_kernels`, ``model.kernels``).
 What the kernels take (head dims, dtypes) and whether they can run here (Triton importable, fla-core present,
 Triton's interpreter) are answered here too, once per process.
@@ -70,7 +71,6 @@ def check_supported(q: torch.Tensor, backend: str) -> None:
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q: dtype {q.dtype} is not supported by backend {backend!r}; use float16, bfloat16 or "
                          "float32, or backend='reference'")
-
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -151,13 +151,10 @@ def resolve_kernels(kernels: str, device: torch.device) -> str:
     return kernels
 
 
-def call_path(backend: str, chosen: str, q: torch.Tensor, *, decoding: bool, initial_cache,
-              overlap: bool) -> tuple[str, str]:
-    """``(path, why)`` of one ``hola_attention`` call: ``"decode_step"``, ``"reference"``, ``"triton"``,
-    ``"triton_layer"`` (the layer as one op, ``overlap_backward``) or ``"sdpa"``. ``chosen`` is
-    :func:`resolve_backend`'s answer for the call's device; ``decoding``: the call is a single decoding step
-    (:func:`hola_titan.kernels.hola_step.applies`); ``overlap``: the overlapped layer op applies
-    (:func:`hola_titan.kernels.hola_triton_layer.applies`)."""
+def call_path(backend: str, chosen: str, q: torch.Tensor, *, decoding: bool, initial_cache) -> tuple[str, str]:
+    """``(path, why)`` of one ``hola_attention`` call: ``"decode_step"``, ``"reference"``, ``"triton"`` or
+    ``"sdpa"``. ``chosen`` is :func:`resolve_backend`'s answer for the call's device; ``decoding``: the call is a
+    single decoding step (:func:`hola_titan.kernels.hola_step.applies`)."""
     if chosen != "reference" and not is_supported(q):
         if backend != "auto":
             check_supported(q, chosen)  # raises, naming what the kernels do not take
@@ -168,6 +165,4 @@ def call_path(backend: str, chosen: str, q: torch.Tensor, *, decoding: bool, ini
         return "decode_step", "one token per row continuing from a state and a cache, no gradient"
     if chosen == "sdpa" and initial_cache is not None:
         return "reference", "sdpa starts from an empty cache: a call continuing from a cache runs the reference"
-    if chosen == "triton" and overlap:
-        return "triton_layer", "overlap_backward: the layer as one op, backward paths on two streams"
     return chosen, why

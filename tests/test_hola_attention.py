@@ -775,10 +775,9 @@ def test_each_call_s_path_and_its_reason():
     from hola_titan.kernels.dispatch import call_path
 
     q = torch.zeros(1, 4, 2, 16)
-    plain = dict(decoding=False, initial_cache=None, overlap=False)
+    plain = dict(decoding=False, initial_cache=None)
     assert call_path("auto", "reference", q, **plain) == ("reference", "auto: reference on cpu")
     assert call_path("triton", "triton", q, **plain) == ("triton", "as set")
-    assert call_path("auto", "triton", q, **(plain | {"overlap": True}))[0] == "triton_layer"
     assert call_path("auto", "reference", q, **(plain | {"decoding": True}))[0] == "decode_step"
     assert call_path("reference", "reference", q, **(plain | {"decoding": True})) == ("reference", "as set")
     path, why = call_path("sdpa", "sdpa", q, **(plain | {"initial_cache": object()}))
