@@ -799,8 +799,8 @@ def test_a_compiled_region_does_not_recompile_for_another_document_count():
 
     from hola_titan.kernels.seqlens import Documents
 
-    def per_batch(cu_seqlens, blk_start, blk_len):
-        return cu_seqlens.diff().float().mean() + (blk_start + blk_len).sum()
+    def per_batch(cu_seqlens, blk_start, blk_len):  # integers only: compiled and eager agree exactly on any CPU
+        return cu_seqlens.diff().max() + (blk_start + blk_len).sum()
 
     counter = CompileCounter()
     compiled = torch.compile(per_batch, backend=counter)
