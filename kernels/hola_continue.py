@@ -9,25 +9,25 @@ import torch
 
 from hola_titan.kernels import hola_triton_select as _select
 from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.hola_stages import _cache_from_rows
-from hola_titan.kernels.hola_triton_ops import cache_attn_op, select_topw_op
+from hola_titan.kernels.hola_stages import TwoSourceRows, _cache_from_rows
+from hola_titan.kernels.hola_triton_ops import cache_attn_pre_op, select_topw_op
 from hola_titan.kernels.hola_triton_select import KEY_EMPTY, BlockTable
 
 # Continuing from a cache (context-parallel shards, chunked prefill).
 #
-# The call runs on an extended row layout ``[R, H, D]``, ``R = N W + N C + B T``, which puts in front of each
-# sequence's new tokens its persistent entries (W rows, per head sorted by position, empty slots last; never
-# queries, read only through the selection) and a C-row area whose last ``r = seen % C`` rows hold the unfinished
-# block's buffered tokens. Unpacked rows: row b is [entries | area | tokens], a concatenation. Packed sequences: all
-# entries first, then per sequence its area and its tokens, a permutation.
-# Blocks start at each sequence's first buffered row, so the first block is the unfinished one, completed by the
-# new tokens; the running top W of the selection starts from the persistent entries. Row order is position order
-# within a sequence (persistent < buffered < new), so the flat row doubles as the position in the tie order, as in
-# the plain layout. The persistent rows and the area rows before the buffered ones are covered by blocks of extra
-# "sequences" after the N real ones, so that every row's output and statistics are written (the backward reduces
-# over all rows); their outputs are dropped and, with zero output gradients, add nothing to any gradient. The
-# assembly is differentiable, so gradients reach the cache's k and v (a context-parallel rank passes them back to
-# the rank before).
+# The cache attention reads two sources and copies neither: the new tokens where they are, and a small prefix
+# ``[N (W + C), H, D]`` that holds per sequence its persistent entries (W rows, per head sorted by position, empty
+# slots last) and a C-row area whose last ``r = seen % C`` rows are the unfinished block's buffered tokens. Blocks
+# start at each sequence's first buffered row, so its first block is the unfinished one: r prefix rows, then new
+# tokens that complete it; a block's queries are its new tokens only. A selection entry names a token row, or
+# ``-2 - a`` for prefix row ``a`` (:class:`~hola_titan.kernels.hola_triton_attn.Prefix`).
+#
+# The selection itself runs on an index space of ``R = N W + N C + B T`` rows that orders each sequence's rows by
+# position (persistent < buffered < new), so that the row doubles as the position in the tie order, as in a fresh
+# call: only the [R, H] scores are laid out in it (unpacked rows: row b is [entries | area | tokens]; packed
+# sequences: all entries first, then per sequence its area and its tokens). ``src`` maps this space onto the two
+# sources. The prefix is built differentiably from the cache, so gradients reach its k and v (a context-parallel
+# rank passes them back to the rank before).
 
 
 def continue_from_cache(q, k, v, o_state, m, gamma_q, gamma_k, sink, gate, cu_seqlens, cache: HolaCache, *,
@@ -39,29 +39,29 @@ def continue_from_cache(q, k, v, o_state, m, gamma_q, gamma_k, sink, gate, cu_se
     r = seen % c
     tok = torch.arange(total, device=device)
     if cu_seqlens is None:
-        # Rows: each row is [its W entries | its C-row area | its T tokens], so the extension is a concatenation
-        # along the row and the output a slice (no permutation of the B*T token rows, whose gather and scatter
-        # cost a fresh call's cache kernels again at 64k tokens).
         stride = w + c + seq_len
+        num_rows = bsz * stride
         pers_start = torch.arange(bsz, device=device) * stride
         area_start = pers_start + w
         doc_len = torch.full((bsz,), seq_len, device=device, dtype=torch.int64)
         tok_doc = tok // seq_len
         tok_pos = tok - tok_doc * seq_len
-        order = token_rows = None
+        tok_row = tok_doc * stride + w + c + tok_pos
     else:
-        # Packed: the entries of every sequence first, then per sequence its area and its tokens (a permutation).
         cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        num_rows = n * (w + c) + total
         doc_len = cu[1:] - cu[:-1]
         tok_doc = torch.searchsorted(cu[1:], tok, right=True)
         tok_pos = tok - cu[:-1][tok_doc]
         pers_start = torch.arange(n, device=device) * w
         area_start = n * w + torch.arange(n, device=device) * c + cu[:-1]
-        area_rows = (area_start[:, None] + torch.arange(c, device=device)[None, :]).reshape(-1)
-        dest = torch.cat([torch.arange(n * w, device=device), area_rows, n * w + (tok_doc + 1) * c + tok])
-        order = torch.empty_like(dest)
-        order[dest] = torch.arange(dest.shape[0], device=device)
-        token_rows = dest[n * (w + c):]
+        tok_row = n * w + (tok_doc + 1) * c + tok
+    # Rows of the prefix in the index space, and the map from the index space to the two sources.
+    pre_row = torch.cat([pers_start[:, None] + torch.arange(w, device=device)[None, :],
+                         area_start[:, None] + torch.arange(c, device=device)[None, :]], dim=1).reshape(-1)
+    src = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+    src[pre_row] = -2 - torch.arange(n * (w + c), device=device)
+    src[tok_row] = tok
     ext_start, ext_len = area_start + c - r, r + doc_len
     # Persistent entries per head by position, empty slots last; buffer slot of each area row.
     pos = cache.positions.to(device)
@@ -69,55 +69,62 @@ def continue_from_cache(q, k, v, o_state, m, gamma_q, gamma_k, sink, gate, cu_se
     slot = torch.arange(c, device=device)[None, :] - (c - r)[:, None]  # [N, C]
     slot_ok = slot >= 0
 
-    def extend(tokens, persistent, buffered, fill):
-        """Extended rows ``[R, H, ...]`` from ``[B*T, H, ...]`` tokens, ``[N, H, W, ...]`` entries and
-        ``[N, H, C, ...]`` buffer."""
+    def prefix(persistent, buffered, fill, dtype):
+        """``[N (W + C), H, ...]`` from ``[N, H, W, ...]`` entries and ``[N, H, C, ...]`` buffer."""
         extra = persistent.shape[3:]
         idx_p = by_pos.view(n, h, w, *([1] * len(extra))).expand(n, h, w, *extra)
-        p = persistent.gather(2, idx_p).transpose(1, 2).to(tokens.dtype)  # [N, W, H, ...]
+        p = persistent.gather(2, idx_p).transpose(1, 2).to(dtype)  # [N, W, H, ...]
         idx_b = slot.clamp_min(0)[:, None, :].view(n, 1, c, *([1] * len(extra))).expand(n, h, c, *extra)
         b = buffered.gather(2, idx_b)
         b = torch.where(slot_ok.view(n, 1, c, *([1] * len(extra))), b, torch.full((), fill, dtype=b.dtype,
                                                                                    device=device))
-        b = b.transpose(1, 2).to(tokens.dtype)  # [N, C, H, ...]
-        if order is None:
-            return torch.cat([p, b, tokens.reshape(bsz, seq_len, h, *extra)], dim=1).reshape(-1, h, *extra)
+        return torch.cat([p, b.transpose(1, 2).to(dtype)], dim=1).reshape(n * (w + c), h, *extra)
+
+    def in_index_space(tokens, pre):
+        """``[R, H, ...]`` from ``[B * T, H, ...]`` tokens and the prefix rows (the scores and positions only)."""
+        order = torch.empty(num_rows, dtype=torch.int64, device=device)
+        order[torch.cat([pre_row, tok_row])] = torch.arange(num_rows, device=device)
         # index_select, not advanced indexing: the backward is an index_add, not a sort of R indices.
-        return torch.cat([p.reshape(n * w, h, *extra), b.reshape(n * c, h, *extra),
-                          tokens.reshape(total, h, *extra)]).index_select(0, order)
+        return torch.cat([pre, tokens]).index_select(0, order)
 
     dt = q.dtype
-    q_ext = extend(q, q.new_zeros(n, h, w, d), q.new_zeros(n, h, c, d), 0.0)
-    k_ext = extend(k, cache.k.to(device=device, dtype=dt), cache.buf_k.to(device=device, dtype=dt), 0.0)
-    v_ext = extend(v, cache.v.to(device=device, dtype=dt), cache.buf_v.to(device=device, dtype=dt), 0.0)
-    os_ext = extend(o_state, o_state.new_zeros(n, h, w, d), o_state.new_zeros(n, h, c, d), 0.0)
-    m_ext = extend(m.float(), cache.scores.to(device=device, dtype=torch.float32),
-                   cache.buf_scores.to(device=device, dtype=torch.float32), float("-inf"))
-    # Real sequences first, then each sequence's persistent rows and its area's unused rows as extra sequences.
-    seq_start = torch.cat([ext_start, pers_start, area_start])
-    seq_len_all = torch.cat([ext_len, torch.full_like(pers_start, w), c - r])
-    num_rows = -(-total // c) + 2 * n + n * (-(-w // c)) + n  # an upper bound on the blocks, without a sync
-    table = _select.block_table_of_docs(seq_start, seq_len_all, num_rows, c)
+    pre_k = prefix(cache.k.to(device=device, dtype=dt), cache.buf_k.to(device=device, dtype=dt), 0.0, dt)
+    pre_v = prefix(cache.v.to(device=device, dtype=dt), cache.buf_v.to(device=device, dtype=dt), 0.0, dt)
+    m_ext = in_index_space(m.reshape(total, h).float(), prefix(cache.scores.to(device=device, dtype=torch.float32),
+                                             cache.buf_scores.to(device=device, dtype=torch.float32),
+                                             float("-inf"), torch.float32))
+    table = _select.block_table_of_docs(ext_start, ext_len, -(-total // c) + 2 * n, c)
     sel, final_keys = _select_with_cache(m_ext, table, pos, by_pos, pers_start, window=w, evict=evict, num_heads=h)
-    o_ext, *_ = cache_attn_op(q_ext[None], k_ext[None], v_ext[None], os_ext[None], gamma_q, gamma_k, sink, gate, sel,
-                              table.blk_start, table.blk_len, block, window)
-    if order is None:
-        o = o_ext[0].view(bsz, stride, h, d)[:, w + c:]
-    else:
-        o = o_ext[0].index_select(0, token_rows).view(bsz, seq_len, h, d)
+    # The attention's blocks: a sequence's first block starts with its r buffered rows (prefix rows), the rest are
+    # new tokens only; a block's length counts its new tokens, its queries.
+    blk_doc = _blk_doc(table)
+    rows = torch.arange(table.num_blocks, device=device)
+    blk_len = table.blk_len.long()
+    first = rows == table.doc_first_blk.long()[blk_doc]
+    pre_len = torch.where(first, torch.minimum(r[blk_doc], blk_len), torch.zeros_like(blk_len))
+    q_len = blk_len - pre_len
+    tok_start = torch.where(q_len > 0, src[(table.blk_start.long() + pre_len).clamp(max=num_rows - 1)],
+                            torch.zeros_like(q_len))
+    pre_start = blk_doc * (w + c) + w + c - r[blk_doc]
+    sel_src = torch.where(sel >= 0, src[sel.long().clamp_min(0)], torch.full((), -1, device=device)).to(torch.int32)
+    i32 = torch.int32
+    o, *_ = cache_attn_pre_op(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel_src, tok_start.to(i32),
+                              q_len.to(i32), pre_k, pre_v, pre_start.to(i32), pre_len.to(i32), block, window)
     final_cache = None
     if output_final_cache:
         abs_tok = (seen[tok_doc] + tok_pos)[:, None].expand(total, h)
         abs_buf = (seen - r)[:, None, None] + torch.arange(c, device=device)[None, None, :]  # by buffer slot
-        pos_ext = extend(abs_tok, pos, abs_buf.expand(n, h, c), -1)
-        final_cache = _final_cache_ext(k_ext, v_ext, m_ext, pos_ext, sel, final_keys, table, ext_start, ext_len, pos,
-                                       pers_start, seen + doc_len, window=w, block=c, evict=evict)
+        pos_ext = in_index_space(abs_tok, prefix(pos, abs_buf.expand(n, h, c), -1, torch.int64))
+        rows_k = TwoSourceRows(k.reshape(total, h, d), pre_k, src)
+        rows_v = TwoSourceRows(v.reshape(total, h, d), pre_v, src)
+        final_cache = _final_cache_ext(rows_k, rows_v, m_ext, pos_ext, sel, final_keys, table, ext_start, ext_len,
+                                       pos, pers_start, seen + doc_len, window=w, block=c, evict=evict)
     return o, final_cache, sel, table
 
 
 def _recent_rows(s, doc_start, pos, doc_of, pers_start, window):
-    """``[M, H, W]``: the ``window`` latest rows before extended row ``s`` [M] of a sequence starting at row
-    ``doc_start`` [M] (sequence ``doc_of`` [M]), latest first, continuing into that sequence's persistent entries
+    """``[M, H, W]``: the ``window`` latest rows before row ``s`` [M] (of the index space) of a sequence starting
+    at row ``doc_start`` [M] (sequence ``doc_of`` [M]), latest first, continuing into that sequence's persistent entries
     (positions ``pos`` [N, H, W], stored per head by position at rows ``pers_start[n] + j``); ``-1`` for none."""
     h = pos.shape[1]
     j = torch.arange(window, device=s.device)[None, :]
@@ -139,7 +146,8 @@ def _blk_doc(table: BlockTable) -> torch.Tensor:
 
 def _select_with_cache(m_ext, table: BlockTable, pos, by_pos, pers_start, *, window: int, evict: str,
                        num_heads: int):
-    """Selection on the extended layout: ``(sel [NB, H, W], final keys [N, H, W] or None)``."""
+    """Selection in the index space of :func:`continue_from_cache`: ``(sel [NB, H, W], final keys [N, H, W] or
+    None)``."""
     n = pos.shape[0]
     if window == 0:
         return torch.empty(table.num_blocks, num_heads, 0, dtype=torch.int32, device=m_ext.device), None
@@ -147,25 +155,24 @@ def _select_with_cache(m_ext, table: BlockTable, pos, by_pos, pers_start, *, win
         doc = _blk_doc(table)
         sel = _recent_rows(table.blk_start.long(), table.blk_doc_start.long(), pos, doc.clamp(max=n - 1), pers_start,
                            window)
-        real = (table.blk_len > 0) & (doc < n)  # the extra sequences' blocks read nothing
+        real = table.blk_len > 0  # padding rows of the table read nothing
         return torch.where(real[:, None, None], sel, torch.full_like(sel, -1)).contiguous(), None
     rows = pers_start[:, None, None] + torch.arange(window, device=m_ext.device)
     valid = pos.gather(-1, by_pos) >= 0
     heads = torch.arange(num_heads, device=m_ext.device)[None, :, None]
     keys = _select.score_keys(m_ext[rows.expand(n, num_heads, window), heads], rows)
     keys = torch.where(valid, keys, torch.full_like(keys, KEY_EMPTY)).sort(dim=-1, descending=True).values
-    keys = torch.cat([keys, keys.new_full((table.num_seqs - n, num_heads, window), KEY_EMPTY)])
-    sel, final_keys = select_topw_op(m_ext, table.blk_start, table.blk_len, table.doc_first_blk, table.doc_num_blk,
-                                     table.block, window, keys)
-    return sel, final_keys[:n]
+    return select_topw_op(m_ext, table.blk_start, table.blk_len, table.doc_first_blk, table.doc_num_blk,
+                          table.block, window, keys)
 
 
-def _final_cache_ext(k_ext, v_ext, m_ext, pos_ext, sel, final_keys, table: BlockTable, doc_start, doc_len, pos,
+def _final_cache_ext(k_rows, v_rows, m_ext, pos_ext, sel, final_keys, table: BlockTable, doc_start, doc_len, pos,
                      pers_start, seen, *, window: int, block: int, evict: str) -> HolaCache:
-    """The :class:`HolaCache` after a call on the extended layout (see :func:`final_cache_from_selection`);
-    ``doc_start``, ``doc_len``: each sequence's rows from its first buffered one."""
+    """The :class:`HolaCache` after a call that continued from a cache (see :func:`final_cache_from_selection`),
+    from rows of its index space (``k_rows``, ``v_rows``: :class:`TwoSourceRows`); ``doc_start``, ``doc_len``:
+    each sequence's rows from its first buffered one."""
     n, h = pos.shape[:2]
-    device = k_ext.device
+    device = m_ext.device
     rem = seen % block
     if window == 0:
         top = torch.empty(n, h, 0, dtype=torch.int32, device=device)
@@ -175,6 +182,6 @@ def _final_cache_ext(k_ext, v_ext, m_ext, pos_ext, sel, final_keys, table: Block
     else:
         top = _recent_rows(doc_start + doc_len - rem, doc_start, pos, torch.arange(n, device=device), pers_start,
                            window)
-    return _cache_from_rows(k_ext, v_ext, m_ext, pos_ext, top, doc_start + doc_len - rem, rem, seen, window=window,
+    return _cache_from_rows(k_rows, v_rows, m_ext, pos_ext, top, doc_start + doc_len - rem, rem, seen, window=window,
                             block=block, evict=evict)
 

@@ -78,36 +78,66 @@ def final_cache_from_selection(q, k, v, m_flat, sel, final_keys, table: BlockTab
                             block=block, evict=evict)
 
 
+class TwoSourceRows:
+    """Rows ``[R, H, ...]`` of an index space held in two tensors, never put together: ``tokens`` ``[B * T, H,
+    ...]`` and ``prefix`` ``[A, H, ...]``; ``src`` ``[R]`` maps a row to its token row, or to ``-2 - a`` for
+    prefix row ``a`` (what a call that continues from a cache reads: the cache's rows, then the new tokens)."""
+
+    def __init__(self, tokens: torch.Tensor, prefix: torch.Tensor, src: torch.Tensor):
+        self.tokens, self.prefix, self.src = tokens, prefix, src
+
+    def take(self, rows: torch.Tensor, heads: torch.Tensor | None) -> torch.Tensor:
+        """``[M, ...]`` values of (row, head) pairs, or ``[M, H, ...]`` whole rows when ``heads`` is None."""
+        s = self.src[rows]
+        from_tokens = s >= 0
+        t_row, a_row = s.clamp_min(0), (-2 - s).clamp_min(0)
+        t, a = _take(self.tokens, t_row, heads), _take(self.prefix, a_row, heads)
+        shape = (-1,) + (1,) * (t.dim() - 1)
+        return torch.where(from_tokens.view(shape), t, a)
+
+
+def _take(x, rows: torch.Tensor, heads: torch.Tensor | None) -> torch.Tensor:
+    """Values of flat rows ``x`` ``[R, H, ...]`` (a tensor or :class:`TwoSourceRows`) at (row, head) pairs, or
+    whole rows. Through index_select over flattened pairs: its backward is an index_add, where advanced indexing's
+    backward sorts the indices over the whole ``[R, H, D]`` gradient."""
+    if isinstance(x, TwoSourceRows):
+        return x.take(rows, heads)
+    if heads is None:
+        return x.index_select(0, rows)
+    return x.reshape(-1, *x.shape[2:]).index_select(0, rows * x.shape[1] + heads)
+
+
 def _cache_from_rows(k_rows, v_rows, m_rows, pos_rows, top, buf_start, rem, seen, *, window: int, block: int,
                      evict: str) -> HolaCache:
-    """A :class:`HolaCache` gathered from flat rows ``[R, H, ...]``: the persistent entries at rows ``top``
-    ``[N, H, W]`` (-1 empty; scores ``m_rows``, positions ``pos_rows``), the unfinished block the ``rem`` [N] rows
-    from ``buf_start`` [N], ``seen`` [N] tokens."""
-    device = k_rows.device
-    h = top.shape[1]
+    """A :class:`HolaCache` gathered from flat rows ``[R, H, ...]`` (tensors or :class:`TwoSourceRows`): the
+    persistent entries at rows ``top`` ``[N, H, W]`` (-1 empty; scores ``m_rows``, positions ``pos_rows``), the
+    unfinished block the ``rem`` [N] rows from ``buf_start`` [N], ``seen`` [N] tokens."""
+    device = top.device
+    n, h = top.shape[:2]
     ok = top >= 0
-    # Gathers through index_select over flattened (row, head) pairs: its backward is an index_add, where advanced
-    # indexing's backward sorts the indices over the whole [R, H, D] gradient.
-    flat = (top.long().clamp_min(0) * h + torch.arange(h, device=device)[None, :, None]).reshape(-1)
+    rows = top.long().clamp_min(0).reshape(-1)
+    heads = torch.arange(h, device=device)[None, :, None].expand(top.shape).reshape(-1)
 
     def entries(x):
-        return x.reshape(-1, *x.shape[2:]).index_select(0, flat).view(*top.shape, *x.shape[2:])
+        out = _take(x, rows, heads)
+        return out.view(*top.shape, *out.shape[1:])
 
-    zero = torch.zeros((), dtype=k_rows.dtype, device=device)
     offs = torch.arange(block, device=device)
     buf_ok = offs[None, :] < rem[:, None]
     buf_row = torch.where(buf_ok, buf_start[:, None] + offs[None, :], torch.zeros((), dtype=torch.long,
                                                                                   device=device)).reshape(-1)
 
     def buffered(x):
-        return x.index_select(0, buf_row).view(rem.shape[0], block, *x.shape[1:]).transpose(1, 2)
+        out = _take(x, buf_row, None)
+        return out.view(n, block, *out.shape[1:]).transpose(1, 2)
 
+    k_e, v_e, k_b, v_b = entries(k_rows), entries(v_rows), buffered(k_rows), buffered(v_rows)
+    zero = torch.zeros((), dtype=k_e.dtype, device=device)
     return HolaCache(
         scores=torch.where(ok, entries(m_rows).float(), float("-inf")),
         positions=torch.where(ok, entries(pos_rows), -1),
-        k=torch.where(ok[..., None], entries(k_rows), zero), v=torch.where(ok[..., None], entries(v_rows), zero),
+        k=torch.where(ok[..., None], k_e, zero), v=torch.where(ok[..., None], v_e, zero),
         buf_scores=torch.where(buf_ok[:, None, :], buffered(m_rows).float(), float("-inf")),
-        buf_k=torch.where(buf_ok[:, None, :, None], buffered(k_rows), zero),
-        buf_v=torch.where(buf_ok[:, None, :, None], buffered(v_rows), zero),
+        buf_k=torch.where(buf_ok[:, None, :, None], k_b, zero),
+        buf_v=torch.where(buf_ok[:, None, :, None], v_b, zero),
         seen=seen, window=window, block=block, evict=evict)
-

@@ -3,7 +3,7 @@
 Shape legend: B sequences (batch rows), H heads, D head dim, W = window, C = block.
 
 Why a separate path: the general continuation (``hola_attention_reference``'s ``_cache_path``, the Triton
-backend's extended row layout) lays a call out as blocks of rows, which for a single token costs about 1,500 small
+backend's prefix of cache rows) lays a call out as blocks of rows, which for a single token costs about 1,500 small
 ATen calls per layer, and decoding ran at the host's pace (docs/LOG.md). One token needs only the recurrent
 update, a read of at most W + C + 1 rows plus the sink, a write into its block's buffer slot and, when the token
 completes its block, the top-W merge: a fixed number of tensor operations with static shapes and no host

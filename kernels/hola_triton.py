@@ -10,8 +10,8 @@ Pipeline (DESIGN §1):
 3. cache attention with the fused RMSNorms, sink and ``o_state + sigmoid(gate) o_cache`` epilogue:
    :mod:`hola_titan.kernels.hola_triton_attn`, as the custom op ``hola::cache_attn`` (fake and autograd
    registrations; its backward is the custom op ``hola::cache_attn_bwd``).
-Calls with an ``initial_cache`` run on an extended row layout that puts the cache's entries and buffered tokens in
-front of each sequence (:func:`hola_titan.kernels.hola_continue.continue_from_cache`). The custom ops live in
+Calls with an ``initial_cache`` read the cache's entries and buffered tokens as a prefix of key rows beside the new
+tokens, copying neither (:func:`hola_titan.kernels.hola_continue.continue_from_cache`). The custom ops live in
 :mod:`hola_titan.kernels.hola_triton_ops`, the stages the SDPA backend shares in :mod:`hola_titan.kernels.hola_stages`.
 """
 
@@ -41,7 +41,7 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
     compare reading given the same indices. With ``return_aux`` the result gains a dict with the scores ``m``
     ``[B, T, H]``, the selection ``sel`` and the block table. ``state_impl``: see :func:`state_path`.
     ``overlap_backward``: the layer as one op whose backward overlaps the two paths (:mod:`hola_triton_layer`).
-    A call with an ``initial_cache`` runs on an extended row layout
+    A call with an ``initial_cache`` reads the cache as a prefix of key rows
     (:func:`~hola_titan.kernels.hola_continue.continue_from_cache`).
     Returns ``(o, final_state, final_cache[, aux])``.
     """

@@ -24,10 +24,20 @@ written directly; cache rows are read by many blocks, so each block writes its p
 deterministic segmented reduction (stable sort by destination row, fixed order) adds them. The RMSNorm backward is
 linear in the incoming gradient, so every program applies it to its own partial. gamma, sink and gate gradients
 are per-program partial sums reduced by torch in a fixed order: the whole backward is deterministic.
+
+Two sources of keys (a call that continues from a cache, :class:`Prefix`): besides the token rows, a small tensor
+of prefix rows (the cache's entries and its unfinished block's buffered tokens) that are keys, never queries. A
+block may start with prefix rows (the unfinished block, completed by new tokens: its key positions are the prefix
+rows, then its tokens, and query i sits at position ``pre + i``), and a cache slot names a token row or, as
+``-2 - a``, prefix row ``a``. The ``*_pre_kernel`` variants take the prefix (a ``HAS_PRE`` constexpr in the shared
+bodies); the kernels of a fresh call keep their signatures and compile without a trace of it. The prefix's
+gradient rows take the same reductions: in-block rows are written by their block, cache reads add to them in the
+reduction (keys from ``A_BASE`` on name prefix rows).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import torch
 
@@ -68,11 +78,19 @@ def _empty(*shape, dtype, device):
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
+# Kernel variants a launch configuration may choose (scripts/bench_hola_attention.py --sweep times them): the
+# forward with its output columns split over SPLIT programs, the dq pass in two passes over the keys.
+VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ()}
+
+
 def _config(kind: str, d: int, device: torch.device) -> dict:
     if device.type != "cuda":  # Triton's interpreter
-        return dict(_INTERPRET_CONFIG)
-    table = CONFIGS[kind]
-    return dict(table[min(table, key=lambda x: abs(x - d))]) if d not in table else dict(table[d])
+        cfg = dict(_INTERPRET_CONFIG)
+    else:
+        table = CONFIGS[kind]
+        cfg = dict(table[min(table, key=lambda x: abs(x - d))]) if d not in table else dict(table[d])
+    known = ("BM", "BN", "num_warps", "num_stages", *VARIANTS[kind])
+    return {key: value for key, value in cfg.items() if key in known}
 
 
 if triton is not None:
@@ -86,28 +104,68 @@ if triton is not None:
         tl.store(r_ptr + o_r, tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + EPS), mask=mask)
 
     @triton.jit
-    def _load_keys(k_ptr, v_ptr, rk_ptr, sel_ptr, i_b, i_h, start, length, c0, H, W,
-                   IS_CACHE: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
-        """A key tile: cache slots c0 ... c0 + BN of block i_b, or in-block keys c0 ... c0 + BN."""
-        o_n = c0 + tl.arange(0, BN)
+    def _load_rows(x_ptr, y_ptr, r_ptr, row, ok, D: tl.constexpr, DV: tl.constexpr, y_off):
+        """Rows ``row`` (flat row = token * H + head) of x, columns ``y_off ... y_off + DV`` of y, and x's rstd,
+        zeros where not ``ok``."""
         o_d = tl.arange(0, D)
-        if IS_CACHE:
-            b_idx = tl.load(sel_ptr + (i_b * H + i_h) * W + o_n, mask=o_n < W, other=-1).to(tl.int64)
-            n_ok = b_idx >= 0
-            row = tl.where(n_ok, b_idx, 0) * H + i_h
-        else:
-            n_ok = o_n < length
-            row = (start + o_n) * H + i_h
-        b_k = tl.load(k_ptr + row[:, None] * D + o_d[None, :], mask=n_ok[:, None], other=0.0)
-        b_v = tl.load(v_ptr + row[:, None] * D + o_d[None, :], mask=n_ok[:, None], other=0.0)
-        b_rk = tl.load(rk_ptr + row, mask=n_ok, other=0.0)
-        return o_n, n_ok, row, b_k, b_v, b_rk
+        b_x = tl.load(x_ptr + row[:, None] * D + o_d[None, :], mask=ok[:, None], other=0.0)
+        b_y = tl.load(y_ptr + row[:, None] * D + y_off + tl.arange(0, DV)[None, :], mask=ok[:, None], other=0.0)
+        return b_x, b_y, tl.load(r_ptr + row, mask=ok, other=0.0)
 
     @triton.jit
-    def _query_block(blk_start_ptr, blk_len_ptr, NQT, BM: tl.constexpr):
-        """This program's query tile: (pid, head, block, first query in the block, block start row, length)."""
+    def _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok, D: tl.constexpr,
+                  HAS_PRE: tl.constexpr, DV: tl.constexpr, v_off):
+        """k, v (columns ``v_off ... v_off + DV``), rstd of key rows from the token rows (``t_ok``) or, with a
+        prefix, the prefix rows (``a_ok``)."""
+        b_k, b_v, b_rk = _load_rows(k_ptr, v_ptr, rk_ptr, row, t_ok, D, DV, v_off)
+        if HAS_PRE:
+            b_ka, b_va, b_rka = _load_rows(ka_ptr, va_ptr, rka_ptr, row_a, a_ok, D, DV, v_off)
+            b_k = tl.where(a_ok[:, None], b_ka, b_k)
+            b_v = tl.where(a_ok[:, None], b_va, b_v)
+            b_rk = tl.where(a_ok, b_rka, b_rk)
+        return b_k, b_v, b_rk
+
+    @triton.jit
+    def _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN: tl.constexpr):
+        """Slots c0 ... c0 + BN of block i_b's cache: slot numbers, token rows (``t_ok``) and prefix rows
+        (``a_ok``: selection entries ``-2 - a`` name prefix row ``a``; ``-1`` is an empty slot)."""
+        o_n = c0 + tl.arange(0, BN)
+        b_idx = tl.load(sel_ptr + (i_b * H + i_h) * W + o_n, mask=o_n < W, other=-1).to(tl.int64)
+        t_ok = b_idx >= 0
+        a_ok = b_idx <= -2
+        return o_n, t_ok, tl.where(t_ok, b_idx, 0) * H + i_h, a_ok, tl.where(a_ok, -2 - b_idx, 0) * H + i_h
+
+    @triton.jit
+    def _block_rows(start, length, pre_start, pre, c0, H, i_h, BN: tl.constexpr, HAS_PRE: tl.constexpr):
+        """Keys at positions c0 ... c0 + BN of a block: its ``pre`` prefix rows first (from ``pre_start``), then
+        its ``length`` token rows (from ``start``)."""
+        o_n = c0 + tl.arange(0, BN)
+        if HAS_PRE:
+            a_ok = o_n < pre
+            t_ok = (o_n >= pre) & (o_n < pre + length)
+            row = (start + tl.where(t_ok, o_n - pre, 0)) * H + i_h
+            row_a = (pre_start + tl.where(a_ok, o_n, 0)) * H + i_h
+        else:
+            a_ok = o_n < 0
+            t_ok = o_n < length
+            row = (start + o_n) * H + i_h
+            row_a = row
+        return o_n, t_ok, row, a_ok, row_a
+
+    @triton.jit
+    def _prefix(pre_start_ptr, pre_len_ptr, i_b, HAS_PRE: tl.constexpr):
+        """(first prefix row, prefix rows) of block i_b; (0, 0) without a prefix."""
+        if HAS_PRE:
+            return tl.load(pre_start_ptr + i_b).to(tl.int64), tl.load(pre_len_ptr + i_b)
+        else:
+            return 0, 0
+
+    @triton.jit
+    def _query_block(blk_start_ptr, blk_len_ptr, NQT, BM: tl.constexpr, SPLIT: tl.constexpr):
+        """This program's query tile: (pid, head, block, first query in the block, block start row, length); with
+        ``SPLIT`` programs per head (axis 1 = head * SPLIT + part)."""
         pid = tl.program_id(0)
-        i_h = tl.program_id(1).to(tl.int64)
+        i_h = (tl.program_id(1) // SPLIT).to(tl.int64)
         i_b = (pid // NQT).to(tl.int64)
         q0 = (pid % NQT) * BM
         return pid, i_h, i_b, q0, tl.load(blk_start_ptr + i_b).to(tl.int64), tl.load(blk_len_ptr + i_b)
@@ -141,36 +199,77 @@ if triton is not None:
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC)
         return b_m_new, b_l, b_acc
 
+    @triton.jit
+    def _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
+                        gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr,
+                        pre_len_ptr, H, NQT, scale, W, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        DOT_PREC: tl.constexpr, HAS_PRE: tl.constexpr, SPLIT: tl.constexpr):
+        """``SPLIT`` > 1: each of SPLIT programs of a query tile computes the whole softmax (q k^T over all D) but
+        accumulates and writes only its D / SPLIT output columns (a smaller accumulator, for fewer registers)."""
+        pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM, SPLIT)
+        part = tl.program_id(1) % SPLIT
+        v_off = part * (D // SPLIT)
+        if q0 < length:
+            pre_start, pre = _prefix(pre_start_ptr, pre_len_ptr, i_b, HAS_PRE)
+            o_m, m_ok, o_d, row_q, p_q, b_q, b_rq, b_gq, b_gk, b_qs = _query_tile(
+                q_ptr, rq_ptr, gq_ptr, gk_ptr, i_h, start, length, q0, H, scale, D, BM)
+            b_sink = tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634
+            b_m = tl.zeros([BM], dtype=tl.float32) + b_sink
+            b_l = tl.full([BM], 1.0, dtype=tl.float32)
+            b_acc = tl.zeros([BM, D // SPLIT], dtype=tl.float32)
+            if W > 0:
+                for c0 in range(0, W, BN):
+                    o_n, t_ok, row, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN)
+                    b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a,
+                                               a_ok, D, HAS_PRE, D // SPLIT, v_off)
+                    b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, (t_ok | a_ok)[None, :],
+                                                DOT_PREC)
+            # Key positions up to the tile's last query, whose position in the block is pre + its index.
+            hi = tl.minimum(q0 + BM, length) + pre
+            for c0 in range(0, hi, BN):
+                o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
+                b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok,
+                                           D, HAS_PRE, D // SPLIT, v_off)
+                b_ok = (t_ok | a_ok)[None, :] & (o_n[None, :] <= o_m[:, None] + pre)
+                b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, b_ok, DOT_PREC)
+            b_oc = b_acc / b_l[:, None]
+            if SPLIT == 1:
+                tl.store(lse_ptr + row_q, b_m + tl.log2(b_l), mask=m_ok)
+            elif part == 0:  # every part has the same log-sum-exp: the first writes it
+                tl.store(lse_ptr + row_q, b_m + tl.log2(b_l), mask=m_ok)
+            b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
+            p_o = row_q[:, None] * D + v_off + tl.arange(0, D // SPLIT)[None, :]
+            b_os = tl.load(os_ptr + p_o, mask=m_ok[:, None], other=0.0).to(tl.float32)
+            tl.store(o_ptr + p_o, (b_os + b_lam * b_oc).to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_fwd_kernel(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                           sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W,
                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           DOT_PREC: tl.constexpr):
-        pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM)
-        if q0 >= length:
-            return
-        o_m, m_ok, o_d, row_q, p_q, b_q, b_rq, b_gq, b_gk, b_qs = _query_tile(q_ptr, rq_ptr, gq_ptr, gk_ptr, i_h, start,
-                                                                             length, q0, H, scale, D, BM)
-        b_sink = tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634
-        b_m = tl.zeros([BM], dtype=tl.float32) + b_sink
-        b_l = tl.full([BM], 1.0, dtype=tl.float32)
-        b_acc = tl.zeros([BM, D], dtype=tl.float32)
-        if W > 0:
-            for c0 in range(0, W, BN):
-                o_n, n_ok, row, b_k, b_v, b_rk = _load_keys(k_ptr, v_ptr, rk_ptr, sel_ptr, i_b, i_h, start, length,
-                                                            c0, H, W, True, D, BN)
-                b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, n_ok[None, :], DOT_PREC)
-        hi = tl.minimum(q0 + BM, length)
-        for c0 in range(0, hi, BN):
-            o_n, n_ok, row, b_k, b_v, b_rk = _load_keys(k_ptr, v_ptr, rk_ptr, sel_ptr, i_b, i_h, start, length,
-                                                        c0, H, W, False, D, BN)
-            b_ok = n_ok[None, :] & (o_n[None, :] <= o_m[:, None])
-            b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, b_ok, DOT_PREC)
-        b_oc = b_acc / b_l[:, None]
-        tl.store(lse_ptr + row_q, b_m + tl.log2(b_l), mask=m_ok)
-        b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
-        b_os = tl.load(os_ptr + p_q, mask=m_ok[:, None], other=0.0).to(tl.float32)
-        tl.store(o_ptr + p_q, (b_os + b_lam * b_oc).to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+        _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
+                        gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr,
+                        blk_len_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, False, 1)
+
+    @triton.jit(do_not_specialize=["H", "NQT", "W"])
+    def _cache_fwd_split_kernel(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                                sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W,
+                                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                DOT_PREC: tl.constexpr, SPLIT: tl.constexpr):
+        """The fresh call's forward with the output columns split over SPLIT programs (a launch candidate)."""
+        _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
+                        gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr,
+                        blk_len_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, False, SPLIT)
+
+    @triton.jit(do_not_specialize=["H", "NQT", "W"])
+    def _cache_fwd_pre_kernel(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                              sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, ka_ptr, va_ptr, rka_ptr,
+                              pre_start_ptr, pre_len_ptr, H, NQT, scale, W,
+                              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                              DOT_PREC: tl.constexpr):
+        _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
+                        gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr,
+                        pre_len_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, True, 1)
 
     @triton.jit
     def _norm_bwd(b_dy, b_x, b_r, b_g, D: tl.constexpr):
@@ -192,6 +291,107 @@ if triton is not None:
         b_pk += tl.dot(b_prk.to(b_k.dtype), b_k, input_precision=DOT_PREC)
         return b_r, b_dq, b_pk
 
+    @triton.jit
+    def _dq_tile_known(b_qs, b_do, b_lse, b_r, b_dq, b_delta, b_k, b_v, b_rk, b_ok, b_lam, MODE: tl.constexpr,
+                       DOT_PREC: tl.constexpr):
+        """A key tile of the two-pass dq: ``MODE`` 1 sums ``b_r`` only; ``MODE`` 2, with ``delta`` known,
+        ``b_dq += sum_j p (dp - delta) kc_j`` (one [BM, D] accumulator instead of two)."""
+        b_s = tl.dot(b_qs, tl.trans(b_k), input_precision=DOT_PREC) * b_rk[None, :]
+        b_p = tl.where(b_ok, tl.exp2(b_s - b_lse[:, None]), 0.0)
+        b_dov = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
+        if MODE == 1:
+            b_r += tl.sum(b_p * b_dov, axis=1)
+        else:
+            b_ds = b_p * b_rk[None, :] * (b_dov * b_lam - b_delta[:, None])
+            b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PREC)
+        return b_r, b_dq
+
+    @triton.jit
+    def _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse, b_r, b_dq, b_delta,
+                 b_lam, i_b, i_h, start, length, pre_start, pre, q0, o_m, m_ok, H, W, D: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, DOT_PREC: tl.constexpr,
+                 HAS_PRE: tl.constexpr):
+        """One pass of the two-pass dq over the query tile's keys (cache slots, then the block's own)."""
+        if W > 0:
+            for c0 in range(0, W, BN):
+                o_n, t_ok, row, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN)
+                b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a,
+                                           a_ok, D, HAS_PRE, D, 0)
+                b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None]
+                b_r, b_dq = _dq_tile_known(b_qs, b_do, b_lse, b_r, b_dq, b_delta, b_k, b_v, b_rk, b_ok, b_lam, MODE,
+                                           DOT_PREC)
+        hi = tl.minimum(q0 + BM, length) + pre
+        for c0 in range(0, hi, BN):
+            o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
+            b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok,
+                                       D, HAS_PRE, D, 0)
+            b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None] & (o_n[None, :] <= o_m[:, None] + pre)
+            b_r, b_dq = _dq_tile_known(b_qs, b_do, b_lse, b_r, b_dq, b_delta, b_k, b_v, b_rk, b_ok, b_lam, MODE,
+                                       DOT_PREC)
+        return b_r, b_dq
+
+    @triton.jit
+    def _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                           sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
+                           dgate_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr, H, NQT, scale, W,
+                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
+                           HAS_PRE: tl.constexpr, TWO_PASS: tl.constexpr):
+        """``TWO_PASS``: sum ``delta`` over the keys first, then dq with it (the keys are read and q k^T, do v^T
+        formed twice, for one [BM, D] accumulator instead of two)."""
+        pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM, 1)
+        if q0 >= length:  # past the block's end: zero partials (the buffers are not zero-filled first)
+            tl.store(dgq_ptr + (pid * H + i_h) * D + tl.arange(0, D), tl.zeros([D], dtype=tl.float32))
+            tl.store(dsink_ptr + pid * H + i_h, 0.0)
+            tl.store(dgate_ptr + pid * H + i_h, 0.0)
+        else:
+            pre_start, pre = _prefix(pre_start_ptr, pre_len_ptr, i_b, HAS_PRE)
+            o_m, m_ok, o_d, row_q, p_q, b_q, b_rq, b_gq, b_gk, b_qs = _query_tile(
+                q_ptr, rq_ptr, gq_ptr, gk_ptr, i_h, start, length, q0, H, scale, D, BM)
+            b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
+            b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
+            b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
+            b_r = tl.zeros([BM], dtype=tl.float32)
+            if TWO_PASS:
+                b_none = tl.zeros([BM, 16], dtype=tl.float32)  # no dq in the first pass
+                b_r, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse, b_r,
+                                       b_none, b_r, b_lam, i_b, i_h, start, length, pre_start, pre, q0, o_m, m_ok, H,
+                                       W, D, BM, BN, 1, DOT_PREC, HAS_PRE)
+                b_delta = b_lam * b_r
+                b_dq = tl.zeros([BM, D], dtype=tl.float32)
+                b_r, b_dq = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse, b_r,
+                                     b_dq, b_delta, b_lam, i_b, i_h, start, length, pre_start, pre, q0, o_m, m_ok, H,
+                                     W, D, BM, BN, 2, DOT_PREC, HAS_PRE)
+                b_dqc = b_dq * (scale * b_gk)[None, :]
+            else:
+                b_dq = tl.zeros([BM, D], dtype=tl.float32)
+                b_pk = tl.zeros([BM, D], dtype=tl.float32)
+                if W > 0:
+                    for c0 in range(0, W, BN):
+                        o_n, t_ok, row, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN)
+                        b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a,
+                                                   a_ok, D, HAS_PRE, D, 0)
+                        b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None]
+                        b_r, b_dq, b_pk = _dq_tile(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_k, b_v, b_rk, b_ok, b_lam,
+                                                   DOT_PREC)
+                hi = tl.minimum(q0 + BM, length) + pre
+                for c0 in range(0, hi, BN):
+                    o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN,
+                                                              HAS_PRE)
+                    b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a,
+                                               a_ok, D, HAS_PRE, D, 0)
+                    b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None] & (o_n[None, :] <= o_m[:, None] + pre)
+                    b_r, b_dq, b_pk = _dq_tile(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_k, b_v, b_rk, b_ok, b_lam,
+                                               DOT_PREC)
+                b_delta = b_lam * b_r
+                b_dqc = (b_dq - b_delta[:, None] * b_pk) * (scale * b_gk)[None, :]
+            tl.store(delta_ptr + row_q, b_delta, mask=m_ok)
+            b_psink = tl.exp2(tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634 - b_lse)
+            tl.store(dsink_ptr + pid * H + i_h, -tl.sum(tl.where(m_ok, b_psink * b_delta, 0.0), axis=0))
+            tl.store(dgate_ptr + pid * H + i_h, tl.sum(b_r, axis=0) * b_lam * (1.0 - b_lam))
+            b_dx, b_dg = _norm_bwd(b_dqc, b_q.to(tl.float32), b_rq, b_gq, D)
+            tl.store(dq_ptr + p_q, b_dx.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
+            tl.store(dgq_ptr + (pid * H + i_h) * D + o_d, b_dg)
+
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                              sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
@@ -200,41 +400,109 @@ if triton is not None:
                              DOT_PREC: tl.constexpr):
         """dq of a query tile, its ``delta`` (written for the dk/dv programs) and its partial sink and gate
         gradients (see the module docstring)."""
-        pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM)
-        if q0 >= length:  # past the block's end: zero partials (the buffers are not zero-filled first)
-            tl.store(dgq_ptr + (pid * H + i_h) * D + tl.arange(0, D), tl.zeros([D], dtype=tl.float32))
-            tl.store(dsink_ptr + pid * H + i_h, 0.0)
-            tl.store(dgate_ptr + pid * H + i_h, 0.0)
-            return
-        o_m, m_ok, o_d, row_q, p_q, b_q, b_rq, b_gq, b_gk, b_qs = _query_tile(q_ptr, rq_ptr, gq_ptr, gk_ptr, i_h, start,
-                                                                             length, q0, H, scale, D, BM)
-        b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
-        b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
-        b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
-        b_r = tl.zeros([BM], dtype=tl.float32)
-        b_dq = tl.zeros([BM, D], dtype=tl.float32)
-        b_pk = tl.zeros([BM, D], dtype=tl.float32)
-        if W > 0:
-            for c0 in range(0, W, BN):
-                o_n, n_ok, row, b_k, b_v, b_rk = _load_keys(k_ptr, v_ptr, rk_ptr, sel_ptr, i_b, i_h, start, length,
-                                                            c0, H, W, True, D, BN)
-                b_ok = n_ok[None, :] & m_ok[:, None]
-                b_r, b_dq, b_pk = _dq_tile(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_k, b_v, b_rk, b_ok, b_lam, DOT_PREC)
-        hi = tl.minimum(q0 + BM, length)
-        for c0 in range(0, hi, BN):
-            o_n, n_ok, row, b_k, b_v, b_rk = _load_keys(k_ptr, v_ptr, rk_ptr, sel_ptr, i_b, i_h, start, length,
-                                                        c0, H, W, False, D, BN)
-            b_ok = n_ok[None, :] & m_ok[:, None] & (o_n[None, :] <= o_m[:, None])
-            b_r, b_dq, b_pk = _dq_tile(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_k, b_v, b_rk, b_ok, b_lam, DOT_PREC)
-        b_delta = b_lam * b_r
-        tl.store(delta_ptr + row_q, b_delta, mask=m_ok)
-        b_psink = tl.exp2(tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634 - b_lse)
-        tl.store(dsink_ptr + pid * H + i_h, -tl.sum(tl.where(m_ok, b_psink * b_delta, 0.0), axis=0))
-        tl.store(dgate_ptr + pid * H + i_h, tl.sum(b_r, axis=0) * b_lam * (1.0 - b_lam))
-        b_dqc = (b_dq - b_delta[:, None] * b_pk) * (scale * b_gk)[None, :]
-        b_dx, b_dg = _norm_bwd(b_dqc, b_q.to(tl.float32), b_rq, b_gq, D)
-        tl.store(dq_ptr + p_q, b_dx.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
-        tl.store(dgq_ptr + (pid * H + i_h) * D + o_d, b_dg)
+        _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                           sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
+                           dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W, D, BM,
+                           BN, DOT_PREC, False, False)
+
+    @triton.jit(do_not_specialize=["H", "NQT", "W"])
+    def _cache_bwd_dq_two_pass_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr,
+                                      gk_ptr, sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr,
+                                      dsink_ptr, dgate_ptr, H, NQT, scale, W,
+                                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                      DOT_PREC: tl.constexpr):
+        """The fresh call's dq in two passes over the keys (a launch candidate)."""
+        _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                           sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
+                           dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W, D, BM,
+                           BN, DOT_PREC, False, True)
+
+    @triton.jit(do_not_specialize=["H", "NQT", "W"])
+    def _cache_bwd_dq_pre_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                                 sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr,
+                                 dsink_ptr, dgate_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr, H, NQT,
+                                 scale, W, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                 DOT_PREC: tl.constexpr):
+        _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                           sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
+                           dgate_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr, H, NQT, scale, W, D, BM,
+                           BN, DOT_PREC, True, False)
+
+    @triton.jit
+    def _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                             gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
+                             dgk_ptr, dest_ptr, SENTINEL, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr,
+                             dka_ptr, dva_ptr, A_BASE, H, NKT, NCT, scale, W,
+                             D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
+                             HAS_PRE: tl.constexpr):
+        pid = tl.program_id(0)
+        i_h = tl.program_id(1).to(tl.int64)
+        i_b = (pid // NKT).to(tl.int64)
+        j = pid % NKT
+        start = tl.load(blk_start_ptr + i_b).to(tl.int64)
+        length = tl.load(blk_len_ptr + i_b)
+        pre_start, pre = _prefix(pre_start_ptr, pre_len_ptr, i_b, HAS_PRE)
+        is_cache = j < NCT
+        c0 = tl.where(is_cache, j, j - NCT) * BN
+        if (c0 >= length + pre) & (j >= NCT):  # past the block's end: a zero partial (the buffer is not zero-filled)
+            tl.store(dgk_ptr + (pid * H + i_h) * D + tl.arange(0, D), tl.zeros([D], dtype=tl.float32))
+        else:
+            # Queries from the first whose position in the block (pre + index) reaches the tile's first key.
+            lo = tl.where(is_cache, 0, (tl.maximum(c0 - pre, 0) // BM) * BM)
+            o_d = tl.arange(0, D)
+            if is_cache:
+                o_n, t_ok, row_k, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN)
+            else:
+                o_n, t_ok, row_k, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
+            n_ok = t_ok | a_ok
+            b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row_k, t_ok, row_a, a_ok, D,
+                                       HAS_PRE, D, 0)
+            b_gq = tl.load(gq_ptr + o_d).to(tl.float32)
+            b_gk = tl.load(gk_ptr + o_d).to(tl.float32)
+            b_ks = (b_k.to(tl.float32) * b_rk[:, None] * (b_gq * b_gk)[None, :] * (scale * 1.4426950408889634))
+            b_ks = b_ks.to(b_k.dtype)
+            b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
+            b_dk = tl.zeros([BN, D], dtype=tl.float32)
+            b_dv = tl.zeros([BN, D], dtype=tl.float32)
+            for m0 in range(lo, length, BM):
+                o_m = m0 + tl.arange(0, BM)
+                m_ok = o_m < length
+                row_q = (start + o_m) * H + i_h
+                p_q = row_q[:, None] * D + o_d[None, :]
+                b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
+                b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
+                b_rq = tl.load(rq_ptr + row_q, mask=m_ok, other=0.0)
+                b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
+                b_delta = tl.load(delta_ptr + row_q, mask=m_ok, other=0.0)
+                b_st = tl.dot(b_ks, tl.trans(b_q), input_precision=DOT_PREC) * b_rq[None, :]
+                b_ok = n_ok[:, None] & m_ok[None, :] & (is_cache | (o_m[None, :] + pre >= o_n[:, None]))
+                b_pt = tl.where(b_ok, tl.exp2(b_st - b_lse[None, :]), 0.0)
+                b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
+                b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC) * b_lam
+                b_dst = b_pt * (b_dpt - b_delta[None, :])
+                b_dk += tl.dot((b_dst * b_rq[None, :]).to(b_q.dtype), b_q, input_precision=DOT_PREC)
+            b_dkc = b_dk * (scale * b_gq)[None, :]
+            b_dx, b_dg = _norm_bwd(b_dkc, b_k.to(tl.float32), b_rk, b_gk, D)
+            b_dv = b_dv * b_lam
+            tl.store(dgk_ptr + (pid * H + i_h) * D + o_d, b_dg)
+            if is_cache:
+                p_e = ((i_b * H + i_h) * W + o_n)[:, None] * D + o_d[None, :]
+                e_ok = (o_n < W)[:, None]
+                tl.store(pdk_ptr + p_e, b_dx, mask=e_ok)
+                tl.store(pdv_ptr + p_e, b_dv, mask=e_ok)
+                # The reduction's key: token rows as they are, prefix rows after all token rows.
+                dest = tl.where(t_ok, row_k, SENTINEL)
+                if HAS_PRE:
+                    dest = tl.where(a_ok, A_BASE + row_a, dest)
+                tl.store(dest_ptr + (i_b * H + i_h) * W + o_n, dest, mask=o_n < W)
+            else:
+                p_k = row_k[:, None] * D + o_d[None, :]
+                tl.store(dk_ptr + p_k, b_dx.to(dk_ptr.dtype.element_ty), mask=t_ok[:, None])
+                tl.store(dv_ptr + p_k, b_dv.to(dv_ptr.dtype.element_ty), mask=t_ok[:, None])
+                if HAS_PRE:
+                    p_a = row_a[:, None] * D + o_d[None, :]
+                    tl.store(dka_ptr + p_a, b_dx.to(dka_ptr.dtype.element_ty), mask=a_ok[:, None])
+                    tl.store(dva_ptr + p_a, b_dv.to(dva_ptr.dtype.element_ty), mask=a_ok[:, None])
 
     @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
     def _cache_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -245,92 +513,70 @@ if triton is not None:
         """One key tile: cache tiles (j < NCT) read by all queries of the block, then in-block tiles. A cache tile
         also writes the destination row (token * H + head, ``SENTINEL`` for an empty slot) of each of its slots, the
         keys the reduction of the cache partials sorts by."""
-        pid = tl.program_id(0)
-        i_h = tl.program_id(1).to(tl.int64)
-        i_b = (pid // NKT).to(tl.int64)
-        j = pid % NKT
-        start = tl.load(blk_start_ptr + i_b).to(tl.int64)
-        length = tl.load(blk_len_ptr + i_b)
-        is_cache = j < NCT
-        c0 = tl.where(is_cache, j, j - NCT) * BN
-        lo = tl.where(is_cache, 0, (c0 // BM) * BM)
-        if (c0 >= length) & (j >= NCT):  # past the block's end: a zero partial (the buffer is not zero-filled)
-            tl.store(dgk_ptr + (pid * H + i_h) * D + tl.arange(0, D), tl.zeros([D], dtype=tl.float32))
-            return
-        o_n = c0 + tl.arange(0, BN)
-        o_d = tl.arange(0, D)
-        if is_cache:
-            b_idx = tl.load(sel_ptr + (i_b * H + i_h) * W + o_n, mask=o_n < W, other=-1).to(tl.int64)
-            n_ok = b_idx >= 0
-            row_k = tl.where(n_ok, b_idx, 0) * H + i_h
-        else:
-            n_ok = o_n < length
-            row_k = (start + o_n) * H + i_h
-        p_k = row_k[:, None] * D + o_d[None, :]
-        b_k = tl.load(k_ptr + p_k, mask=n_ok[:, None], other=0.0)
-        b_v = tl.load(v_ptr + p_k, mask=n_ok[:, None], other=0.0)
-        b_rk = tl.load(rk_ptr + row_k, mask=n_ok, other=0.0)
-        b_gq = tl.load(gq_ptr + o_d).to(tl.float32)
-        b_gk = tl.load(gk_ptr + o_d).to(tl.float32)
-        b_ks = (b_k.to(tl.float32) * b_rk[:, None] * (b_gq * b_gk)[None, :] * (scale * 1.4426950408889634))
-        b_ks = b_ks.to(b_k.dtype)
-        b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
-        b_dk = tl.zeros([BN, D], dtype=tl.float32)
-        b_dv = tl.zeros([BN, D], dtype=tl.float32)
-        for m0 in range(lo, length, BM):
-            o_m = m0 + tl.arange(0, BM)
-            m_ok = o_m < length
-            row_q = (start + o_m) * H + i_h
-            p_q = row_q[:, None] * D + o_d[None, :]
-            b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
-            b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
-            b_rq = tl.load(rq_ptr + row_q, mask=m_ok, other=0.0)
-            b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
-            b_delta = tl.load(delta_ptr + row_q, mask=m_ok, other=0.0)
-            b_st = tl.dot(b_ks, tl.trans(b_q), input_precision=DOT_PREC) * b_rq[None, :]
-            b_ok = n_ok[:, None] & m_ok[None, :] & (is_cache | (o_m[None, :] >= o_n[:, None]))
-            b_pt = tl.where(b_ok, tl.exp2(b_st - b_lse[None, :]), 0.0)
-            b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
-            b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC) * b_lam
-            b_dst = b_pt * (b_dpt - b_delta[None, :])
-            b_dk += tl.dot((b_dst * b_rq[None, :]).to(b_q.dtype), b_q, input_precision=DOT_PREC)
-        b_dkc = b_dk * (scale * b_gq)[None, :]
-        b_dx, b_dg = _norm_bwd(b_dkc, b_k.to(tl.float32), b_rk, b_gk, D)
-        b_dv = b_dv * b_lam
-        tl.store(dgk_ptr + (pid * H + i_h) * D + o_d, b_dg)
-        if is_cache:
-            p_e = ((i_b * H + i_h) * W + o_n)[:, None] * D + o_d[None, :]
-            e_ok = (o_n < W)[:, None]
-            tl.store(pdk_ptr + p_e, b_dx, mask=e_ok)
-            tl.store(pdv_ptr + p_e, b_dv, mask=e_ok)
-            tl.store(dest_ptr + (i_b * H + i_h) * W + o_n, tl.where(n_ok, row_k, SENTINEL), mask=o_n < W)
-        else:
-            tl.store(dk_ptr + p_k, b_dx.to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
-            tl.store(dv_ptr + p_k, b_dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None])
+        _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                             gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
+                             dgk_ptr, dest_ptr, SENTINEL, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, dk_ptr,
+                             dv_ptr, SENTINEL, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False)
+
+    @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
+    def _cache_bwd_dkdv_pre_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                                   gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
+                                   dgk_ptr, dest_ptr, SENTINEL, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr,
+                                   dka_ptr, dva_ptr, A_BASE, H, NKT, NCT, scale, W,
+                                   D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                   DOT_PREC: tl.constexpr):
+        _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                             gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
+                             dgk_ptr, dest_ptr, SENTINEL, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr,
+                             dka_ptr, dva_ptr, A_BASE, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, True)
+
+    @triton.jit
+    def _scatter_core(key_ptr, order_ptr, pdk_ptr, pdv_ptr, dk_ptr, dv_ptr, dka_ptr, dva_ptr, E, SENTINEL, A_BASE,
+                      D: tl.constexpr, HAS_PRE: tl.constexpr):
+        p = tl.program_id(0).to(tl.int64)
+        key = tl.load(key_ptr + p)
+        prev = tl.load(key_ptr + p - 1, mask=p > 0, other=-1)
+        if (key != SENTINEL) & (prev != key):
+            o_d = tl.arange(0, D)
+            b_dk = tl.zeros([D], dtype=tl.float32)
+            b_dv = tl.zeros([D], dtype=tl.float32)
+            i = p
+            cur = key
+            while cur == key:
+                e = tl.load(order_ptr + i)
+                b_dk += tl.load(pdk_ptr + e * D + o_d)
+                b_dv += tl.load(pdv_ptr + e * D + o_d)
+                i += 1
+                cur = tl.load(key_ptr + i, mask=i < E, other=-1)
+            if HAS_PRE:
+                if key >= A_BASE:
+                    p_r = (key - A_BASE) * D + o_d
+                    tl.store(dka_ptr + p_r, (tl.load(dka_ptr + p_r).to(tl.float32)
+                                             + b_dk).to(dka_ptr.dtype.element_ty))
+                    tl.store(dva_ptr + p_r, (tl.load(dva_ptr + p_r).to(tl.float32)
+                                             + b_dv).to(dva_ptr.dtype.element_ty))
+                else:
+                    p_r = key * D + o_d
+                    tl.store(dk_ptr + p_r, (tl.load(dk_ptr + p_r).to(tl.float32) + b_dk).to(dk_ptr.dtype.element_ty))
+                    tl.store(dv_ptr + p_r, (tl.load(dv_ptr + p_r).to(tl.float32) + b_dv).to(dv_ptr.dtype.element_ty))
+            else:
+                p_r = key * D + o_d
+                tl.store(dk_ptr + p_r, (tl.load(dk_ptr + p_r).to(tl.float32) + b_dk).to(dk_ptr.dtype.element_ty))
+                tl.store(dv_ptr + p_r, (tl.load(dv_ptr + p_r).to(tl.float32) + b_dv).to(dv_ptr.dtype.element_ty))
 
     @triton.jit(do_not_specialize=["E"])
     def _scatter_cache_grads_kernel(key_ptr, order_ptr, pdk_ptr, pdv_ptr, dk_ptr, dv_ptr, E, SENTINEL,
                                     D: tl.constexpr):
         """Add the cache partials of one destination row in a fixed order (the heads of sorted runs do the work)."""
-        p = tl.program_id(0).to(tl.int64)
-        key = tl.load(key_ptr + p)
-        prev = tl.load(key_ptr + p - 1, mask=p > 0, other=-1)
-        if (key == SENTINEL) | (prev == key):
-            return
-        o_d = tl.arange(0, D)
-        b_dk = tl.zeros([D], dtype=tl.float32)
-        b_dv = tl.zeros([D], dtype=tl.float32)
-        i = p
-        cur = key
-        while cur == key:
-            e = tl.load(order_ptr + i)
-            b_dk += tl.load(pdk_ptr + e * D + o_d)
-            b_dv += tl.load(pdv_ptr + e * D + o_d)
-            i += 1
-            cur = tl.load(key_ptr + i, mask=i < E, other=-1)
-        p_r = key * D + o_d
-        tl.store(dk_ptr + p_r, (tl.load(dk_ptr + p_r).to(tl.float32) + b_dk).to(dk_ptr.dtype.element_ty))
-        tl.store(dv_ptr + p_r, (tl.load(dv_ptr + p_r).to(tl.float32) + b_dv).to(dv_ptr.dtype.element_ty))
+        _scatter_core(key_ptr, order_ptr, pdk_ptr, pdv_ptr, dk_ptr, dv_ptr, dk_ptr, dv_ptr, E, SENTINEL, SENTINEL, D,
+                      False)
+
+    @triton.jit(do_not_specialize=["E"])
+    def _scatter_cache_grads_pre_kernel(key_ptr, order_ptr, pdk_ptr, pdv_ptr, dk_ptr, dv_ptr, dka_ptr, dva_ptr, E,
+                                        SENTINEL, A_BASE, D: tl.constexpr):
+        """The same, with keys from ``A_BASE`` on naming prefix rows (``key - A_BASE``)."""
+        _scatter_core(key_ptr, order_ptr, pdk_ptr, pdv_ptr, dk_ptr, dv_ptr, dka_ptr, dva_ptr, E, SENTINEL, A_BASE, D,
+                      True)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -348,10 +594,23 @@ def rms_rstd(x: torch.Tensor) -> torch.Tensor:
     return r
 
 
+class Prefix(NamedTuple):
+    """Key rows read ahead of the token rows (a call that continues from a cache): ``k``, ``v`` ``[A, H, D]`` (the
+    cache's entries and unfinished block, contiguous), and per block of the table the first prefix row ``start`` and
+    the number of prefix rows ``length`` (int32 ``[NB]``) that come before the block's own tokens. A selection
+    entry ``-2 - a`` names prefix row ``a``. Prefix rows are keys only, never queries."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    start: torch.Tensor
+    length: torch.Tensor
+
+
 def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, *, block: int,
-                        window: int):
+                        window: int, prefix: Prefix | None = None):
     """Forward launches. Returns ``(o, lse [B*T, H] base 2, r_q, r_k)``: what the backward needs besides the
-    inputs (no cache output: the backward forms ``delta`` itself)."""
+    inputs (no cache output: the backward forms ``delta`` itself); with a ``prefix``, its rows' rstd after them.
+    A block's ``blk_len`` counts its queries (its token rows); its keys are its prefix rows, then those."""
     h, d = q.shape[-2], q.shape[-1]
     num_blocks = blk_start.shape[0]
     rq, rk = rms_rstd(q), rms_rstd(k)
@@ -361,16 +620,30 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     cfg = _config("fwd", d, q.device)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nqt = triton.cdiv(block, bm)
+    split = cfg.pop("SPLIT", 1)
+    common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=_dot_precision(q.dtype), **cfg)
+    if prefix is None:
+        if num_blocks and split == 1:
+            _cache_fwd_kernel[(num_blocks * nqt, h)](
+                q, k, v, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len,
+                h, nqt, d ** -0.5, **common)
+        elif num_blocks:
+            _cache_fwd_split_kernel[(num_blocks * nqt, h * split)](
+                q, k, v, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len,
+                h, nqt, d ** -0.5, SPLIT=split, **common)
+        return o, lse, rq, rk
+    rka = rms_rstd(prefix.k)
     if num_blocks:
-        _cache_fwd_kernel[(num_blocks * nqt, h)](
+        _cache_fwd_pre_kernel[(num_blocks * nqt, h)](
             q, k, v, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len,
-            h, nqt, d ** -0.5, W=window, D=d, BM=bm, BN=bn, DOT_PREC=_dot_precision(q.dtype), **cfg)
-    return o, lse, rq, rk
+            prefix.k, prefix.v, rka, prefix.start, prefix.length, h, nqt, d ** -0.5, **common)
+    return o, lse, rq, rk, rka
 
 
 def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, *,
-                        block: int, window: int):
-    """Backward launches. Returns ``(dq, dk, dv, dgamma_q, dgamma_k, dsink, dgate)`` (parameter grads float32)."""
+                        block: int, window: int, prefix: Prefix | None = None, rka: torch.Tensor | None = None):
+    """Backward launches. Returns ``(dq, dk, dv, dgamma_q, dgamma_k, dsink, dgate)`` (parameter grads float32);
+    with a ``prefix`` (and its rows' rstd ``rka`` from the forward), ``(dk, dv)`` of its rows after them."""
     h, d = q.shape[-2], q.shape[-1]
     num_blocks = blk_start.shape[0]
     num_tokens = q.numel() // (h * d)
@@ -388,10 +661,18 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     dgq_part = _empty(num_blocks * nqt, h, d, dtype=torch.float32, device=device)
     dsink_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
     dgate_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
-    if num_blocks:
-        _cache_bwd_dq_kernel[(num_blocks * nqt, h)](
+    two_pass = cfg.pop("TWO_PASS", False)
+    common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
+    if num_blocks and prefix is None:
+        dq_kernel = _cache_bwd_dq_two_pass_kernel if two_pass else _cache_bwd_dq_kernel
+        dq_kernel[(num_blocks * nqt, h)](
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
-            dgq_part, dsink_part, dgate_part, h, nqt, scale, W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
+            dgq_part, dsink_part, dgate_part, h, nqt, scale, **common)
+    elif num_blocks:
+        _cache_bwd_dq_pre_kernel[(num_blocks * nqt, h)](
+            q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
+            dgq_part, dsink_part, dgate_part, prefix.k, prefix.v, rka, prefix.start, prefix.length, h, nqt, scale,
+            **common)
     dk = _empty(*k.shape, dtype=k.dtype, device=device)
     dv = _empty(*v.shape, dtype=v.dtype, device=device)
     cfg = _config("dkdv", d, device)
@@ -402,16 +683,35 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     pdk = _empty(max(num_slots, 1), d, dtype=torch.float32, device=device)
     pdv = _empty(max(num_slots, 1), d, dtype=torch.float32, device=device)
     dgk_part = _empty(num_blocks * nkt, h, d, dtype=torch.float32, device=device)
-    # Destination row of every cache slot (token * H + head), written by the cache tiles; empty slots sort last.
+    # Destination row of every cache slot (token * H + head; a prefix row a: A_BASE + a * H + head), written by the
+    # cache tiles; empty slots sort last.
     sentinel = torch.iinfo(torch.int64).max
     dest = _empty(max(num_slots, 1), dtype=torch.int64, device=device)
+    common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
+    if prefix is None:
+        if num_blocks:
+            _cache_bwd_dkdv_kernel[(num_blocks * nkt, h)](
+                q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
+                pdk, pdv, dgk_part, dest, sentinel, h, nkt, nct, scale, **common)
+        if num_slots:
+            dest_sorted, order = torch.sort(dest, stable=True)
+            _scatter_cache_grads_kernel[(num_slots,)](dest_sorted, order, pdk, pdv, dk, dv, num_slots, sentinel,
+                                                      D=d, num_warps=1 if d <= 64 else 2)
+        # The gate's partials carry sigmoid'(gate) already.
+        return dq, dk, dv, dgq_part.sum((0, 1)), dgk_part.sum((0, 1)), dsink_part.sum(0), dgate_part.sum(0)
+    # The prefix rows that no block reads in-block (the cache's entries, unused buffer slots) get only the cache
+    # reads' sums, added onto zeros; the in-block ones are written by their block first.
+    dka = torch.zeros(prefix.k.shape, dtype=prefix.k.dtype, device=device)
+    dva = torch.zeros(prefix.v.shape, dtype=prefix.v.dtype, device=device)
+    a_base = num_tokens * h
     if num_blocks:
-        _cache_bwd_dkdv_kernel[(num_blocks * nkt, h)](
+        _cache_bwd_dkdv_pre_kernel[(num_blocks * nkt, h)](
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
-            pdk, pdv, dgk_part, dest, sentinel, h, nkt, nct, scale, W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
+            pdk, pdv, dgk_part, dest, sentinel, prefix.k, prefix.v, rka, prefix.start, prefix.length, dka, dva, a_base,
+            h, nkt, nct, scale, **common)
     if num_slots:
         dest_sorted, order = torch.sort(dest, stable=True)
-        _scatter_cache_grads_kernel[(num_slots,)](dest_sorted, order, pdk, pdv, dk, dv, num_slots, sentinel, D=d,
-                                                  num_warps=1 if d <= 64 else 2)
-    # The gate's partials carry sigmoid'(gate) already.
-    return dq, dk, dv, dgq_part.sum((0, 1)), dgk_part.sum((0, 1)), dsink_part.sum(0), dgate_part.sum(0)
+        _scatter_cache_grads_pre_kernel[(num_slots,)](dest_sorted, order, pdk, pdv, dk, dv, dka, dva, num_slots,
+                                                      sentinel, a_base, D=d, num_warps=1 if d <= 64 else 2)
+    return (dq, dk, dv, dgq_part.sum((0, 1)), dgk_part.sum((0, 1)), dsink_part.sum(0), dgate_part.sum(0), dka,
+            dva)

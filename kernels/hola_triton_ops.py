@@ -79,6 +79,84 @@ def _cache_attn_backward(ctx, do, dlse, drq, drk):
 torch.library.register_autograd("hola::cache_attn", _cache_attn_backward, setup_context=_cache_attn_setup)
 
 
+@torch.library.custom_op("hola::cache_attn_pre", mutates_args=())
+def cache_attn_pre_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_state: torch.Tensor,
+                      gamma_q: torch.Tensor, gamma_k: torch.Tensor, sink: torch.Tensor, gate: torch.Tensor,
+                      sel: torch.Tensor, blk_start: torch.Tensor, blk_len: torch.Tensor, pre_k: torch.Tensor,
+                      pre_v: torch.Tensor, pre_start: torch.Tensor, pre_len: torch.Tensor, block: int,
+                      window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hola::cache_attn`` with key rows ahead of the tokens (a call that continues from a cache):
+    ``(o, lse, r_q, r_k, r_pre)``; see :class:`~hola_titan.kernels.hola_triton_attn.Prefix` for the prefix
+    arguments ``pre_k``, ``pre_v`` ``[A, H, D]``, ``pre_start``, ``pre_len`` ``[NB]``."""
+    from hola_titan.kernels.hola_triton_attn import Prefix, cache_attention_fwd
+    q, k, v, o_state, pre_k, pre_v = (x.contiguous() for x in (q, k, v, o_state, pre_k, pre_v))
+    with _device_ctx(q):
+        return cache_attention_fwd(q, k, v, o_state, gamma_q.contiguous(), gamma_k.contiguous(), sink.contiguous(),
+                                   gate.contiguous(), sel.contiguous(), blk_start, blk_len, block=block,
+                                   window=window, prefix=Prefix(pre_k, pre_v, pre_start, pre_len))
+
+
+@cache_attn_pre_op.register_fake
+def _(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, pre_k, pre_v, pre_start, pre_len,
+      block, window):
+    stats = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return (torch.empty_like(q), stats, torch.empty_like(stats), torch.empty_like(stats),
+            pre_k.new_empty(pre_k.shape[:-1], dtype=torch.float32))
+
+
+@torch.library.custom_op("hola::cache_attn_pre_bwd", mutates_args=())
+def cache_attn_pre_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                          rq: torch.Tensor, rk: torch.Tensor, gamma_q: torch.Tensor, gamma_k: torch.Tensor,
+                          sink: torch.Tensor, gate: torch.Tensor, sel: torch.Tensor, blk_start: torch.Tensor,
+                          blk_len: torch.Tensor, pre_k: torch.Tensor, pre_v: torch.Tensor, r_pre: torch.Tensor,
+                          pre_start: torch.Tensor, pre_len: torch.Tensor, block: int,
+                          window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                torch.Tensor]:
+    """``(dq, dk, dv, dgamma_q, dgamma_k, dsink, dgate, dpre_k, dpre_v)``, parameter gradients in float32."""
+    from hola_titan.kernels.hola_triton_attn import Prefix, cache_attention_bwd
+    with _device_ctx(q):
+        return cache_attention_bwd(do.contiguous(), q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel,
+                                   blk_start, blk_len, block=block, window=window,
+                                   prefix=Prefix(pre_k, pre_v, pre_start, pre_len), rka=r_pre)
+
+
+@cache_attn_pre_bwd_op.register_fake
+def _(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, pre_k, pre_v, r_pre,
+      pre_start, pre_len, block, window):
+    f32 = torch.float32
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), gamma_q.new_empty(gamma_q.shape, dtype=f32),
+            gamma_k.new_empty(gamma_k.shape, dtype=f32), sink.new_empty(sink.shape, dtype=f32),
+            gate.new_empty(gate.shape, dtype=f32), torch.empty_like(pre_k), torch.empty_like(pre_v))
+
+
+def _cache_attn_pre_setup(ctx, inputs, output):
+    (q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, pre_k, pre_v, pre_start, pre_len,
+     block, window) = inputs
+    _, lse, rq, rk, r_pre = output
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, pre_k, pre_v,
+                          r_pre, pre_start, pre_len)
+    ctx.block, ctx.window = block, window
+
+
+def _cache_attn_pre_backward(ctx, do, dlse, drq, drk, dr_pre):
+    (q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, pre_k, pre_v, r_pre, pre_start,
+     pre_len) = ctx.saved_tensors
+    if do is None:  # the output was not used
+        do = torch.zeros_like(q)
+    dq, dk, dv, dgq, dgk, dsink, dgate, dpk, dpv = cache_attn_pre_bwd_op(
+        do, q.contiguous(), k.contiguous(), v.contiguous(), lse, rq, rk, gamma_q.contiguous(), gamma_k.contiguous(),
+        sink.contiguous(), gate.contiguous(), sel, blk_start, blk_len, pre_k.contiguous(), pre_v.contiguous(), r_pre,
+        pre_start, pre_len, ctx.block, ctx.window)
+    return (dq, dk, dv, do, dgq.to(gamma_q.dtype), dgk.to(gamma_k.dtype), dsink.to(sink.dtype), dgate.to(gate.dtype),
+            None, None, None, dpk, dpv, None, None, None, None)
+
+
+torch.library.register_autograd("hola::cache_attn_pre", _cache_attn_pre_backward,
+                                setup_context=_cache_attn_pre_setup)
+
+
 @torch.library.custom_op("hola::select_topw", mutates_args=())
 def select_topw_op(m: torch.Tensor, blk_start: torch.Tensor, blk_len: torch.Tensor, doc_first_blk: torch.Tensor,
                    doc_num_blk: torch.Tensor, block: int, window: int,

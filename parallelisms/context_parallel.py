@@ -522,9 +522,11 @@ class CPLayer:
         cache_params = (gamma_q, gamma_k, sink, gate)
         split = layout.packed and bool(self.chains_in) and num_seqs > 1
         # ``split``: the continuing document alone, as one row, then the documents that start in this shard as a
-        # fresh packed call. The Triton backend continues rows by a concatenation and packed documents by a
-        # permutation of all the call's tokens (hola_titan.kernels.hola_continue). The continuing document is then
-        # not the one that crosses out (that would be the shard's only document).
+        # fresh packed call, which takes the fresh call's kernels (and no index maps over the other documents'
+        # tokens). It was chosen when the Triton backend continued packed documents by a permutation of all the
+        # call's tokens; that copy is gone (hola_titan.kernels.hola_continue), and one continuing call for the
+        # whole shard is a candidate to time against it. The continuing document is then not the one that crosses
+        # out (that would be the shard's only document).
         initial_state = initial_cache = None
         if self.chains_in:
             if self._tails_out is None:  # attention alone: the message has no convolution tails

@@ -12,7 +12,10 @@ Rows (medians of ``triton.testing.do_bench``, CUDA events):
 - the forward stages of the Triton backend (state path + score, selection, cache attention) and the cache
   attention backward, to show where the time goes.
 Peak memory is the peak allocated during one forward + backward minus what was allocated before it.
-``--sweep`` also times the cache-attention kernels under alternative launch configurations (T = 2k).
+``--sweep`` also times the cache-attention kernels under alternative launch configurations (T = 2k); ``--flex``
+the FlexAttention candidate of the cache read (:mod:`hola_titan.kernels.hola_flex`) against the Triton op.
+The cache read's TFLOP/s count 4 D FLOPs per (query, key) pair it reads forward (``cache_pairs``: the filled
+cache slots of each query's block and the block's tokens up to the query) and 2.5 times that backward.
 
 Prints a table and writes JSON (``--out``). On Hopper with Triton < 3.7.1, fla's backward runs only after the
 fla #640 gradient check of :mod:`hola_titan.kernels.fla_gdn` passes (its errors are recorded in the JSON).
@@ -48,6 +51,9 @@ def parse_args():
     p.add_argument("--rows", action="store_true", help="B rows of T tokens instead of one packed row")
     p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_triton_overlap,hola_sdpa,sdpa_causal",
                    help="comma-separated rows to time (default: all)")
+    p.add_argument("--flex", action="store_true",
+                   help="also time the FlexAttention candidate of the cache read (kernels/hola_flex.py) against the "
+                        "Triton kernels, forward and forward + backward, with its peak memory (first of --seq-lens)")
     p.add_argument("--profile", action="store_true",
                    help="also profile gdn_fla, gdn_adapter and hola_triton (torch.profiler): GPU kernel time per "
                         "call by kernel, and the gap between the timed call and its kernels (host-bound time)")
@@ -192,6 +198,15 @@ def main():
                                          table.blk_start, table.blk_len, block, window)
             bwd_fn()
             row["stage_cache_bwd_ms"] = bench(bwd_fn, None, args.rep_ms)
+            # The read's FLOPs: 4 D per (query, key) pair read forward (q k^T and p v), 2.5 times that backward
+            # (FlashAttention's convention: five products against two; the dq pass's sum of p kc is not counted).
+            pairs = cache_pairs(sel, table)
+            row["cache_pairs"] = pairs
+            row["stage_cache_fwd_tflops"] = 4 * d * pairs / (row["stage_cache_fwd_ms"] * 1e9)
+            row["stage_cache_bwd_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_ms"] * 1e9)
+        if args.flex and t == args.seq_lens[0]:
+            row.update(flex_candidate(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, do, cache_attn_op,
+                                      block, window, args.rep_ms))
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
                 row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms)
         if args.profile:
@@ -237,20 +252,26 @@ def profile(fn, grads, timed_ms, iters=5, top=12):
 
 def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms):
     """Time the cache kernels under alternative configurations (each kernel kind swept on its own)."""
+    split, two = dict(SPLIT=2), dict(TWO_PASS=True)
+    # (BM, BN, warps, stages[, variant]): the variants (kernels/hola_triton_attn.py, VARIANTS) trade more products
+    # for one half-sized or one fewer [BM, D] accumulator, i.e. fewer registers at D = 256.
     grid = {
         "fwd": [(64, 32, 4, 2), (64, 32, 4, 1), (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 2), (128, 32, 8, 2),
-                (128, 64, 8, 2), (64, 32, 8, 2)],
+                (128, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2, split), (64, 64, 4, 2, split),
+                (128, 32, 8, 2, split), (128, 64, 8, 2, split), (64, 64, 4, 3, split)],
         "dq": [(32, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 3), (32, 32, 8, 2), (16, 32, 4, 2), (32, 64, 4, 2),
-               (64, 32, 4, 2), (64, 32, 8, 2)],
+               (64, 32, 4, 2), (64, 32, 8, 2), (32, 32, 4, 2, two), (64, 32, 4, 2, two), (64, 64, 4, 2, two),
+               (64, 32, 8, 2, two), (128, 32, 8, 2, two)],
         "dkdv": [(32, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 3), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 8, 2),
                  (64, 64, 8, 2)],
     }
     out = {}
     for kind, configs in grid.items():
         saved = dict(attn_mod.CONFIGS[kind][d])
-        for bm, bn, nw, ns in configs:
-            attn_mod.CONFIGS[kind][d] = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns)
-            key = f"{kind}_BM{bm}_BN{bn}_w{nw}_s{ns}"
+        for bm, bn, nw, ns, *variant in configs:
+            extra = variant[0] if variant else {}
+            attn_mod.CONFIGS[kind][d] = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, **extra)
+            key = f"{kind}_BM{bm}_BN{bn}_w{nw}_s{ns}" + "".join(f"_{name}{value}" for name, value in extra.items())
             try:
                 fn = fwd_fn if kind == "fwd" else bwd_fn
                 fn()
@@ -262,6 +283,57 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms):
     return out
 
 
+def cache_pairs(sel, table) -> int:
+    """(query, key) pairs the cache read computes: every query of a block reads the block's filled cache slots (per
+    head) and the block's tokens up to itself."""
+    blk_len = table.blk_len.long()
+    heads = sel.shape[1]
+    filled = (sel >= 0).sum(-1).long()  # [NB, H]
+    return int((filled * blk_len[:, None]).sum() + heads * (blk_len * (blk_len + 1) // 2).sum())
+
+
+def flex_candidate(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, do, cache_attn_op, block, window,
+                   rep_ms) -> dict:
+    """The FlexAttention candidate against the Triton op on the same inputs and selection: forward, forward +
+    backward, peak memory, and the block masks' build time (once per batch for all layers)."""
+    from hola_titan.kernels.hola_flex import block_masks, cache_read_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    out = {}
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, o_state, gamma_q, gamma_k, sink, gate)]
+    n = q.shape[0] * q.shape[1]
+    try:
+        torch.cuda.synchronize()
+        t0 = time.time()
+        masks = block_masks(table, sel, n, window=window)
+        torch.cuda.synchronize()
+        out["flex_masks_s"] = time.time() - t0
+        flex = torch.compile(flex_attention)
+
+        def flex_fwd():
+            return cache_read_flex(*leaves, sel, masks, window=window, flex=flex)
+
+        def triton_fwd():
+            return cache_attn_op(*leaves, sel, table.blk_start, table.blk_len, block, window)[0]
+
+        for name, fwd in (("flex", flex_fwd), ("triton", triton_fwd)):
+            def fwd_bwd(fwd=fwd):
+                fwd().backward(do)
+            fwd_bwd()  # compile outside the timing
+            with torch.no_grad():
+                out[f"{name}_cache_fwd_ms"] = bench(fwd, None, rep_ms)
+            out[f"{name}_cache_fwd_bwd_ms"] = bench(fwd_bwd, leaves, rep_ms)
+            for t in leaves:
+                t.grad = None
+            out[f"{name}_cache_peak_mib"] = peak_mib(fwd_bwd)
+            for t in leaves:
+                t.grad = None
+        out["flex_over_triton_fwd_bwd"] = out["flex_cache_fwd_bwd_ms"] / out["triton_cache_fwd_bwd_ms"]
+    except Exception as e:  # noqa: BLE001 - reported in the row, the other rows go on
+        out["flex_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
 def print_table(results):
     cols = [("T", "T"), ("B", "B"), ("gdn_fla_ms", "GDN ms"), ("gdn_adapter_ms", "adapter ms"),
             ("hola_triton_ms", "HOLA triton ms"), ("hola_triton_overlap_ms", "overlap ms"),
@@ -270,7 +342,8 @@ def print_table(results):
             ("hola_triton_over_gdn", "triton/GDN"), ("hola_sdpa_over_gdn", "sdpa/GDN"),
             ("hola_triton_over_sdpa_causal", "triton/SDPA"), ("hola_triton_mem_over_gdn", "mem triton/GDN"),
             ("stage_state_fwd_ms", "state fwd"), ("stage_select_ms", "select"), ("stage_cache_fwd_ms", "cache fwd"),
-            ("stage_cache_bwd_ms", "cache bwd")]
+            ("stage_cache_bwd_ms", "cache bwd"), ("stage_cache_fwd_tflops", "fwd TFLOP/s"),
+            ("stage_cache_bwd_tflops", "bwd TFLOP/s"), ("flex_over_triton_fwd_bwd", "flex/triton")]
     print(" | ".join(c[1] for c in cols))
     for r in results:
         cells = []

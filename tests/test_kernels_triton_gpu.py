@@ -361,3 +361,46 @@ def test_overlapped_backward_equals_the_layered_form(evict, monkeypatch):
     loss = torch.compile(fn, fullgraph=True, backend="aot_eager")(*[xc[n] for n in NAMES])
     grads = torch.autograd.grad(loss, [xc[n] for n in NAMES])
     assert all(torch.isfinite(g_).all() for g_ in grads)
+
+
+def _flex_read(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, initial_state, output_final_state, window, block,
+               evict, cu_seqlens, selected, compiled):
+    """The FlexAttention candidate of the cache read (kernels/hola_flex.py) behind the reference state path, reading
+    the given selection."""
+    from hola_titan.kernels.hola_flex import block_masks, cache_read_flex
+    from hola_titan.kernels.hola_stages import state_path
+    from torch.nn.attention.flex_attention import flex_attention
+    b, t, _, _ = q.shape
+    o_state, _, final_state = state_path(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                         output_final_state=output_final_state, impl="reference")
+    table = hola_triton_select.build_block_table(b, t, cu_seqlens, block, q.device)
+    masks = block_masks(table, selected, b * t, window=window)
+    flex = torch.compile(flex_attention) if compiled else flex_attention
+    o = cache_read_flex(q, k, v, o_state, gamma_q, gamma_k, sink, gate, selected, masks, window=window, flex=flex)
+    return o, final_state, None
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flex_candidate_gradients_match_reference(compiled):
+    """The FlexAttention candidate that bench_hola_attention.py times: bf16 output and every gradient as close to
+    the float32 reference as the bf16 SDPA backend (twice its relative error, plus 1e-6), given the same selection,
+    packed documents, D = 256."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    b, t, cu, h, d, window = 1, 1500, [0, 600, 601, 1500], 4, 256, 64
+    cu_t = torch.tensor(cu, device=DEVICE)
+    kw = dict(window=window, block=BLOCK, evict="score", cu_seqlens=cu_t)
+    base = make_inputs(b, t, h, d, num_states=len(cu) - 1, seed=5, dtype=torch.float32)
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    weights = (torch.randn(b, t, h, d, device=DEVICE, generator=gen),
+               torch.randn(len(cu) - 1, h, d, d, device=DEVICE, generator=gen))
+    _, aux = run(hola_attention_triton, leaves(base, torch.bfloat16), weights, return_aux=True,
+                 state_impl="reference", **kw)
+    sel = aux["sel"]
+    res_f, _ = run(lambda *a, **k: _flex_read(*a, **k, compiled=compiled), leaves(base, torch.bfloat16), weights,
+                   selected=sel, **kw)
+    res_s, _ = run(hola_attention_sdpa, leaves(base, torch.bfloat16), weights, selected=sel, state_impl="reference",
+                   **kw)
+    res_r, _ = run(reference(base, sel), leaves(base), weights, **kw)
+    for name, ref in res_r.items():
+        e_f, e_s = rel(res_f[name], ref), rel(res_s[name], ref)
+        assert e_f <= 2 * e_s + 1e-6, f"flex {name}: error {e_f:.2e} > 2 x sdpa error {e_s:.2e}"

@@ -199,3 +199,20 @@ def test_bench_context_parallel_predicts_from_stage_timings(tmp_path):
           str(out), "--ranks", "8", "--prediction-out", str(pred), "--out", str(tmp_path / "again.json")])
     again = json.loads(pred.read_text())
     assert again[:4] == rows and [(r["R"], r["seq_len_per_rank"]) for r in again[4:]] == [(8, 64), (8, 128)]
+
+
+def test_bench_hola_attention_counts_the_pairs_the_cache_read_computes():
+    """The cache read's FLOP count (TFLOP/s of the issue's targets) from the selection and the block table: two
+    blocks of 3 and 2 tokens, two heads; head 0 has 2 filled slots in block 1, head 1 one, block 0 none."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_hola_attention", "scripts/bench_hola_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    sel = torch.tensor([[[-1, -1], [-1, -1]], [[0, 2], [1, -1]], [[-1, -1], [-1, -1]]])  # [NB, H, W]
+    table = SimpleNamespace(blk_len=torch.tensor([3, 2, 0]))  # a padding row last
+    # Cache: block 1's 2 queries read 2 + 1 slots over the heads; in-block: (3*4/2 + 2*3/2) per head, 2 heads.
+    assert bench.cache_pairs(sel, table) == 2 * 3 + 2 * (6 + 3)

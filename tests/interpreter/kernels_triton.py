@@ -209,6 +209,9 @@ CONTINUE_CASES = [
     (1, [0, 7, 16], [0, 1, 2], 8, 3, "score"),  # one step of each of two documents, one completing a block
     (2, 13, 21, 8, 5, "recency"),  # rows with an unfinished block, recency
     (3, 10, 7, 4, 6, "recency"),  # rows, window larger than the block
+    # Unfinished blocks of more buffered rows than a key tile of the interpreter (16): the prefix spans two tiles.
+    (1, 54, 30, 32, 5, "score"),
+    (2, 45, 20, 24, 4, "recency"),
 ]
 
 
@@ -423,6 +426,25 @@ def test_cache_attn_op_registrations():
                                                           "test_faketensor"))
 
 
+def test_cache_attn_pre_op_registrations():
+    """The same for the op that also reads prefix rows (a call continuing from a cache): a first block of 3 prefix
+    rows and 5 tokens, cache slots naming token rows, prefix rows (``-2 - a``) and nothing (``-1``)."""
+    from hola_titan.kernels.hola_triton_ops import cache_attn_pre_op
+    b, t, h, d, block, window = 1, 20, 2, 16, 8, 3
+    x = make_inputs(b, t, h, d, seed=12)
+    gen = torch.Generator().manual_seed(2)
+    pre_k, pre_v = (torch.randn(6, h, d, generator=gen).requires_grad_() for _ in range(2))
+    i32 = dict(dtype=torch.int32)
+    blk_start, blk_len = torch.tensor([0, 5, 13], **i32), torch.tensor([5, 8, 7], **i32)
+    pre_start, pre_len = torch.tensor([3, 0, 0], **i32), torch.tensor([3, 0, 0], **i32)
+    sel = torch.tensor([[-2, -3, -1], [-4, 2, -1], [7, -5, 10]], **i32)[:, None, :].expand(3, h, 3).contiguous()
+    o_state = torch.randn(b, t, h, d, requires_grad=True)
+    args = (x["q"], x["k"], x["v"], o_state, x["gamma_q"], x["gamma_k"], x["sink"], x["gate"], sel, blk_start,
+            blk_len, pre_k, pre_v, pre_start, pre_len, block, window)
+    torch.library.opcheck(cache_attn_pre_op, args, test_utils=("test_schema", "test_autograd_registration",
+                                                              "test_faketensor"))
+
+
 @pytest.mark.parametrize("evict", ["score", "recency"])
 def test_layers_sharing_a_batch_s_block_table_equal_calls_that_build_their_own(evict):
     """Two layer calls given one Documents (its block table, and the recency selection derived from it, made by
@@ -444,3 +466,86 @@ def test_layers_sharing_a_batch_s_block_table_equal_calls_that_build_their_own(e
             assert torch.equal(gr, gr_b), f"seed {seed}: d{name}"
     if evict == "recency":  # the selection was derived once, from the shared table
         assert ("recency", 2, 20) in docs.block_table(24).derived
+
+
+def test_continuing_call_copies_no_token_sized_tensor():
+    """A call that continues from a cache reads the new tokens where they are: outside the cache-attention op, no
+    operation of its forward makes a tensor as large as q (the extended row layout made four: q, k, v and the state
+    output laid out again, and sliced the output back)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    b, t1, t2, h, d, block, window = 2, 13, 40, 2, 16, 8, 3
+    kw = dict(window=window, block=block, evict="score", cu_seqlens=None)
+    x1 = make_inputs(b, t1, h, d, seed=5)
+    _, state, cache = hola_attention_reference(*[x1[n].detach() for n in NAMES], initial_state=None,
+                                               output_final_state=True, initial_cache=None, output_final_cache=True,
+                                               **kw)
+    x2 = make_inputs(b, t2, h, d, seed=6)
+    token_sized = b * t2 * h * d
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.large = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(a, torch.Tensor)}
+            for o in (out if isinstance(out, (tuple, list)) else [out]):
+                # New memory only: a view of an input is no copy.
+                if (isinstance(o, torch.Tensor) and o.numel() >= token_sized
+                        and o.untyped_storage().data_ptr() not in inputs):
+                    self.large.append(str(func))
+            return out
+
+    from hola_titan.kernels.hola_continue import continue_from_cache
+    from hola_titan.kernels.hola_stages import state_path
+    q, k, v, g, beta, gamma_q, gamma_k, sink, gate = (x2[n] for n in NAMES)
+    o_state, m, _ = state_path(q, k, v, g, beta, initial_state=state, cu_seqlens=None, output_final_state=False)
+    with Sizes() as mode:
+        continue_from_cache(q, k, v, o_state, m, gamma_q, gamma_k, sink, gate, None, cache, window=window,
+                            block=block, evict="score", output_final_cache=True)
+    attn = [f for f in mode.large if "cache_attn" in f]
+    assert attn, "the cache-attention op did not run"
+    assert not [f for f in mode.large if f not in attn], mode.large
+
+
+def _flex_backend(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, cu_seqlens,
+                  output_final_state, return_aux):
+    """The FlexAttention candidate of the cache read behind the Triton backend's state path and selection."""
+    from hola_titan.kernels.hola_flex import block_masks, cache_read_flex
+    from hola_titan.kernels.hola_stages import select, state_path
+    b, t, h, _ = q.shape
+    o_state, m, final_state = state_path(q, k, v, g, beta, initial_state=None, cu_seqlens=cu_seqlens,
+                                         output_final_state=output_final_state)
+    table = hola_triton_select.build_block_table(b, t, cu_seqlens, block, q.device)
+    sel, _ = select(m.reshape(b * t, h), table, window=window, evict=evict, num_heads=h)
+    o = cache_read_flex(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel,
+                        block_masks(table, sel, b * t, window=window), window=window)
+    assert return_aux
+    return o, final_state, None, {"m": m, "sel": sel, "table": table}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_flex_candidate_matches_reference_given_its_selection(case):
+    """The FlexAttention candidate (measured by scripts/bench_hola_attention.py) computes the same read, packed
+    documents, an empty cache, recency: the output here (FlexAttention has no backward on a CPU; the GPU suite
+    compares its gradients)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    b, t, cu, h, d, block, window, evict = case
+    x = {n: tensor.detach() for n, tensor in make_inputs(b, t, h, d, seed=t + 2).items()}
+    kw = dict(window=window, block=block, evict=evict, cu_seqlens=torch.tensor(cu) if cu else None)
+    o, _, _, aux = _flex_backend(*[x[n] for n in NAMES], output_final_state=True, return_aux=True, **kw)
+    o_r, _, _ = reference_given(x, aux["sel"], **kw)
+    o_64, _, _ = reference_given({n: tensor.double() for n, tensor in x.items()}, aux["sel"], **kw)
+    assert_fp32_close(o, o_r, o_64, "o")
+
+
+@pytest.mark.parametrize("case", CASES[:2] + CASES[3:], ids=[_case_id(c) for c in CASES[:2] + CASES[3:]])
+def test_kernel_variants_match_reference_given_their_selection(case, monkeypatch):
+    """The launch candidates that the GPU sweep times: the forward with its output columns split over two programs
+    and the two-pass dq compute the same read, output and every gradient."""
+    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
+                        dict(hola_triton_attn._INTERPRET_CONFIG, SPLIT=2, TWO_PASS=True))
+    check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 3)
