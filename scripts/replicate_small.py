@@ -599,6 +599,12 @@ def run_piece(piece: Piece, *, commands: Commands, out: Path, budget_min: float,
 # ---------------------------------------------------------------------------------------------------------------
 
 
+CHANCE_SCORE = 0.01
+"""A sweep run whose mean MQAR accuracy stays under this learned nothing (chance is about 1 / vocabulary)."""
+LEARNED_POINT = "pairs=8@256"
+LEARNED_ACCURACY = 0.5
+
+
 def spread(values: list[float], digits: int = 3) -> str:
     """``mean [min, max]`` over seeds (the value alone for one seed)."""
     if not values:
@@ -631,6 +637,21 @@ def mqar_lines(runs: list[dict], best: dict[str, float]) -> list[str]:
              "| flavour | lr | mean accuracy | |", "|---|---|---|---|"]
     for (flavour, lr), score in sorted(scores.items(), key=lambda kv: (FLAVOURS.index(kv[0][0]), kv[0][1])):
         lines.append(f"| {flavour} | {lr:g} | {score:.3f} | {'best' if best.get(flavour) == lr else ''} |")
+    chance = [f for f in best if scores.get((f, best[f]), 0.0) < CHANCE_SCORE]
+    if chance:
+        lines += ["", f"At chance at every rate of the sweep (best mean accuracy under {CHANCE_SCORE:g}): "
+                  f"{', '.join(chance)}; the seeds of {'that flavour' if len(chance) == 1 else 'those flavours'} "
+                  "train at a rate the sweep could not tell from the others."]
+    learned = []
+    for (flavour, lr), group in groups.items():
+        if best.get(flavour) == lr:
+            acc = [r["results"]["mqar"].get(LEARNED_POINT) for r in group if "mqar" in r["results"]]
+            acc = [a for a in acc if a is not None]
+            if acc:
+                learned.append(f"{flavour} {sum(a > LEARNED_ACCURACY for a in acc)}/{len(acc)}")
+    if learned:
+        lines += ["", f"Seeds that learned MQAR (accuracy over {LEARNED_ACCURACY:g} at {LEARNED_POINT}, cache on), "
+                  "at the best lr: " + ", ".join(learned) + "."]
     points = sorted({_point(k) for g in groups.values() for r in g for k in r["results"].get("mqar", {})})
     for seq_len in sorted({length for length, _ in points}):
         pairs = [p for length, p in points if length == seq_len]
@@ -682,6 +703,63 @@ def cache_lines(runs: list[dict]) -> list[str]:
                              f"{plots} |")
                 plots = ""
     return lines + [""]
+
+
+def _ordering(label: str, values: dict[str, list[float]], higher_is_better: bool) -> str:
+    """One table row: the pairs of flavours that every seed orders the same way (the worst seed of one beats the
+    best seed of the other), and the pairs within the spread."""
+    flavours = [f for f in FLAVOURS if values.get(f)]
+    ordered, within = [], []
+    for i, a in enumerate(flavours):
+        for b in flavours[i + 1:]:
+            va, vb = values[a], values[b]
+            if higher_is_better:
+                a_wins, b_wins = min(va) > max(vb), min(vb) > max(va)
+            else:
+                a_wins, b_wins = max(va) < min(vb), max(vb) < min(va)
+            if a_wins or b_wins:
+                ordered.append(f"{a} > {b}" if a_wins else f"{b} > {a}")
+            else:
+                within.append(f"{a} ~ {b}")
+    return f"| {label} | {', '.join(ordered) or '-'} | {', '.join(within) or '-'} |"
+
+
+def ordering_lines(runs: list[dict], best: dict[str, float]) -> list[str]:
+    """Which orderings of the flavours hold beyond the spread of the seeds, metric by metric (flavours with two
+    or more seeds only; MQAR at each flavour's best lr with the cache on)."""
+    rows = []
+    mqar = {f: g for (f, lr), g in group_runs(runs, "mqar").items() if best.get(f) == lr and len(g) > 1}
+    keys = sorted({k for g in mqar.values() for r in g for k in r["results"].get("mqar", {})}, key=_point)
+    for key in keys:
+        values = {f: [r["results"]["mqar"][key] for r in g if key in r["results"].get("mqar", {})]
+                  for f, g in mqar.items()}
+        length, pairs = _point(key)
+        rows.append(_ordering(f"MQAR {pairs} pairs @ {length}", values, True))
+    text = {f: g for (f, _), g in group_runs(runs, "text").items() if len(g) > 1}
+    if text:
+        rows.append(_ordering("text: validation perplexity (lower is better)",
+                              {f: [r["results"]["ppl"]["perplexity"] for r in g if "ppl" in r["results"]]
+                               for f, g in text.items()}, False))
+        columns = list(dict.fromkeys(k for g in text.values() for r in g for k in r["results"].get("niah", {})))
+        for column in columns:
+            rows.append(_ordering(f"text: {column}", {f: [r["results"]["niah"][column] for r in g
+                                                          if column in r["results"].get("niah", {})]
+                                                      for f, g in text.items()}, True))
+    if not rows:
+        return []
+    return ["## Which orderings hold beyond the seed spread", "",
+            "`a > b`: every seed of a is better than every seed of b (higher accuracy, lower perplexity); `a ~ b`: "
+            "the seeds overlap, no ordering beyond the spread. Flavours with two or more seeds; MQAR at each "
+            "flavour's best lr, cache on.",
+            "", "| metric | ordered beyond the spread | within the spread |", "|---|---|---|", *rows, ""]
+
+
+def gpu_lines(pieces: list[dict]) -> list[str]:
+    parts = [f"piece {p['piece']} {p['wall_s'] / 60:.1f} min" for p in pieces if p.get("wall_s") is not None]
+    if not parts:
+        return []
+    return ["GPU time (each piece's wall time on its GPU; pieces run side by side in one command share it): "
+            + ", ".join(parts) + ".", ""]
 
 
 def runs_lines(pieces: list[dict]) -> list[str]:
@@ -790,6 +868,7 @@ def merge(paths: list[Path], out: Path) -> Path:
              "Cells: mean [min, max] over seeds; a single value where one seed ran.", ""]
     if pieces[0]["quick"]:
         lines += ["**--quick**: tiny runs on the CPU to test the machinery; the numbers mean nothing.", ""]
+    lines += gpu_lines(pieces) + ordering_lines(runs, best)
     lines += mqar_lines(runs, best) + text_lines(runs) + cache_lines(runs) + runs_lines(pieces)
     written = plot(runs, best, out)
     lines += ["Plots: " + ", ".join(f"[{p.name}]({p.name})" for p in written), ""] if written else []

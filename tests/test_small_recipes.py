@@ -193,6 +193,16 @@ def test_quick_piece_end_to_end_and_merge(capsys, tmp_path):
     assert (report / "mqar.png").is_file() and all((report / f).is_file() for f in run["files"])
 
 
+def test_orderings_beyond_the_spread():
+    """A pair is ordered only when the worst seed of one beats the best seed of the other; lower is better for
+    perplexity."""
+    row = replicate._ordering("m", {"hola": [0.9, 0.8], "hola_recency": [0.7, 0.85], "gdn": [0.1, 0.2]}, True)
+    assert row == "| m | hola > gdn, hola_recency > gdn | hola ~ hola_recency |"
+    row = replicate._ordering("ppl", {"hola": [56.9, 55.9], "hola_recency": [55.4, 53.3], "gdn": [52.3, 51.1]},
+                              False)
+    assert row == "| ppl | hola_recency > hola, gdn > hola, gdn > hola_recency | - |"
+
+
 def _b64(number: int) -> str:
     alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
     digits = ""
