@@ -762,6 +762,28 @@ def gpu_lines(pieces: list[dict]) -> list[str]:
             + ", ".join(parts) + ".", ""]
 
 
+def command_lines(pieces: list[dict]) -> list[str]:
+    """Each piece's command, and the commands of its first run (its other runs differ in the flavour's config,
+    the lr and the seed, as their names say)."""
+    lines = ["## Commands", "", "`<out>`: the piece's --out folder; `<work>`: its temporary folder.", ""]
+    for piece in pieces:
+        command = piece.get("command") or []
+        command = list(command) if isinstance(command, list) else str(command).split()
+        if "--out" in command[:-1]:
+            command[command.index("--out") + 1] = "<out>"
+        # The JSON marks a deleted temporary folder "<path> (removed)".
+        work = (piece.get("work_folder") or "").split(" (")[0]
+
+        def generic(words: list[str], work=work) -> str:
+            text = " ".join(words)
+            return text.replace(work, "<work>") if work else text
+        first = piece["runs"][0]
+        lines += [f"Piece {piece['piece']} ({piece.get('title', piece.get('kind', ''))}):", "", "```",
+                  generic(command), f"# {first['name']}:"]
+        lines += [generic(stage.get("command") or []) for stage in first.get("stages", [])] + ["```", ""]
+    return lines
+
+
 def runs_lines(pieces: list[dict]) -> list[str]:
     lines = ["## Runs", "", "Training wall time includes start-up; tokens/s is the trainer's mean after its first "
              "logged step, with the piece's other runs beside it.", "",
@@ -870,6 +892,7 @@ def merge(paths: list[Path], out: Path) -> Path:
         lines += ["**--quick**: tiny runs on the CPU to test the machinery; the numbers mean nothing.", ""]
     lines += gpu_lines(pieces) + ordering_lines(runs, best)
     lines += mqar_lines(runs, best) + text_lines(runs) + cache_lines(runs) + runs_lines(pieces)
+    lines += command_lines(pieces)
     written = plot(runs, best, out)
     lines += ["Plots: " + ", ".join(f"[{p.name}]({p.name})" for p in written), ""] if written else []
     path = out / "RESULTS.md"

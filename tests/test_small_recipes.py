@@ -191,6 +191,10 @@ def test_quick_piece_end_to_end_and_merge(capsys, tmp_path):
     assert "| hola | 0.001 | on | 1 | 0.200 | 0.200 |" in text
     assert "| hola | 0.003 | 0.750 | best |" in text  # the sweep table: mean over the points
     assert (report / "mqar.png").is_file() and all((report / f).is_file() for f in run["files"])
+    assert "## Which orderings hold beyond the seed spread" in text and "| MQAR 8 pairs @ 64 |" in text
+    commands = text.split("## Commands", 1)[1]
+    assert "--piece 2" in commands and "--out <out>" in commands and "<work>/mqar_hola_lr0.003_s1/train" in commands
+    assert str(out) not in commands  # the piece's --out folder and temporary folder are named, not spelled
 
 
 def test_orderings_beyond_the_spread():
