@@ -229,6 +229,15 @@ def _record_plan(args, folder: Path) -> None:
     print(f"plan {key}: {len(specs)} specialisations in {time.time() - t1:.0f} s", flush=True)
 
 
+def file_meta(before: dict, *, gpu: str, versions: dict, runs: list[dict]) -> dict:
+    """The file's ``meta`` after a run: the GPU, the versions, every run, and the notes the file carried (what a
+    person wrote about how its entries came to be; a merge must not drop them)."""
+    meta = {"gpu": gpu, **versions, "runs": runs}
+    if before.get("notes"):
+        meta["notes"] = list(before["notes"])
+    return meta
+
+
 def main(argv=None) -> int:
     args = _parse_args(argv)
     if args.child:
@@ -274,7 +283,7 @@ def main(argv=None) -> int:
         runs = [*earlier_runs, {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command,
             "torch": versions["torch"], "cuda": versions["cuda"], "parts": log}]
-        meta = {"gpu": gpu, **versions, "runs": runs}
+        meta = file_meta(before["meta"], gpu=gpu, versions=versions, runs=runs)
         record = {"format": tuned_configs.FORMAT, "meta": meta, "kernels": kernels,
                   "plans": {**before.get("plans", {}), **plans}}
         out.parent.mkdir(parents=True, exist_ok=True)

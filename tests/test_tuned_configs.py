@@ -229,3 +229,12 @@ def test_tune_kernels_counts_a_plan_child_without_a_plan_as_failed(tmp_path):
     tables = {"kernels": {"k": {}}, "seconds": {}}
     out.write_text(json.dumps(tables))
     assert read("tune", out, "timeout") == (tables, "timeout")  # a stopped tuning child keeps what it tuned
+
+
+def test_tune_kernels_keeps_the_file_notes_when_it_merges():
+    """A merged file keeps the notes written into its meta (a re-recording dropped them on 2026-12-03)."""
+    meta = _tune_kernels_script().file_meta({"notes": ["plans migrated by hand"], "runs": [{"date": "d"}]},
+                                           gpu="G", versions={"torch": "t"}, runs=[{"date": "d"}, {"date": "e"}])
+    assert meta == {"gpu": "G", "torch": "t", "runs": [{"date": "d"}, {"date": "e"}],
+                    "notes": ["plans migrated by hand"]}
+    assert "notes" not in _tune_kernels_script().file_meta({}, gpu="G", versions={}, runs=[])
