@@ -16,6 +16,7 @@ largest m (``evict="score"``) or the ``window`` positions just before the block 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from hola_titan.kernels.dispatch import call_path, explain_backend, resolve_back
 from hola_titan.kernels.seqlens import Documents
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.kernels.hola_reference import hola_attention_reference
+
+if TYPE_CHECKING:  # the Triton backend's module, imported where it runs
+    from hola_titan.kernels.hola_continue import ContinuationLayout
 
 EVICT_MODES = ("score", "recency", "none")
 BACKENDS = ("auto", "reference", "sdpa", "triton")
@@ -64,7 +68,8 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    cu_seqlens: torch.Tensor | None = None, documents: Documents | None = None,
                    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                    initial_cache: HolaCache | None = None, output_final_cache: bool = False,
-                   backend: str = "auto", overlap_backward: bool = False):
+                   backend: str = "auto", overlap_backward: bool = False,
+                   continuation: ContinuationLayout | None = None):
     """HOLA attention over ``[B, T, H, D]`` inputs.
 
     Args:
@@ -87,11 +92,17 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             as the reference through ``kernels/hola_step.py`` with every backend but ``"reference"``.
         overlap_backward: Triton backend on CUDA: the layer as one op whose backward overlaps the cache
             attention's backward (a side stream) with fla's (``kernels/hola_triton_layer.py``); same results.
+        continuation: with ``initial_cache``, the batch's
+            :class:`~hola_titan.kernels.hola_continue.ContinuationLayout` for these shapes and the cache's token
+            counts, made once for all layers (the Triton backend's index work for continuing); None: made in the
+            call. The other backends do not need one.
 
     Returns:
         ``(o, final_state)``, or ``(o, final_state, final_cache)`` when ``output_final_cache`` is set;
         ``o`` is ``[B, T, H, D]`` in the input dtype, before the output norm.
     """
+    if continuation is not None and initial_cache is None:
+        raise ValueError("continuation: a continuation layout needs the initial_cache it was made for")
     documents = _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
                           cu_seqlens=cu_seqlens, documents=documents, initial_state=initial_state,
                           initial_cache=initial_cache, output_final_cache=output_final_cache, backend=backend)
@@ -121,6 +132,7 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         from hola_titan.kernels.hola_triton import hola_attention_triton
         o, final_state, final_cache = hola_attention_triton(*args, initial_cache=initial_cache,
                                                             overlap_backward=overlap_backward,
+                                                            continuation=continuation,
                                                             chunk_indices=chunk_indices, block_table=block_table,
                                                             **kw)
     else:

@@ -68,7 +68,7 @@ def cache_read_flex(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, masks, 
     bsz, seq_len, h, d = q.shape
     n = bsz * seq_len
     cache_mask, own_mask = masks
-    # [1, H, n, D]; both gammas and the scale's square root go to the query side (one copy each of q and k).
+    # [1, H, n, D]; both gammas go to the query side (one normalised copy each of q and k; FlexAttention scales).
     qn = _rms(q, gamma_q * gamma_k).reshape(n, h, d).transpose(0, 1)[None]
     kn = _rms(k, torch.ones_like(gamma_k)).reshape(n, h, d).transpose(0, 1)[None]
     vt = v.reshape(n, h, d).transpose(0, 1)[None]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.hola_continue import continue_from_cache
+from hola_titan.kernels.hola_continue import ContinuationLayout, continue_from_cache
 from hola_titan.kernels.hola_stages import final_cache_from_selection, select, state_path
 from hola_titan.kernels.hola_triton_ops import cache_attn_op
 from hola_titan.kernels.hola_triton_select import BlockTable, build_block_table
@@ -32,7 +32,7 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
                           initial_cache: HolaCache | None = None, output_final_cache: bool = False,
                           selected: torch.Tensor | None = None, return_aux: bool = False, state_impl: str = "auto",
                           overlap_backward: bool = False, chunk_indices: torch.Tensor | None = None,
-                          block_table: BlockTable | None = None):
+                          block_table: BlockTable | None = None, continuation: ContinuationLayout | None = None):
     """The Triton backend (arguments validated by ``hola_titan.ops.hola_attention``); ``chunk_indices`` as in
     :func:`state_path`; ``block_table``: the batch's table for ``block`` (``Documents.block_table``, made once per
     batch), or None to build it here.
@@ -42,7 +42,8 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
     ``[B, T, H]``, the selection ``sel`` and the block table. ``state_impl``: see :func:`state_path`.
     ``overlap_backward``: the layer as one op whose backward overlaps the two paths (:mod:`hola_triton_layer`).
     A call with an ``initial_cache`` reads the cache as a prefix of key rows
-    (:func:`~hola_titan.kernels.hola_continue.continue_from_cache`).
+    (:func:`~hola_titan.kernels.hola_continue.continue_from_cache`), with the batch's ``continuation`` layout
+    when given.
     Returns ``(o, final_state, final_cache[, aux])``.
     """
     bsz, seq_len, h, d = q.shape
@@ -68,7 +69,8 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
             raise ValueError("selected: not supported together with initial_cache")
         o, final_cache, sel, table = continue_from_cache(q, k, v, o_state, m, gamma_q, gamma_k, sink, gate,
                                                           cu_seqlens, initial_cache, window=window, block=block,
-                                                          evict=evict, output_final_cache=output_final_cache)
+                                                          evict=evict, output_final_cache=output_final_cache,
+                                                          layout=continuation)
         aux.update(sel=sel, table=table)
         return (o, final_state, final_cache, aux) if return_aux else (o, final_state, final_cache)
     table = block_table if block_table is not None else build_block_table(bsz, seq_len, cu_seqlens, block, q.device)

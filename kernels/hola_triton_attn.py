@@ -79,7 +79,8 @@ def _empty(*shape, dtype, device):
 
 
 # Kernel variants a launch configuration may choose (scripts/bench_hola_attention.py --sweep times them): the
-# forward with its output columns split over SPLIT programs, the dq pass in two passes over the keys.
+# forward with its output columns split over SPLIT programs, the dq pass in two passes over the keys. Fresh calls
+# only: a call continuing from a cache runs the plain kernels (with the same tiles) whatever the variant.
 VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ()}
 
 
@@ -126,13 +127,17 @@ if triton is not None:
         return b_k, b_v, b_rk
 
     @triton.jit
-    def _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN: tl.constexpr):
+    def _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN: tl.constexpr, HAS_PRE: tl.constexpr):
         """Slots c0 ... c0 + BN of block i_b's cache: slot numbers, token rows (``t_ok``) and prefix rows
-        (``a_ok``: selection entries ``-2 - a`` name prefix row ``a``; ``-1`` is an empty slot)."""
+        (``a_ok``: with a prefix, selection entries ``-2 - a`` name prefix row ``a``; every negative entry is an
+        empty slot without one)."""
         o_n = c0 + tl.arange(0, BN)
         b_idx = tl.load(sel_ptr + (i_b * H + i_h) * W + o_n, mask=o_n < W, other=-1).to(tl.int64)
         t_ok = b_idx >= 0
-        a_ok = b_idx <= -2
+        if HAS_PRE:
+            a_ok = b_idx <= -2
+        else:
+            a_ok = o_n < 0
         return o_n, t_ok, tl.where(t_ok, b_idx, 0) * H + i_h, a_ok, tl.where(a_ok, -2 - b_idx, 0) * H + i_h
 
     @triton.jit
@@ -219,7 +224,7 @@ if triton is not None:
             b_acc = tl.zeros([BM, D // SPLIT], dtype=tl.float32)
             if W > 0:
                 for c0 in range(0, W, BN):
-                    o_n, t_ok, row, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN)
+                    o_n, t_ok, row, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN, HAS_PRE)
                     b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a,
                                                a_ok, D, HAS_PRE, D // SPLIT, v_off)
                     b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, (t_ok | a_ok)[None, :],
@@ -314,7 +319,7 @@ if triton is not None:
         """One pass of the two-pass dq over the query tile's keys (cache slots, then the block's own)."""
         if W > 0:
             for c0 in range(0, W, BN):
-                o_n, t_ok, row, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN)
+                o_n, t_ok, row, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN, HAS_PRE)
                 b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a,
                                            a_ok, D, HAS_PRE, D, 0)
                 b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None]
@@ -367,7 +372,7 @@ if triton is not None:
                 b_pk = tl.zeros([BM, D], dtype=tl.float32)
                 if W > 0:
                     for c0 in range(0, W, BN):
-                        o_n, t_ok, row, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN)
+                        o_n, t_ok, row, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN, HAS_PRE)
                         b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a,
                                                    a_ok, D, HAS_PRE, D, 0)
                         b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None]
@@ -451,7 +456,7 @@ if triton is not None:
             lo = tl.where(is_cache, 0, (tl.maximum(c0 - pre, 0) // BM) * BM)
             o_d = tl.arange(0, D)
             if is_cache:
-                o_n, t_ok, row_k, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN)
+                o_n, t_ok, row_k, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN, HAS_PRE)
             else:
                 o_n, t_ok, row_k, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
             n_ok = t_ok | a_ok

@@ -527,7 +527,7 @@ class CPLayer:
         # call's tokens; that copy is gone (hola_titan.kernels.hola_continue), and one continuing call for the
         # whole shard is a candidate to time against it. The continuing document is then not the one that crosses
         # out (that would be the shard's only document).
-        initial_state = initial_cache = None
+        initial_state = initial_cache = continuation = None
         if self.chains_in:
             if self._tails_out is None:  # attention alone: the message has no convolution tails
                 self._received = self._receive(q.flatten(2), tail_rows=0)
@@ -545,26 +545,44 @@ class CPLayer:
                 initial_cache = HolaCache.unflatten(
                     [empty.index_copy(0, seqs, parts[name]) for name, empty in zip(HolaCache.TENSORS, fresh.flatten())],
                     fresh.meta())
+                # The continuing call's index layout depends only on the tokens each sequence has seen (the
+                # layout's offsets, on the host) and the shapes: made once for the batch, shared by its layers.
+                continuation = cp.memo(("continuation", split, window, block, device), lambda: self._continuation(
+                    split=split, shape=q.shape, device=device))
         if split:
             n0 = layout.seq_len[0]
             rest_docs = cp.memo(("rest_docs", device), lambda: Documents.from_host(
                 torch.tensor([s - n0 for s in layout.local_cu_seqlens[1:]], dtype=torch.int64), device=device,
                 seq_len=layout.shard_len - n0))
             o_first = hola_attention(*(x[:, :n0] for x in (q, k, v, g, beta)), *cache_params,
-                                     initial_state=initial_state, initial_cache=initial_cache, **common)[0]
+                                     initial_state=initial_state, initial_cache=initial_cache,
+                                     continuation=continuation, **common)[0]
             result = hola_attention(*(x[:, n0:] for x in (q, k, v, g, beta)), *cache_params, documents=rest_docs,
                                     output_final_state=want_out, output_final_cache=want_out and has_cache, **common)
             result = (torch.cat([o_first, result[0]], dim=1), *result[1:])
         else:
             result = hola_attention(q, k, v, g, beta, *cache_params, documents=documents,
                                     initial_state=initial_state, initial_cache=initial_cache,
-                                    output_final_state=want_out, output_final_cache=want_out and has_cache, **common)
+                                    continuation=continuation, output_final_state=want_out,
+                                    output_final_cache=want_out and has_cache, **common)
         o = result[0]
         if want_out:
             # The final states and caches of the call's sequences (without the first one when split).
             o = o + self._send(result, q, shift=int(split)).to(o.dtype)  # a zero that carries backward to _Send
         self._kept["done"] = True
         return o, None
+
+    def _continuation(self, *, split: bool, shape: torch.Size, device: torch.device):
+        """The :class:`ContinuationLayout` of this shard's continuing call, from the host: every sequence of the call
+        has seen its document's tokens before the shard (0 for documents that start here)."""
+        from hola_titan.kernels.hola_continue import ContinuationLayout
+        layout = self.layout
+        if split:  # the continuing document alone, as one row
+            return ContinuationLayout.from_host([layout.seq_offset[0]], None, batch=1, seq_len=layout.seq_len[0],
+                                                window=self.window, block=self.block, device=device)
+        return ContinuationLayout.from_host(list(layout.seq_offset),
+                                            layout.local_cu_seqlens if layout.packed else None, batch=shape[0],
+                                            seq_len=shape[1], window=self.window, block=self.block, device=device)
 
     def _send(self, result, q: torch.Tensor, *, shift: int) -> torch.Tensor:
         """Sends this layer's message to rank r+1; returns ``_Send``'s zero token. ``result`` holds the final

@@ -204,11 +204,11 @@ def main():
             row["cache_pairs"] = pairs
             row["stage_cache_fwd_tflops"] = 4 * d * pairs / (row["stage_cache_fwd_ms"] * 1e9)
             row["stage_cache_bwd_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_ms"] * 1e9)
+            if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
+                row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms)
         if args.flex and t == args.seq_lens[0]:
             row.update(flex_candidate(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, do, cache_attn_op,
                                       block, window, args.rep_ms))
-            if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
-                row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms)
         if args.profile:
             profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap")
             row["profile"] = {name: profile(fn, grads, row.get(name + "_ms"))

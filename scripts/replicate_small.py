@@ -708,7 +708,7 @@ def cache_lines(runs: list[dict]) -> list[str]:
 def _ordering(label: str, values: dict[str, list[float]], higher_is_better: bool) -> str:
     """One table row: the pairs of flavours that every seed orders the same way (the worst seed of one beats the
     best seed of the other), and the pairs within the spread."""
-    flavours = [f for f in FLAVOURS if values.get(f)]
+    flavours = [f for f in values if values[f]]
     ordered, within = [], []
     for i, a in enumerate(flavours):
         for b in flavours[i + 1:]:
@@ -735,7 +735,12 @@ def ordering_lines(runs: list[dict], best: dict[str, float]) -> list[str]:
                   for f, g in mqar.items()}
         length, pairs = _point(key)
         rows.append(_ordering(f"MQAR {pairs} pairs @ {length}", values, True))
-    text = {f: g for (f, _), g in group_runs(runs, "text").items() if len(g) > 1}
+    groups = {key: g for key, g in group_runs(runs, "text").items() if len(g) > 1}
+    rates = {}
+    for flavour, lr in groups:
+        rates[flavour] = rates.get(flavour, 0) + 1
+    # A flavour trained at several rates is compared at each, named with its rate.
+    text = {(f if rates[f] == 1 else f"{f} lr {lr:g}"): g for (f, lr), g in groups.items()}
     if text:
         rows.append(_ordering("text: validation perplexity (lower is better)",
                               {f: [r["results"]["ppl"]["perplexity"] for r in g if "ppl" in r["results"]]
@@ -750,7 +755,7 @@ def ordering_lines(runs: list[dict], best: dict[str, float]) -> list[str]:
     return ["## Which orderings hold beyond the seed spread", "",
             "`a > b`: every seed of a is better than every seed of b (higher accuracy, lower perplexity); `a ~ b`: "
             "the seeds overlap, no ordering beyond the spread. Flavours with two or more seeds; MQAR at each "
-            "flavour's best lr, cache on.",
+            "flavour's best lr, cache on, its seed 0 being the sweep run that chose that lr.",
             "", "| metric | ordered beyond the spread | within the spread |", "|---|---|---|", *rows, ""]
 
 

@@ -205,6 +205,13 @@ def test_orderings_beyond_the_spread():
     row = replicate._ordering("ppl", {"hola": [56.9, 55.9], "hola_recency": [55.4, 53.3], "gdn": [52.3, 51.1]},
                               False)
     assert row == "| ppl | hola_recency > hola, gdn > hola, gdn > hola_recency | - |"
+    runs = [{"task": "text", "flavour": f, "lr": lr, "seed": seed, "results": {"ppl": {"perplexity": p}}}
+            for f, lr, seed, p in [("hola", 1e-3, 0, 50.0), ("hola", 1e-3, 1, 51.0), ("hola", 3e-3, 0, 40.0),
+                                   ("hola", 3e-3, 1, 41.0), ("gdn", 3e-3, 0, 45.0), ("gdn", 3e-3, 1, 46.0)]]
+    text = "\n".join(replicate.ordering_lines(runs, {}))
+    # Both of hola's rates are compared, each named with its rate.
+    assert "| text: validation perplexity (lower is better) | hola lr 0.003 > hola lr 0.001, gdn > hola lr 0.001, " \
+           "hola lr 0.003 > gdn | - |" in text, text
 
 
 def _b64(number: int) -> str:

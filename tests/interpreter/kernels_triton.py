@@ -215,23 +215,31 @@ CONTINUE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CONTINUE_CASES, ids=[f"{c[-1]}-C{c[3]}-W{c[4]}-{i}"
-                                                       for i, c in enumerate(CONTINUE_CASES)])
-def test_triton_continues_from_a_cache_like_the_reference(case):
-    """A call that continues from a HolaCache (a context-parallel shard, chunked prefill): output, final state,
-    final cache and every gradient, including those of the incoming state and of the cache's k and v."""
+def _continue_case(case, *, seed_of_prefix):
+    """A continuation case's second call (tokens, boundaries, sequences, keywords) and the reference's state and
+    cache after its first call (2 heads of 16)."""
     b, first, rest, block, window, evict = case
-    h, d = 2, 16
     t1 = first if isinstance(first, int) else first[-1]
     t2 = rest if isinstance(rest, int) else rest[-1]
     cu1 = None if isinstance(first, int) else torch.tensor(first)
     cu2 = None if isinstance(rest, int) else torch.tensor(rest)
     n = b if cu1 is None else len(first) - 1
     kw = dict(window=window, block=block, evict=evict)
-    x1 = make_inputs(b, t1, h, d, seed=t1 + window)
+    x1 = make_inputs(b, t1, 2, 16, seed=seed_of_prefix(t1))
     _, state, cache = hola_attention_reference(*[x1[name].detach() for name in NAMES], cu_seqlens=cu1,
                                                initial_state=None, output_final_state=True, initial_cache=None,
                                                output_final_cache=True, **kw)
+    return t2, cu2, n, kw, state, cache
+
+
+@pytest.mark.parametrize("case", CONTINUE_CASES, ids=[f"{c[-1]}-C{c[3]}-W{c[4]}-{i}"
+                                                       for i, c in enumerate(CONTINUE_CASES)])
+def test_triton_continues_from_a_cache_like_the_reference(case):
+    """A call that continues from a HolaCache (a context-parallel shard, chunked prefill): output, final state,
+    final cache and every gradient, including those of the incoming state and of the cache's k and v."""
+    b, _, _, block, window, evict = case
+    h, d = 2, 16
+    t2, cu2, n, kw, state, cache = _continue_case(case, seed_of_prefix=lambda t1: t1 + window)
     x2 = make_inputs(b, t2, h, d, seed=t2 + 1)
     gen = torch.Generator().manual_seed(3)
     w_o = torch.randn(b, t2, h, d, generator=gen)
@@ -426,6 +434,28 @@ def test_cache_attn_op_registrations():
                                                           "test_faketensor"))
 
 
+def test_fresh_kernels_read_every_negative_slot_as_empty():
+    """Without a prefix, a selection entry below -1 is an empty slot like -1 (it names a prefix row only in the
+    continuing kernels): output and every gradient equal, bit for bit."""
+    from hola_titan.kernels.hola_triton_ops import cache_attn_op
+    b, t, h, d, block, window = 1, 20, 2, 16, 8, 3
+    table = hola_triton_select.build_block_table(b, t, None, block, torch.device("cpu"))
+    m = torch.rand(b * t, h, generator=torch.Generator().manual_seed(3))
+    sel, _ = hola_triton_select.select_topw(m, table, window)
+    assert (sel == -1).any()
+    results = []
+    for empty in (-1, -2):
+        x = make_inputs(b, t, h, d, seed=13)
+        o_state = torch.randn(b, t, h, d, generator=torch.Generator().manual_seed(4), requires_grad=True)
+        given = torch.where(sel == -1, torch.full_like(sel, empty), sel)
+        o = cache_attn_op(x["q"], x["k"], x["v"], o_state, x["gamma_q"], x["gamma_k"], x["sink"], x["gate"], given,
+                          table.blk_start, table.blk_len, block, window)[0]
+        leaves = [x["q"], x["k"], x["v"], o_state, x["gamma_q"], x["gamma_k"], x["sink"], x["gate"]]
+        results.append((o, torch.autograd.grad((o * output_weight(o)).sum(), leaves)))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, e) for a, e in zip(results[0][1], results[1][1]))
+
+
 def test_cache_attn_pre_op_registrations():
     """The same for the op that also reads prefix rows (a call continuing from a cache): a first block of 3 prefix
     rows and 5 tokens, cache slots naming token rows, prefix rows (``-2 - a``) and nothing (``-1``)."""
@@ -549,3 +579,41 @@ def test_kernel_variants_match_reference_given_their_selection(case, monkeypatch
     monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
                         dict(hola_triton_attn._INTERPRET_CONFIG, SPLIT=2, TWO_PASS=True))
     check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 3)
+
+
+@pytest.mark.parametrize("case", [CONTINUE_CASES[0], CONTINUE_CASES[1], CONTINUE_CASES[3]],
+                         ids=["rows-score", "packed-score", "packed-recency"])
+def test_a_batch_s_continuation_layout_gives_the_call_s_own_results(case):
+    """A ContinuationLayout made once on the host (what a context-parallel batch hands every layer) gives what the
+    call computes when it makes its own on the device: output, final cache and gradients, bit for bit; a layout for
+    other shapes is refused."""
+    from hola_titan.kernels.hola_continue import ContinuationLayout, continue_from_cache
+    from hola_titan.kernels.hola_stages import state_path
+    b, _, _, block, window, evict = case
+    h, d = 2, 16
+    t2, cu2, _, kw, state, cache = _continue_case(case, seed_of_prefix=lambda t1: 4)
+    layout = ContinuationLayout.from_host(cache.seen.tolist(), None if cu2 is None else cu2.tolist(), batch=b,
+                                          seq_len=t2, window=window, block=block, device="cpu")
+    results = []
+    for given in (None, layout):
+        x = make_inputs(b, t2, h, d, seed=8)
+        ck, cv = cache.k.clone().requires_grad_(), cache.v.clone().requires_grad_()
+        c0 = dataclasses.replace(cache, k=ck, v=cv)
+        q, k, v, g, beta, gamma_q, gamma_k, sink, gate = (x[n] for n in NAMES)
+        o_state, m, _ = state_path(q, k, v, g, beta, initial_state=state, cu_seqlens=cu2, output_final_state=False)
+        o, c1, _, _ = continue_from_cache(q, k, v, o_state, m, gamma_q, gamma_k, sink, gate, cu2, c0,
+                                          output_final_cache=True, layout=given, **kw)
+        loss = (o * output_weight(o)).sum() + c1.k.sum() + (c1.v * 2).sum()
+        grads = torch.autograd.grad(loss, [x[n] for n in NAMES] + [ck, cv], allow_unused=True)
+        results.append((o, c1, grads))
+    (o_a, c_a, g_a), (o_b, c_b, g_b) = results
+    assert torch.equal(o_a, o_b)
+    for name in ("scores", "positions", "k", "v", "buf_scores", "buf_k", "buf_v", "seen"):
+        assert torch.equal(getattr(c_a, name), getattr(c_b, name)), name
+    for ga, gb in zip(g_a, g_b):
+        assert (ga is None and gb is None) or torch.equal(ga, gb)
+    other = ContinuationLayout.from_host(cache.seen.tolist(), None if cu2 is None else cu2.tolist(), batch=b,
+                                         seq_len=t2, window=window, block=2 * block, device="cpu")
+    with pytest.raises(ValueError, match="continuation: a layout for"):
+        continue_from_cache(q, k, v, o_state, m, gamma_q, gamma_k, sink, gate, cu2, cache, output_final_cache=False,
+                            layout=other, **kw)
