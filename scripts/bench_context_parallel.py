@@ -212,10 +212,14 @@ def stage_timings(args, device, t: int) -> dict:
                       seen=torch.full((1,), seen, device=device, dtype=torch.int64), window=margs.window,
                       block=margs.block, evict=margs.evict)
     leaves = [state, cache.k, cache.v, cache.buf_k, cache.buf_v]
+    # As a context-parallel batch does: the continuing call's index layout made once, for every layer.
+    from hola_titan.kernels.hola_continue import ContinuationLayout
+    continuation = ContinuationLayout.from_host([seen], None, batch=1, seq_len=t, window=margs.window,
+                                                block=margs.block, device=device)
 
     def mixer(initial: bool):
         def run():
-            extra = dict(initial_state=state, initial_cache=cache) if initial else {}
+            extra = dict(initial_state=state, initial_cache=cache, continuation=continuation) if initial else {}
             o, _ = hola_attention(*(full[n] for n in NAMES), **kw, **extra)
             o.backward(do)
             for tensor in [*full.values(), *leaves]:
