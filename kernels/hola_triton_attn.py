@@ -79,9 +79,10 @@ def _empty(*shape, dtype, device):
 
 
 # Kernel variants a launch configuration may choose (scripts/bench_hola_attention.py --sweep times them): the
-# forward with its output columns split over SPLIT programs, the dq pass in two passes over the keys. Fresh calls
+# forward with its output columns split over SPLIT programs, the dq pass in two passes over the keys, dk and dv
+# summed by separate launches (SEPARATE). Fresh calls
 # only: a call continuing from a cache runs the plain kernels (with the same tiles) whatever the variant.
-VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ()}
+VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE",)}
 
 
 def _config(kind: str, d: int, device: torch.device) -> dict:
@@ -136,8 +137,8 @@ if triton is not None:
         t_ok = b_idx >= 0
         if HAS_PRE:
             a_ok = b_idx <= -2
-        else:
-            a_ok = o_n < 0
+        else:  # a constant: what it masks folds away
+            a_ok = tl.full([BN], 0, tl.int1)
         return o_n, t_ok, tl.where(t_ok, b_idx, 0) * H + i_h, a_ok, tl.where(a_ok, -2 - b_idx, 0) * H + i_h
 
     @triton.jit
@@ -151,7 +152,7 @@ if triton is not None:
             row = (start + tl.where(t_ok, o_n - pre, 0)) * H + i_h
             row_a = (pre_start + tl.where(a_ok, o_n, 0)) * H + i_h
         else:
-            a_ok = o_n < 0
+            a_ok = tl.full([BN], 0, tl.int1)
             t_ok = o_n < length
             row = (start + o_n) * H + i_h
             row_a = row
@@ -243,7 +244,10 @@ if triton is not None:
             elif part == 0:  # every part has the same log-sum-exp: the first writes it
                 tl.store(lse_ptr + row_q, b_m + tl.log2(b_l), mask=m_ok)
             b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
-            p_o = row_q[:, None] * D + v_off + tl.arange(0, D // SPLIT)[None, :]
+            if SPLIT == 1:
+                p_o = p_q
+            else:
+                p_o = row_q[:, None] * D + v_off + tl.arange(0, D // SPLIT)[None, :]
             b_os = tl.load(os_ptr + p_o, mask=m_ok[:, None], other=0.0).to(tl.float32)
             tl.store(o_ptr + p_o, (b_os + b_lam * b_oc).to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
 
@@ -434,12 +438,85 @@ if triton is not None:
                            BN, DOT_PREC, True, False)
 
     @triton.jit
+    def _dkdv_loop(q_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, b_ks, b_v, b_lam, n_ok, o_n, is_cache, start, length,
+                   lo, pre, i_h, H, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
+                   MODE: tl.constexpr):
+        """A key tile's sums over its queries: ``MODE`` 0 both dk and dv, 1 dv only, 2 dk only (the one not
+        formed comes back as a [BN, 16] zero)."""
+        o_d = tl.arange(0, D)
+        b_dk = tl.zeros([BN, D if MODE != 1 else 16], dtype=tl.float32)
+        b_dv = tl.zeros([BN, D if MODE != 2 else 16], dtype=tl.float32)
+        for m0 in range(lo, length, BM):
+            o_m = m0 + tl.arange(0, BM)
+            m_ok = o_m < length
+            row_q = (start + o_m) * H + i_h
+            p_q = row_q[:, None] * D + o_d[None, :]
+            b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
+            b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
+            b_rq = tl.load(rq_ptr + row_q, mask=m_ok, other=0.0)
+            b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
+            if MODE != 1:
+                b_delta = tl.load(delta_ptr + row_q, mask=m_ok, other=0.0)
+            b_st = tl.dot(b_ks, tl.trans(b_q), input_precision=DOT_PREC) * b_rq[None, :]
+            b_ok = n_ok[:, None] & m_ok[None, :] & (is_cache | (o_m[None, :] + pre >= o_n[:, None]))
+            b_pt = tl.where(b_ok, tl.exp2(b_st - b_lse[None, :]), 0.0)
+            if MODE != 2:
+                b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
+            if MODE != 1:
+                b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC) * b_lam
+                b_dst = b_pt * (b_dpt - b_delta[None, :])
+                b_dk += tl.dot((b_dst * b_rq[None, :]).to(b_q.dtype), b_q, input_precision=DOT_PREC)
+        return b_dk, b_dv
+
+    @triton.jit
+    def _store_grads(b_dk, b_dv, b_k, b_rk, b_gq, b_gk, b_lam, scale, is_cache, o_n, t_ok, row_k, a_ok, row_a, i_b,
+                     i_h, pid, H, W, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr, dgk_ptr, dest_ptr, dka_ptr, dva_ptr, SENTINEL,
+                     A_BASE, D: tl.constexpr, HAS_PRE: tl.constexpr, MODE: tl.constexpr):
+        """A key tile's sums written (``MODE`` as in :func:`_dkdv_loop`): dk through its RMSNorm's backward with its
+        partial gamma_k sum, dv scaled by the gate; their rows (in-block tiles) or their slots' partials and
+        destination rows (cache tiles)."""
+        o_d = tl.arange(0, D)
+        if MODE != 1:
+            b_dx, b_dg = _norm_bwd(b_dk * (scale * b_gq)[None, :], b_k.to(tl.float32), b_rk, b_gk, D)
+        if MODE != 2:
+            b_dv = b_dv * b_lam
+        if MODE != 1:
+            tl.store(dgk_ptr + (pid * H + i_h) * D + o_d, b_dg)
+        if is_cache:
+            p_e = ((i_b * H + i_h) * W + o_n)[:, None] * D + o_d[None, :]
+            e_ok = (o_n < W)[:, None]
+            if MODE != 1:
+                tl.store(pdk_ptr + p_e, b_dx, mask=e_ok)
+            if MODE != 2:
+                tl.store(pdv_ptr + p_e, b_dv, mask=e_ok)
+            if MODE != 1:
+                # The reduction's key: token rows as they are, prefix rows after all token rows.
+                dest = tl.where(t_ok, row_k, SENTINEL)
+                if HAS_PRE:
+                    dest = tl.where(a_ok, A_BASE + row_a, dest)
+                tl.store(dest_ptr + (i_b * H + i_h) * W + o_n, dest, mask=o_n < W)
+        else:
+            p_k = row_k[:, None] * D + o_d[None, :]
+            if MODE != 1:
+                tl.store(dk_ptr + p_k, b_dx.to(dk_ptr.dtype.element_ty), mask=t_ok[:, None])
+            if MODE != 2:
+                tl.store(dv_ptr + p_k, b_dv.to(dv_ptr.dtype.element_ty), mask=t_ok[:, None])
+            if HAS_PRE:
+                p_a = row_a[:, None] * D + o_d[None, :]
+                if MODE != 1:
+                    tl.store(dka_ptr + p_a, b_dx.to(dka_ptr.dtype.element_ty), mask=a_ok[:, None])
+                if MODE != 2:
+                    tl.store(dva_ptr + p_a, b_dv.to(dva_ptr.dtype.element_ty), mask=a_ok[:, None])
+
+    @triton.jit
     def _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                              gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
                              dgk_ptr, dest_ptr, SENTINEL, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr,
                              dka_ptr, dva_ptr, A_BASE, H, NKT, NCT, scale, W,
                              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
-                             HAS_PRE: tl.constexpr):
+                             HAS_PRE: tl.constexpr, MODE: tl.constexpr):
+        """``MODE`` 0: a key tile's dk and dv; 1: its dv only, 2: its dk only (two launches, each program with one
+        [BN, D] accumulator instead of two; the key tile's q k^T formed in both)."""
         pid = tl.program_id(0)
         i_h = tl.program_id(1).to(tl.int64)
         i_b = (pid // NKT).to(tl.int64)
@@ -450,7 +527,8 @@ if triton is not None:
         is_cache = j < NCT
         c0 = tl.where(is_cache, j, j - NCT) * BN
         if (c0 >= length + pre) & (j >= NCT):  # past the block's end: a zero partial (the buffer is not zero-filled)
-            tl.store(dgk_ptr + (pid * H + i_h) * D + tl.arange(0, D), tl.zeros([D], dtype=tl.float32))
+            if MODE != 1:
+                tl.store(dgk_ptr + (pid * H + i_h) * D + tl.arange(0, D), tl.zeros([D], dtype=tl.float32))
         else:
             # Queries from the first whose position in the block (pre + index) reaches the tile's first key.
             lo = tl.where(is_cache, 0, (tl.maximum(c0 - pre, 0) // BM) * BM)
@@ -467,47 +545,11 @@ if triton is not None:
             b_ks = (b_k.to(tl.float32) * b_rk[:, None] * (b_gq * b_gk)[None, :] * (scale * 1.4426950408889634))
             b_ks = b_ks.to(b_k.dtype)
             b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
-            b_dk = tl.zeros([BN, D], dtype=tl.float32)
-            b_dv = tl.zeros([BN, D], dtype=tl.float32)
-            for m0 in range(lo, length, BM):
-                o_m = m0 + tl.arange(0, BM)
-                m_ok = o_m < length
-                row_q = (start + o_m) * H + i_h
-                p_q = row_q[:, None] * D + o_d[None, :]
-                b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
-                b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
-                b_rq = tl.load(rq_ptr + row_q, mask=m_ok, other=0.0)
-                b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
-                b_delta = tl.load(delta_ptr + row_q, mask=m_ok, other=0.0)
-                b_st = tl.dot(b_ks, tl.trans(b_q), input_precision=DOT_PREC) * b_rq[None, :]
-                b_ok = n_ok[:, None] & m_ok[None, :] & (is_cache | (o_m[None, :] + pre >= o_n[:, None]))
-                b_pt = tl.where(b_ok, tl.exp2(b_st - b_lse[None, :]), 0.0)
-                b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
-                b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC) * b_lam
-                b_dst = b_pt * (b_dpt - b_delta[None, :])
-                b_dk += tl.dot((b_dst * b_rq[None, :]).to(b_q.dtype), b_q, input_precision=DOT_PREC)
-            b_dkc = b_dk * (scale * b_gq)[None, :]
-            b_dx, b_dg = _norm_bwd(b_dkc, b_k.to(tl.float32), b_rk, b_gk, D)
-            b_dv = b_dv * b_lam
-            tl.store(dgk_ptr + (pid * H + i_h) * D + o_d, b_dg)
-            if is_cache:
-                p_e = ((i_b * H + i_h) * W + o_n)[:, None] * D + o_d[None, :]
-                e_ok = (o_n < W)[:, None]
-                tl.store(pdk_ptr + p_e, b_dx, mask=e_ok)
-                tl.store(pdv_ptr + p_e, b_dv, mask=e_ok)
-                # The reduction's key: token rows as they are, prefix rows after all token rows.
-                dest = tl.where(t_ok, row_k, SENTINEL)
-                if HAS_PRE:
-                    dest = tl.where(a_ok, A_BASE + row_a, dest)
-                tl.store(dest_ptr + (i_b * H + i_h) * W + o_n, dest, mask=o_n < W)
-            else:
-                p_k = row_k[:, None] * D + o_d[None, :]
-                tl.store(dk_ptr + p_k, b_dx.to(dk_ptr.dtype.element_ty), mask=t_ok[:, None])
-                tl.store(dv_ptr + p_k, b_dv.to(dv_ptr.dtype.element_ty), mask=t_ok[:, None])
-                if HAS_PRE:
-                    p_a = row_a[:, None] * D + o_d[None, :]
-                    tl.store(dka_ptr + p_a, b_dx.to(dka_ptr.dtype.element_ty), mask=a_ok[:, None])
-                    tl.store(dva_ptr + p_a, b_dv.to(dva_ptr.dtype.element_ty), mask=a_ok[:, None])
+            b_dk, b_dv = _dkdv_loop(q_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, b_ks, b_v, b_lam, n_ok, o_n, is_cache,
+                                    start, length, lo, pre, i_h, H, D, BM, BN, DOT_PREC, MODE)
+            _store_grads(b_dk, b_dv, b_k, b_rk, b_gq, b_gk, b_lam, scale, is_cache, o_n, t_ok, row_k, a_ok, row_a, i_b,
+                         i_h, pid, H, W, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr, dgk_ptr, dest_ptr, dka_ptr, dva_ptr,
+                         SENTINEL, A_BASE, D, HAS_PRE, MODE)
 
     @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
     def _cache_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -521,7 +563,19 @@ if triton is not None:
         _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                              gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
                              dgk_ptr, dest_ptr, SENTINEL, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, dk_ptr,
-                             dv_ptr, SENTINEL, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False)
+                             dv_ptr, SENTINEL, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, 0)
+
+    @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
+    def _cache_bwd_dkdv_separate_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr,
+                                        gk_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr,
+                                        pdv_ptr, dgk_ptr, dest_ptr, SENTINEL, H, NKT, NCT, scale, W,
+                                        D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                        DOT_PREC: tl.constexpr, MODE: tl.constexpr):
+        """The fresh call's dv (``MODE`` 1) or dk (2) alone: dk and dv in two launches (a launch candidate)."""
+        _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                             gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
+                             dgk_ptr, dest_ptr, SENTINEL, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, dk_ptr,
+                             dv_ptr, SENTINEL, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, MODE)
 
     @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
     def _cache_bwd_dkdv_pre_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -533,7 +587,7 @@ if triton is not None:
         _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                              gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
                              dgk_ptr, dest_ptr, SENTINEL, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr,
-                             dka_ptr, dva_ptr, A_BASE, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, True)
+                             dka_ptr, dva_ptr, A_BASE, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, True, 0)
 
     @triton.jit
     def _scatter_core(key_ptr, order_ptr, pdk_ptr, pdv_ptr, dk_ptr, dv_ptr, dka_ptr, dva_ptr, E, SENTINEL, A_BASE,
@@ -682,6 +736,7 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     dv = _empty(*v.shape, dtype=v.dtype, device=device)
     cfg = _config("dkdv", d, device)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
+    separate = cfg.pop("SEPARATE", False)
     nct = triton.cdiv(window, bn)
     nkt = nct + triton.cdiv(block, bn)
     num_slots = num_blocks * h * window
@@ -694,10 +749,15 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     dest = _empty(max(num_slots, 1), dtype=torch.int64, device=device)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
     if prefix is None:
-        if num_blocks:
+        if num_blocks and not separate:
             _cache_bwd_dkdv_kernel[(num_blocks * nkt, h)](
                 q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
                 pdk, pdv, dgk_part, dest, sentinel, h, nkt, nct, scale, **common)
+        elif num_blocks:
+            for mode in (1, 2):  # dv, then dk
+                _cache_bwd_dkdv_separate_kernel[(num_blocks * nkt, h)](
+                    q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
+                    pdk, pdv, dgk_part, dest, sentinel, h, nkt, nct, scale, MODE=mode, **common)
         if num_slots:
             dest_sorted, order = torch.sort(dest, stable=True)
             _scatter_cache_grads_kernel[(num_slots,)](dest_sorted, order, pdk, pdv, dk, dv, num_slots, sentinel,

@@ -252,18 +252,22 @@ def profile(fn, grads, timed_ms, iters=5, top=12):
 
 def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms):
     """Time the cache kernels under alternative configurations (each kernel kind swept on its own)."""
-    split, two = dict(SPLIT=2), dict(TWO_PASS=True)
+    split, two, sep = dict(SPLIT=2), dict(TWO_PASS=True), dict(SEPARATE=True)
     # (BM, BN, warps, stages[, variant]): the variants (kernels/hola_triton_attn.py, VARIANTS) trade more products
-    # for one half-sized or one fewer [BM, D] accumulator, i.e. fewer registers at D = 256.
+    # for one half-sized or one fewer [BM, D] accumulator, i.e. fewer registers at D = 256. Compiled here for sm_90a
+    # with Triton 3.6 (scripts/kernel_resources.py, docs/LOG.md 2026-12-03): the current tiles spill (forward 72
+    # bytes of stack, dq 280, dk/dv 232; dq and dk/dv use no wgmma at 32-row tiles); split forward 64x32 w4, two-pass
+    # dq 32x64 w8 and separate dk/dv 32x32 w4 and w8 spill nothing.
     grid = {
         "fwd": [(64, 32, 4, 2), (64, 32, 4, 1), (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 2), (128, 32, 8, 2),
                 (128, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2, split), (64, 64, 4, 2, split),
                 (128, 32, 8, 2, split), (128, 64, 8, 2, split), (64, 64, 4, 3, split)],
         "dq": [(32, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 3), (32, 32, 8, 2), (16, 32, 4, 2), (32, 64, 4, 2),
                (64, 32, 4, 2), (64, 32, 8, 2), (32, 32, 4, 2, two), (64, 32, 4, 2, two), (64, 64, 4, 2, two),
-               (64, 32, 8, 2, two), (128, 32, 8, 2, two)],
+               (64, 32, 8, 2, two), (128, 32, 8, 2, two), (32, 32, 8, 2, two), (32, 64, 8, 2, two)],
         "dkdv": [(32, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 3), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 8, 2),
-                 (64, 64, 8, 2)],
+                 (64, 64, 8, 2), (32, 32, 4, 2, sep), (32, 32, 8, 2, sep), (32, 64, 8, 2, sep), (64, 32, 8, 2, sep),
+                 (64, 64, 8, 2, sep)],
     }
     out = {}
     for kind, configs in grid.items():

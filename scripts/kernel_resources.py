@@ -39,6 +39,9 @@ def _parse(argv):
                         help="configurations file with plans (default: the H200 file under kernels/configs/)")
     parser.add_argument("--plan", required=True, help="plan key, e.g. hola/d256/h4/bfloat16/packed")
     parser.add_argument("--kernel", required=True, help="kernel function name (the last part of its full name)")
+    parser.add_argument("--function", default=None,
+                        help="compile this function of the kernel's module instead, with the plan's argument types "
+                             "by name (a variant whose arguments are the kernel's plus constexprs given in --sweep)")
     parser.add_argument("--sweep", nargs="*", default=[], metavar="NAME=V1,V2",
                         help="constexpr values to try (the plan's value otherwise)")
     parser.add_argument("--warps", default=None, help="comma-separated num_warps (the plan's otherwise)")
@@ -68,6 +71,40 @@ def _find_spec(path: Path, plan: str, kernel: str) -> dict:
             return spec
     names = sorted({json.loads(t)["name"].rsplit(".", 1)[-1] for t in plans[plan]})
     raise SystemExit(f"error: --kernel: plan {plan} has no kernel {kernel!r}; it has {', '.join(names)}")
+
+
+def variant_spec(spec: dict, function: str, constants: dict) -> dict:
+    """``spec`` re-addressed to ``function`` (a jit function of the same module): its arguments take the plan
+    kernel's types, constants and attributes by name; its own extra arguments must be constexprs in
+    ``constants``."""
+    from hola_titan.kernels.precompile import jit_function
+
+    base = jit_function(spec["name"]).arg_names
+    name = spec["name"].rsplit(".", 1)[0] + "." + function
+    names = jit_function(name).arg_names
+    missing = [n for n in names if n not in spec["signature"] and n not in constants]
+    if missing:
+        raise SystemExit(f"error: --function {function}: arguments {', '.join(missing)} are not in the plan's "
+                         f"kernel; give the constexprs with --sweep NAME=VALUE")
+
+    def moved(keys, vals):
+        out_keys, out_vals = [], []
+        for key, val in zip(keys, vals):
+            arg = base[key[0]]
+            if arg in names:
+                out_keys.append([names.index(arg), *key[1:]])
+                out_vals.append(val)
+        return out_keys, out_vals
+
+    const_keys, const_vals = moved(spec["constant_keys"], spec["constant_vals"])
+    for arg, value in constants.items():
+        if arg in names and arg not in spec["signature"]:
+            const_keys.append([names.index(arg)])
+            const_vals.append(value)
+    attrs_keys, attrs_vals = moved(spec["attrs_keys"], spec["attrs_vals"])
+    return {**spec, "name": name, "signature": {n: spec["signature"].get(n, "constexpr") for n in names},
+            "constant_keys": const_keys, "constant_vals": const_vals, "attrs_keys": attrs_keys,
+            "attrs_vals": attrs_vals}
 
 
 def compile_resources(spec: dict, *, constants: dict, num_warps: int, num_stages: int, arch: int) -> dict:
@@ -119,16 +156,22 @@ def main(argv=None) -> int:
     sweep = {}
     for item in args.sweep:
         name, _, values = item.partition("=")
-        if name not in spec["signature"] or spec["signature"][name] != "constexpr":
-            raise SystemExit(f"error: --sweep: {name!r} is not a constexpr argument of {args.kernel}")
         sweep[name] = [_value(v) for v in values.split(",")]
+    if args.function:
+        sys.path.insert(0, str(ROOT))
+        spec = variant_spec(spec, args.function, {n: v[0] for n, v in sweep.items()})
+    for name in sweep:
+        if name not in spec["signature"] or spec["signature"][name] != "constexpr":
+            raise SystemExit(f"error: --sweep: {name!r} is not a constexpr argument of "
+                             f"{args.function or args.kernel}")
     warps = [int(w) for w in args.warps.split(",")] if args.warps else [spec["options"]["num_warps"]]
     stages = [int(s) for s in args.stages.split(",")] if args.stages else [spec["options"]["num_stages"]]
     rows = []
     names = list(sweep)
     header = f"{' '.join(f'{n:>6}' for n in names)} {'warps':>5} {'stages':>6} {'regs':>5} {'stack':>6} {'local':>6} " \
              f"{'smem KiB':>8} {'wgmma':>5} {'compile s':>9}"
-    print(f"{args.kernel} from plan {args.plan}, sm_{args.arch}a")
+    print(f"{args.function or args.kernel} from plan {args.plan}" + (f" ({args.kernel}'s)" if args.function else "")
+          + f", sm_{args.arch}a")
     print(header)
     for values in itertools.product(*(sweep[n] for n in names)):
         for num_warps, num_stages in itertools.product(warps, stages):

@@ -35,3 +35,23 @@ def test_an_unknown_kernel_or_constexpr_is_one_line_naming_it():
                           "--kernel", "_rstd_kernel", "--sweep", "R=1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode != 0 and "--sweep: 'R' is not a constexpr argument of _rstd_kernel" in bad.stderr
+
+
+def test_a_variant_takes_the_plan_kernel_s_types_by_name():
+    """--function: the split forward candidate, addressed through the plan of the plain forward (its arguments are
+    the forward's plus SPLIT), gets the forward's types, constants and attributes at its own argument positions."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import kernel_resources
+
+    plan = json.loads((ROOT / "kernels/configs/NVIDIA_H200__fla-0.6.0__triton-3.6.0.json").read_text())["plans"]
+    spec = kernel_resources._find_spec(ROOT / "kernels/configs/NVIDIA_H200__fla-0.6.0__triton-3.6.0.json",
+                                       "hola/d128/h2/bfloat16/packed", "_cache_fwd_kernel")
+    assert plan  # the shipped file has plans
+    variant = kernel_resources.variant_spec(spec, "_cache_fwd_split_kernel", {"SPLIT": 2})
+    assert variant["name"].endswith("hola_triton_attn._cache_fwd_split_kernel")
+    assert list(variant["signature"]) == [*spec["signature"], "SPLIT"] and variant["signature"]["SPLIT"] == "constexpr"
+    at = [len(spec["signature"])]  # SPLIT is the variant's last argument
+    assert at in variant["constant_keys"] and variant["constant_vals"][variant["constant_keys"].index(at)] == 2
+    assert variant["attrs_keys"] == spec["attrs_keys"]  # the same arguments at the same positions
+    with pytest.raises(SystemExit, match="give the constexprs with --sweep"):
+        kernel_resources.variant_spec(spec, "_cache_fwd_split_kernel", {})

@@ -574,10 +574,10 @@ def test_flex_candidate_matches_reference_given_its_selection(case):
 
 @pytest.mark.parametrize("case", CASES[:2] + CASES[3:], ids=[_case_id(c) for c in CASES[:2] + CASES[3:]])
 def test_kernel_variants_match_reference_given_their_selection(case, monkeypatch):
-    """The launch candidates that the GPU sweep times: the forward with its output columns split over two programs
-    and the two-pass dq compute the same read, output and every gradient."""
+    """The launch candidates that the GPU sweep times: the forward with its output columns split over two programs,
+    the two-pass dq and dk/dv summed by separate programs compute the same read, output and every gradient."""
     monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
-                        dict(hola_triton_attn._INTERPRET_CONFIG, SPLIT=2, TWO_PASS=True))
+                        dict(hola_triton_attn._INTERPRET_CONFIG, SPLIT=2, TWO_PASS=True, SEPARATE=True))
     check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 3)
 
 
