@@ -397,6 +397,8 @@ if triton is not None:
             b_psink = tl.exp2(tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634 - b_lse)
             tl.store(dsink_ptr + pid * H + i_h, -tl.sum(tl.where(m_ok, b_psink * b_delta, 0.0), axis=0))
             tl.store(dgate_ptr + pid * H + i_h, tl.sum(b_r, axis=0) * b_lam * (1.0 - b_lam))
+            # q read again for its norm's backward rather than kept through the loops (registers at D = 256).
+            b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
             b_dx, b_dg = _norm_bwd(b_dqc, b_q.to(tl.float32), b_rq, b_gq, D)
             tl.store(dq_ptr + p_q, b_dx.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
             tl.store(dgq_ptr + (pid * H + i_h) * D + o_d, b_dg)
