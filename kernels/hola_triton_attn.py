@@ -370,7 +370,7 @@ if triton is not None:
                 b_r, b_dq = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse, b_r,
                                      b_dq, b_delta, b_lam, i_b, i_h, start, length, pre_start, pre, q0, o_m, m_ok, H,
                                      W, D, BM, BN, 2, DOT_PREC, HAS_PRE)
-                b_dqc = b_dq * (scale * b_gk)[None, :]
+                b_dqr = b_dq
             else:
                 b_dq = tl.zeros([BM, D], dtype=tl.float32)
                 b_pk = tl.zeros([BM, D], dtype=tl.float32)
@@ -392,14 +392,17 @@ if triton is not None:
                     b_r, b_dq, b_pk = _dq_tile(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_k, b_v, b_rk, b_ok, b_lam,
                                                DOT_PREC)
                 b_delta = b_lam * b_r
-                b_dqc = (b_dq - b_delta[:, None] * b_pk) * (scale * b_gk)[None, :]
+                b_dqr = b_dq - b_delta[:, None] * b_pk
             tl.store(delta_ptr + row_q, b_delta, mask=m_ok)
             b_psink = tl.exp2(tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634 - b_lse)
             tl.store(dsink_ptr + pid * H + i_h, -tl.sum(tl.where(m_ok, b_psink * b_delta, 0.0), axis=0))
             tl.store(dgate_ptr + pid * H + i_h, tl.sum(b_r, axis=0) * b_lam * (1.0 - b_lam))
-            # q read again for its norm's backward rather than kept through the loops (registers at D = 256).
+            # q and the gammas read again for the epilogue rather than kept through the loops (registers at D = 256;
+            # after the stores above, so that the compiler does not reuse the first reads).
             b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
-            b_dx, b_dg = _norm_bwd(b_dqc, b_q.to(tl.float32), b_rq, b_gq, D)
+            b_gq = tl.load(gq_ptr + o_d).to(tl.float32)
+            b_gk = tl.load(gk_ptr + o_d).to(tl.float32)
+            b_dx, b_dg = _norm_bwd(b_dqr * (scale * b_gk)[None, :], b_q.to(tl.float32), b_rq, b_gq, D)
             tl.store(dq_ptr + p_q, b_dx.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
             tl.store(dgq_ptr + (pid * H + i_h) * D + o_d, b_dg)
 
@@ -471,44 +474,45 @@ if triton is not None:
         return b_dk, b_dv
 
     @triton.jit
-    def _store_grads(b_dk, b_dv, b_k, b_rk, b_gq, b_gk, b_lam, scale, is_cache, o_n, t_ok, row_k, a_ok, row_a, i_b,
-                     i_h, pid, H, W, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr, dgk_ptr, dest_ptr, dka_ptr, dva_ptr, SENTINEL,
-                     A_BASE, D: tl.constexpr, HAS_PRE: tl.constexpr, MODE: tl.constexpr):
-        """A key tile's sums written (``MODE`` as in :func:`_dkdv_loop`): dk through its RMSNorm's backward with its
-        partial gamma_k sum, dv scaled by the gate; their rows (in-block tiles) or their slots' partials and
-        destination rows (cache tiles)."""
+    def _store_grads(b_dk, b_dv, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, gq_ptr, gk_ptr, b_lam, scale,
+                     is_cache, o_n, t_ok, row_k, a_ok, row_a, i_b, i_h, pid, H, W, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
+                     dgk_ptr, dest_ptr, dka_ptr, dva_ptr, SENTINEL, A_BASE, D: tl.constexpr, HAS_PRE: tl.constexpr,
+                     MODE: tl.constexpr):
+        """A key tile's sums written (``MODE`` as in :func:`_dkdv_loop`): dv scaled by the gate, then dk through its
+        RMSNorm's backward with its partial gamma_k sum; their rows (in-block tiles) or their slots' partials and
+        destination rows (cache tiles). dv goes first, and k and the gammas are read again after it: kept through
+        the loop, they cost registers at D = 256 (read again before a store, the compiler reuses the first read)."""
         o_d = tl.arange(0, D)
-        if MODE != 1:
-            b_dx, b_dg = _norm_bwd(b_dk * (scale * b_gq)[None, :], b_k.to(tl.float32), b_rk, b_gk, D)
+        p_e = ((i_b * H + i_h) * W + o_n)[:, None] * D + o_d[None, :]
+        e_ok = (o_n < W)[:, None]
+        p_k = row_k[:, None] * D + o_d[None, :]
+        p_a = row_a[:, None] * D + o_d[None, :]
         if MODE != 2:
             b_dv = b_dv * b_lam
-        if MODE != 1:
-            tl.store(dgk_ptr + (pid * H + i_h) * D + o_d, b_dg)
-        if is_cache:
-            p_e = ((i_b * H + i_h) * W + o_n)[:, None] * D + o_d[None, :]
-            e_ok = (o_n < W)[:, None]
-            if MODE != 1:
-                tl.store(pdk_ptr + p_e, b_dx, mask=e_ok)
-            if MODE != 2:
+            if is_cache:
                 tl.store(pdv_ptr + p_e, b_dv, mask=e_ok)
-            if MODE != 1:
+            else:
+                tl.store(dv_ptr + p_k, b_dv.to(dv_ptr.dtype.element_ty), mask=t_ok[:, None])
+                if HAS_PRE:
+                    tl.store(dva_ptr + p_a, b_dv.to(dva_ptr.dtype.element_ty), mask=a_ok[:, None])
+        if MODE != 1:
+            b_k, _, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row_k, t_ok, row_a, a_ok, D,
+                                     HAS_PRE, 16, 0)
+            b_gq = tl.load(gq_ptr + o_d).to(tl.float32)
+            b_gk = tl.load(gk_ptr + o_d).to(tl.float32)
+            b_dx, b_dg = _norm_bwd(b_dk * (scale * b_gq)[None, :], b_k.to(tl.float32), b_rk, b_gk, D)
+            tl.store(dgk_ptr + (pid * H + i_h) * D + o_d, b_dg)
+            if is_cache:
+                tl.store(pdk_ptr + p_e, b_dx, mask=e_ok)
                 # The reduction's key: token rows as they are, prefix rows after all token rows.
                 dest = tl.where(t_ok, row_k, SENTINEL)
                 if HAS_PRE:
                     dest = tl.where(a_ok, A_BASE + row_a, dest)
                 tl.store(dest_ptr + (i_b * H + i_h) * W + o_n, dest, mask=o_n < W)
-        else:
-            p_k = row_k[:, None] * D + o_d[None, :]
-            if MODE != 1:
+            else:
                 tl.store(dk_ptr + p_k, b_dx.to(dk_ptr.dtype.element_ty), mask=t_ok[:, None])
-            if MODE != 2:
-                tl.store(dv_ptr + p_k, b_dv.to(dv_ptr.dtype.element_ty), mask=t_ok[:, None])
-            if HAS_PRE:
-                p_a = row_a[:, None] * D + o_d[None, :]
-                if MODE != 1:
+                if HAS_PRE:
                     tl.store(dka_ptr + p_a, b_dx.to(dka_ptr.dtype.element_ty), mask=a_ok[:, None])
-                if MODE != 2:
-                    tl.store(dva_ptr + p_a, b_dv.to(dva_ptr.dtype.element_ty), mask=a_ok[:, None])
 
     @triton.jit
     def _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -549,9 +553,9 @@ if triton is not None:
             b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
             b_dk, b_dv = _dkdv_loop(q_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, b_ks, b_v, b_lam, n_ok, o_n, is_cache,
                                     start, length, lo, pre, i_h, H, D, BM, BN, DOT_PREC, MODE)
-            _store_grads(b_dk, b_dv, b_k, b_rk, b_gq, b_gk, b_lam, scale, is_cache, o_n, t_ok, row_k, a_ok, row_a, i_b,
-                         i_h, pid, H, W, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr, dgk_ptr, dest_ptr, dka_ptr, dva_ptr,
-                         SENTINEL, A_BASE, D, HAS_PRE, MODE)
+            _store_grads(b_dk, b_dv, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, gq_ptr, gk_ptr, b_lam, scale,
+                         is_cache, o_n, t_ok, row_k, a_ok, row_a, i_b, i_h, pid, H, W, dk_ptr, dv_ptr, pdk_ptr,
+                         pdv_ptr, dgk_ptr, dest_ptr, dka_ptr, dva_ptr, SENTINEL, A_BASE, D, HAS_PRE, MODE)
 
     @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
     def _cache_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
