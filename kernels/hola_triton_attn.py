@@ -474,6 +474,21 @@ if triton is not None:
         return b_dk, b_dv
 
     @triton.jit
+    def _load_k_again(k_ptr, rk_ptr, ka_ptr, rka_ptr, p_k, row_k, t_ok, p_a, row_a, a_ok, HAS_PRE: tl.constexpr):
+        """k and its rstd read again for the epilogue (``p_k``, ``p_a``: the tile's element offsets). An eviction
+        hint makes these loads differ from the first ones: identical loads with no store between them (the dk-only
+        launch stores nothing before) are merged by the compiler, which keeps the first read live through the loop
+        instead."""
+        b_k = tl.load(k_ptr + p_k, mask=t_ok[:, None], other=0.0, eviction_policy="evict_first")
+        b_rk = tl.load(rk_ptr + row_k, mask=t_ok, other=0.0, eviction_policy="evict_first")
+        if HAS_PRE:
+            b_ka = tl.load(ka_ptr + p_a, mask=a_ok[:, None], other=0.0, eviction_policy="evict_first")
+            b_rka = tl.load(rka_ptr + row_a, mask=a_ok, other=0.0, eviction_policy="evict_first")
+            b_k = tl.where(a_ok[:, None], b_ka, b_k)
+            b_rk = tl.where(a_ok, b_rka, b_rk)
+        return b_k, b_rk
+
+    @triton.jit
     def _store_grads(b_dk, b_dv, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, gq_ptr, gk_ptr, b_lam, scale,
                      is_cache, o_n, t_ok, row_k, a_ok, row_a, i_b, i_h, pid, H, W, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
                      dgk_ptr, dest_ptr, dka_ptr, dva_ptr, SENTINEL, A_BASE, D: tl.constexpr, HAS_PRE: tl.constexpr,
@@ -496,10 +511,9 @@ if triton is not None:
                 if HAS_PRE:
                     tl.store(dva_ptr + p_a, b_dv.to(dva_ptr.dtype.element_ty), mask=a_ok[:, None])
         if MODE != 1:
-            b_k, _, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row_k, t_ok, row_a, a_ok, D,
-                                     HAS_PRE, 16, 0)
-            b_gq = tl.load(gq_ptr + o_d).to(tl.float32)
-            b_gk = tl.load(gk_ptr + o_d).to(tl.float32)
+            b_k, b_rk = _load_k_again(k_ptr, rk_ptr, ka_ptr, rka_ptr, p_k, row_k, t_ok, p_a, row_a, a_ok, HAS_PRE)
+            b_gq = tl.load(gq_ptr + o_d, eviction_policy="evict_first").to(tl.float32)
+            b_gk = tl.load(gk_ptr + o_d, eviction_policy="evict_first").to(tl.float32)
             b_dx, b_dg = _norm_bwd(b_dk * (scale * b_gq)[None, :], b_k.to(tl.float32), b_rk, b_gk, D)
             tl.store(dgk_ptr + (pid * H + i_h) * D + o_d, b_dg)
             if is_cache:

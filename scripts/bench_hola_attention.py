@@ -256,8 +256,8 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms):
     # (BM, BN, warps, stages[, variant]): the variants (kernels/hola_triton_attn.py, VARIANTS) trade more products
     # for one half-sized or one fewer [BM, D] accumulator, i.e. fewer registers at D = 256. Compiled here for sm_90a
     # with Triton 3.6 (scripts/kernel_resources.py, docs/LOG.md 2026-12-03): the current tiles spill (forward 72
-    # bytes of stack, dq 280, dk/dv 232; dq and dk/dv use no wgmma at 32-row tiles); split forward 64x32 w4, two-pass
-    # dq 32x64 w8 and separate dk/dv 32x32 w4 and w8 spill nothing.
+    # bytes of stack, dq 200, dk/dv 160; dq and dk/dv use no wgmma at 32-row tiles); split forward 64x32 w4, two-pass
+    # dq 32x64 w8 and separate dk/dv 32x32 and 32x64 w8 (the latter with wgmma) spill nothing.
     grid = {
         "fwd": [(64, 32, 4, 2), (64, 32, 4, 1), (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 2), (128, 32, 8, 2),
                 (128, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2, split), (64, 64, 4, 2, split),
