@@ -316,28 +316,41 @@ if triton is not None:
         return b_r, b_dq
 
     @triton.jit
-    def _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse, b_r, b_dq, b_delta,
+    def _dq_step(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta, b_k, b_v, b_rk, b_ok, b_lam, MODE: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
+        """One key tile of a dq pass: ``MODE`` 0 the one-pass sums (:func:`_dq_tile`), 1 and 2 the two-pass ones
+        (:func:`_dq_tile_known`; ``b_pk`` untouched)."""
+        if MODE == 0:
+            b_r, b_dq, b_pk = _dq_tile(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_k, b_v, b_rk, b_ok, b_lam, DOT_PREC)
+        else:
+            b_r, b_dq = _dq_tile_known(b_qs, b_do, b_lse, b_r, b_dq, b_delta, b_k, b_v, b_rk, b_ok, b_lam, MODE,
+                                       DOT_PREC)
+        return b_r, b_dq, b_pk
+
+    @triton.jit
+    def _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta,
                  b_lam, i_b, i_h, start, length, pre_start, pre, q0, o_m, m_ok, H, W, D: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, DOT_PREC: tl.constexpr,
                  HAS_PRE: tl.constexpr):
-        """One pass of the two-pass dq over the query tile's keys (cache slots, then the block's own)."""
+        """A dq pass over the query tile's keys (cache slots, then the block's own); ``MODE`` as in
+        :func:`_dq_step`."""
         if W > 0:
             for c0 in range(0, W, BN):
                 o_n, t_ok, row, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN, HAS_PRE)
                 b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a,
                                            a_ok, D, HAS_PRE, D, 0)
                 b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None]
-                b_r, b_dq = _dq_tile_known(b_qs, b_do, b_lse, b_r, b_dq, b_delta, b_k, b_v, b_rk, b_ok, b_lam, MODE,
-                                           DOT_PREC)
+                b_r, b_dq, b_pk = _dq_step(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta, b_k, b_v, b_rk, b_ok, b_lam,
+                                           MODE, DOT_PREC)
         hi = tl.minimum(q0 + BM, length) + pre
         for c0 in range(0, hi, BN):
             o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
             b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok,
                                        D, HAS_PRE, D, 0)
             b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None] & (o_n[None, :] <= o_m[:, None] + pre)
-            b_r, b_dq = _dq_tile_known(b_qs, b_do, b_lse, b_r, b_dq, b_delta, b_k, b_v, b_rk, b_ok, b_lam, MODE,
-                                       DOT_PREC)
-        return b_r, b_dq
+            b_r, b_dq, b_pk = _dq_step(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta, b_k, b_v, b_rk, b_ok, b_lam,
+                                       MODE, DOT_PREC)
+        return b_r, b_dq, b_pk
 
     @triton.jit
     def _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -361,36 +374,20 @@ if triton is not None:
             b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
             b_r = tl.zeros([BM], dtype=tl.float32)
             if TWO_PASS:
-                b_none = tl.zeros([BM, 16], dtype=tl.float32)  # no dq in the first pass
-                b_r, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse, b_r,
-                                       b_none, b_r, b_lam, i_b, i_h, start, length, pre_start, pre, q0, o_m, m_ok, H,
-                                       W, D, BM, BN, 1, DOT_PREC, HAS_PRE)
+                b_none = tl.zeros([BM, 16], dtype=tl.float32)  # no dq (nor sum of p kc) in the first pass
+                b_r, b_none, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do,
+                                               b_lse, b_r, b_none, b_none, b_r, b_lam, i_b, i_h, start, length,
+                                               pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 1, DOT_PREC, HAS_PRE)
                 b_delta = b_lam * b_r
                 b_dq = tl.zeros([BM, D], dtype=tl.float32)
-                b_r, b_dq = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse, b_r,
-                                     b_dq, b_delta, b_lam, i_b, i_h, start, length, pre_start, pre, q0, o_m, m_ok, H,
-                                     W, D, BM, BN, 2, DOT_PREC, HAS_PRE)
-                b_dqr = b_dq
+                b_r, b_dqr, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do,
+                                              b_lse, b_r, b_dq, b_none, b_delta, b_lam, i_b, i_h, start, length,
+                                              pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 2, DOT_PREC, HAS_PRE)
             else:
-                b_dq = tl.zeros([BM, D], dtype=tl.float32)
-                b_pk = tl.zeros([BM, D], dtype=tl.float32)
-                if W > 0:
-                    for c0 in range(0, W, BN):
-                        o_n, t_ok, row, a_ok, row_a = _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN, HAS_PRE)
-                        b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a,
-                                                   a_ok, D, HAS_PRE, D, 0)
-                        b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None]
-                        b_r, b_dq, b_pk = _dq_tile(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_k, b_v, b_rk, b_ok, b_lam,
-                                                   DOT_PREC)
-                hi = tl.minimum(q0 + BM, length) + pre
-                for c0 in range(0, hi, BN):
-                    o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN,
-                                                              HAS_PRE)
-                    b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a,
-                                               a_ok, D, HAS_PRE, D, 0)
-                    b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None] & (o_n[None, :] <= o_m[:, None] + pre)
-                    b_r, b_dq, b_pk = _dq_tile(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_k, b_v, b_rk, b_ok, b_lam,
-                                               DOT_PREC)
+                b_zero = tl.zeros([BM, D], dtype=tl.float32)
+                b_r, b_dq, b_pk = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse,
+                                           b_r, b_zero, b_zero, b_r, b_lam, i_b, i_h, start, length, pre_start, pre,
+                                           q0, o_m, m_ok, H, W, D, BM, BN, 0, DOT_PREC, HAS_PRE)
                 b_delta = b_lam * b_r
                 b_dqr = b_dq - b_delta[:, None] * b_pk
             tl.store(delta_ptr + row_q, b_delta, mask=m_ok)
