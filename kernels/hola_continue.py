@@ -40,13 +40,12 @@ class ContinuationLayout:
     it to every layer (``hola_attention(..., continuation=...)``); a call without one makes it on the device.
 
     Index space of the selection: ``R = num_rows`` rows, see the module comment. Per sequence ``[N]``: ``seen``,
-    ``r = seen % C``, ``doc_len``, ``pers_start`` / ``area_start`` (its entries' and its area's first rows),
-    ``ext_start`` / ``ext_len`` (its rows from the first buffered one); per token ``[B T]``: ``tok_doc``,
-    ``tok_pos``, ``tok_row`` (its row); ``pre_row`` ``[N (W + C)]``: the prefix rows' rows; ``src`` ``[R]``: a row's
-    token row, or ``-2 - a`` for prefix row a; ``order`` ``[R]``: where a row sits in ``cat([prefix, tokens])``;
-    ``slot`` ``[N, C]``: the buffer slot of each area row (negative: unused). The selection's block ``table`` and,
-    per block, the attention's view of it (int32 ``[NB]``): ``tok_start``, ``q_len`` (its new tokens, the queries),
-    ``pre_start``, ``pre_len`` (its prefix rows), with ``blk_doc`` (int64) its sequence."""
+    ``r = seen % C``, ``doc_len``, ``pers_start`` (its entries' first row), ``ext_start`` / ``ext_len`` (its rows
+    from the first buffered one); per token ``[B T]``: ``tok_doc``, ``tok_pos``; ``src`` ``[R]``: a row's token
+    row, or ``-2 - a`` for prefix row a; ``order`` ``[R]``: where a row sits in ``cat([prefix, tokens])``; ``slot``
+    ``[N, C]``: the buffer slot of each area row (negative: unused). The selection's block ``table`` and, per
+    block, the attention's view of it (int32 ``[NB]``): ``tok_start``, ``q_len`` (its new tokens, the queries),
+    ``pre_start``, ``pre_len`` (its prefix rows)."""
 
     window: int
     block: int
@@ -56,24 +55,18 @@ class ContinuationLayout:
     r: torch.Tensor
     doc_len: torch.Tensor
     pers_start: torch.Tensor
-    area_start: torch.Tensor
     ext_start: torch.Tensor
     ext_len: torch.Tensor
     tok_doc: torch.Tensor
     tok_pos: torch.Tensor
-    tok_row: torch.Tensor
-    pre_row: torch.Tensor
     src: torch.Tensor
     order: torch.Tensor
     slot: torch.Tensor
     table: BlockTable
-    blk_doc: torch.Tensor
     tok_start: torch.Tensor
     q_len: torch.Tensor
     pre_start: torch.Tensor
     pre_len: torch.Tensor
-
-    TABLE_FIELDS = ("blk_start", "blk_len", "blk_doc_start", "doc_start", "doc_len", "doc_first_blk", "doc_num_blk")
 
     @property
     def num_seqs(self) -> int:
@@ -131,37 +124,26 @@ class ContinuationLayout:
         pre_start = blk_doc * (w + c) + w + c - r[blk_doc]
         i32 = torch.int32
         return cls(window=w, block=c, num_tokens=total, num_rows=num_rows, seen=seen, r=r, doc_len=doc_len,
-                   pers_start=pers_start, area_start=area_start, ext_start=ext_start, ext_len=ext_len,
-                   tok_doc=tok_doc, tok_pos=tok_pos, tok_row=tok_row, pre_row=pre_row, src=src, order=order,
-                   slot=torch.arange(c, device=device)[None, :] - (c - r)[:, None], table=table, blk_doc=blk_doc,
-                   tok_start=tok_start.to(i32), q_len=q_len.to(i32), pre_start=pre_start.to(i32),
+                   pers_start=pers_start, ext_start=ext_start, ext_len=ext_len, tok_doc=tok_doc, tok_pos=tok_pos,
+                   src=src, order=order, slot=torch.arange(c, device=device)[None, :] - (c - r)[:, None],
+                   table=table, tok_start=tok_start.to(i32), q_len=q_len.to(i32), pre_start=pre_start.to(i32),
                    pre_len=pre_len.to(i32))
 
     @classmethod
     def from_host(cls, seen: list[int], cu_seqlens: list[int] | None, *, batch: int, seq_len: int, window: int,
                   block: int, device: torch.device | str) -> ContinuationLayout:
-        """The layout made on the host from host values and sent to ``device`` in one copy (each field starting
-        on a 16-byte boundary: Triton specialises pointer arguments on their alignment)."""
-        from hola_titan.kernels.seqlens import to_device
+        """The layout made on the host from host values and sent to ``device`` in one copy
+        (:func:`~hola_titan.kernels.seqlens.to_device_aligned`)."""
+        from hola_titan.kernels.seqlens import to_device_aligned
 
         on_host = cls.build(torch.tensor(seen, dtype=torch.int64),
                             None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int64),
                             batch=batch, seq_len=seq_len, window=window, block=block)
         names = [f.name for f in fields(cls) if isinstance(getattr(on_host, f.name), torch.Tensor)]
-        tensors = [getattr(on_host, name) for name in names]
-        tensors += [getattr(on_host.table, name) for name in cls.TABLE_FIELDS]
-        chunks = []
-        for t in tensors:
-            raw = t.contiguous().view(-1).view(torch.uint8)
-            chunks.append(torch.cat([raw, raw.new_zeros(-raw.numel() % 16)]))
-        sent = to_device(torch.cat(chunks), torch.device(device))
-        out, offset = [], 0
-        for t, chunk in zip(tensors, chunks):
-            out.append(sent[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
-            offset += chunk.numel()
-        moved = dict(zip(names, out[:len(names)]))
-        table = BlockTable(**dict(zip(cls.TABLE_FIELDS, out[len(names):])), block=on_host.table.block)
-        return replace(on_host, table=table, **moved)
+        sent = to_device_aligned([getattr(on_host, name) for name in names]
+                                 + [getattr(on_host.table, name) for name in BlockTable.FIELDS], device)
+        table = BlockTable(**dict(zip(BlockTable.FIELDS, sent[len(names):])), block=on_host.table.block)
+        return replace(on_host, table=table, **dict(zip(names, sent)))
 
 
 def continue_from_cache(q, k, v, o_state, m, gamma_q, gamma_k, sink, gate, cu_seqlens, cache: HolaCache, *,

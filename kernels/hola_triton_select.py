@@ -55,6 +55,9 @@ class BlockTable:
     # Results that depend on the table alone (select_recency), kept for the other layers of a batch that share it.
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 
+    FIELDS = ("blk_start", "blk_len", "blk_doc_start", "doc_start", "doc_len", "doc_first_blk", "doc_num_blk")
+    """The tensor fields (``block`` and ``derived`` aside)."""
+
     @property
     def num_blocks(self) -> int:
         return self.blk_start.shape[0]
@@ -76,27 +79,17 @@ def build_block_table(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None,
     return block_table_of_docs(doc_start, doc_len, num_block_rows(batch, seq_len, cu_seqlens, block), block)
 
 
-ALIGN_INT32 = 4  # int32 elements in 16 bytes
-
-
 def block_table_from_host(host: torch.Tensor, *, block: int, device: torch.device) -> BlockTable:
     """The table of :func:`build_block_table` for the documents of ``host`` (CPU boundaries ``[N + 1]``, one
     packed row), computed on the host and sent to ``device`` in one copy: what a batch's
     :class:`~hola_titan.kernels.seqlens.Documents` builds once for all its layers, instead of some thirty small
     device operations in every layer."""
-    from hola_titan.kernels.seqlens import to_device
+    from hola_titan.kernels.seqlens import to_device_aligned
 
     host = host.to(torch.int64)
     on_host = build_block_table(1, int(host[-1]), host, block, torch.device("cpu"))
-    fields = ("blk_start", "blk_len", "blk_doc_start", "doc_start", "doc_len", "doc_first_blk", "doc_num_blk")
-    parts = [getattr(on_host, name) for name in fields]
-    # Each field starts on a 16-byte boundary of the one sent buffer. Triton specialises a pointer argument on its
-    # 16-byte alignment: packed back to back, a field's alignment would follow the batch's block count, and the
-    # kernels that read the table would compile again for batches whose count changes it (seen on the H200: three
-    # kernels compiled again at the second step of a 340M run).
-    padded = [torch.cat([p, p.new_zeros(-p.shape[0] % ALIGN_INT32)]) for p in parts]
-    sent = to_device(torch.cat(padded), torch.device(device)).split([p.shape[0] for p in padded])
-    return BlockTable(**{name: s[:p.shape[0]] for name, s, p in zip(fields, sent, parts)}, block=block)
+    sent = to_device_aligned([getattr(on_host, name) for name in BlockTable.FIELDS], device)
+    return BlockTable(**dict(zip(BlockTable.FIELDS, sent)), block=block)
 
 
 def num_block_rows(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, block: int) -> int:

@@ -134,6 +134,24 @@ def _varying(value):
     return value
 
 
+def to_device_aligned(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """CPU ``tensors`` on ``device`` in one copy (:func:`to_device`), as views of one buffer in which each starts on
+    a 16-byte boundary. Triton specialises a pointer argument on its 16-byte alignment: packed back to back, a
+    tensor's alignment would follow the sizes of those before it, and the kernels that read it would compile again
+    whenever a batch changes them (seen on the H200: three kernels compiled again at the second step of a 340M
+    run)."""
+    chunks = []
+    for t in tensors:
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        chunks.append(torch.cat([raw, raw.new_zeros(-raw.numel() % 16)]))
+    sent = to_device(torch.cat(chunks), torch.device(device))
+    out, offset = [], 0
+    for t, chunk in zip(tensors, chunks):
+        out.append(sent[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+        offset += chunk.numel()
+    return out
+
+
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` (a CPU tensor) on ``device``; to a GPU through pinned memory, without waiting (a copy from
     pageable memory waits for the device's queue). The caching host allocator keeps the pinned block until the

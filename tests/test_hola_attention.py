@@ -811,3 +811,17 @@ def test_a_compiled_region_does_not_recompile_for_another_document_count():
         got = compiled(docs.cu_seqlens, table.blk_start, table.blk_len)
         assert torch.equal(got, per_batch(docs.cu_seqlens, table.blk_start, table.blk_len))
     assert counter.frame_count == 1, f"{counter.frame_count} graphs for three document counts"
+
+
+def test_tensors_sent_in_one_copy_start_on_16_byte_boundaries():
+    """to_device_aligned: every tensor comes back with its values, dtype and shape, each at a 16-byte boundary of
+    one buffer whatever the sizes before it (Triton specialises pointers on that alignment)."""
+    from hola_titan.kernels.seqlens import to_device_aligned
+
+    tensors = [torch.arange(3, dtype=torch.int32), torch.arange(6, dtype=torch.int64).view(2, 3),
+               torch.tensor([True, False]), torch.arange(5, dtype=torch.int32) - 7]
+    sent = to_device_aligned(tensors, torch.device("cpu"))
+    base = sent[0].untyped_storage().data_ptr()
+    for t, s in zip(tensors, sent):
+        assert s.dtype == t.dtype and s.shape == t.shape and torch.equal(s, t)
+        assert s.untyped_storage().data_ptr() == base and s.data_ptr() % 16 == 0
