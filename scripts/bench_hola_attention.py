@@ -13,7 +13,8 @@ Rows (medians of ``triton.testing.do_bench``, CUDA events):
   attention backward, to show where the time goes.
 Peak memory is the peak allocated during one forward + backward minus what was allocated before it.
 ``--sweep`` also times the cache-attention kernels under alternative launch configurations (T = 2k); ``--flex``
-the FlexAttention candidate of the cache read (:mod:`hola_titan.kernels.hola_flex`) against the Triton op.
+the FlexAttention candidate of the cache read (:mod:`hola_titan.kernels.hola_flex`) against the Triton op, ``--varlen``
+the variable-length FlashAttention candidate (:mod:`hola_titan.kernels.hola_varlen`).
 The cache read's TFLOP/s count 4 D FLOPs per (query, key) pair it reads forward (``cache_pairs``: the filled
 cache slots of each query's block and the block's tokens up to the query) and 2.5 times that backward.
 
@@ -54,6 +55,9 @@ def parse_args():
     p.add_argument("--flex", action="store_true",
                    help="also time the FlexAttention candidate of the cache read (kernels/hola_flex.py) against the "
                         "Triton kernels, forward and forward + backward, with its peak memory (first of --seq-lens)")
+    p.add_argument("--varlen", action="store_true",
+                   help="also time the variable-length FlashAttention candidate of the cache read "
+                        "(kernels/hola_varlen.py) against the Triton kernels, as --flex does (first of --seq-lens)")
     p.add_argument("--profile", action="store_true",
                    help="also profile gdn_fla, gdn_adapter and hola_triton (torch.profiler): GPU kernel time per "
                         "call by kernel, and the gap between the timed call and its kernels (host-bound time)")
@@ -206,9 +210,10 @@ def main():
             row["stage_cache_bwd_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_ms"] * 1e9)
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
                 row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms)
-        if args.flex and t == args.seq_lens[0]:
-            row.update(flex_candidate(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, do, cache_attn_op,
-                                      block, window, args.rep_ms))
+        for wanted, fn in ((args.flex, flex_candidate), (args.varlen, varlen_candidate)):
+            if wanted and t == args.seq_lens[0]:
+                row.update(fn(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, do, cache_attn_op, block,
+                              window, args.rep_ms))
         if args.profile:
             profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap")
             row["profile"] = {name: profile(fn, grads, row.get(name + "_ms"))
@@ -303,38 +308,65 @@ def flex_candidate(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, d
     from hola_titan.kernels.hola_flex import block_masks, cache_read_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    out = {}
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, o_state, gamma_q, gamma_k, sink, gate)]
+    flex = torch.compile(flex_attention)
     n = q.shape[0] * q.shape[1]
+    return candidate("flex", lambda: block_masks(table, sel, n, window=window),
+                     lambda leaves, masks: cache_read_flex(*leaves, sel, masks, window=window, flex=flex),
+                     (q, k, v, o_state, gamma_q, gamma_k, sink, gate), sel, table, do, cache_attn_op, block, window,
+                     rep_ms, setup_key="flex_masks_s")
+
+
+def varlen_candidate(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, do, cache_attn_op, block, window,
+                     rep_ms) -> dict:
+    """The variable-length FlashAttention candidate (:mod:`hola_titan.kernels.hola_varlen`, PyTorch's aten flash
+    ops) against the Triton op on the same inputs and selection: forward, forward + backward, peak memory, and the
+    layout's build time (once per selection)."""
+    from hola_titan.kernels.hola_varlen import FlashCore, build_layout, cache_read_varlen
+
+    n = q.shape[0] * q.shape[1]
+    core = FlashCore()
+    return candidate("varlen", lambda: build_layout(table, sel, n, window=window),
+                     lambda leaves, layout: cache_read_varlen(*leaves, layout, core=core),
+                     (q, k, v, o_state, gamma_q, gamma_k, sink, gate), sel, table, do, cache_attn_op, block, window,
+                     rep_ms, setup_key="varlen_layout_ms", setup_scale=1e3)
+
+
+def candidate(name, setup, read, inputs, sel, table, do, cache_attn_op, block, window, rep_ms, *, setup_key,
+              setup_scale=1.0) -> dict:
+    """Time the candidate ``read(leaves, setup())`` against the Triton op: ``{name}_cache_fwd_ms``,
+    ``{name}_cache_fwd_bwd_ms``, ``{name}_cache_peak_mib`` and the Triton op's, ``{name}_over_triton_fwd_bwd``, the
+    setup's time; an error is reported in the row (``{name}_error``) and the other rows go on."""
+    out = {}
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
     try:
+        setup()  # first call outside the timing
         torch.cuda.synchronize()
         t0 = time.time()
-        masks = block_masks(table, sel, n, window=window)
+        made = setup()
         torch.cuda.synchronize()
-        out["flex_masks_s"] = time.time() - t0
-        flex = torch.compile(flex_attention)
+        out[setup_key] = (time.time() - t0) * setup_scale
 
-        def flex_fwd():
-            return cache_read_flex(*leaves, sel, masks, window=window, flex=flex)
+        def cand_fwd():
+            return read(leaves, made)
 
         def triton_fwd():
             return cache_attn_op(*leaves, sel, table.blk_start, table.blk_len, block, window)[0]
 
-        for name, fwd in (("flex", flex_fwd), ("triton", triton_fwd)):
+        for label, fwd in ((name, cand_fwd), ("triton", triton_fwd)):
             def fwd_bwd(fwd=fwd):
                 fwd().backward(do)
             fwd_bwd()  # compile outside the timing
             with torch.no_grad():
-                out[f"{name}_cache_fwd_ms"] = bench(fwd, None, rep_ms)
-            out[f"{name}_cache_fwd_bwd_ms"] = bench(fwd_bwd, leaves, rep_ms)
+                out[f"{label}_cache_fwd_ms"] = bench(fwd, None, rep_ms)
+            out[f"{label}_cache_fwd_bwd_ms"] = bench(fwd_bwd, leaves, rep_ms)
             for t in leaves:
                 t.grad = None
-            out[f"{name}_cache_peak_mib"] = peak_mib(fwd_bwd)
+            out[f"{label}_cache_peak_mib"] = peak_mib(fwd_bwd)
             for t in leaves:
                 t.grad = None
-        out["flex_over_triton_fwd_bwd"] = out["flex_cache_fwd_bwd_ms"] / out["triton_cache_fwd_bwd_ms"]
+        out[f"{name}_over_triton_fwd_bwd"] = out[f"{name}_cache_fwd_bwd_ms"] / out["triton_cache_fwd_bwd_ms"]
     except Exception as e:  # noqa: BLE001 - reported in the row, the other rows go on
-        out["flex_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return out
 
 
@@ -347,7 +379,8 @@ def print_table(results):
             ("hola_triton_over_sdpa_causal", "triton/SDPA"), ("hola_triton_mem_over_gdn", "mem triton/GDN"),
             ("stage_state_fwd_ms", "state fwd"), ("stage_select_ms", "select"), ("stage_cache_fwd_ms", "cache fwd"),
             ("stage_cache_bwd_ms", "cache bwd"), ("stage_cache_fwd_tflops", "fwd TFLOP/s"),
-            ("stage_cache_bwd_tflops", "bwd TFLOP/s"), ("flex_over_triton_fwd_bwd", "flex/triton")]
+            ("stage_cache_bwd_tflops", "bwd TFLOP/s"), ("flex_over_triton_fwd_bwd", "flex/triton"),
+            ("varlen_over_triton_fwd_bwd", "varlen/triton")]
     print(" | ".join(c[1] for c in cols))
     for r in results:
         cells = []

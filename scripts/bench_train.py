@@ -380,13 +380,16 @@ def _reference_skip_reason(device, names: list[str]) -> dict[str, str]:
 
 
 def _print_table(rows: list[dict]) -> None:
-    header = (f"{'system':<13}{'flavour':<14}{'size':<6}{'T':>6}{'B':>4}{'params':>9}{'tok/s':>11}{'MFU':>7}"
+    # Column widths from the rows: reference names (llama_compile) are longer than ours.
+    ws = max([13] + [len(str(r["system"])) + 2 for r in rows])
+    wf = max([14] + [len(str(r["flavour"])) + 2 for r in rows])
+    header = (f"{'system':<{ws}}{'flavour':<{wf}}{'size':<6}{'T':>6}{'B':>4}{'params':>9}{'tok/s':>11}{'MFU':>7}"
               f"{'mem GiB':>9}{'step ms':>9}{'fwd':>8}{'bwd':>8}{'opt':>7}  precision, note")
     print(header)
     print("-" * len(header))
     for r in rows:
         if "error" in r:
-            print(f"{r['system']:<13}{r['flavour']:<14}{r['size']:<6}{r['seq_len']:>6}{r['batch_size']:>4}"
+            print(f"{r['system']:<{ws}}{r['flavour']:<{wf}}{r['size']:<6}{r['seq_len']:>6}{r['batch_size']:>4}"
                   f"  {r['error']}")
             continue
         note = ",".join(n for n, on in ((r.get("precision", "?"), True), ("compile", r.get("compile")),
@@ -394,7 +397,7 @@ def _print_table(rows: list[dict]) -> None:
                                         ("unpacked", r.get("packed") is False),
                                         ("autotuned", r.get("kernel_configs_pass") == "off"))
                         if on)
-        print(f"{r['system']:<13}{r['flavour']:<14}{r['size']:<6}{r['seq_len']:>6}{r['batch_size']:>4}"
+        print(f"{r['system']:<{ws}}{r['flavour']:<{wf}}{r['size']:<6}{r['seq_len']:>6}{r['batch_size']:>4}"
               f"{r['num_params'] / 1e6:>8.1f}M{r['tokens_per_s']:>11,.0f}{100 * r['mfu']:>6.1f}%"
               f"{r['peak_memory_gib']:>9.2f}{r['step_ms']:>9.1f}{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
               f"{r['optimizer_ms']:>7.1f}  {note}")

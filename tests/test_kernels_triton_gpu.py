@@ -388,6 +388,13 @@ def test_flex_candidate_gradients_match_reference(compiled):
     its two partial outputs in bf16 and they are joined afterwards, one more rounding (measured on the H200: dsink
     5.6e-3 against SDPA's 2.2e-3)."""
     pytest.importorskip("torch.nn.attention.flex_attention")
+    _check_candidate(lambda *a, **k: _flex_read(*a, **k, compiled=compiled), "flex")
+
+
+def _check_candidate(read, name):
+    """``read`` (a candidate of the cache read behind the reference state path, given the selection) against the
+    float32 reference: bf16 output and every gradient within four times the bf16 SDPA backend's relative error
+    (plus 1e-6), the Triton backend's selection, packed documents, D = 256."""
     b, t, cu, h, d, window = 1, 1500, [0, 600, 601, 1500], 4, 256, 64
     cu_t = torch.tensor(cu, device=DEVICE)
     kw = dict(window=window, block=BLOCK, evict="score", cu_seqlens=cu_t)
@@ -398,11 +405,66 @@ def test_flex_candidate_gradients_match_reference(compiled):
     _, aux = run(hola_attention_triton, leaves(base, torch.bfloat16), weights, return_aux=True,
                  state_impl="reference", **kw)
     sel = aux["sel"]
-    res_f, _ = run(lambda *a, **k: _flex_read(*a, **k, compiled=compiled), leaves(base, torch.bfloat16), weights,
-                   selected=sel, **kw)
+    res_c, _ = run(read, leaves(base, torch.bfloat16), weights, selected=sel, **kw)
     res_s, _ = run(hola_attention_sdpa, leaves(base, torch.bfloat16), weights, selected=sel, state_impl="reference",
                    **kw)
     res_r, _ = run(reference(base, sel), leaves(base), weights, **kw)
-    for name, ref in res_r.items():
-        e_f, e_s = rel(res_f[name], ref), rel(res_s[name], ref)
-        assert e_f <= 4 * e_s + 1e-6, f"flex {name}: error {e_f:.2e} > 4 x sdpa error {e_s:.2e}"
+    for tensor, ref in res_r.items():
+        e_c, e_s = rel(res_c[tensor], ref), rel(res_s[tensor], ref)
+        assert e_c <= 4 * e_s + 1e-6, f"{name} {tensor}: error {e_c:.2e} > 4 x sdpa error {e_s:.2e}"
+
+
+def _varlen_read(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, initial_state, output_final_state, window, block,
+                 evict, cu_seqlens, selected):
+    """The variable-length FlashAttention candidate of the cache read (kernels/hola_varlen.py) behind the reference
+    state path, reading the given selection."""
+    from hola_titan.kernels.hola_stages import state_path
+    from hola_titan.kernels.hola_varlen import FlashCore, build_layout, cache_read_varlen
+    b, t, _, _ = q.shape
+    o_state, _, final_state = state_path(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                         output_final_state=output_final_state, impl="reference")
+    table = hola_triton_select.build_block_table(b, t, cu_seqlens, block, q.device)
+    layout = build_layout(table, selected, b * t, window=window)
+    o = cache_read_varlen(q, k, v, o_state, gamma_q, gamma_k, sink, gate, layout, core=FlashCore())
+    return o, final_state, None
+
+
+def test_flash_core_keeps_the_dense_core_s_contract():
+    """FlashAttention's variable-length ops as the candidate calls them (one head, causal aligned to the bottom
+    right, the log-sum-exp [1, total_q], backward from a given output and log-sum-exp) against DenseCore on the same
+    bf16 inputs at D = 256: sequences with more keys than queries, one query, a key buffer longer than its last
+    sequence (whose tail may hold anything)."""
+    from hola_titan.kernels.hola_varlen import DenseCore, FlashCore, VarlenLayout
+    len_q, len_k, d = [256, 1, 100, 37], [320, 1, 164, 37], 256
+    zero = torch.zeros(1, dtype=torch.int64)
+    cu_q = torch.cat([zero, torch.cumsum(torch.tensor(len_q), 0)]).to(DEVICE, torch.int32)
+    cu_k = torch.cat([zero, torch.cumsum(torch.tensor(len_k), 0)]).to(DEVICE, torch.int32)
+    lay = VarlenLayout(cu_q=cu_q, cu_k=cu_k, k_src=torch.empty(0, device=DEVICE), max_q=256, max_k=320,
+                       num_tokens=0, num_heads=1)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    tq, tk = sum(len_q), sum(len_k) + 50  # 50 tail rows no sequence owns
+    q, do = (torch.randn(tq, 1, d, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
+    k, v = (torch.randn(tk, 1, d, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
+    k[-50:] = float("nan")
+    v[-50:] = float("nan")
+    scale = d ** -0.5
+    o_f, lse_f, st = FlashCore().forward(q, k, v, lay, scale)
+    o_d, lse_d, _ = DenseCore().forward(q, k.nan_to_num(), v.nan_to_num(), lay, scale)
+    assert lse_f.shape == (tq,) and lse_f.dtype == torch.float32
+    assert rel(o_f, o_d) < 1e-2 and rel(lse_f, lse_d) < 1e-4, (rel(o_f, o_d), rel(lse_f, lse_d))
+    # Backward from a given output and lse (the candidate passes the sink-scaled output and the lse with the sink).
+    lse_g = lse_d + 0.3
+    o_g = (o_d.float() * 0.7).bfloat16()
+    got = FlashCore().backward(do, q, k, v, o_g, lse_g, lay, scale, st)
+    want = DenseCore().backward(do, q, k.nan_to_num(), v.nan_to_num(), o_g, lse_g, lay, scale, None)
+    for name, a, e in zip(("dq", "dk", "dv"), got, want):
+        a, e = a[:tq] if name == "dq" else a[:sum(len_k)], e[:tq] if name == "dq" else e[:sum(len_k)]
+        assert rel(a, e) < 1e-2, f"{name}: {rel(a, e):.2e}"
+
+
+def test_varlen_candidate_gradients_match_reference():
+    """The variable-length FlashAttention candidate that bench_hola_attention.py --varlen times computes the same
+    read: bf16 output and every gradient within four times the bf16 SDPA backend's relative error against the
+    float32 reference (plus 1e-6), given the same selection, packed documents, D = 256 (four as for FlexAttention:
+    the attention output comes back in bf16 before the sink's weight is applied)."""
+    _check_candidate(_varlen_read, "varlen")
