@@ -319,16 +319,42 @@ def flex_candidate(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, d
 def varlen_candidate(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, do, cache_attn_op, block, window,
                      rep_ms) -> dict:
     """The variable-length FlashAttention candidate (:mod:`hola_titan.kernels.hola_varlen`, PyTorch's aten flash
-    ops) against the Triton op on the same inputs and selection: forward, forward + backward, peak memory, and the
-    layout's build time (once per selection)."""
-    from hola_titan.kernels.hola_varlen import FlashCore, build_layout, cache_read_varlen
+    ops, the work around them compiled by Inductor) against the Triton op on the same inputs and selection: forward,
+    forward + backward, peak memory, the layout's build time (once per selection), and FlashAttention's two ops
+    alone on the layout (``varlen_core_*``: the own-rows and the cache calls, with TFLOP/s by the read's FLOP
+    count)."""
+    from hola_titan.kernels.hola_varlen import FlashCore, Glue, build_layout, cache_read_varlen
 
-    n = q.shape[0] * q.shape[1]
-    core = FlashCore()
-    return candidate("varlen", lambda: build_layout(table, sel, n, window=window),
-                     lambda leaves, layout: cache_read_varlen(*leaves, layout, core=core),
-                     (q, k, v, o_state, gamma_q, gamma_k, sink, gate), sel, table, do, cache_attn_op, block, window,
-                     rep_ms, setup_key="varlen_layout_ms", setup_scale=1e3)
+    n, h, d = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
+    core, glue = FlashCore(), Glue(compiled=True)
+    out = candidate("varlen", lambda: build_layout(table, sel, n, window=window),
+                    lambda leaves, layout: cache_read_varlen(*leaves, layout, core=core, glue=glue),
+                    (q, k, v, o_state, gamma_q, gamma_k, sink, gate), sel, table, do, cache_attn_op, block, window,
+                    rep_ms, setup_key="varlen_layout_ms", setup_scale=1e3)
+    try:
+        lay = build_layout(table, sel, n, window=window)
+        qn = torch.randn(n, h, d, device=q.device, dtype=q.dtype)
+        kc, vc = (torch.randn(lay.cache_src.shape[0], h, d, device=q.device, dtype=q.dtype) for _ in range(2))
+        calls = [(qn, qn, qn, lay.cu_blk, lay.cu_blk, block, block, True, d ** -0.5)]
+        if window:
+            calls.append((qn, kc, vc, lay.cu_blk, lay.cu_cache, block, window, False, d ** -0.5))
+        done = [core.forward(*c) for c in calls]
+
+        def fwd():
+            for c in calls:
+                core.forward(*c)
+
+        def bwd():
+            for c, (o_c, lse_c, st) in zip(calls, done):
+                core.backward(qn, *c[:3], o_c, lse_c, *c[3:], st)
+        pairs = cache_pairs(sel, table)
+        out["varlen_core_fwd_ms"] = bench(fwd, None, rep_ms)
+        out["varlen_core_bwd_ms"] = bench(bwd, None, rep_ms)
+        out["varlen_core_fwd_tflops"] = 4 * d * pairs / (out["varlen_core_fwd_ms"] * 1e9)
+        out["varlen_core_bwd_tflops"] = 10 * d * pairs / (out["varlen_core_bwd_ms"] * 1e9)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        out["varlen_core_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
 
 
 def candidate(name, setup, read, inputs, sel, table, do, cache_attn_op, block, window, rep_ms, *, setup_key,

@@ -16,19 +16,21 @@ NAMES = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate")
 
 
 def _selection(table, heads, window, seed):
-    """A valid selection with holes: up to ``window`` earlier tokens of the block's own document per (block, head),
-    about one slot in five left empty anywhere in the window (the compaction must skip it)."""
+    """A valid selection with holes: per block the same number of filled slots in every head (as the top-W and
+    recency selections give), each head its own earlier tokens of the block's document, at random slots of the
+    window (the layout must compact them)."""
     gen = torch.Generator().manual_seed(seed)
     nb = table.num_blocks
     sel = torch.full((nb, heads, window), -1, dtype=torch.int32)
     for b in range(nb):
         start, doc_start = int(table.blk_start[b]), int(table.blk_doc_start[b])
-        if int(table.blk_len[b]) == 0 or start == doc_start:
+        if int(table.blk_len[b]) == 0 or start == doc_start or window == 0:
             continue
+        m = min(window, start - doc_start) - int(torch.randint(0, 2, (1,), generator=gen))
         for h in range(heads):
-            cand = doc_start + torch.randperm(start - doc_start, generator=gen)[:window]
-            keep = torch.rand(cand.shape[0], generator=gen) > 0.2
-            sel[b, h, :cand.shape[0]] = torch.where(keep, cand, -1).to(torch.int32)
+            cand = doc_start + torch.randperm(start - doc_start, generator=gen)[:m]
+            slots = torch.randperm(window, generator=gen)[:m]
+            sel[b, h, slots] = cand.to(torch.int32)
     return sel
 
 
@@ -44,26 +46,33 @@ def _table(b, t, cu, block):
 
 
 @pytest.mark.parametrize("case", CASES[:2])
-def test_layout_holds_each_sequence_s_filled_entries_then_its_block(case):
+def test_layout_holds_each_block_s_filled_entries_per_head(case):
     b, t, cu, h, _, block, window = case
     table = _table(b, t, cu, block)
     sel = _selection(table, h, window, seed=t)
     n = b * t
     lay = build_layout(table, sel, n, window=window)
     nb = table.num_blocks
-    assert lay.cu_q.shape == lay.cu_k.shape == (h * nb + 1,)
-    assert lay.k_src.shape == (h * (nb * window + n),)
-    for s in range(h * nb):
-        head, blk = divmod(s, nb)
+    assert lay.cu_blk.shape == lay.cu_cache.shape == (nb + 1,)
+    assert lay.cache_src.shape == (nb * window, h)
+    assert int(lay.cu_blk[-1]) == n
+    for blk in range(nb):
         start, length = int(table.blk_start[blk]), int(table.blk_len[blk])
-        assert int(lay.cu_q[s]) == head * n + (start if length else int(lay.cu_q[s]) - head * n)
-        assert int(lay.cu_q[s + 1]) - int(lay.cu_q[s]) == length
-        filled = [int(x) for x in sel[blk, head] if x >= 0]
-        want = [x * h + head for x in filled] + [(start + i) * h + head for i in range(length)]
-        got = lay.k_src[int(lay.cu_k[s]):int(lay.cu_k[s + 1])].tolist()
-        assert got == want, (s, got, want)
-    assert (lay.k_src[int(lay.cu_k[-1]):] == n * h).all(), "the tail must point at the zero row"
-    assert int(lay.cu_q[-1]) == h * n
+        if length:
+            assert int(lay.cu_blk[blk]) == start and int(lay.cu_blk[blk + 1]) == start + length
+        rows = slice(int(lay.cu_cache[blk]), int(lay.cu_cache[blk + 1]))
+        for head in range(h):
+            want = [int(x) * h + head for x in sel[blk, head] if x >= 0]
+            assert lay.cache_src[rows, head].tolist() == want, (blk, head)
+    assert (lay.cache_src[int(lay.cu_cache[-1]):] == n * h).all(), "rows past the entries must point at the zero row"
+
+
+def test_layout_refuses_heads_with_different_numbers_of_entries():
+    table = _table(1, 40, [0, 40], 8)
+    sel = _selection(table, 2, 4, seed=0)
+    sel[3, 1, sel[3, 1] >= 0] = -1  # head 1 of block 3 loses its entries
+    with pytest.raises(RuntimeError, match="different numbers of filled cache slots"):
+        build_layout(table, sel, 40, window=4)
 
 
 def _inputs(b, t, h, d, seed, dtype):
@@ -120,3 +129,22 @@ def test_candidate_gradcheck_and_a_layout_for_other_shapes_is_refused():
     assert torch.autograd.gradcheck(lambda *a: cache_read_varlen(*a, lay, core=DenseCore()), args)
     with pytest.raises(ValueError, match="layout built for 21 tokens x 2 heads"):
         cache_read_varlen(*(a[:, :20] if a.dim() == 4 else a for a in args), lay, core=DenseCore())
+
+
+def test_compiled_glue_traces_whole_and_gives_the_eager_results():
+    """Every glue piece compiles as one graph (fullgraph; aot_eager here, Inductor on the GPU) and the read gives
+    the eager glue's output and gradients."""
+    from hola_titan.kernels.hola_varlen import Glue
+    b, t, cu, h, d, block, window = CASES[0]
+    table = _table(b, t, cu, block)
+    sel = _selection(table, h, window, seed=3)
+    lay = build_layout(table, sel, b * t, window=window)
+    results = []
+    for glue in (Glue(compiled=False), Glue(compiled=True, backend="aot_eager")):
+        x = _inputs(b, t, h, d, seed=4, dtype=torch.float32)
+        o_state = torch.randn(b, t, h, d, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        args = (x["q"], x["k"], x["v"], o_state, x["gamma_q"], x["gamma_k"], x["sink"], x["gate"])
+        o = cache_read_varlen(*args, lay, core=DenseCore(), glue=glue)
+        results.append((o, *torch.autograd.grad((o * o.detach().sin()).sum(), args)))
+    for a, e in zip(*results):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)

@@ -429,37 +429,39 @@ def _varlen_read(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, initial_stat
     return o, final_state, None
 
 
-def test_flash_core_keeps_the_dense_core_s_contract():
-    """FlashAttention's variable-length ops as the candidate calls them (one head, causal aligned to the bottom
-    right, the log-sum-exp [1, total_q], backward from a given output and log-sum-exp) against DenseCore on the same
-    bf16 inputs at D = 256: sequences with more keys than queries, one query, a key buffer longer than its last
-    sequence (whose tail may hold anything)."""
-    from hola_titan.kernels.hola_varlen import DenseCore, FlashCore, VarlenLayout
-    len_q, len_k, d = [256, 1, 100, 37], [320, 1, 164, 37], 256
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "entries"])
+def test_flash_core_keeps_the_dense_core_s_contract(causal):
+    """FlashAttention's variable-length ops as the candidate calls them (4 heads, D = 256, bf16; causal aligned to
+    the bottom right, or not; the log-sum-exp [H, total_q], +inf and a zero output for a query with no keys;
+    backward from a given output and log-sum-exp) against DenseCore on the same inputs: a full block, one query,
+    queries with no keys (the cache part of a document's first block), key buffers longer than the last sequence's
+    keys (whose tail holds NaN and must not be read)."""
+    from hola_titan.kernels.hola_varlen import DenseCore, FlashCore
+    len_q, len_k = ([256, 1, 100, 37], [256, 1, 100, 37]) if causal else ([256, 1, 100, 37], [64, 5, 0, 64])
+    h, d, max_k = 4, 256, 256 if causal else 64
     zero = torch.zeros(1, dtype=torch.int64)
     cu_q = torch.cat([zero, torch.cumsum(torch.tensor(len_q), 0)]).to(DEVICE, torch.int32)
     cu_k = torch.cat([zero, torch.cumsum(torch.tensor(len_k), 0)]).to(DEVICE, torch.int32)
-    lay = VarlenLayout(cu_q=cu_q, cu_k=cu_k, k_src=torch.empty(0, device=DEVICE), max_q=256, max_k=320,
-                       num_tokens=0, num_heads=1)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     tq, tk = sum(len_q), sum(len_k) + 50  # 50 tail rows no sequence owns
-    q, do = (torch.randn(tq, 1, d, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
-    k, v = (torch.randn(tk, 1, d, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
+    q, do = (torch.randn(tq, h, d, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
+    k, v = (torch.randn(tk, h, d, device=DEVICE, generator=gen).bfloat16() for _ in range(2))
     k[-50:] = float("nan")
     v[-50:] = float("nan")
-    scale = d ** -0.5
-    o_f, lse_f, st = FlashCore().forward(q, k, v, lay, scale)
-    o_d, lse_d, _ = DenseCore().forward(q, k.nan_to_num(), v.nan_to_num(), lay, scale)
-    assert lse_f.shape == (tq,) and lse_f.dtype == torch.float32
-    assert rel(o_f, o_d) < 1e-2 and rel(lse_f, lse_d) < 1e-4, (rel(o_f, o_d), rel(lse_f, lse_d))
-    # Backward from a given output and lse (the candidate passes the sink-scaled output and the lse with the sink).
-    lse_g = lse_d + 0.3
+    args = (cu_q, cu_k, 256, max_k, causal, d ** -0.5)
+    o_f, lse_f, st = FlashCore().forward(q, k, v, *args)
+    o_d, lse_d, _ = DenseCore().forward(q, k, v, *args)
+    assert lse_f.shape == (h, tq) and lse_f.dtype == torch.float32
+    assert torch.equal(torch.isposinf(lse_f), torch.isposinf(lse_d)), "queries with no keys: lse +inf"
+    fin = torch.isfinite(lse_d)
+    assert rel(o_f, o_d) < 1e-2 and rel(lse_f[fin], lse_d[fin]) < 1e-4, (rel(o_f, o_d), rel(lse_f[fin], lse_d[fin]))
+    # Backward from a given output and lse (the candidate passes the joined output and the lse with the sink).
+    lse_g = torch.where(fin, lse_d, 0.0) + 0.3
     o_g = (o_d.float() * 0.7).bfloat16()
-    got = FlashCore().backward(do, q, k, v, o_g, lse_g, lay, scale, st)
-    want = DenseCore().backward(do, q, k.nan_to_num(), v.nan_to_num(), o_g, lse_g, lay, scale, None)
-    for name, a, e in zip(("dq", "dk", "dv"), got, want):
-        a, e = a[:tq] if name == "dq" else a[:sum(len_k)], e[:tq] if name == "dq" else e[:sum(len_k)]
-        assert rel(a, e) < 1e-2, f"{name}: {rel(a, e):.2e}"
+    got = FlashCore().backward(do, q, k, v, o_g, lse_g, *args, st)
+    want = DenseCore().backward(do, q, k, v, o_g, lse_g, *args, None)
+    for name, a, e, rows in zip(("dq", "dk", "dv"), got, want, (tq, tk - 50, tk - 50)):
+        assert rel(a[:rows], e[:rows]) < 1e-2, f"{name}: {rel(a[:rows], e[:rows]):.2e}"
 
 
 def test_varlen_candidate_gradients_match_reference():
