@@ -51,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--no-single", action="store_true", help="skip the one-GPU baseline")
     p.add_argument("--profile", action="store_true",
                    help="also profile the CP call and the single call (scripts/profiling.py): kernel time "
-                        "against wall time, top kernels, ATen calls per call")
+                        "against wall time, top kernels, ATen calls per call; with --predict the fresh and the "
+                        "continuing token mixer")
     p.add_argument("--out", type=Path, default=Path("bench_context_parallel.json"))
     p.add_argument("--predict", action="store_true",
                    help="one process: time each stage of a 340M shard (layer fresh / continuing, head, optimizer) at "
@@ -233,6 +234,13 @@ def stage_timings(args, device, t: int) -> dict:
     except Exception as exc:  # reported: the continuing call's backward is what the protocol needs
         out["mixer_cont_error"] = f"{type(exc).__name__}: {exc}"
         out["mixer_cont"] = float("nan")
+    if args.profile and device.type == "cuda":
+        # Where a continuing mixer's extra time goes: kernels by name and kind, ATen calls, host-bound gap.
+        from hola_titan.profiling import kernel_profile
+        for name, initial in (("mixer_fresh", False), ("mixer_cont", True)):
+            if not math.isnan(out[name]):
+                out["profile_" + name] = kernel_profile(mixer(initial), device=device, timed_ms=out[name], iters=3,
+                                                        label=name, keep=40)
     # Split the continuing mixer's extra time between forward and backward as the fresh layer splits.
     extra = out["mixer_cont"] - out["mixer_fresh"]
     share = out["layer_fwd_fresh"] / out["layer_fwd_bwd_fresh"]
@@ -299,7 +307,7 @@ def predict(args, device) -> int:
             timings[t] = stage_timings(args, device, t)
         st = timings[t]
         print(f"stages T={t}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                                             for k, v in st.items()), flush=True)
+                                             for k, v in st.items() if not k.startswith("profile_")), flush=True)
     for t in args.seq_lens:
         st = timings[t]
         twice = timings.get(2 * t)
