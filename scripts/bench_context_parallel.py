@@ -53,6 +53,9 @@ def parse_args(argv=None):
                    help="also profile the CP call and the single call (scripts/profiling.py): kernel time "
                         "against wall time, top kernels, ATen calls per call; with --predict the fresh and the "
                         "continuing token mixer")
+    p.add_argument("--kernel-configs", default="auto",
+                   help="fla's launch configurations (kernels/tuned_configs.py): auto (the shipped file for this GPU "
+                        "and versions: no minutes of autotuning on a fresh machine), off (autotune), or a file")
     p.add_argument("--out", type=Path, default=Path("bench_context_parallel.json"))
     p.add_argument("--predict", action="store_true",
                    help="one process: time each stage of a 340M shard (layer fresh / continuing, head, optimizer) at "
@@ -376,6 +379,7 @@ def predict(args, device) -> int:
     args.prediction_out.parent.mkdir(parents=True, exist_ok=True)
     args.prediction_out.write_text(json.dumps(old + rows, indent=1) + "\n")
     args.out.write_text(json.dumps({"device": name, "date": measured,
+                                    "kernel_configs": getattr(args, "kernel_configs_used", None),
                                     "timings": {str(k): v for k, v in timings.items()},
                                     "rows": rows, "memory_with_ac": memory}, indent=1) + "\n")
     return 0
@@ -392,6 +396,16 @@ def stack(mixer, layers: int, x: dict, do: torch.Tensor) -> None:
         x[n].grad = None
 
 
+def _install_kernel_configs(args, device) -> dict | None:
+    """fla's launch configurations for this process (before any fla launch); what was chosen, for the JSON."""
+    if device.type != "cuda":
+        return None
+    from hola_titan.kernels import tuned_configs
+    installed = tuned_configs.install(args.kernel_configs, device)
+    print("fla kernel configurations:", installed.describe(), flush=True)
+    return installed.record()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     distributed = "RANK" in os.environ
@@ -400,6 +414,7 @@ def main(argv=None) -> int:
             raise SystemExit("--predict runs in one process (it times one GPU's stages); run it without torchrun")
         use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+        args.kernel_configs_used = _install_kernel_configs(args, device)
         return predict(args, device)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if distributed:
@@ -408,6 +423,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    configs_used = _install_kernel_configs(args, device)
     dtype = torch.bfloat16 if use_cuda else torch.float32
     from hola_titan import hola_attention
     from hola_titan.ops import HolaSettings
@@ -490,7 +506,8 @@ def main(argv=None) -> int:
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
-                                        "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
+                                        "torch": torch.__version__, "kernel_configs": configs_used,
+                                        "rows": rows}, indent=1) + "\n")
         print(f"\n{args.layers} layers\n{'T':>8} {'docs':>5} {'CP ms':>10} {'1 GPU ms':>10} {'speedup':>8} "
               f"{'comm KiB':>9} {'CP GiB':>8} {'1 GPU GiB':>10} {'CP syncs':>9}")
         for r in rows:

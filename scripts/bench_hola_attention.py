@@ -58,6 +58,10 @@ def parse_args():
     p.add_argument("--varlen", action="store_true",
                    help="also time the variable-length FlashAttention candidate of the cache read "
                         "(kernels/hola_varlen.py) against the Triton kernels, as --flex does (first of --seq-lens)")
+    p.add_argument("--kernel-configs", default="auto",
+                   help="fla's launch configurations (kernels/tuned_configs.py): auto (the shipped file for this GPU "
+                        "and versions; a fresh machine then compiles one configuration per kernel instead of "
+                        "autotuning for minutes), off (autotune), or a file of scripts/tune_kernels.py")
     p.add_argument("--profile", action="store_true",
                    help="also profile gdn_fla, gdn_adapter and hola_triton (torch.profiler): GPU kernel time per "
                         "call by kernel, and the gap between the timed call and its kernels (host-bound time)")
@@ -109,13 +113,16 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, triton=triton.__version__,
                 fla=fla_gdn.fla_version(), python=platform.python_version(), heads=h, dim=d, window=window,
                 block=block, tokens=args.tokens, date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    from hola_titan.kernels import tuned_configs
+    installed = tuned_configs.install(args.kernel_configs, device)
+    print("fla kernel configurations:", installed.describe(), flush=True)
     dp = fla_gdn.padded_head_dim(d, device)
-    print(f"fla #640 gradient check at head dim {dp} (on a fresh machine this also autotunes fla: minutes)",
-          flush=True)
+    print(f"fla #640 gradient check at head dim {dp}", flush=True)
     t0 = time.time()
     fla_gdn.ensure_backward_checked(dp, device)
     meta["fla_640"] = dict(guard_applies=fla_gdn.guard_applies(device), head_dim=dp,
                            errors=fla_gdn._CHECKED.get((device.index or 0, dp)), seconds=round(time.time() - t0, 1))
+    meta["kernel_configs"] = installed.record()
     print("meta:", json.dumps(meta))
     results = []
     for t in args.seq_lens:

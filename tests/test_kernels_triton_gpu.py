@@ -40,6 +40,15 @@ TOL_FP32 = 1e-5
 BLOCK = 256
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _shipped_fla_configs():
+    """fla's shipped launch configurations (kernels/tuned_configs.py), as the trainer installs them: on a fresh
+    machine fla compiles one configuration per kernel instead of autotuning for minutes at D = 256. The kernels
+    compared here are the same either way (fla's own candidates)."""
+    from hola_titan.kernels import tuned_configs
+    print("fla kernel configurations:", tuned_configs.install("auto", DEVICE).describe())
+
+
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
     monkeypatch.setattr(hola_triton_attn, "POISON_OUTPUTS", True)
