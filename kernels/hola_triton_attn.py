@@ -115,10 +115,11 @@ if triton is not None:
         return b_x, b_y, tl.load(r_ptr + row, mask=ok, other=0.0)
 
     @triton.jit
-    def _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok, D: tl.constexpr,
-                  HAS_PRE: tl.constexpr, DV: tl.constexpr, v_off):
+    def _both(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok, D: tl.constexpr,
+              HAS_PRE: tl.constexpr, DV: tl.constexpr, v_off):
         """k, v (columns ``v_off ... v_off + DV``), rstd of key rows from the token rows (``t_ok``) or, with a
-        prefix, the prefix rows (``a_ok``)."""
+        prefix, the prefix rows (``a_ok``): two masked reads and a select (the dk/dv kernels' form, see
+        :func:`_load_two`)."""
         b_k, b_v, b_rk = _load_rows(k_ptr, v_ptr, rk_ptr, row, t_ok, D, DV, v_off)
         if HAS_PRE:
             b_ka, b_va, b_rka = _load_rows(ka_ptr, va_ptr, rka_ptr, row_a, a_ok, D, DV, v_off)
@@ -126,6 +127,29 @@ if triton is not None:
             b_v = tl.where(a_ok[:, None], b_va, b_v)
             b_rk = tl.where(a_ok, b_rka, b_rk)
         return b_k, b_v, b_rk
+
+    @triton.jit
+    def _two(x_ptr, xa_ptr, row, row_a, a_ok, WIDTH: tl.constexpr):
+        """Per-row pointers: the start of row ``row`` of x, or of row ``row_a`` of xa where ``a_ok``."""
+        return tl.where(a_ok, xa_ptr + row_a * WIDTH, x_ptr + row * WIDTH)
+
+    @triton.jit
+    def _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok, D: tl.constexpr,
+                  HAS_PRE: tl.constexpr, DV: tl.constexpr, v_off):
+        """As :func:`_both`, with a prefix as one read through per-row pointers into either source: the forward
+        and dq kernels read a key tile every step of their loops, and the two tiles of :func:`_both` spill there
+        (D 256, 64x32 / 32x32 tiles, Triton 3.6, sm_90a: forward 272 bytes of stack against 32 this way, dq 440
+        against 144; the dk/dv kernel, which reads its key tile once, compiles to 192 with :func:`_both` and 264
+        this way, so it keeps that form)."""
+        if HAS_PRE:
+            ok = t_ok | a_ok
+            b_k = tl.load(_two(k_ptr, ka_ptr, row, row_a, a_ok, D)[:, None] + tl.arange(0, D)[None, :],
+                          mask=ok[:, None], other=0.0)
+            b_v = tl.load(_two(v_ptr, va_ptr, row, row_a, a_ok, D)[:, None] + v_off + tl.arange(0, DV)[None, :],
+                          mask=ok[:, None], other=0.0)
+            return b_k, b_v, tl.load(_two(rk_ptr, rka_ptr, row, row_a, a_ok, 1), mask=ok, other=0.0)
+        else:
+            return _load_rows(k_ptr, v_ptr, rk_ptr, row, t_ok, D, DV, v_off)
 
     @triton.jit
     def _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN: tl.constexpr, HAS_PRE: tl.constexpr):
@@ -555,8 +579,8 @@ if triton is not None:
             else:
                 o_n, t_ok, row_k, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
             n_ok = t_ok | a_ok
-            b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row_k, t_ok, row_a, a_ok, D,
-                                       HAS_PRE, D, 0)
+            b_k, b_v, b_rk = _both(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row_k, t_ok, row_a, a_ok, D,
+                                   HAS_PRE, D, 0)
             b_gq = tl.load(gq_ptr + o_d).to(tl.float32)
             b_gk = tl.load(gk_ptr + o_d).to(tl.float32)
             b_ks = (b_k.to(tl.float32) * b_rk[:, None] * (b_gq * b_gk)[None, :] * (scale * 1.4426950408889634))

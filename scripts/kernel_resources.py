@@ -42,6 +42,9 @@ def _parse(argv):
     parser.add_argument("--function", default=None,
                         help="compile this function of the kernel's module instead, with the plan's argument types "
                              "by name (a variant whose arguments are the kernel's plus constexprs given in --sweep)")
+    parser.add_argument("--alias", nargs="*", default=[], metavar="NEW=BASE",
+                        help="with --function: its argument NEW takes the type and attributes of the kernel's "
+                             "argument BASE (e.g. ka_ptr=k_ptr for a continuing call's prefix rows)")
     parser.add_argument("--sweep", nargs="*", default=[], metavar="NAME=V1,V2",
                         help="constexpr values to try (the plan's value otherwise)")
     parser.add_argument("--warps", default=None, help="comma-separated num_warps (the plan's otherwise)")
@@ -73,26 +76,32 @@ def _find_spec(path: Path, plan: str, kernel: str) -> dict:
     raise SystemExit(f"error: --kernel: plan {plan} has no kernel {kernel!r}; it has {', '.join(names)}")
 
 
-def variant_spec(spec: dict, function: str, constants: dict) -> dict:
+def variant_spec(spec: dict, function: str, constants: dict, aliases: dict | None = None) -> dict:
     """``spec`` re-addressed to ``function`` (a jit function of the same module): its arguments take the plan
-    kernel's types, constants and attributes by name; its own extra arguments must be constexprs in
-    ``constants``."""
+    kernel's types, constants and attributes by name; an extra argument named in ``aliases`` (``{new: base}``)
+    takes those of the kernel's argument ``base`` (a second source of the same kind, e.g. the prefix rows of a
+    continuing call); any other extra argument must be a constexpr in ``constants``."""
     from hola_titan.kernels.precompile import jit_function
 
+    aliases = aliases or {}
     base = jit_function(spec["name"]).arg_names
     name = spec["name"].rsplit(".", 1)[0] + "." + function
     names = jit_function(name).arg_names
-    missing = [n for n in names if n not in spec["signature"] and n not in constants]
+    bad = [f"{new}={old}" for new, old in aliases.items() if new not in names or old not in spec["signature"]]
+    if bad:
+        raise SystemExit(f"error: --alias {' '.join(bad)}: the first must be an argument of {function}, the second "
+                         f"of the plan's kernel")
+    missing = [n for n in names if n not in spec["signature"] and n not in constants and n not in aliases]
     if missing:
         raise SystemExit(f"error: --function {function}: arguments {', '.join(missing)} are not in the plan's "
-                         f"kernel; give the constexprs with --sweep NAME=VALUE")
+                         f"kernel; give the constexprs with --sweep NAME=VALUE, other arguments with --alias")
 
     def moved(keys, vals):
         out_keys, out_vals = [], []
         for key, val in zip(keys, vals):
             arg = base[key[0]]
-            if arg in names:
-                out_keys.append([names.index(arg), *key[1:]])
+            for target in [arg] * (arg in names) + [new for new, old in aliases.items() if old == arg]:
+                out_keys.append([names.index(target), *key[1:]])
                 out_vals.append(val)
         return out_keys, out_vals
 
@@ -102,7 +111,8 @@ def variant_spec(spec: dict, function: str, constants: dict) -> dict:
             const_keys.append([names.index(arg)])
             const_vals.append(value)
     attrs_keys, attrs_vals = moved(spec["attrs_keys"], spec["attrs_vals"])
-    return {**spec, "name": name, "signature": {n: spec["signature"].get(n, "constexpr") for n in names},
+    types = {n: spec["signature"].get(aliases.get(n, n), "constexpr") for n in names}
+    return {**spec, "name": name, "signature": types,
             "constant_keys": const_keys, "constant_vals": const_vals, "attrs_keys": attrs_keys,
             "attrs_vals": attrs_vals}
 
@@ -159,7 +169,8 @@ def main(argv=None) -> int:
         sweep[name] = [_value(v) for v in values.split(",")]
     if args.function:
         sys.path.insert(0, str(ROOT))
-        spec = variant_spec(spec, args.function, {n: v[0] for n, v in sweep.items()})
+        aliases = dict(item.partition("=")[::2] for item in args.alias)
+        spec = variant_spec(spec, args.function, {n: v[0] for n, v in sweep.items()}, aliases)
     for name in sweep:
         if name not in spec["signature"] or spec["signature"][name] != "constexpr":
             raise SystemExit(f"error: --sweep: {name!r} is not a constexpr argument of "

@@ -55,3 +55,28 @@ def test_a_variant_takes_the_plan_kernel_s_types_by_name():
     assert variant["attrs_keys"] == spec["attrs_keys"]  # the same arguments at the same positions
     with pytest.raises(SystemExit, match="give the constexprs with --sweep"):
         kernel_resources.variant_spec(spec, "_cache_fwd_split_kernel", {})
+
+
+def test_a_continuing_kernel_takes_its_prefix_arguments_types_from_aliases():
+    """--alias: the continuing call's forward (the fresh forward's arguments plus the prefix rows and their
+    blocks) addressed through the fresh forward's plan: each prefix argument takes the type and the attributes
+    (16-byte alignment) of the argument it names; an alias of an argument either kernel lacks is refused."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import kernel_resources
+
+    path = ROOT / "kernels/configs/NVIDIA_H200__fla-0.6.0__triton-3.6.0.json"
+    spec = kernel_resources._find_spec(path, "hola/d128/h2/bfloat16/packed", "_cache_fwd_kernel")
+    aliases = {"ka_ptr": "k_ptr", "va_ptr": "v_ptr", "rka_ptr": "rk_ptr", "pre_start_ptr": "blk_start_ptr",
+               "pre_len_ptr": "blk_len_ptr"}
+    variant = kernel_resources.variant_spec(spec, "_cache_fwd_pre_kernel", {}, aliases)
+    names = list(variant["signature"])
+    for new, old in aliases.items():
+        assert variant["signature"][new] == spec["signature"][old]
+        base_attrs = [v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])
+                      if k[0] == list(spec["signature"]).index(old)]
+        new_attrs = [v for k, v in zip(variant["attrs_keys"], variant["attrs_vals"]) if k[0] == names.index(new)]
+        assert base_attrs and new_attrs == base_attrs, new
+    with pytest.raises(SystemExit, match="--alias nope=k_ptr"):
+        kernel_resources.variant_spec(spec, "_cache_fwd_pre_kernel", {}, {**aliases, "nope": "k_ptr"})
+    with pytest.raises(SystemExit, match="other arguments with --alias"):
+        kernel_resources.variant_spec(spec, "_cache_fwd_pre_kernel", {}, {})
