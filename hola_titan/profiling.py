@@ -135,7 +135,7 @@ def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: 
             run()
         if cuda:
             torch.cuda.synchronize(device)
-    per_name, aten_calls, intervals = {}, 0, []
+    per_name, aten_calls, intervals, aten_by_name = {}, 0, [], {}
     if cuda:
         for evt in prof.events():
             if is_device_kernel(evt) and evt.time_range.end > evt.time_range.start:
@@ -143,6 +143,7 @@ def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: 
     for evt in prof.key_averages():
         if evt.key.startswith("aten::"):
             aten_calls += evt.count
+            aten_by_name[evt.key] = aten_by_name.get(evt.key, 0) + evt.count
         if cuda:
             if not is_device_kernel(evt):
                 continue
@@ -162,6 +163,9 @@ def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: 
         by_kind[kind] = by_kind.get(kind, 0.0) + ms
     out = dict(kernel_ms=busy_ms, timed_ms=timed_ms, launches=sum(n for _, n in per_name.values()),
                aten_calls=aten_calls // iters,
+               # Where the host's calls go (each costs microseconds of host time whatever its kernel does).
+               aten_top=[dict(op=k, calls=n // iters) for k, n in sorted(aten_by_name.items(), key=lambda kv: -kv[1])
+                         [:top]],
                by_kind={k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
                top=[dict(kernel=k, ms=round(ms, 4), launches=n) for k, (ms, n) in ranked[:top]],
                kernels=[dict(kernel=k, kind=kernel_kind(k) if cuda else "cpu", ms=round(ms, 4), launches=n)
@@ -181,4 +185,6 @@ def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: 
               + "; ".join(f"{g['us']:.0f} us after {g['after'][:40]}" for g in idle["gaps"][:4]), flush=True)
     for item in out["top"]:
         print(f"    {item['ms']:8.3f} ms  x{item['launches']:<4d} {item['kernel']}", flush=True)
+    print("    ATen calls: " + ", ".join(f"{a['op'].removeprefix('aten::')} {a['calls']}" for a in out["aten_top"]),
+          flush=True)
     return out

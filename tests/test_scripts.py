@@ -133,6 +133,25 @@ def test_kernel_profile_counts_device_kernels_once():
     assert not is_device_kernel(event(DeviceType.CUDA, annotation=True))  # a range on the GPU timeline
 
 
+def test_kernel_profile_names_the_host_s_aten_calls_per_call():
+    """The profile lists which ATen calls a call issues, per call (the host work behind a GPU's idle time)."""
+    import torch
+
+    from hola_titan.profiling import kernel_profile
+
+    a = torch.randn(8, 8)
+
+    def call():
+        for _ in range(3):
+            torch.mm(a, a)
+        torch.cumsum(a, 0)
+
+    out = kernel_profile(call, device=torch.device("cpu"), timed_ms=None, iters=2, top=30)
+    calls = {x["op"]: x["calls"] for x in out["aten_top"]}
+    assert calls["aten::mm"] == 3 and calls["aten::cumsum"] == 1, calls
+    assert sum(calls.values()) <= out["aten_calls"]
+
+
 def test_count_cp_ops_runs_under_torchrun():
     result = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "scripts/count_cp_ops.py",
                    "--seq-len", "128", "--block", "16", "--window", "4"], timeout=600)
