@@ -164,8 +164,8 @@ def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: 
     out = dict(kernel_ms=busy_ms, timed_ms=timed_ms, launches=sum(n for _, n in per_name.values()),
                aten_calls=aten_calls // iters,
                # Where the host's calls go (each costs microseconds of host time whatever its kernel does).
-               aten_top=[dict(op=k, calls=n // iters) for k, n in sorted(aten_by_name.items(), key=lambda kv: -kv[1])
-                         [:top]],
+               aten_top=[dict(op=k, calls=round(n / iters, 2))
+                         for k, n in sorted(aten_by_name.items(), key=lambda kv: -kv[1])[:top]],
                by_kind={k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
                top=[dict(kernel=k, ms=round(ms, 4), launches=n) for k, (ms, n) in ranked[:top]],
                kernels=[dict(kernel=k, kind=kernel_kind(k) if cuda else "cpu", ms=round(ms, 4), launches=n)

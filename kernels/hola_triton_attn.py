@@ -706,6 +706,13 @@ class Prefix(NamedTuple):
     length: torch.Tensor
 
 
+def _check_prefix(prefix: Prefix, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The kernels read a key tile from either source through one pointer (``_two``): same element types."""
+    if prefix.k.dtype != k.dtype or prefix.v.dtype != v.dtype:
+        raise ValueError(f"prefix: k and v in {prefix.k.dtype} / {prefix.v.dtype}, the tokens' in {k.dtype} / "
+                         f"{v.dtype}; they must match")
+
+
 def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, *, block: int,
                         window: int, prefix: Prefix | None = None):
     """Forward launches. Returns ``(o, lse [B*T, H] base 2, r_q, r_k)``: what the backward needs besides the
@@ -732,6 +739,7 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
                 q, k, v, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len,
                 h, nqt, d ** -0.5, SPLIT=split, **common)
         return o, lse, rq, rk
+    _check_prefix(prefix, k, v)
     rka = rms_rstd(prefix.k)
     if num_blocks:
         _cache_fwd_pre_kernel[(num_blocks * nqt, h)](
@@ -769,6 +777,7 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
             dgq_part, dsink_part, dgate_part, h, nqt, scale, **common)
     elif num_blocks:
+        _check_prefix(prefix, k, v)
         _cache_bwd_dq_pre_kernel[(num_blocks * nqt, h)](
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
             dgq_part, dsink_part, dgate_part, prefix.k, prefix.v, rka, prefix.start, prefix.length, h, nqt, scale,

@@ -67,6 +67,10 @@ def build_layout(table: BlockTable, sel: torch.Tensor, num_tokens: int, *, windo
     n = num_tokens
     zero = torch.zeros(1, dtype=torch.int64, device=device)
     cu_blk = torch.cat([zero, torch.cumsum(table.blk_len.long(), 0)])
+    # Device-side checks (no synchronisation; on CUDA a failure ends the process with this message).
+    blk_len = table.blk_len.long()
+    torch._assert_async(((blk_len == 0) | (cu_blk[:-1] == table.blk_start.long())).all() & (cu_blk[-1] == n),
+                        "hola_varlen: the blocks must tile the tokens in order")
     valid = sel >= 0  # [NB, H, W]
     filled = valid.sum(-1)  # [NB, H]
     if h > 1:
@@ -153,14 +157,16 @@ class DenseCore:
 
     @staticmethod
     def _scatter(x, idx, rows):  # x [S, H, L, D] -> [rows, H, D]
+        """Rows no sequence owns are NaN: FlashAttention leaves them unwritten, so a caller must never read them."""
         acc = x.new_zeros(rows + 1, x.shape[1], x.shape[-1])
         acc.index_add_(0, idx.reshape(-1), x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]))
-        return acc[:-1]
+        owned = torch.zeros(rows + 1, dtype=torch.bool, device=x.device).index_fill_(0, idx.reshape(-1), True)
+        return acc[:-1].masked_fill(~owned[:-1, None, None], float("nan"))
 
     def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
         p, lse_p, _, _, q_idx, k_idx = self._probs(q, k, cu_q, cu_k, max_q, max_k, causal, scale)
         o = p @ self._rows(v, k_idx)
-        lse = lse_p.new_zeros(q.shape[0] + 1, q.shape[1])
+        lse = lse_p.new_full((q.shape[0] + 1, q.shape[1]), float("nan"))  # rows no sequence owns: NaN
         lse.index_copy_(0, q_idx.reshape(-1), lse_p.transpose(1, 2).reshape(-1, q.shape[1]))
         return self._scatter(o, q_idx, q.shape[0]).to(q.dtype), lse[:-1].t().contiguous(), None
 
@@ -199,12 +205,12 @@ class _VarlenRead(torch.autograd.Function):
         vt = v.reshape(qn.shape)
         dq, dk, dv = core.backward(do_c, qn, kn, vt, o_cache, lse_all, lay.cu_blk, lay.cu_blk, lay.block, lay.block,
                                    True, scale, ctx.states[0])
-        dkc = dvc = None
+        dq2 = dkc = dvc = None
         if lay.window:
             dq2, dkc, dvc = core.backward(do_c, qn, kc, vc, o_cache, lse_all, lay.cu_blk, lay.cu_cache, lay.block,
                                           lay.window, False, scale, ctx.states[1])
-            dq = dq + dq2
-        dq, dk, dv, dgq, dgk = glue.grad_out(dq, dk, dv, dkc, dvc, q, k, gamma_q, gamma_k, rq, rk, lay.cache_src)
+        dq, dk, dv, dgq, dgk = glue.grad_out(dq, dq2, dk, dv, dkc, dvc, q, k, gamma_q, gamma_k, rq, rk,
+                                             lay.cache_src)
         return dq, dk, dv, do, dgq, dgk, dsink.to(sink.dtype), dgate.to(gate.dtype), None, None, None
 
 
@@ -273,11 +279,13 @@ def _norm_backward(x, r, gamma, dy):
     return dx, (dy * xf * r[..., None]).sum((0, 1, 2))
 
 
-def _grad_out(dqn, dkn, dv, dkc, dvc, q, k, gamma_q, gamma_k, rq, rk, cache_src):
-    """``(dq, dk, dv, dgamma_q, dgamma_k)``: the entries' gradients summed into their tokens (an entry is read by
-    many blocks), then the norms' backward."""
+def _grad_out(dqn, dqn2, dkn, dv, dkc, dvc, q, k, gamma_q, gamma_k, rq, rk, cache_src):
+    """``(dq, dk, dv, dgamma_q, dgamma_k)``: the two calls' dq summed, the entries' gradients summed into their
+    tokens (an entry is read by many blocks), in the compute dtype, then the norms' backward."""
     shape, (n, h, d) = q.shape, dkn.shape
     cdt = _cdt(q)
+    dqn = dqn.to(cdt) if dqn2 is None else dqn.to(cdt) + dqn2.to(cdt)
+    dv_dtype = dv.dtype
     dkn, dv = dkn.to(cdt).reshape(n * h, d), dv.to(cdt).reshape(n * h, d)
     if dkc is not None:
         # Rows past the last block's entries (whatever the core left there) go to the dropped zero row.
@@ -287,7 +295,7 @@ def _grad_out(dqn, dkn, dv, dkc, dvc, q, k, gamma_q, gamma_k, rq, rk, cache_src)
     gq, gk = gamma_q.to(cdt), gamma_k.to(cdt)
     dq, dgamma = _norm_backward(q, rq, gq * gk, dqn.to(cdt).reshape(shape))
     dk, _ = _norm_backward(k, rk, torch.ones_like(gk), dkn.reshape(shape))
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.reshape(shape).to(q.dtype), (dgamma * gk).to(gamma_q.dtype),
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.reshape(shape).to(dv_dtype), (dgamma * gk).to(gamma_q.dtype),
             (dgamma * gq).to(gamma_k.dtype))
 
 

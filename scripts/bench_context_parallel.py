@@ -379,7 +379,7 @@ def predict(args, device) -> int:
     args.prediction_out.parent.mkdir(parents=True, exist_ok=True)
     args.prediction_out.write_text(json.dumps(old + rows, indent=1) + "\n")
     args.out.write_text(json.dumps({"device": name, "date": measured,
-                                    "kernel_configs": getattr(args, "kernel_configs_used", None),
+                                    "kernel_configs": _record(getattr(args, "kernel_configs_used", None)),
                                     "timings": {str(k): v for k, v in timings.items()},
                                     "rows": rows, "memory_with_ac": memory}, indent=1) + "\n")
     return 0
@@ -396,14 +396,19 @@ def stack(mixer, layers: int, x: dict, do: torch.Tensor) -> None:
         x[n].grad = None
 
 
-def _install_kernel_configs(args, device) -> dict | None:
-    """fla's launch configurations for this process (before any fla launch); what was chosen, for the JSON."""
+def _install_kernel_configs(args, device):
+    """fla's launch configurations for this process (before any fla launch); the decision, whose ``record()`` the
+    JSON takes when it is written (what was served by then), or None on a CPU."""
     if device.type != "cuda":
         return None
     from hola_titan.kernels import tuned_configs
     installed = tuned_configs.install(args.kernel_configs, device)
     print("fla kernel configurations:", installed.describe(), flush=True)
-    return installed.record()
+    return installed
+
+
+def _record(installed) -> dict | None:
+    return installed.record() if installed is not None else None
 
 
 def main(argv=None) -> int:
@@ -506,7 +511,7 @@ def main(argv=None) -> int:
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
-                                        "torch": torch.__version__, "kernel_configs": configs_used,
+                                        "torch": torch.__version__, "kernel_configs": _record(configs_used),
                                         "rows": rows}, indent=1) + "\n")
         print(f"\n{args.layers} layers\n{'T':>8} {'docs':>5} {'CP ms':>10} {'1 GPU ms':>10} {'speedup':>8} "
               f"{'comm KiB':>9} {'CP GiB':>8} {'1 GPU GiB':>10} {'CP syncs':>9}")

@@ -87,10 +87,11 @@ def variant_spec(spec: dict, function: str, constants: dict, aliases: dict | Non
     base = jit_function(spec["name"]).arg_names
     name = spec["name"].rsplit(".", 1)[0] + "." + function
     names = jit_function(name).arg_names
-    bad = [f"{new}={old}" for new, old in aliases.items() if new not in names or old not in spec["signature"]]
+    bad = [f"{new}={old}" for new, old in aliases.items()
+           if new not in names or new in spec["signature"] or old not in spec["signature"]]
     if bad:
-        raise SystemExit(f"error: --alias {' '.join(bad)}: the first must be an argument of {function}, the second "
-                         f"of the plan's kernel")
+        raise SystemExit(f"error: --alias {' '.join(bad)}: the first must be an argument of {function} that the "
+                         f"plan's kernel lacks, the second an argument of the plan's kernel")
     missing = [n for n in names if n not in spec["signature"] and n not in constants and n not in aliases]
     if missing:
         raise SystemExit(f"error: --function {function}: arguments {', '.join(missing)} are not in the plan's "

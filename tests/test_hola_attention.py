@@ -825,3 +825,16 @@ def test_tensors_sent_in_one_copy_start_on_16_byte_boundaries():
     for t, s in zip(tensors, sent):
         assert s.dtype == t.dtype and s.shape == t.shape and torch.equal(s, t)
         assert s.untyped_storage().data_ptr() == base and s.data_ptr() % 16 == 0
+
+
+def test_cache_kernels_refuse_a_prefix_in_another_dtype():
+    """A continuing call's kernels read a key tile from the tokens or the prefix through one pointer, so both must
+    hold the same element type: a mismatch is an error naming both, not a miscompiled read."""
+    pytest.importorskip("triton")
+    from hola_titan.kernels.hola_triton_attn import Prefix, _check_prefix
+    k = v = torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16)
+    ok = Prefix(k=torch.zeros(6, 2, 8, dtype=torch.bfloat16), v=torch.zeros(6, 2, 8, dtype=torch.bfloat16),
+                start=torch.zeros(1, dtype=torch.int32), length=torch.zeros(1, dtype=torch.int32))
+    _check_prefix(ok, k, v)
+    with pytest.raises(ValueError, match=r"prefix: k and v in torch.float32 / torch.bfloat16, the tokens' in"):
+        _check_prefix(ok._replace(k=ok.k.float()), k, v)

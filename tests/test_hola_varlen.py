@@ -67,12 +67,16 @@ def test_layout_holds_each_block_s_filled_entries_per_head(case):
     assert (lay.cache_src[int(lay.cu_cache[-1]):] == n * h).all(), "rows past the entries must point at the zero row"
 
 
-def test_layout_refuses_heads_with_different_numbers_of_entries():
+def test_layout_refuses_heads_with_different_numbers_of_entries_and_blocks_that_do_not_tile():
     table = _table(1, 40, [0, 40], 8)
     sel = _selection(table, 2, 4, seed=0)
-    sel[3, 1, sel[3, 1] >= 0] = -1  # head 1 of block 3 loses its entries
+    bad = sel.clone()
+    bad[3, 1, bad[3, 1] >= 0] = -1  # head 1 of block 3 loses its entries
     with pytest.raises(RuntimeError, match="different numbers of filled cache slots"):
-        build_layout(table, sel, 40, window=4)
+        build_layout(table, bad, 40, window=4)
+    short = _table(1, 40, [0, 33], 8)  # documents that end before the tokens do
+    with pytest.raises(RuntimeError, match="must tile the tokens in order"):
+        build_layout(short, _selection(short, 2, 4, seed=0), 40, window=4)
 
 
 def _inputs(b, t, h, d, seed, dtype):

@@ -44,7 +44,8 @@ BLOCK = 256
 def _shipped_fla_configs():
     """fla's shipped launch configurations (kernels/tuned_configs.py), as the trainer installs them: on a fresh
     machine fla compiles one configuration per kernel instead of autotuning for minutes at D = 256. The kernels
-    compared here are the same either way (fla's own candidates)."""
+    compared here are the same either way (fla's own candidates). They stay installed for the rest of the process,
+    as in a training run: uninstalling would send later GPU tests back to autotuning."""
     from hola_titan.kernels import tuned_configs
     print("fla kernel configurations:", tuned_configs.install("auto", DEVICE).describe())
 
@@ -438,16 +439,18 @@ def _varlen_read(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, initial_stat
     return o, final_state, None
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "entries"])
-def test_flash_core_keeps_the_dense_core_s_contract(causal):
+@pytest.mark.parametrize("causal,len_k", [(True, [256, 1, 100, 37]), (True, [256, 5, 130, 20]),
+                                          (False, [64, 5, 0, 64])], ids=["own-rows", "causal-uneven", "entries"])
+def test_flash_core_keeps_the_dense_core_s_contract(causal, len_k):
     """FlashAttention's variable-length ops as the candidate calls them (4 heads, D = 256, bf16; causal aligned to
     the bottom right, or not; the log-sum-exp [H, total_q], +inf and a zero output for a query with no keys;
     backward from a given output and log-sum-exp) against DenseCore on the same inputs: a full block, one query,
     queries with no keys (the cache part of a document's first block), key buffers longer than the last sequence's
-    keys (whose tail holds NaN and must not be read)."""
+    keys (whose tail holds NaN and must not be read); causal with more keys than queries and fewer (the mask's
+    alignment: with 20 keys, the first 17 of 37 queries see none)."""
     from hola_titan.kernels.hola_varlen import DenseCore, FlashCore
-    len_q, len_k = ([256, 1, 100, 37], [256, 1, 100, 37]) if causal else ([256, 1, 100, 37], [64, 5, 0, 64])
-    h, d, max_k = 4, 256, 256 if causal else 64
+    len_q = [256, 1, 100, 37]
+    h, d, max_k = 4, 256, max(len_k)
     zero = torch.zeros(1, dtype=torch.int64)
     cu_q = torch.cat([zero, torch.cumsum(torch.tensor(len_q), 0)]).to(DEVICE, torch.int32)
     cu_k = torch.cat([zero, torch.cumsum(torch.tensor(len_k), 0)]).to(DEVICE, torch.int32)

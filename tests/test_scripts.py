@@ -149,7 +149,7 @@ def test_kernel_profile_names_the_host_s_aten_calls_per_call():
     out = kernel_profile(call, device=torch.device("cpu"), timed_ms=None, iters=2, top=30)
     calls = {x["op"]: x["calls"] for x in out["aten_top"]}
     assert calls["aten::mm"] == 3 and calls["aten::cumsum"] == 1, calls
-    assert sum(calls.values()) <= out["aten_calls"]
+    assert out["aten_calls"] >= 4
 
 
 def test_count_cp_ops_runs_under_torchrun():
