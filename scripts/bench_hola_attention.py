@@ -12,9 +12,10 @@ Rows (medians of ``triton.testing.do_bench``, CUDA events):
 - the forward stages of the Triton backend (state path + score, selection, cache attention) and the cache
   attention backward, to show where the time goes.
 Peak memory is the peak allocated during one forward + backward minus what was allocated before it.
-``--sweep`` also times the cache-attention kernels under alternative launch configurations (T = 2k); ``--flex``
-the FlexAttention candidate of the cache read (:mod:`hola_titan.kernels.hola_flex`) against the Triton op, ``--varlen``
-the variable-length FlashAttention candidate (:mod:`hola_titan.kernels.hola_varlen`).
+``--sweep`` also times the cache-attention kernels under alternative launch configurations (T = 2k); ``--varlen``
+the variable-length FlashAttention candidate of the cache read (:mod:`hola_titan.kernels.hola_varlen`) against the
+Triton op. (A FlexAttention candidate was measured on 2026-12-03 at 6x the Triton op's time and 5x its memory, and
+removed: docs/LOG.md.)
 The cache read's TFLOP/s count 4 D FLOPs per (query, key) pair it reads forward (``cache_pairs``: the filled
 cache slots of each query's block and the block's tokens up to the query) and 2.5 times that backward.
 
@@ -52,12 +53,10 @@ def parse_args():
     p.add_argument("--rows", action="store_true", help="B rows of T tokens instead of one packed row")
     p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_triton_overlap,hola_sdpa,sdpa_causal",
                    help="comma-separated rows to time (default: all)")
-    p.add_argument("--flex", action="store_true",
-                   help="also time the FlexAttention candidate of the cache read (kernels/hola_flex.py) against the "
-                        "Triton kernels, forward and forward + backward, with its peak memory (first of --seq-lens)")
     p.add_argument("--varlen", action="store_true",
                    help="also time the variable-length FlashAttention candidate of the cache read "
-                        "(kernels/hola_varlen.py) against the Triton kernels, as --flex does (first of --seq-lens)")
+                        "(kernels/hola_varlen.py) against the Triton kernels, forward and forward + backward, with "
+                        "its peak memory (first of --seq-lens)")
     p.add_argument("--kernel-configs", default="auto",
                    help="fla's launch configurations (kernels/tuned_configs.py): auto (the shipped file for this GPU "
                         "and versions; a fresh machine then compiles one configuration per kernel instead of "
@@ -216,10 +215,9 @@ def main():
             row["stage_cache_bwd_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_ms"] * 1e9)
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
                 row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms)
-        for wanted, fn in ((args.flex, flex_candidate), (args.varlen, varlen_candidate)):
-            if wanted and t == args.seq_lens[0]:
-                row.update(fn(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, do, cache_attn_op, block,
-                              window, args.rep_ms, known=row))
+        if args.varlen and t == args.seq_lens[0]:
+            row.update(varlen_candidate(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, do,
+                                        cache_attn_op, block, window, args.rep_ms, known=row))
         if args.profile:
             profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap")
             row["profile"] = {name: profile(fn, grads, row.get(name + "_ms"))
@@ -306,21 +304,6 @@ def cache_pairs(sel, table) -> int:
     heads = sel.shape[1]
     filled = (sel >= 0).sum(-1).long()  # [NB, H]
     return int((filled * blk_len[:, None]).sum() + heads * (blk_len * (blk_len + 1) // 2).sum())
-
-
-def flex_candidate(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, do, cache_attn_op, block, window,
-                   rep_ms, known) -> dict:
-    """The FlexAttention candidate against the Triton op on the same inputs and selection: forward, forward +
-    backward, peak memory, and the block masks' build time (once per batch for all layers)."""
-    from hola_titan.kernels.hola_flex import block_masks, cache_read_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
-    flex = torch.compile(flex_attention)
-    n = q.shape[0] * q.shape[1]
-    return candidate("flex", lambda: block_masks(table, sel, n, window=window),
-                     lambda leaves, masks: cache_read_flex(*leaves, sel, masks, window=window, flex=flex),
-                     (q, k, v, o_state, gamma_q, gamma_k, sink, gate), sel, table, do, cache_attn_op, block, window,
-                     rep_ms, known, setup_key="flex_masks_s")
 
 
 def varlen_candidate(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, do, cache_attn_op, block, window,
@@ -418,8 +401,7 @@ def print_table(results):
             ("hola_triton_over_sdpa_causal", "triton/SDPA"), ("hola_triton_mem_over_gdn", "mem triton/GDN"),
             ("stage_state_fwd_ms", "state fwd"), ("stage_select_ms", "select"), ("stage_cache_fwd_ms", "cache fwd"),
             ("stage_cache_bwd_ms", "cache bwd"), ("stage_cache_fwd_tflops", "fwd TFLOP/s"),
-            ("stage_cache_bwd_tflops", "bwd TFLOP/s"), ("flex_over_triton_fwd_bwd", "flex/triton"),
-            ("varlen_over_triton_fwd_bwd", "varlen/triton")]
+            ("stage_cache_bwd_tflops", "bwd TFLOP/s"), ("varlen_over_triton_fwd_bwd", "varlen/triton")]
     print(" | ".join(c[1] for c in cols))
     for r in results:
         cells = []

@@ -541,37 +541,6 @@ def test_continuing_call_copies_no_token_sized_tensor():
     assert not [f for f in mode.large if f not in attn], mode.large
 
 
-def _flex_backend(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, cu_seqlens,
-                  output_final_state, return_aux):
-    """The FlexAttention candidate of the cache read behind the Triton backend's state path and selection."""
-    from hola_titan.kernels.hola_flex import block_masks, cache_read_flex
-    from hola_titan.kernels.hola_stages import select, state_path
-    b, t, h, _ = q.shape
-    o_state, m, final_state = state_path(q, k, v, g, beta, initial_state=None, cu_seqlens=cu_seqlens,
-                                         output_final_state=output_final_state)
-    table = hola_triton_select.build_block_table(b, t, cu_seqlens, block, q.device)
-    sel, _ = select(m.reshape(b * t, h), table, window=window, evict=evict, num_heads=h)
-    o = cache_read_flex(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel,
-                        block_masks(table, sel, b * t, window=window), window=window)
-    assert return_aux
-    return o, final_state, None, {"m": m, "sel": sel, "table": table}
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-def test_flex_candidate_matches_reference_given_its_selection(case):
-    """The FlexAttention candidate (measured by scripts/bench_hola_attention.py) computes the same read, packed
-    documents, an empty cache, recency: the output here (FlexAttention has no backward on a CPU; the GPU suite
-    compares its gradients)."""
-    pytest.importorskip("torch.nn.attention.flex_attention")
-    b, t, cu, h, d, block, window, evict = case
-    x = {n: tensor.detach() for n, tensor in make_inputs(b, t, h, d, seed=t + 2).items()}
-    kw = dict(window=window, block=block, evict=evict, cu_seqlens=torch.tensor(cu) if cu else None)
-    o, _, _, aux = _flex_backend(*[x[n] for n in NAMES], output_final_state=True, return_aux=True, **kw)
-    o_r, _, _ = reference_given(x, aux["sel"], **kw)
-    o_64, _, _ = reference_given({n: tensor.double() for n, tensor in x.items()}, aux["sel"], **kw)
-    assert_fp32_close(o, o_r, o_64, "o")
-
-
 @pytest.mark.parametrize("case", CASES[:2] + CASES[3:], ids=[_case_id(c) for c in CASES[:2] + CASES[3:]])
 def test_kernel_variants_match_reference_given_their_selection(case, monkeypatch):
     """The launch candidates that the GPU sweep times: the forward with its output columns split over two programs,
