@@ -401,7 +401,8 @@ def print_table(results):
             ("hola_triton_over_sdpa_causal", "triton/SDPA"), ("hola_triton_mem_over_gdn", "mem triton/GDN"),
             ("stage_state_fwd_ms", "state fwd"), ("stage_select_ms", "select"), ("stage_cache_fwd_ms", "cache fwd"),
             ("stage_cache_bwd_ms", "cache bwd"), ("stage_cache_fwd_tflops", "fwd TFLOP/s"),
-            ("stage_cache_bwd_tflops", "bwd TFLOP/s"), ("varlen_over_triton_fwd_bwd", "varlen/triton")]
+            ("stage_cache_bwd_tflops", "bwd TFLOP/s"), ("varlen_over_triton_fwd_bwd", "varlen/triton"),
+            ("varlen_core_fwd_tflops", "FA fwd TFLOP/s"), ("varlen_core_bwd_tflops", "FA bwd TFLOP/s")]
     print(" | ".join(c[1] for c in cols))
     for r in results:
         cells = []
