@@ -50,6 +50,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = NORM_EPS
     return y if weight is None else y * weight
 
 
+def rms_norm_backward(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                      dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight)`` of ``y = x rstd weight`` with ``rstd = rsqrt(mean(x^2) + eps)`` ``[..., 1]``, in rstd's
+    dtype (the compute dtype); ``dweight`` summed over every dimension but the last."""
+    cdt = rstd.dtype
+    xhat = x.to(cdt) * rstd
+    dyf = dy.to(cdt)
+    dweight = (dyf * xhat).sum(dim=tuple(range(dyf.dim() - 1)))
+    gy = dyf * weight.to(cdt)
+    return rstd * (gy - xhat * (gy * xhat).mean(-1, keepdim=True)), dweight
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """At least float32; float64 stays float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hola_titan.kernels.hola_reference import rms_norm_backward
 from hola_titan.kernels.hola_triton_select import BlockTable
 
 NORM_EPS = 1e-6
@@ -66,9 +67,9 @@ def build_layout(table: BlockTable, sel: torch.Tensor, num_tokens: int, *, windo
     nb, h = sel.shape[0], sel.shape[1]
     n = num_tokens
     zero = torch.zeros(1, dtype=torch.int64, device=device)
-    cu_blk = torch.cat([zero, torch.cumsum(table.blk_len.long(), 0)])
-    # Device-side checks (no synchronisation; on CUDA a failure ends the process with this message).
     blk_len = table.blk_len.long()
+    cu_blk = torch.cat([zero, torch.cumsum(blk_len, 0)])
+    # Device-side checks (no synchronisation; on CUDA a failure ends the process with this message).
     torch._assert_async(((blk_len == 0) | (cu_blk[:-1] == table.blk_start.long())).all() & (cu_blk[-1] == n),
                         "hola_varlen: the blocks must tile the tokens in order")
     valid = sel >= 0  # [NB, H, W]
@@ -272,13 +273,6 @@ def _grad_in(do, o_cache, lse_all, sink, gate):
     return do_c, dgate, dsink
 
 
-def _norm_backward(x, r, gamma, dy):
-    """``(dx, dgamma)`` of ``y = x r gamma`` with ``r = rsqrt(mean(x^2) + eps)``, in the compute dtype."""
-    xf, gy = x.to(dy.dtype), dy * gamma.to(dy.dtype)
-    dx = r[..., None] * gy - xf * r[..., None] ** 3 * (gy * xf).mean(-1, keepdim=True)
-    return dx, (dy * xf * r[..., None]).sum((0, 1, 2))
-
-
 def _grad_out(dqn, dqn2, dkn, dv, dkc, dvc, q, k, gamma_q, gamma_k, rq, rk, cache_src):
     """``(dq, dk, dv, dgamma_q, dgamma_k)``: the two calls' dq summed, the entries' gradients summed into their
     tokens (an entry is read by many blocks), in the compute dtype, then the norms' backward."""
@@ -293,8 +287,8 @@ def _grad_out(dqn, dqn2, dkn, dv, dkc, dvc, q, k, gamma_q, gamma_k, rq, rk, cach
         dkn = torch.cat([dkn, dkn.new_zeros(1, d)]).index_add(0, src, dkc.reshape(-1, d).to(cdt))[:-1]
         dv = torch.cat([dv, dv.new_zeros(1, d)]).index_add(0, src, dvc.reshape(-1, d).to(cdt))[:-1]
     gq, gk = gamma_q.to(cdt), gamma_k.to(cdt)
-    dq, dgamma = _norm_backward(q, rq, gq * gk, dqn.to(cdt).reshape(shape))
-    dk, _ = _norm_backward(k, rk, torch.ones_like(gk), dkn.reshape(shape))
+    dq, dgamma = rms_norm_backward(q, rq[..., None], gq * gk, dqn.reshape(shape))
+    dk, _ = rms_norm_backward(k, rk[..., None], torch.ones_like(gk), dkn.reshape(shape))
     return (dq.to(q.dtype), dk.to(k.dtype), dv.reshape(shape).to(dv_dtype), (dgamma * gk).to(gamma_q.dtype),
             (dgamma * gq).to(gamma_k.dtype))
 

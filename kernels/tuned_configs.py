@@ -45,6 +45,10 @@ FORMAT = "hola_titan.tuned_configs/1"
 # serves another: batch, tokens (``NB``: blocks of a token count in fla's l2norm) and heads. Head dims (``K``,
 # ``V``, ``D``), tiles (``BT``, ``BK``, ``BV``, ``BC``), flags and dtypes must match exactly.
 EXTENT_KEYS = frozenset({"B", "T", "NB", "NT", "H", "HV"})
+# The choice of configurations as a script's ``--kernel-configs`` describes it (model.kernel_configs in a run).
+CHOICE_HELP = ("fla's launch configurations (kernels/tuned_configs.py): auto (the file shipped for this GPU and these "
+               "fla-core and Triton versions, when there is one: no minutes of autotuning on a fresh machine), off "
+               "(autotune), or the path of a file written by scripts/tune_kernels.py")
 # Modules whose autotuners the table serves and the tuning script records.
 MODULE_PREFIXES = ("fla.", "hola_titan.kernels.")
 

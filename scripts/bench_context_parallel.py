@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv=None):
+    from hola_titan.kernels.tuned_configs import CHOICE_HELP
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072])
     p.add_argument("--docs", type=int, default=1, help="equal documents per row")
@@ -53,9 +54,7 @@ def parse_args(argv=None):
                    help="also profile the CP call and the single call (scripts/profiling.py): kernel time "
                         "against wall time, top kernels, ATen calls per call; with --predict the fresh and the "
                         "continuing token mixer")
-    p.add_argument("--kernel-configs", default="auto",
-                   help="fla's launch configurations (kernels/tuned_configs.py): auto (the shipped file for this GPU "
-                        "and versions: no minutes of autotuning on a fresh machine), off (autotune), or a file")
+    p.add_argument("--kernel-configs", default="auto", help=CHOICE_HELP)
     p.add_argument("--out", type=Path, default=Path("bench_context_parallel.json"))
     p.add_argument("--predict", action="store_true",
                    help="one process: time each stage of a 340M shard (layer fresh / continuing, head, optimizer) at "
@@ -379,7 +378,7 @@ def predict(args, device) -> int:
     args.prediction_out.parent.mkdir(parents=True, exist_ok=True)
     args.prediction_out.write_text(json.dumps(old + rows, indent=1) + "\n")
     args.out.write_text(json.dumps({"device": name, "date": measured,
-                                    "kernel_configs": _record(getattr(args, "kernel_configs_used", None)),
+                                    "kernel_configs": args.kernel_configs_used.record(),
                                     "timings": {str(k): v for k, v in timings.items()},
                                     "rows": rows, "memory_with_ac": memory}, indent=1) + "\n")
     return 0
@@ -397,18 +396,12 @@ def stack(mixer, layers: int, x: dict, do: torch.Tensor) -> None:
 
 
 def _install_kernel_configs(args, device):
-    """fla's launch configurations for this process (before any fla launch); the decision, whose ``record()`` the
-    JSON takes when it is written (what was served by then), or None on a CPU."""
-    if device.type != "cuda":
-        return None
+    """fla's launch configurations for this process (before any fla launch; on a CPU the decision "off"), whose
+    ``record()`` the JSON takes when it is written (what was served by then)."""
     from hola_titan.kernels import tuned_configs
     installed = tuned_configs.install(args.kernel_configs, device)
     print("fla kernel configurations:", installed.describe(), flush=True)
     return installed
-
-
-def _record(installed) -> dict | None:
-    return installed.record() if installed is not None else None
 
 
 def main(argv=None) -> int:
@@ -511,7 +504,7 @@ def main(argv=None) -> int:
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
-                                        "torch": torch.__version__, "kernel_configs": _record(configs_used),
+                                        "torch": torch.__version__, "kernel_configs": configs_used.record(),
                                         "rows": rows}, indent=1) + "\n")
         print(f"\n{args.layers} layers\n{'T':>8} {'docs':>5} {'CP ms':>10} {'1 GPU ms':>10} {'speedup':>8} "
               f"{'comm KiB':>9} {'CP GiB':>8} {'1 GPU GiB':>10} {'CP syncs':>9}")

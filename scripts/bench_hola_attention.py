@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 
 def parse_args():
+    from hola_titan.kernels.tuned_configs import CHOICE_HELP
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="outputs/bench_hola_attention.json")
     p.add_argument("--tokens", type=int, default=65536, help="B * T per call")
@@ -57,10 +58,7 @@ def parse_args():
                    help="also time the variable-length FlashAttention candidate of the cache read "
                         "(kernels/hola_varlen.py) against the Triton kernels, forward and forward + backward, with "
                         "its peak memory (first of --seq-lens)")
-    p.add_argument("--kernel-configs", default="auto",
-                   help="fla's launch configurations (kernels/tuned_configs.py): auto (the shipped file for this GPU "
-                        "and versions; a fresh machine then compiles one configuration per kernel instead of "
-                        "autotuning for minutes), off (autotune), or a file of scripts/tune_kernels.py")
+    p.add_argument("--kernel-configs", default="auto", help=CHOICE_HELP)
     p.add_argument("--profile", action="store_true",
                    help="also profile gdn_fla, gdn_adapter and hola_triton (torch.profiler): GPU kernel time per "
                         "call by kernel, and the gap between the timed call and its kernels (host-bound time)")
