@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hola_titan.kernels.hola_reference import rms_norm_backward
+
 
 class LocalParams:
     """Modules whose forward may compute with the local shards of distributed parameters.
@@ -62,7 +64,6 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from hola_titan.kernels.hola_reference import rms_norm_backward
         x, weight, rstd = ctx.saved_tensors
         dx, dweight = rms_norm_backward(x, rstd, weight, dy)
         return dx.to(x.dtype), dweight.to(weight.dtype), None, None
