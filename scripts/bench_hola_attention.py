@@ -12,10 +12,10 @@ Rows (medians of ``triton.testing.do_bench``, CUDA events):
 - the forward stages of the Triton backend (state path + score, selection, cache attention) and the cache
   attention backward, to show where the time goes.
 Peak memory is the peak allocated during one forward + backward minus what was allocated before it.
-``--sweep`` also times the cache-attention kernels under alternative launch configurations (T = 2k); ``--varlen``
-the variable-length FlashAttention candidate of the cache read (:mod:`hola_titan.kernels.hola_varlen`) against the
-Triton op. (A FlexAttention candidate was measured on 2026-12-03 at 6x the Triton op's time and 5x its memory, and
-removed: docs/LOG.md.)
+``--sweep`` also times the cache-attention kernels under alternative launch configurations (T = 2k). Two
+candidates of the cache read were measured against the Triton op and removed (docs/LOG.md, 2026-12-03):
+FlexAttention (6x the time, 5x the memory) and FlashAttention-2's variable-length kernels with the work around
+them compiled (1.24x the time, 2.75x the memory; the FlashAttention calls alone ran at 163 / 93 TFLOP/s).
 The cache read's TFLOP/s count 4 D FLOPs per (query, key) pair it reads forward (``cache_pairs``: the filled
 cache slots of each query's block and the block's tokens up to the query) and 2.5 times that backward.
 
@@ -54,10 +54,6 @@ def parse_args():
     p.add_argument("--rows", action="store_true", help="B rows of T tokens instead of one packed row")
     p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_triton_overlap,hola_sdpa,sdpa_causal",
                    help="comma-separated rows to time (default: all)")
-    p.add_argument("--varlen", action="store_true",
-                   help="also time the variable-length FlashAttention candidate of the cache read "
-                        "(kernels/hola_varlen.py) against the Triton kernels, forward and forward + backward, with "
-                        "its peak memory (first of --seq-lens)")
     p.add_argument("--kernel-configs", default="auto", help=CHOICE_HELP)
     p.add_argument("--profile", action="store_true",
                    help="also profile gdn_fla, gdn_adapter and hola_triton (torch.profiler): GPU kernel time per "
@@ -213,9 +209,6 @@ def main():
             row["stage_cache_bwd_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_ms"] * 1e9)
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
                 row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms)
-        if args.varlen and t == args.seq_lens[0]:
-            row.update(varlen_candidate(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, do,
-                                        cache_attn_op, block, window, args.rep_ms, known=row))
         if args.profile:
             profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap")
             row["profile"] = {name: profile(fn, grads, row.get(name + "_ms"))
@@ -304,92 +297,6 @@ def cache_pairs(sel, table) -> int:
     return int((filled * blk_len[:, None]).sum() + heads * (blk_len * (blk_len + 1) // 2).sum())
 
 
-def varlen_candidate(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table, do, cache_attn_op, block, window,
-                     rep_ms, known) -> dict:
-    """The variable-length FlashAttention candidate (:mod:`hola_titan.kernels.hola_varlen`, PyTorch's aten flash
-    ops, the work around them compiled by Inductor) against the Triton op on the same inputs and selection: forward,
-    forward + backward, peak memory, the layout's build time (once per selection), and FlashAttention's two ops
-    alone on the layout (``varlen_core_*``: the own-rows and the cache calls, with TFLOP/s by the read's FLOP
-    count)."""
-    from hola_titan.kernels.hola_varlen import FlashCore, Glue, build_layout, cache_read_varlen
-
-    n, h, d = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
-    core, glue = FlashCore(), Glue(compiled=True)
-    out = candidate("varlen", lambda: build_layout(table, sel, n, window=window),
-                    lambda leaves, layout: cache_read_varlen(*leaves, layout, core=core, glue=glue),
-                    (q, k, v, o_state, gamma_q, gamma_k, sink, gate), sel, table, do, cache_attn_op, block, window,
-                    rep_ms, known, setup_key="varlen_layout_ms", setup_scale=1e3)
-    try:
-        lay = build_layout(table, sel, n, window=window)
-        qn = torch.randn(n, h, d, device=q.device, dtype=q.dtype)
-        kc, vc = (torch.randn(lay.cache_src.shape[0], h, d, device=q.device, dtype=q.dtype) for _ in range(2))
-        calls = [(qn, qn, qn, lay.cu_blk, lay.cu_blk, block, block, True, d ** -0.5)]
-        if window:
-            calls.append((qn, kc, vc, lay.cu_blk, lay.cu_cache, block, window, False, d ** -0.5))
-        done = [core.forward(*c) for c in calls]
-
-        def fwd():
-            for c in calls:
-                core.forward(*c)
-
-        def bwd():
-            for c, (o_c, lse_c, st) in zip(calls, done):
-                core.backward(qn, *c[:3], o_c, lse_c, *c[3:], st)
-        pairs = cache_pairs(sel, table)
-        out["varlen_core_fwd_ms"] = bench(fwd, None, rep_ms)
-        out["varlen_core_bwd_ms"] = bench(bwd, None, rep_ms)
-        out["varlen_core_fwd_tflops"] = 4 * d * pairs / (out["varlen_core_fwd_ms"] * 1e9)
-        out["varlen_core_bwd_tflops"] = 10 * d * pairs / (out["varlen_core_bwd_ms"] * 1e9)
-    except Exception as e:  # noqa: BLE001 - reported in the row
-        out["varlen_core_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    return out
-
-
-def candidate(name, setup, read, inputs, sel, table, do, cache_attn_op, block, window, rep_ms, known, *, setup_key,
-              setup_scale=1.0) -> dict:
-    """Time the candidate ``read(leaves, setup())`` against the Triton op: ``{name}_cache_fwd_ms``,
-    ``{name}_cache_fwd_bwd_ms``, ``{name}_cache_peak_mib`` and the Triton op's (timed once per row: not again when
-    ``known``, the row so far, has them), ``{name}_over_triton_fwd_bwd``, the setup's time; an error is reported in
-    the row (``{name}_error``) and the other rows go on."""
-    out = {}
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    try:
-        setup()  # first call outside the timing
-        torch.cuda.synchronize()
-        t0 = time.time()
-        made = setup()
-        torch.cuda.synchronize()
-        out[setup_key] = (time.time() - t0) * setup_scale
-
-        def cand_fwd():
-            return read(leaves, made)
-
-        def triton_fwd():
-            return cache_attn_op(*leaves, sel, table.blk_start, table.blk_len, block, window)[0]
-
-        timed = [(name, cand_fwd)]
-        if "triton_cache_fwd_bwd_ms" in known:
-            out.update({key: val for key, val in known.items() if key.startswith("triton_cache_")})
-        else:
-            timed.append(("triton", triton_fwd))
-        for label, fwd in timed:
-            def fwd_bwd(fwd=fwd):
-                fwd().backward(do)
-            fwd_bwd()  # compile outside the timing
-            with torch.no_grad():
-                out[f"{label}_cache_fwd_ms"] = bench(fwd, None, rep_ms)
-            out[f"{label}_cache_fwd_bwd_ms"] = bench(fwd_bwd, leaves, rep_ms)
-            for t in leaves:
-                t.grad = None
-            out[f"{label}_cache_peak_mib"] = peak_mib(fwd_bwd)
-            for t in leaves:
-                t.grad = None
-        out[f"{name}_over_triton_fwd_bwd"] = out[f"{name}_cache_fwd_bwd_ms"] / out["triton_cache_fwd_bwd_ms"]
-    except Exception as e:  # noqa: BLE001 - reported in the row, the other rows go on
-        out[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    return out
-
-
 def print_table(results):
     cols = [("T", "T"), ("B", "B"), ("gdn_fla_ms", "GDN ms"), ("gdn_adapter_ms", "adapter ms"),
             ("hola_triton_ms", "HOLA triton ms"), ("hola_triton_overlap_ms", "overlap ms"),
@@ -399,8 +306,7 @@ def print_table(results):
             ("hola_triton_over_sdpa_causal", "triton/SDPA"), ("hola_triton_mem_over_gdn", "mem triton/GDN"),
             ("stage_state_fwd_ms", "state fwd"), ("stage_select_ms", "select"), ("stage_cache_fwd_ms", "cache fwd"),
             ("stage_cache_bwd_ms", "cache bwd"), ("stage_cache_fwd_tflops", "fwd TFLOP/s"),
-            ("stage_cache_bwd_tflops", "bwd TFLOP/s"), ("varlen_over_triton_fwd_bwd", "varlen/triton"),
-            ("varlen_core_fwd_tflops", "FA fwd TFLOP/s"), ("varlen_core_bwd_tflops", "FA bwd TFLOP/s")]
+            ("stage_cache_bwd_tflops", "bwd TFLOP/s")]
     print(" | ".join(c[1] for c in cols))
     for r in results:
         cells = []
