@@ -12,6 +12,7 @@ timed wall time, the GPU's idle gaps read off the kernels' timeline, and the ATe
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gzip
 import logging
@@ -99,23 +100,81 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def idle_gaps(intervals: list[tuple[float, float, str]], *, min_gap_us: float = 5.0, top: int = 10) -> dict:
+def idle_gaps(intervals: list[tuple[float, float, str]], *, min_gap_us: float = 5.0, top: int = 10,
+              host: list[tuple[float, float, str]] | None = None) -> dict:
     """GPU idle time between kernels: ``intervals`` are (start us, end us, kernel name) of every kernel of the
     profiled window. Returns the busy span, the idle time inside it (gaps of at least ``min_gap_us``) and the
-    ``top`` largest gaps with the kernels before and after them."""
+    ``top`` largest gaps with the kernels before and after them.
+
+    ``host``: (start us, end us, name) of the host's outermost operations (on any thread, on the kernels' clock).
+    The GPU idles when the host has not yet issued the next kernel, so what the host was running inside the gaps
+    is where idle time comes from: each reported gap gets its ``host`` operations by overlap, and
+    ``host_in_gaps`` sums them over every gap (``no host operation``: time inside gaps in which none ran, i.e.
+    Python between operations)."""
     if not intervals:
         return {"span_ms": 0.0, "idle_ms": 0.0, "gaps": []}
     intervals = sorted(intervals)
     gaps, end, before = [], intervals[0][1], intervals[0][2]
     for start, stop, name in intervals[1:]:
         if start - end >= min_gap_us:
-            gaps.append((start - end, before, name))
+            gaps.append((start - end, before, name, end, start))
         if stop > end:
             end, before = stop, name
     span = end - intervals[0][0]
     gaps.sort(key=lambda g: -g[0])
-    return {"span_ms": span / 1e3, "idle_ms": sum(g[0] for g in gaps) / 1e3, "num_gaps": len(gaps),
-            "gaps": [dict(us=round(g, 1), after=a[:70], before=b[:70]) for g, a, b in gaps[:top]]}
+    out = {"span_ms": span / 1e3, "idle_ms": sum(g[0] for g in gaps) / 1e3, "num_gaps": len(gaps),
+           "gaps": [dict(us=round(g[0], 1), after=g[1][:70], before=g[2][:70]) for g in gaps[:top]]}
+    if host is not None:
+        host = sorted(host)
+        starts, reach, most = [h[0] for h in host], [], float("-inf")
+        for h in host:  # the latest end among the operations started so far: where a backward walk can stop
+            most = max(most, h[1])
+            reach.append(most)
+        total: dict[str, float] = {}
+        for rank, (_, _, _, g0, g1) in enumerate(gaps):
+            j, near = bisect.bisect_left(starts, g1) - 1, []
+            while j >= 0 and reach[j] > g0:
+                near.append(host[j])
+                j -= 1
+            inside = _host_overlap(near, g0, g1)
+            for name, us in inside.items():
+                total[name] = total.get(name, 0.0) + us
+            if rank < top:
+                out["gaps"][rank]["host"] = {name: round(us, 1) for name, us in
+                                             sorted(inside.items(), key=lambda kv: -kv[1])[:3]}
+        out["host_in_gaps"] = [dict(op=name, us=round(us, 1)) for name, us in
+                               sorted(total.items(), key=lambda kv: -kv[1])[:top]]
+    return out
+
+
+_NO_HOST_OP = "no host operation"
+
+
+def _host_overlap(host: list[tuple[float, float, str]], g0: float, g1: float) -> dict[str, float]:
+    """Microseconds of [g0, g1] each host operation (by name) covers, and the part no operation covers."""
+    inside, covered = {}, []
+    for start, stop, name in host:
+        lo, hi = max(start, g0), min(stop, g1)
+        if hi > lo:
+            inside[name] = inside.get(name, 0.0) + hi - lo
+            covered.append((lo, hi))
+    union, reach = 0.0, g0
+    for lo, hi in sorted(covered):
+        if hi > reach:
+            union += hi - max(lo, reach)
+            reach = hi
+    if g1 - g0 - union > 0:
+        inside[_NO_HOST_OP] = g1 - g0 - union
+    return inside
+
+
+def _outermost_host_op(evt) -> bool:
+    """A host operation no other operation encloses (an annotated phase such as ``Optimizer.step#AdamW.step`` or a
+    compiled region, an autograd node on the backward thread, or an ATen call made from Python)."""
+    from torch.autograd import DeviceType
+
+    return (evt.device_type == DeviceType.CPU and getattr(evt, "cpu_parent", None) is None
+            and not getattr(evt, "is_async", False) and evt.time_range.end > evt.time_range.start)
 
 
 def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: int = 5, top: int = 12,
@@ -135,11 +194,13 @@ def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: 
             run()
         if cuda:
             torch.cuda.synchronize(device)
-    per_name, aten_calls, intervals, aten_by_name = {}, 0, [], {}
+    per_name, aten_calls, intervals, aten_by_name, host = {}, 0, [], {}, []
     if cuda:
         for evt in prof.events():
             if is_device_kernel(evt) and evt.time_range.end > evt.time_range.start:
                 intervals.append((evt.time_range.start, evt.time_range.end, evt.name))
+            elif _outermost_host_op(evt):
+                host.append((evt.time_range.start, evt.time_range.end, evt.name))
     for evt in prof.key_averages():
         if evt.key.startswith("aten::"):
             aten_calls += evt.count
@@ -171,9 +232,11 @@ def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: 
                kernels=[dict(kernel=k, kind=kernel_kind(k) if cuda else "cpu", ms=round(ms, 4), launches=n)
                         for k, (ms, n) in ranked[:keep]])
     if cuda:
-        gaps = idle_gaps(intervals)
+        gaps = idle_gaps(intervals, host=host)
         # Per call: the window holds ``iters`` calls back to back.
-        out["gpu_idle"] = dict(gaps, span_ms=gaps["span_ms"] / iters, idle_ms=gaps["idle_ms"] / iters)
+        out["gpu_idle"] = dict(gaps, span_ms=gaps["span_ms"] / iters, idle_ms=gaps["idle_ms"] / iters,
+                               host_in_gaps=[dict(op=h["op"], ms=round(h["us"] / iters / 1e3, 3))
+                                             for h in gaps.get("host_in_gaps", [])])
     what = "kernels" if cuda else "ATen self CPU"
     timed = f"{timed_ms:.3f}" if timed_ms is not None else "-"
     print(f"profile ({label}): {what} {busy_ms:.3f} ms per call, timed {timed} ms, launches {out['launches']}, "
@@ -183,6 +246,8 @@ def kernel_profile(run, *, device: torch.device, timed_ms: float | None, iters: 
         idle = out["gpu_idle"]
         print(f"    GPU idle {idle['idle_ms']:.2f} ms of a {idle['span_ms']:.2f} ms span per call; largest gaps: "
               + "; ".join(f"{g['us']:.0f} us after {g['after'][:40]}" for g in idle["gaps"][:4]), flush=True)
+        print("    host inside the gaps (ms per call): "
+              + ", ".join(f"{h['op'][:60]} {h['ms']:.2f}" for h in idle["host_in_gaps"][:8]), flush=True)
     for item in out["top"]:
         print(f"    {item['ms']:8.3f} ms  x{item['launches']:<4d} {item['kernel']}", flush=True)
     print("    ATen calls: " + ", ".join(f"{a['op'].removeprefix('aten::')} {a['calls']}" for a in out["aten_top"]),

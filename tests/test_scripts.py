@@ -176,6 +176,15 @@ def test_profile_kinds_and_idle_gaps():
     gaps = idle_gaps([(0, 10, "a"), (5, 20, "b"), (50, 60, "c"), (62, 70, "d")])
     assert gaps["span_ms"] == pytest.approx(0.070) and gaps["idle_ms"] == pytest.approx(0.030)
     assert gaps["num_gaps"] == 1 and gaps["gaps"][0] == dict(us=30.0, after="b", before="c")
+    # What the host ran inside the gaps: the gap [20, 50] overlaps "step" over [15, 30] (10 us) and "loss" over
+    # [35, 40] (5 us) on another thread; 15 us of it no operation covers (Python). A host operation outside every
+    # gap ([0, 12]) is not counted.
+    host = [(15, 30, "step"), (35, 40, "loss"), (36, 38, "loss"), (0, 12, "data")]
+    gaps = idle_gaps([(0, 10, "a"), (5, 20, "b"), (50, 60, "c"), (62, 70, "d")], host=host)
+    assert gaps["gaps"][0]["host"] == {"no host operation": 15.0, "step": 10.0, "loss": 7.0}
+    assert gaps["host_in_gaps"] == [dict(op="no host operation", us=15.0), dict(op="step", us=10.0),
+                                    dict(op="loss", us=7.0)]
+    assert "host_in_gaps" not in idle_gaps([(0, 10, "a"), (50, 60, "c")])
 
 
 def test_compare_losses_runs_two_trainers_on_the_same_batches(tmp_path):
