@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import os
 import platform
 import time
@@ -50,6 +51,9 @@ def parse_args():
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--sweep", action="store_true", help="time alternative cache-kernel launch configurations")
     p.add_argument("--sweep-only", action="store_true", help="only the sweep (first of --seq-lens)")
+    p.add_argument("--sweep-match", default=None, metavar="REGEX",
+                   help="with --sweep / --sweep-only: time only the configurations whose name matches (e.g. "
+                        "'BN64_w8'); the configurations in use are always timed, as the rows to compare with")
     p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--rows", action="store_true", help="B rows of T tokens instead of one packed row")
     p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_triton_overlap,hola_sdpa,sdpa_causal",
@@ -208,7 +212,7 @@ def main():
             row["stage_cache_fwd_tflops"] = 4 * d * pairs / (row["stage_cache_fwd_ms"] * 1e9)
             row["stage_cache_bwd_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_ms"] * 1e9)
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
-                row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms)
+                row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms, match=args.sweep_match)
         if args.profile:
             profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap")
             row["profile"] = {name: profile(fn, grads, row.get(name + "_ms"))
@@ -251,8 +255,9 @@ def profile(fn, grads, timed_ms, iters=5, top=12):
     return kernel_profile(call, device=torch.device("cuda"), timed_ms=timed_ms, iters=iters, top=top)
 
 
-def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms):
-    """Time the cache kernels under alternative configurations (each kernel kind swept on its own)."""
+def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None):
+    """Time the cache kernels under alternative configurations (each kernel kind swept on its own); ``match``: a
+    regular expression the configuration's name must match (the one in use is timed whatever it is)."""
     split, two, sep = dict(SPLIT=2), dict(TWO_PASS=True), dict(SEPARATE=True)
     # (BM, BN, warps, stages[, variant]): the variants (kernels/hola_triton_attn.py, VARIANTS) trade more products
     # for one half-sized or one fewer [BM, D] accumulator, i.e. fewer registers at D = 256. Compiled here for sm_90a
@@ -280,6 +285,9 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms):
             extra = variant[0] if variant else {}
             attn_mod.CONFIGS[kind][d] = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, **extra)
             key = f"{kind}_BM{bm}_BN{bn}_w{nw}_s{ns}" + "".join(f"_{name}{value}" for name, value in extra.items())
+            in_use = not extra and saved == dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns)
+            if match is not None and not in_use and not re.search(match, key):
+                continue
             try:
                 fn = fwd_fn if kind == "fwd" else bwd_fn
                 fn()
