@@ -5,7 +5,8 @@ costs no device time. Triton compiles for any target given explicitly and its pa
 this script compiles a kernel for sm_90a (H100/H200) on any machine with Triton's NVIDIA backend installed,
 CPU-only ones included, and reports per configuration: registers per thread, the stack frame and local memory per
 thread (bytes; spilled registers go there), shared memory, the count of ``wgmma`` instructions in the PTX
-(Hopper's warpgroup matrix instructions; none means a slower path), and the compile time.
+(Hopper's warpgroup matrix instructions) and of ``mma.sync`` ones (the Ampere path Triton falls back to, e.g. for
+tiles of fewer than 64 rows: every warp then reads its operands from shared memory itself), and the compile time.
 
 The kernel and its exact argument types come from a compile plan of ``kernels/configs/`` (``kernels/precompile.py``:
 what a real run compiled); constexprs, warps and stages can be overridden, so a sweep over tiles is one command::
@@ -154,6 +155,7 @@ def compile_resources(spec: dict, *, constants: dict, num_warps: int, num_stages
     # LOCAL: bytes of local memory per thread, where spilled registers go; STACK: the stack frame.
     return {"registers": number("REG"), "local_bytes": number("LOCAL"), "stack_bytes": number("STACK"),
             "shared_bytes": kernel.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+            "mma_sync": ptx.count("mma.sync"),
             "compile_s": round(seconds, 2)}
 
 
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
     rows = []
     names = list(sweep)
     header = f"{' '.join(f'{n:>6}' for n in names)} {'warps':>5} {'stages':>6} {'regs':>5} {'stack':>6} {'local':>6} " \
-             f"{'smem KiB':>8} {'wgmma':>5} {'compile s':>9}"
+             f"{'smem KiB':>8} {'wgmma':>5} {'mma.sync':>8} {'compile s':>9}"
     print(f"{args.function or args.kernel} from plan {args.plan}" + (f" ({args.kernel}'s)" if args.function else "")
           + f", sm_{args.arch}a")
     print(header)
@@ -195,7 +197,7 @@ def main(argv=None) -> int:
                 print(f"{' '.join(f'{v!s:>6}' for v in values)} {num_warps:>5} {num_stages:>6} "
                       f"{row['registers']!s:>5} {row['stack_bytes']!s:>6} {row['local_bytes']!s:>6} "
                       f"{row['shared_bytes'] / 1024:>8.1f} "
-                      f"{row['wgmma']:>5} {row['compile_s']:>9.1f}", flush=True)
+                      f"{row['wgmma']:>5} {row['mma_sync']:>8} {row['compile_s']:>9.1f}", flush=True)
             except Exception as error:  # noqa: BLE001 (one configuration that does not compile is a row, not the end)
                 row["error"] = str(error).strip().splitlines()[-1][:200] if str(error).strip() else repr(error)
                 print(f"{' '.join(f'{v!s:>6}' for v in values)} {num_warps:>5} {num_stages:>6} error: "

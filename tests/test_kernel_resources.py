@@ -22,8 +22,10 @@ def test_a_planned_kernel_compiles_for_hopper_here_and_reports_its_resources(tmp
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["BR"] for r in rows] == [16, 32] and all("error" not in r for r in rows), rows
-    # A row reduction: a few dozen registers, no spills, a little shared memory for the reduction, no wgmma.
-    assert all(0 < r["registers"] < 128 and r["stack_bytes"] == 0 and r["wgmma"] == 0 for r in rows), rows
+    # A row reduction: a few dozen registers, no spills, a little shared memory for the reduction, no matrix
+    # instructions of either kind.
+    assert all(0 < r["registers"] < 128 and r["stack_bytes"] == 0 and r["wgmma"] == 0 and r["mma_sync"] == 0
+               for r in rows), rows
     assert rows[1]["registers"] >= rows[0]["registers"]  # twice the rows per program
 
 
@@ -80,3 +82,17 @@ def test_a_continuing_kernel_takes_its_prefix_arguments_types_from_aliases():
         kernel_resources.variant_spec(spec, "_cache_fwd_pre_kernel", {}, {**aliases, "nope": "k_ptr"})
     with pytest.raises(SystemExit, match="other arguments with --alias"):
         kernel_resources.variant_spec(spec, "_cache_fwd_pre_kernel", {}, {})
+
+
+def test_matrix_instructions_follow_the_tile_rows(tmp_path):
+    """The D = 256 dq kernel's query tile decides the matrix instructions: 32 rows compile to Ampere's mma.sync
+    only, 64 rows (one warpgroup) to Hopper's wgmma (docs/LOG.md, 2026-12-03: why the backward kernels run on
+    mma.sync)."""
+    result = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--plan", "hola/d256/h4/bfloat16/packed",
+                             "--kernel", "_cache_bwd_dq_kernel", "--sweep", "BM=32,64", "--warps", "4", "--json",
+                             str(tmp_path / "dq.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "dq.json").read_text())["rows"]
+    by_rows = {r["BM"]: r for r in rows}
+    assert by_rows[32]["wgmma"] == 0 and by_rows[32]["mma_sync"] > 0, rows
+    assert by_rows[64]["wgmma"] > 0, rows
