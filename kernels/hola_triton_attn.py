@@ -44,9 +44,11 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     triton = None
     tl = None
+    TensorDescriptor = None
 
 NORM_EPS = 1e-6
 LOG2E = 1.4426950408889634
@@ -82,7 +84,7 @@ def _empty(*shape, dtype, device):
 # forward with its output columns split over SPLIT programs, the dq pass in two passes over the keys, dk and dv
 # summed by separate launches (SEPARATE). Fresh calls
 # only: a call continuing from a cache runs the plain kernels (with the same tiles) whatever the variant.
-VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE",)}
+VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE", "TMA")}
 
 
 def _config(kind: str, d: int, device: torch.device) -> dict:
@@ -466,9 +468,11 @@ if triton is not None:
     @triton.jit
     def _dkdv_loop(q_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, b_ks, b_v, b_lam, n_ok, o_n, is_cache, start, length,
                    lo, pre, i_h, H, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
-                   MODE: tl.constexpr):
+                   MODE: tl.constexpr, TMA: tl.constexpr):
         """A key tile's sums over its queries: ``MODE`` 0 both dk and dv, 1 dv only, 2 dk only (the one not
-        formed comes back as a [BN, 16] zero)."""
+        formed comes back as a [BN, 16] zero). ``TMA``: ``q_ptr`` and ``do_ptr`` are tensor descriptors of the
+        ``[tokens, H D]`` views with ``[BM, D]`` blocks, read by Hopper's tensor memory accelerator instead of
+        per-element pointers (rows past the block are other tokens' or zeros, and their p is masked to zero)."""
         o_d = tl.arange(0, D)
         b_dk = tl.zeros([BN, D if MODE != 1 else 16], dtype=tl.float32)
         b_dv = tl.zeros([BN, D if MODE != 2 else 16], dtype=tl.float32)
@@ -477,8 +481,12 @@ if triton is not None:
             m_ok = o_m < length
             row_q = (start + o_m) * H + i_h
             p_q = row_q[:, None] * D + o_d[None, :]
-            b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
-            b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
+            if TMA:  # descriptor coordinates are 32-bit (rows of one call's tokens)
+                b_q = q_ptr.load([(start + m0).to(tl.int32), (i_h * D).to(tl.int32)])
+                b_do = do_ptr.load([(start + m0).to(tl.int32), (i_h * D).to(tl.int32)])
+            else:
+                b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
+                b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
             b_rq = tl.load(rq_ptr + row_q, mask=m_ok, other=0.0)
             b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
             if MODE != 1:
@@ -555,7 +563,7 @@ if triton is not None:
                              dgk_ptr, dest_ptr, SENTINEL, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr,
                              dka_ptr, dva_ptr, A_BASE, H, NKT, NCT, scale, W,
                              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
-                             HAS_PRE: tl.constexpr, MODE: tl.constexpr):
+                             HAS_PRE: tl.constexpr, MODE: tl.constexpr, TMA: tl.constexpr = False):
         """``MODE`` 0: a key tile's dk and dv; 1: its dv only, 2: its dk only (two launches, each program with one
         [BN, D] accumulator instead of two; the key tile's q k^T formed in both)."""
         pid = tl.program_id(0)
@@ -587,7 +595,7 @@ if triton is not None:
             b_ks = b_ks.to(b_k.dtype)
             b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
             b_dk, b_dv = _dkdv_loop(q_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, b_ks, b_v, b_lam, n_ok, o_n, is_cache,
-                                    start, length, lo, pre, i_h, H, D, BM, BN, DOT_PREC, MODE)
+                                    start, length, lo, pre, i_h, H, D, BM, BN, DOT_PREC, MODE, TMA)
             _store_grads(b_dk, b_dv, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, gq_ptr, gk_ptr, b_lam, scale,
                          is_cache, o_n, t_ok, row_k, a_ok, row_a, i_b, i_h, pid, H, W, dk_ptr, dv_ptr, pdk_ptr,
                          pdv_ptr, dgk_ptr, dest_ptr, dka_ptr, dva_ptr, SENTINEL, A_BASE, D, HAS_PRE, MODE)
@@ -617,6 +625,19 @@ if triton is not None:
                              gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
                              dgk_ptr, dest_ptr, SENTINEL, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, dk_ptr,
                              dv_ptr, SENTINEL, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, MODE)
+
+    @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
+    def _cache_bwd_dkdv_tma_kernel(q_desc, k_ptr, v_ptr, do_desc, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                                   gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
+                                   dgk_ptr, dest_ptr, SENTINEL, H, NKT, NCT, scale, W,
+                                   D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                   DOT_PREC: tl.constexpr):
+        """The fresh call's dk/dv with the query tiles (q, do) read through tensor descriptors (a launch
+        candidate)."""
+        _cache_bwd_dkdv_core(q_desc, k_ptr, v_ptr, do_desc, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                             gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
+                             dgk_ptr, dest_ptr, SENTINEL, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, dk_ptr,
+                             dv_ptr, SENTINEL, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, 0, True)
 
     @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
     def _cache_bwd_dkdv_pre_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -787,6 +808,7 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     cfg = _config("dkdv", d, device)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     separate = cfg.pop("SEPARATE", False)
+    tma = cfg.pop("TMA", False)
     nct = triton.cdiv(window, bn)
     nkt = nct + triton.cdiv(block, bn)
     num_slots = num_blocks * h * window
@@ -799,7 +821,12 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     dest = _empty(max(num_slots, 1), dtype=torch.int64, device=device)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
     if prefix is None:
-        if num_blocks and not separate:
+        if num_blocks and tma and not separate:
+            q_desc, do_desc = (TensorDescriptor.from_tensor(x.view(num_tokens, h * d), [bm, d]) for x in (q, do))
+            _cache_bwd_dkdv_tma_kernel[(num_blocks * nkt, h)](
+                q_desc, k, v, do_desc, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
+                pdk, pdv, dgk_part, dest, sentinel, h, nkt, nct, scale, **common)
+        elif num_blocks and not separate:
             _cache_bwd_dkdv_kernel[(num_blocks * nkt, h)](
                 q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
                 pdk, pdv, dgk_part, dest, sentinel, h, nkt, nct, scale, **common)

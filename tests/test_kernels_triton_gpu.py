@@ -163,6 +163,21 @@ def test_triton_backend_against_reference_and_sdpa(case):
         assert e <= TOL_FP32, f"fp32 triton (reference state path) {name}: {e:.2e} > {TOL_FP32}"
 
 
+# Launch candidates of the dk/dv kernel at D 256 that bench_hola_attention.py --sweep times (64-key tiles at 8 warps,
+# with wgmma; query tiles read through tensor descriptors): each must compute the same read before it can be chosen.
+DKDV_CANDIDATES = [dict(BM=16, BN=64, num_warps=8, num_stages=2), dict(BM=32, BN=64, num_warps=8, num_stages=2),
+                   dict(BM=32, BN=32, num_warps=4, num_stages=2, TMA=True),
+                   dict(BM=16, BN=64, num_warps=8, num_stages=2, TMA=True)]
+
+
+@pytest.mark.parametrize("cfg", DKDV_CANDIDATES,
+                         ids=["-".join(f"{k}{v}" for k, v in c.items()) for c in DKDV_CANDIDATES])
+def test_dkdv_launch_candidates_against_reference_and_sdpa(cfg, monkeypatch):
+    monkeypatch.setitem(hola_triton_attn.CONFIGS["dkdv"], 256, cfg)
+    for case in (CASES[1], CASES[4]):  # packed documents with fla's state path; rows with the reference's
+        test_triton_backend_against_reference_and_sdpa(case)
+
+
 def test_fla_adapter_is_bit_identical_to_fla_and_scores_match_reference():
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     b, t, h, d = 1, 700, 4, 256

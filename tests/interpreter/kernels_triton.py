@@ -550,6 +550,19 @@ def test_kernel_variants_match_reference_given_their_selection(case, monkeypatch
     check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 3)
 
 
+@pytest.mark.parametrize("case", CASES[:2], ids=[_case_id(c) for c in CASES[:2]])
+def test_dkdv_through_tensor_descriptors_matches_reference_given_its_selection(case, monkeypatch):
+    """The dk/dv candidate that reads its query tiles through tensor descriptors (whole [BM, D] tiles, rows past a
+    block's end included and masked in the product) computes the same read, output and every gradient."""
+    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG", dict(hola_triton_attn._INTERPRET_CONFIG, TMA=True))
+    launched = []
+    original = hola_triton_attn.TensorDescriptor.from_tensor
+    monkeypatch.setattr(hola_triton_attn.TensorDescriptor, "from_tensor",
+                        lambda *a, **k: launched.append(a[1]) or original(*a, **k))
+    check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 5)
+    assert launched and all(list(shape) == [16, case[4]] for shape in launched), launched
+
+
 @pytest.mark.parametrize("case", [CONTINUE_CASES[0], CONTINUE_CASES[1], CONTINUE_CASES[3]],
                          ids=["rows-score", "packed-score", "packed-recency"])
 def test_a_batch_s_continuation_layout_gives_the_call_s_own_results(case):
