@@ -82,9 +82,11 @@ def _empty(*shape, dtype, device):
 
 # Kernel variants a launch configuration may choose (scripts/bench_hola_attention.py --sweep times them): the
 # forward with its output columns split over SPLIT programs, the dq pass in two passes over the keys, dk and dv
-# summed by separate launches (SEPARATE). Fresh calls
-# only: a call continuing from a cache runs the plain kernels (with the same tiles) whatever the variant.
-VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE", "TMA")}
+# summed by separate launches (SEPARATE), and (TMA) the tiles of contiguous rows read whole through tensor
+# descriptors (Hopper's tensor memory accelerator, no per-element addresses): the forward's and dq's in-block key
+# tiles, dk/dv's query tiles. Fresh calls only: a call continuing from a cache runs the plain kernels (with the same
+# tiles) whatever the variant.
+VARIANTS = {"fwd": ("SPLIT", "TMA"), "dq": ("TWO_PASS", "TMA"), "dkdv": ("SEPARATE", "TMA")}
 
 
 def _config(kind: str, d: int, device: torch.device) -> dict:
@@ -152,6 +154,15 @@ if triton is not None:
             return b_k, b_v, tl.load(_two(rk_ptr, rka_ptr, row, row_a, a_ok, 1), mask=ok, other=0.0)
         else:
             return _load_rows(k_ptr, v_ptr, rk_ptr, row, t_ok, D, DV, v_off)
+
+    @triton.jit
+    def _own_tile(kd, vd, rk_ptr, start, c0, row, t_ok, i_h, D: tl.constexpr):
+        """A fresh call's in-block key tile (rows ``start + c0 ...``) through tensor descriptors ``kd``, ``vd`` of
+        the ``[tokens, H D]`` views: whole tiles, rows past the block's end included (their rstd, read through
+        pointers, is zero where not ``t_ok``, and the caller masks them)."""
+        b_k = kd.load([(start + c0).to(tl.int32), (i_h * D).to(tl.int32)])
+        b_v = vd.load([(start + c0).to(tl.int32), (i_h * D).to(tl.int32)])
+        return b_k, b_v, tl.load(rk_ptr + row, mask=t_ok, other=0.0)
 
     @triton.jit
     def _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN: tl.constexpr, HAS_PRE: tl.constexpr):
@@ -235,9 +246,11 @@ if triton is not None:
     def _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
                         gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr,
                         pre_len_ptr, H, NQT, scale, W, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        DOT_PREC: tl.constexpr, HAS_PRE: tl.constexpr, SPLIT: tl.constexpr):
+                        DOT_PREC: tl.constexpr, HAS_PRE: tl.constexpr, SPLIT: tl.constexpr, kd=None, vd=None,
+                        TMA: tl.constexpr = False):
         """``SPLIT`` > 1: each of SPLIT programs of a query tile computes the whole softmax (q k^T over all D) but
-        accumulates and writes only its D / SPLIT output columns (a smaller accumulator, for fewer registers)."""
+        accumulates and writes only its D / SPLIT output columns (a smaller accumulator, for fewer registers).
+        ``TMA`` (fresh calls, SPLIT 1): the in-block key tiles through the descriptors ``kd``, ``vd``."""
         pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM, SPLIT)
         part = tl.program_id(1) % SPLIT
         v_off = part * (D // SPLIT)
@@ -260,8 +273,11 @@ if triton is not None:
             hi = tl.minimum(q0 + BM, length) + pre
             for c0 in range(0, hi, BN):
                 o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
-                b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok,
-                                           D, HAS_PRE, D // SPLIT, v_off)
+                if TMA:
+                    b_k, b_v, b_rk = _own_tile(kd, vd, rk_ptr, start, c0, row, t_ok, i_h, D)
+                else:
+                    b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a,
+                                               a_ok, D, HAS_PRE, D // SPLIT, v_off)
                 b_ok = (t_ok | a_ok)[None, :] & (o_n[None, :] <= o_m[:, None] + pre)
                 b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, b_ok, DOT_PREC)
             b_oc = b_acc / b_l[:, None]
@@ -295,6 +311,17 @@ if triton is not None:
         _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
                         gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr,
                         blk_len_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, False, SPLIT)
+
+    @triton.jit(do_not_specialize=["H", "NQT", "W"])
+    def _cache_fwd_tma_kernel(q_ptr, k_ptr, v_ptr, kd, vd, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                              sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W,
+                              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                              DOT_PREC: tl.constexpr):
+        """The fresh call's forward with the in-block key tiles read through tensor descriptors (a launch
+        candidate; the cache slots' rows are gathered through pointers)."""
+        _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
+                        gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr,
+                        blk_len_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, False, 1, kd, vd, True)
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_fwd_pre_kernel(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -357,7 +384,7 @@ if triton is not None:
     def _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta,
                  b_lam, i_b, i_h, start, length, pre_start, pre, q0, o_m, m_ok, H, W, D: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, DOT_PREC: tl.constexpr,
-                 HAS_PRE: tl.constexpr):
+                 HAS_PRE: tl.constexpr, kd, vd, TMA: tl.constexpr):
         """A dq pass over the query tile's keys (cache slots, then the block's own); ``MODE`` as in
         :func:`_dq_step`."""
         if W > 0:
@@ -371,8 +398,11 @@ if triton is not None:
         hi = tl.minimum(q0 + BM, length) + pre
         for c0 in range(0, hi, BN):
             o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
-            b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok,
-                                       D, HAS_PRE, D, 0)
+            if TMA:
+                b_k, b_v, b_rk = _own_tile(kd, vd, rk_ptr, start, c0, row, t_ok, i_h, D)
+            else:
+                b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok,
+                                           D, HAS_PRE, D, 0)
             b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None] & (o_n[None, :] <= o_m[:, None] + pre)
             b_r, b_dq, b_pk = _dq_step(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta, b_k, b_v, b_rk, b_ok, b_lam,
                                        MODE, DOT_PREC)
@@ -383,9 +413,11 @@ if triton is not None:
                            sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
                            dgate_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr, H, NQT, scale, W,
                            D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
-                           HAS_PRE: tl.constexpr, TWO_PASS: tl.constexpr):
+                           HAS_PRE: tl.constexpr, TWO_PASS: tl.constexpr, kd=None, vd=None,
+                           TMA: tl.constexpr = False):
         """``TWO_PASS``: sum ``delta`` over the keys first, then dq with it (the keys are read and q k^T, do v^T
-        formed twice, for one [BM, D] accumulator instead of two)."""
+        formed twice, for one [BM, D] accumulator instead of two). ``TMA`` (fresh calls): the in-block key tiles
+        through the descriptors ``kd``, ``vd``."""
         pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM, 1)
         if q0 >= length:  # past the block's end: zero partials (the buffers are not zero-filled first)
             tl.store(dgq_ptr + (pid * H + i_h) * D + tl.arange(0, D), tl.zeros([D], dtype=tl.float32))
@@ -403,17 +435,19 @@ if triton is not None:
                 b_none = tl.zeros([BM, 16], dtype=tl.float32)  # no dq (nor sum of p kc) in the first pass
                 b_r, b_none, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do,
                                                b_lse, b_r, b_none, b_none, b_r, b_lam, i_b, i_h, start, length,
-                                               pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 1, DOT_PREC, HAS_PRE)
+                                               pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 1, DOT_PREC, HAS_PRE,
+                                               kd, vd, TMA)
                 b_delta = b_lam * b_r
                 b_dq = tl.zeros([BM, D], dtype=tl.float32)
                 b_r, b_dqr, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do,
                                               b_lse, b_r, b_dq, b_none, b_delta, b_lam, i_b, i_h, start, length,
-                                              pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 2, DOT_PREC, HAS_PRE)
+                                              pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 2, DOT_PREC, HAS_PRE,
+                                              kd, vd, TMA)
             else:
                 b_zero = tl.zeros([BM, D], dtype=tl.float32)
                 b_r, b_dq, b_pk = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse,
                                            b_r, b_zero, b_zero, b_r, b_lam, i_b, i_h, start, length, pre_start, pre,
-                                           q0, o_m, m_ok, H, W, D, BM, BN, 0, DOT_PREC, HAS_PRE)
+                                           q0, o_m, m_ok, H, W, D, BM, BN, 0, DOT_PREC, HAS_PRE, kd, vd, TMA)
                 b_delta = b_lam * b_r
                 b_dqr = b_dq - b_delta[:, None] * b_pk
             tl.store(delta_ptr + row_q, b_delta, mask=m_ok)
@@ -453,6 +487,18 @@ if triton is not None:
                            sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
                            dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W, D, BM,
                            BN, DOT_PREC, False, True)
+
+    @triton.jit(do_not_specialize=["H", "NQT", "W"])
+    def _cache_bwd_dq_tma_kernel(q_ptr, k_ptr, v_ptr, kd, vd, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr,
+                                 gk_ptr, sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr,
+                                 dsink_ptr, dgate_ptr, H, NQT, scale, W,
+                                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                 DOT_PREC: tl.constexpr):
+        """The fresh call's dq with the in-block key tiles read through tensor descriptors (a launch candidate)."""
+        _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                           sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
+                           dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W, D, BM,
+                           BN, DOT_PREC, False, False, kd, vd, True)
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_bwd_dq_pre_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -727,6 +773,13 @@ class Prefix(NamedTuple):
     length: torch.Tensor
 
 
+def _row_descriptors(tensors, rows: int):
+    """Tensor descriptors of contiguous ``[..., H, D]`` tensors viewed as ``[tokens, H D]``, with ``[rows, D]``
+    blocks: one head's rows of a tile (the TMA launch candidates)."""
+    return [TensorDescriptor.from_tensor(x.view(-1, x.shape[-2] * x.shape[-1]), [rows, x.shape[-1]])
+            for x in tensors]
+
+
 def _check_prefix(prefix: Prefix, k: torch.Tensor, v: torch.Tensor) -> None:
     """The kernels read a key tile from either source through one pointer (``_two``): same element types."""
     if prefix.k.dtype != k.dtype or prefix.v.dtype != v.dtype:
@@ -749,9 +802,15 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nqt = triton.cdiv(block, bm)
     split = cfg.pop("SPLIT", 1)
+    tma = cfg.pop("TMA", False)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=_dot_precision(q.dtype), **cfg)
     if prefix is None:
-        if num_blocks and split == 1:
+        if num_blocks and split == 1 and tma:
+            kd, vd = _row_descriptors((k, v), bn)
+            _cache_fwd_tma_kernel[(num_blocks * nqt, h)](
+                q, k, v, kd, vd, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len,
+                h, nqt, d ** -0.5, **common)
+        elif num_blocks and split == 1:
             _cache_fwd_kernel[(num_blocks * nqt, h)](
                 q, k, v, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len,
                 h, nqt, d ** -0.5, **common)
@@ -791,8 +850,14 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     dsink_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
     dgate_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
     two_pass = cfg.pop("TWO_PASS", False)
+    tma = cfg.pop("TMA", False)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
-    if num_blocks and prefix is None:
+    if num_blocks and prefix is None and tma and not two_pass:
+        kd, vd = _row_descriptors((k, v), bn)
+        _cache_bwd_dq_tma_kernel[(num_blocks * nqt, h)](
+            q, k, v, kd, vd, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
+            dgq_part, dsink_part, dgate_part, h, nqt, scale, **common)
+    elif num_blocks and prefix is None:
         dq_kernel = _cache_bwd_dq_two_pass_kernel if two_pass else _cache_bwd_dq_kernel
         dq_kernel[(num_blocks * nqt, h)](
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
@@ -822,7 +887,7 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
     if prefix is None:
         if num_blocks and tma and not separate:
-            q_desc, do_desc = (TensorDescriptor.from_tensor(x.view(num_tokens, h * d), [bm, d]) for x in (q, do))
+            q_desc, do_desc = _row_descriptors((q, do), bm)
             _cache_bwd_dkdv_tma_kernel[(num_blocks * nkt, h)](
                 q_desc, k, v, do_desc, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
                 pdk, pdv, dgk_part, dest, sentinel, h, nkt, nct, scale, **common)

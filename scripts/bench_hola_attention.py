@@ -266,15 +266,20 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None):
     # dq 32x64 w8 and separate dk/dv 32x32 and 32x64 w8 (the latter with wgmma) spill nothing. Added after the
     # Nsight Compute profile (the backward bound by shared-memory traffic of mma.sync, LOG 2026-12-03, seventh
     # session): 64-key tiles at 8 warps, where dk/dv gets wgmma (16x64: 112 bytes of stack, 32x64: 160) and dq
-    # wider key tiles (16x64: 208 registers, no spills); dk/dv reading its query tiles through tensor descriptors
-    # (TMA: 32x32 w4 spills 120 bytes instead of 160, 16x64 w8 104 instead of 112).
+    # wider key tiles (16x64: 208 registers, no spills). TMA: the tiles read whole through tensor descriptors (the
+    # forward's and dq's in-block keys, dk/dv's queries); stack bytes against the pointer reads: forward 64x32 w4 8
+    # (72), 128x64 w8 128 (176); dq 32x64 w8 24 (56), 32x32 w4 272 (200); dk/dv 32x32 w4 120 (160), 16x64 w8 104
+    # (112).
     grid = {
         "fwd": [(64, 32, 4, 2), (64, 32, 4, 1), (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 2), (128, 32, 8, 2),
                 (128, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2, split), (64, 64, 4, 2, split),
-                (128, 32, 8, 2, split), (128, 64, 8, 2, split), (64, 64, 4, 3, split)],
+                (128, 32, 8, 2, split), (128, 64, 8, 2, split), (64, 64, 4, 3, split), (64, 32, 4, 2, tma),
+                (128, 32, 8, 2, tma), (128, 64, 8, 2, tma)],
         "dq": [(32, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 3), (32, 32, 8, 2), (16, 32, 4, 2), (32, 64, 4, 2),
                (64, 32, 4, 2), (64, 32, 8, 2), (32, 32, 4, 2, two), (64, 32, 4, 2, two), (64, 64, 4, 2, two),
-               (64, 32, 8, 2, two), (128, 32, 8, 2, two), (32, 32, 8, 2, two), (32, 64, 8, 2, two)],
+               (64, 32, 8, 2, two), (128, 32, 8, 2, two), (32, 32, 8, 2, two), (32, 64, 8, 2, two),
+               (32, 64, 8, 2), (16, 64, 8, 2), (16, 64, 8, 3), (32, 32, 4, 2, tma), (32, 64, 8, 2, tma),
+               (16, 64, 8, 2, tma)],
         "dkdv": [(32, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 3), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 8, 2),
                  (64, 64, 8, 2), (32, 32, 4, 2, sep), (32, 32, 8, 2, sep), (32, 64, 8, 2, sep), (64, 32, 8, 2, sep),
                  (64, 64, 8, 2, sep), (32, 64, 8, 2), (16, 64, 8, 2), (16, 64, 8, 3), (32, 32, 4, 2, tma),

@@ -163,17 +163,22 @@ def test_triton_backend_against_reference_and_sdpa(case):
         assert e <= TOL_FP32, f"fp32 triton (reference state path) {name}: {e:.2e} > {TOL_FP32}"
 
 
-# Launch candidates of the dk/dv kernel at D 256 that bench_hola_attention.py --sweep times (64-key tiles at 8 warps,
-# with wgmma; query tiles read through tensor descriptors): each must compute the same read before it can be chosen.
-DKDV_CANDIDATES = [dict(BM=16, BN=64, num_warps=8, num_stages=2), dict(BM=32, BN=64, num_warps=8, num_stages=2),
-                   dict(BM=32, BN=32, num_warps=4, num_stages=2, TMA=True),
-                   dict(BM=16, BN=64, num_warps=8, num_stages=2, TMA=True)]
+# Launch candidates at D 256 that bench_hola_attention.py --sweep times (64-key tiles at 8 warps, where dk/dv gets
+# wgmma; tiles read through tensor descriptors): each must compute the same read before it can be chosen.
+CANDIDATES = [("dkdv", dict(BM=16, BN=64, num_warps=8, num_stages=2)),
+              ("dkdv", dict(BM=32, BN=64, num_warps=8, num_stages=2)),
+              ("dkdv", dict(BM=32, BN=32, num_warps=4, num_stages=2, TMA=True)),
+              ("dkdv", dict(BM=16, BN=64, num_warps=8, num_stages=2, TMA=True)),
+              ("dq", dict(BM=16, BN=64, num_warps=8, num_stages=2)),
+              ("dq", dict(BM=32, BN=64, num_warps=8, num_stages=2, TMA=True)),
+              ("fwd", dict(BM=64, BN=32, num_warps=4, num_stages=2, TMA=True)),
+              ("fwd", dict(BM=128, BN=32, num_warps=8, num_stages=2, TMA=True))]
 
 
-@pytest.mark.parametrize("cfg", DKDV_CANDIDATES,
-                         ids=["-".join(f"{k}{v}" for k, v in c.items()) for c in DKDV_CANDIDATES])
-def test_dkdv_launch_candidates_against_reference_and_sdpa(cfg, monkeypatch):
-    monkeypatch.setitem(hola_triton_attn.CONFIGS["dkdv"], 256, cfg)
+@pytest.mark.parametrize("kind,cfg", CANDIDATES,
+                         ids=[kind + "-" + "-".join(f"{k}{v}" for k, v in c.items()) for kind, c in CANDIDATES])
+def test_launch_candidates_against_reference_and_sdpa(kind, cfg, monkeypatch):
+    monkeypatch.setitem(hola_triton_attn.CONFIGS[kind], 256, cfg)
     for case in (CASES[1], CASES[4]):  # packed documents with fla's state path; rows with the reference's
         test_triton_backend_against_reference_and_sdpa(case)
 
