@@ -156,10 +156,44 @@ if triton is not None:
             return _load_rows(k_ptr, v_ptr, rk_ptr, row, t_ok, D, DV, v_off)
 
     @triton.jit
+    def _whole_end(lo, hi, B: tl.constexpr, TMA: tl.constexpr):
+        """Where the whole tiles of B rows from ``lo`` below ``hi`` end (``lo`` without TMA: none are read
+        through descriptors)."""
+        if TMA:
+            return lo + ((hi - lo) // B) * B
+        else:
+            return lo
+
+    @triton.jit
+    def _own_keys(src: tl.constexpr, kd, vd, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, start, length, pre_start,
+                  pre, c0, H, i_h, D: tl.constexpr, BN: tl.constexpr, HAS_PRE: tl.constexpr, DV: tl.constexpr,
+                  v_off):
+        """Key positions c0 ... c0 + BN of a block's own rows: (positions, token rows ok, prefix rows ok, k, v,
+        k's rstd), a whole tile through descriptors (``src`` 0) or through pointers (1)."""
+        o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
+        if src == 0:
+            b_k, b_v, b_rk = _own_tile(kd, vd, rk_ptr, start, c0, row, t_ok, i_h, D)
+        else:
+            b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok, D,
+                                       HAS_PRE, DV, v_off)
+        return o_n, t_ok, a_ok, b_k, b_v, b_rk
+
+    @triton.jit
+    def _own_range(src: tl.constexpr, whole, hi):
+        """Positions of a loop over a block's own rows: ``src`` 0 the whole tiles below ``whole`` (read through
+        descriptors), 1 the rest up to ``hi`` (through pointers)."""
+        if src == 0:
+            return 0, whole
+        else:
+            return whole, hi
+
+    @triton.jit
     def _own_tile(kd, vd, rk_ptr, start, c0, row, t_ok, i_h, D: tl.constexpr):
         """A fresh call's in-block key tile (rows ``start + c0 ...``) through tensor descriptors ``kd``, ``vd`` of
-        the ``[tokens, H D]`` views: whole tiles, rows past the block's end included (their rstd, read through
-        pointers, is zero where not ``t_ok``, and the caller masks them)."""
+        the ``[tokens, H D]`` views. Descriptors read whole tiles, so the TMA loops read this way only the tiles that
+        lie inside the block and the last, partial one through masked pointers: a row of another block never enters
+        a product, not even with zero weight (0 x inf would carry one document's non-finite values into another's
+        results)."""
         b_k = kd.load([(start + c0).to(tl.int32), (i_h * D).to(tl.int32)])
         b_v = vd.load([(start + c0).to(tl.int32), (i_h * D).to(tl.int32)])
         return b_k, b_v, tl.load(rk_ptr + row, mask=t_ok, other=0.0)
@@ -271,15 +305,15 @@ if triton is not None:
                                                 DOT_PREC)
             # Key positions up to the tile's last query, whose position in the block is pre + its index.
             hi = tl.minimum(q0 + BM, length) + pre
-            for c0 in range(0, hi, BN):
-                o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
-                if TMA:
-                    b_k, b_v, b_rk = _own_tile(kd, vd, rk_ptr, start, c0, row, t_ok, i_h, D)
-                else:
-                    b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a,
-                                               a_ok, D, HAS_PRE, D // SPLIT, v_off)
-                b_ok = (t_ok | a_ok)[None, :] & (o_n[None, :] <= o_m[:, None] + pre)
-                b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, b_ok, DOT_PREC)
+            whole = _whole_end(0, hi, BN, TMA)
+            for src in tl.static_range(1 - TMA, 2):  # 0: whole tiles through descriptors, 1: pointers
+                lo_c, hi_c = _own_range(src, whole, hi)
+                for c0 in range(lo_c, hi_c, BN):
+                    o_n, t_ok, a_ok, b_k, b_v, b_rk = _own_keys(src, kd, vd, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr,
+                                                                rka_ptr, start, length, pre_start, pre, c0, H, i_h,
+                                                                D, BN, HAS_PRE, D // SPLIT, v_off)
+                    b_ok = (t_ok | a_ok)[None, :] & (o_n[None, :] <= o_m[:, None] + pre)
+                    b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, b_ok, DOT_PREC)
             b_oc = b_acc / b_l[:, None]
             if SPLIT == 1:
                 tl.store(lse_ptr + row_q, b_m + tl.log2(b_l), mask=m_ok)
@@ -396,16 +430,16 @@ if triton is not None:
                 b_r, b_dq, b_pk = _dq_step(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta, b_k, b_v, b_rk, b_ok, b_lam,
                                            MODE, DOT_PREC)
         hi = tl.minimum(q0 + BM, length) + pre
-        for c0 in range(0, hi, BN):
-            o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
-            if TMA:
-                b_k, b_v, b_rk = _own_tile(kd, vd, rk_ptr, start, c0, row, t_ok, i_h, D)
-            else:
-                b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok,
-                                           D, HAS_PRE, D, 0)
-            b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None] & (o_n[None, :] <= o_m[:, None] + pre)
-            b_r, b_dq, b_pk = _dq_step(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta, b_k, b_v, b_rk, b_ok, b_lam,
-                                       MODE, DOT_PREC)
+        whole = _whole_end(0, hi, BN, TMA)
+        for src in tl.static_range(1 - TMA, 2):  # 0: whole tiles through descriptors, 1: pointers
+            lo_c, hi_c = _own_range(src, whole, hi)
+            for c0 in range(lo_c, hi_c, BN):
+                o_n, t_ok, a_ok, b_k, b_v, b_rk = _own_keys(src, kd, vd, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr,
+                                                            start, length, pre_start, pre, c0, H, i_h, D, BN, HAS_PRE,
+                                                            D, 0)
+                b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None] & (o_n[None, :] <= o_m[:, None] + pre)
+                b_r, b_dq, b_pk = _dq_step(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta, b_k, b_v, b_rk, b_ok,
+                                           b_lam, MODE, DOT_PREC)
         return b_r, b_dq, b_pk
 
     @triton.jit
@@ -514,38 +548,42 @@ if triton is not None:
     @triton.jit
     def _dkdv_loop(q_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, b_ks, b_v, b_lam, n_ok, o_n, is_cache, start, length,
                    lo, pre, i_h, H, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
-                   MODE: tl.constexpr, TMA: tl.constexpr):
+                   MODE: tl.constexpr, qd, dod, TMA: tl.constexpr):
         """A key tile's sums over its queries: ``MODE`` 0 both dk and dv, 1 dv only, 2 dk only (the one not
-        formed comes back as a [BN, 16] zero). ``TMA``: ``q_ptr`` and ``do_ptr`` are tensor descriptors of the
-        ``[tokens, H D]`` views with ``[BM, D]`` blocks, read by Hopper's tensor memory accelerator instead of
-        per-element pointers (rows past the block are other tokens' or zeros, and their p is masked to zero)."""
+        formed comes back as a [BN, 16] zero). ``TMA``: the query tiles that lie whole inside the block are read
+        through ``qd`` and ``dod``, tensor descriptors of q's and do's ``[tokens, H D]`` views with ``[BM, D]``
+        blocks, by Hopper's tensor memory accelerator; the last, partial one through pointers (see
+        :func:`_own_tile`)."""
         o_d = tl.arange(0, D)
         b_dk = tl.zeros([BN, D if MODE != 1 else 16], dtype=tl.float32)
         b_dv = tl.zeros([BN, D if MODE != 2 else 16], dtype=tl.float32)
-        for m0 in range(lo, length, BM):
-            o_m = m0 + tl.arange(0, BM)
-            m_ok = o_m < length
-            row_q = (start + o_m) * H + i_h
-            p_q = row_q[:, None] * D + o_d[None, :]
-            if TMA:  # descriptor coordinates are 32-bit (rows of one call's tokens)
-                b_q = q_ptr.load([(start + m0).to(tl.int32), (i_h * D).to(tl.int32)])
-                b_do = do_ptr.load([(start + m0).to(tl.int32), (i_h * D).to(tl.int32)])
-            else:
-                b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
-                b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
-            b_rq = tl.load(rq_ptr + row_q, mask=m_ok, other=0.0)
-            b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
-            if MODE != 1:
-                b_delta = tl.load(delta_ptr + row_q, mask=m_ok, other=0.0)
-            b_st = tl.dot(b_ks, tl.trans(b_q), input_precision=DOT_PREC) * b_rq[None, :]
-            b_ok = n_ok[:, None] & m_ok[None, :] & (is_cache | (o_m[None, :] + pre >= o_n[:, None]))
-            b_pt = tl.where(b_ok, tl.exp2(b_st - b_lse[None, :]), 0.0)
-            if MODE != 2:
-                b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
-            if MODE != 1:
-                b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC) * b_lam
-                b_dst = b_pt * (b_dpt - b_delta[None, :])
-                b_dk += tl.dot((b_dst * b_rq[None, :]).to(b_q.dtype), b_q, input_precision=DOT_PREC)
+        whole = _whole_end(lo, length, BM, TMA)
+        for src in tl.static_range(1 - TMA, 2):  # 0: whole tiles through descriptors, 1: pointers
+            lo_m, hi_m = _own_range(src, whole, length)
+            for m0 in range(tl.maximum(lo_m, lo), hi_m, BM):
+                o_m = m0 + tl.arange(0, BM)
+                m_ok = o_m < length
+                row_q = (start + o_m) * H + i_h
+                p_q = row_q[:, None] * D + o_d[None, :]
+                if src == 0:  # descriptor coordinates are 32-bit (rows of one call's tokens)
+                    b_q = qd.load([(start + m0).to(tl.int32), (i_h * D).to(tl.int32)])
+                    b_do = dod.load([(start + m0).to(tl.int32), (i_h * D).to(tl.int32)])
+                else:
+                    b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
+                    b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
+                b_rq = tl.load(rq_ptr + row_q, mask=m_ok, other=0.0)
+                b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
+                if MODE != 1:
+                    b_delta = tl.load(delta_ptr + row_q, mask=m_ok, other=0.0)
+                b_st = tl.dot(b_ks, tl.trans(b_q), input_precision=DOT_PREC) * b_rq[None, :]
+                b_ok = n_ok[:, None] & m_ok[None, :] & (is_cache | (o_m[None, :] + pre >= o_n[:, None]))
+                b_pt = tl.where(b_ok, tl.exp2(b_st - b_lse[None, :]), 0.0)
+                if MODE != 2:
+                    b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
+                if MODE != 1:
+                    b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC) * b_lam
+                    b_dst = b_pt * (b_dpt - b_delta[None, :])
+                    b_dk += tl.dot((b_dst * b_rq[None, :]).to(b_q.dtype), b_q, input_precision=DOT_PREC)
         return b_dk, b_dv
 
     @triton.jit
@@ -609,7 +647,8 @@ if triton is not None:
                              dgk_ptr, dest_ptr, SENTINEL, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr,
                              dka_ptr, dva_ptr, A_BASE, H, NKT, NCT, scale, W,
                              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
-                             HAS_PRE: tl.constexpr, MODE: tl.constexpr, TMA: tl.constexpr = False):
+                             HAS_PRE: tl.constexpr, MODE: tl.constexpr, qd=None, dod=None,
+                             TMA: tl.constexpr = False):
         """``MODE`` 0: a key tile's dk and dv; 1: its dv only, 2: its dk only (two launches, each program with one
         [BN, D] accumulator instead of two; the key tile's q k^T formed in both)."""
         pid = tl.program_id(0)
@@ -641,7 +680,7 @@ if triton is not None:
             b_ks = b_ks.to(b_k.dtype)
             b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
             b_dk, b_dv = _dkdv_loop(q_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, b_ks, b_v, b_lam, n_ok, o_n, is_cache,
-                                    start, length, lo, pre, i_h, H, D, BM, BN, DOT_PREC, MODE, TMA)
+                                    start, length, lo, pre, i_h, H, D, BM, BN, DOT_PREC, MODE, qd, dod, TMA)
             _store_grads(b_dk, b_dv, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, gq_ptr, gk_ptr, b_lam, scale,
                          is_cache, o_n, t_ok, row_k, a_ok, row_a, i_b, i_h, pid, H, W, dk_ptr, dv_ptr, pdk_ptr,
                          pdv_ptr, dgk_ptr, dest_ptr, dka_ptr, dva_ptr, SENTINEL, A_BASE, D, HAS_PRE, MODE)
@@ -673,17 +712,17 @@ if triton is not None:
                              dv_ptr, SENTINEL, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, MODE)
 
     @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
-    def _cache_bwd_dkdv_tma_kernel(q_desc, k_ptr, v_ptr, do_desc, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
-                                   gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
-                                   dgk_ptr, dest_ptr, SENTINEL, H, NKT, NCT, scale, W,
+    def _cache_bwd_dkdv_tma_kernel(q_ptr, k_ptr, v_ptr, do_ptr, qd, dod, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr,
+                                   gk_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr,
+                                   pdv_ptr, dgk_ptr, dest_ptr, SENTINEL, H, NKT, NCT, scale, W,
                                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                                    DOT_PREC: tl.constexpr):
-        """The fresh call's dk/dv with the query tiles (q, do) read through tensor descriptors (a launch
+        """The fresh call's dk/dv with its whole query tiles (q, do) read through tensor descriptors (a launch
         candidate)."""
-        _cache_bwd_dkdv_core(q_desc, k_ptr, v_ptr, do_desc, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+        _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                              gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
                              dgk_ptr, dest_ptr, SENTINEL, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, dk_ptr,
-                             dv_ptr, SENTINEL, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, 0, True)
+                             dv_ptr, SENTINEL, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, 0, qd, dod, True)
 
     @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
     def _cache_bwd_dkdv_pre_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -773,9 +812,20 @@ class Prefix(NamedTuple):
     length: torch.Tensor
 
 
+def _tma_alone(tma: bool, kind: str, **others: bool) -> bool:
+    """The TMA variant has no form combined with the other variants: a configuration naming both is refused
+    rather than run as one of them."""
+    if tma and any(others.values()):
+        raise ValueError(f"CONFIGS[{kind!r}]: TMA cannot be combined with "
+                         f"{', '.join(name for name, on in others.items() if on)}")
+    return tma
+
+
 def _row_descriptors(tensors, rows: int):
     """Tensor descriptors of contiguous ``[..., H, D]`` tensors viewed as ``[tokens, H D]``, with ``[rows, D]``
-    blocks: one head's rows of a tile (the TMA launch candidates)."""
+    blocks: one head's rows of a tile (the TMA launch candidates). A tile read this way includes the rows past its
+    block's end (other tokens'); the kernels give them zero weight, so only a non-finite value there (0 x inf)
+    would reach another block's result, which the pointer reads, zero-filled where masked, never let happen."""
     return [TensorDescriptor.from_tensor(x.view(-1, x.shape[-2] * x.shape[-1]), [rows, x.shape[-1]])
             for x in tensors]
 
@@ -802,7 +852,7 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nqt = triton.cdiv(block, bm)
     split = cfg.pop("SPLIT", 1)
-    tma = cfg.pop("TMA", False)
+    tma = _tma_alone(cfg.pop("TMA", False), "fwd", SPLIT=split > 1)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=_dot_precision(q.dtype), **cfg)
     if prefix is None:
         if num_blocks and split == 1 and tma:
@@ -850,9 +900,9 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     dsink_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
     dgate_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
     two_pass = cfg.pop("TWO_PASS", False)
-    tma = cfg.pop("TMA", False)
+    tma = _tma_alone(cfg.pop("TMA", False), "dq", TWO_PASS=two_pass)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
-    if num_blocks and prefix is None and tma and not two_pass:
+    if num_blocks and prefix is None and tma:
         kd, vd = _row_descriptors((k, v), bn)
         _cache_bwd_dq_tma_kernel[(num_blocks * nqt, h)](
             q, k, v, kd, vd, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
@@ -873,7 +923,7 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     cfg = _config("dkdv", d, device)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     separate = cfg.pop("SEPARATE", False)
-    tma = cfg.pop("TMA", False)
+    tma = _tma_alone(cfg.pop("TMA", False), "dkdv", SEPARATE=separate)
     nct = triton.cdiv(window, bn)
     nkt = nct + triton.cdiv(block, bn)
     num_slots = num_blocks * h * window
@@ -886,10 +936,10 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     dest = _empty(max(num_slots, 1), dtype=torch.int64, device=device)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
     if prefix is None:
-        if num_blocks and tma and not separate:
-            q_desc, do_desc = _row_descriptors((q, do), bm)
+        if num_blocks and tma:
+            qd, dod = _row_descriptors((q, do), bm)
             _cache_bwd_dkdv_tma_kernel[(num_blocks * nkt, h)](
-                q_desc, k, v, do_desc, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
+                q, k, v, do, qd, dod, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
                 pdk, pdv, dgk_part, dest, sentinel, h, nkt, nct, scale, **common)
         elif num_blocks and not separate:
             _cache_bwd_dkdv_kernel[(num_blocks * nkt, h)](

@@ -51,7 +51,7 @@ def parse_args():
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--sweep", action="store_true", help="time alternative cache-kernel launch configurations")
     p.add_argument("--sweep-only", action="store_true", help="only the sweep (first of --seq-lens)")
-    p.add_argument("--sweep-match", default=None, metavar="REGEX",
+    p.add_argument("--sweep-match", default=None, metavar="REGEX", type=_regex,
                    help="with --sweep / --sweep-only: time only the configurations whose name matches (e.g. "
                         "'BN64_w8'); the configurations in use are always timed, as the rows to compare with")
     p.add_argument("--rep-ms", type=int, default=200)
@@ -238,6 +238,13 @@ def main():
     print_table(results)
 
 
+def _regex(text):
+    try:
+        return re.compile(text)
+    except re.error as error:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {error}") from None
+
+
 def _names(text):
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -266,10 +273,10 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None):
     # dq 32x64 w8 and separate dk/dv 32x32 and 32x64 w8 (the latter with wgmma) spill nothing. Added after the
     # Nsight Compute profile (the backward bound by shared-memory traffic of mma.sync, LOG 2026-12-03, seventh
     # session): 64-key tiles at 8 warps, where dk/dv gets wgmma (16x64: 112 bytes of stack, 32x64: 160) and dq
-    # wider key tiles (16x64: 208 registers, no spills). TMA: the tiles read whole through tensor descriptors (the
-    # forward's and dq's in-block keys, dk/dv's queries); stack bytes against the pointer reads: forward 64x32 w4 8
-    # (72), 128x64 w8 128 (176); dq 32x64 w8 24 (56), 32x32 w4 272 (200); dk/dv 32x32 w4 120 (160), 16x64 w8 104
-    # (112).
+    # wider key tiles (16x64: 208 registers, no spills). TMA: the tiles that lie whole inside a block read through
+    # tensor descriptors (the forward's and dq's in-block keys, dk/dv's queries), the partial last one through
+    # pointers; stack bytes against the pointer reads: forward 64x32 w4 40 (72), 128x32 w8 0 (0); dq 32x64 w8 48
+    # (56), 16x64 w8 0 (0); dk/dv 32x32 w4 176 (160), 16x64 w8 192 (112).
     grid = {
         "fwd": [(64, 32, 4, 2), (64, 32, 4, 1), (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 2), (128, 32, 8, 2),
                 (128, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2, split), (64, 64, 4, 2, split),
@@ -288,12 +295,17 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None):
     out = {}
     for kind, configs in grid.items():
         saved = dict(attn_mod.CONFIGS[kind][d])
+        # The configuration in use first, whether or not the grid names it: the row the others compare with.
+        in_use_entry = (saved["BM"], saved["BN"], saved["num_warps"], saved["num_stages"],
+                        {k: v for k, v in saved.items() if k not in ("BM", "BN", "num_warps", "num_stages")})
+        configs = [in_use_entry] + [c for c in configs if tuple(c[:4]) + ((c[4] if len(c) > 4 else {}),)
+                                    != in_use_entry]
         for bm, bn, nw, ns, *variant in configs:
             extra = variant[0] if variant else {}
             attn_mod.CONFIGS[kind][d] = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, **extra)
             key = f"{kind}_BM{bm}_BN{bn}_w{nw}_s{ns}" + "".join(f"_{name}{value}" for name, value in extra.items())
-            in_use = not extra and saved == dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns)
-            if match is not None and not in_use and not re.search(match, key):
+            in_use = saved == dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, **extra)
+            if match is not None and not in_use and not match.search(key):
                 continue
             try:
                 fn = fwd_fn if kind == "fwd" else bwd_fn

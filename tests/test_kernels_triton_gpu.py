@@ -179,8 +179,13 @@ CANDIDATES = [("dkdv", dict(BM=16, BN=64, num_warps=8, num_stages=2)),
                          ids=[kind + "-" + "-".join(f"{k}{v}" for k, v in c.items()) for kind, c in CANDIDATES])
 def test_launch_candidates_against_reference_and_sdpa(kind, cfg, monkeypatch):
     monkeypatch.setitem(hola_triton_attn.CONFIGS[kind], 256, cfg)
+    made = []  # the TMA candidates make their descriptors: proof that the candidate, not the plain kernel, ran
+    original = hola_triton_attn._row_descriptors
+    monkeypatch.setattr(hola_triton_attn, "_row_descriptors", lambda tensors, rows: made.append(rows) or original(
+        tensors, rows))
     for case in (CASES[1], CASES[4]):  # packed documents with fla's state path; rows with the reference's
         test_triton_backend_against_reference_and_sdpa(case)
+    assert bool(made) == bool(cfg.get("TMA")), made
 
 
 def test_fla_adapter_is_bit_identical_to_fla_and_scores_match_reference():

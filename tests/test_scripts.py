@@ -244,3 +244,41 @@ def test_bench_hola_attention_counts_the_pairs_the_cache_read_computes():
     table = SimpleNamespace(blk_len=torch.tensor([3, 2, 0]))  # a padding row last
     # Cache: block 1's 2 queries read 2 + 1 slots over the heads; in-block: (3*4/2 + 2*3/2) per head, 2 heads.
     assert bench.cache_pairs(sel, table) == 2 * 3 + 2 * (6 + 3)
+
+
+def test_bench_hola_attention_sweep_times_the_configuration_in_use_and_the_matching_ones(monkeypatch):
+    """--sweep-match: the configurations whose names match, and the one in use whatever its name and whether or not
+    the grid lists it (here a D whose configurations are not in the grid, one with a variant); each kind's
+    configuration is restored afterwards."""
+    import importlib.util
+    import re
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("bench_hola_attention", "scripts/bench_hola_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    in_use = {"fwd": dict(BM=64, BN=64, num_warps=4, num_stages=3), "dq": dict(BM=64, BN=64, num_warps=4,
+                                                                               num_stages=3, TWO_PASS=True),
+              "dkdv": dict(BM=32, BN=32, num_warps=4, num_stages=2)}
+    attn = SimpleNamespace(CONFIGS={kind: {64: dict(cfg)} for kind, cfg in in_use.items()})
+    timed = []
+    monkeypatch.setattr(bench, "bench", lambda fn, grads, rep_ms: timed.append(fn()) or 1.0)
+    current = {}
+
+    def fwd():
+        current["fwd"] = dict(attn.CONFIGS["fwd"][64])
+        return "fwd"
+
+    def bwd():
+        current["bwd"] = (dict(attn.CONFIGS["dq"][64]), dict(attn.CONFIGS["dkdv"][64]))
+        return "bwd"
+
+    out = bench.sweep(attn, fwd, bwd, 64, 1, match=re.compile("TMATrue$"))
+    names = list(out)
+    assert "fwd_BM64_BN64_w4_s3" in names and "dq_BM64_BN64_w4_s3_TWO_PASSTrue" in names, names
+    assert "dkdv_BM32_BN32_w4_s2" in names, names  # in use and in the grid: once
+    assert names.count("dkdv_BM32_BN32_w4_s2") == 1
+    others = [n for n in names if n not in ("fwd_BM64_BN64_w4_s3", "dq_BM64_BN64_w4_s3_TWO_PASSTrue",
+                                            "dkdv_BM32_BN32_w4_s2")]
+    assert others and all(n.endswith("TMATrue") for n in others), others
+    assert {kind: attn.CONFIGS[kind][64] for kind in in_use} == in_use

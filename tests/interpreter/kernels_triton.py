@@ -564,6 +564,32 @@ def test_tensor_descriptor_candidates_match_reference_given_their_selection(case
     assert len(made) >= 3 and set(made) == {16}, made  # forward, dq, dk/dv; 16-row tiles in the interpreter
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_nan_in_one_document_stays_in_it(tma, monkeypatch):
+    """NaN in one packed document's q, k and v reaches none of the other documents' outputs or gradients of q, k,
+    v: not through a tile of rows that straddles a document boundary, in which masked rows must be read as zeros
+    (or not read), never as zero-weighted values (0 x NaN). The documents sit so that the blocks before and after
+    the poisoned one are shorter than a tile."""
+    if tma:
+        monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG", dict(hola_triton_attn._INTERPRET_CONFIG,
+                                                                         TMA=True))
+    cu = [0, 1, 23, 24, 60]
+    bad = slice(1, 23)
+    x = make_inputs(1, cu[-1], 2, 16, seed=21)
+    with torch.no_grad():
+        for name in ("q", "k", "v"):
+            x[name][0, bad] = float("nan")
+    o, _, _ = hola_attention_triton(*[x[n] for n in NAMES], window=20, block=24, evict="score",
+                                    cu_seqlens=torch.tensor(cu), state_impl="reference")
+    keep = torch.ones(cu[-1], dtype=torch.bool)
+    keep[bad] = False
+    assert torch.isnan(o[0, bad]).any(), "the poison did not reach its own document (test is vacuous)"
+    assert torch.isfinite(o[0, keep]).all(), "NaN leaked into another document's outputs"
+    grads = torch.autograd.grad((o[0, keep] * output_weight(o[0, keep])).sum(), [x[n] for n in ("q", "k", "v")])
+    for name, grad in zip(("q", "k", "v"), grads):
+        assert torch.isfinite(grad[0, keep]).all(), f"NaN leaked into another document's d{name}"
+
+
 @pytest.mark.parametrize("case", [CONTINUE_CASES[0], CONTINUE_CASES[1], CONTINUE_CASES[3]],
                          ids=["rows-score", "packed-score", "packed-recency"])
 def test_a_batch_s_continuation_layout_gives_the_call_s_own_results(case):
