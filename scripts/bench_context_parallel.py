@@ -243,6 +243,30 @@ def stage_timings(args, device, t: int) -> dict:
             if not math.isnan(out[name]):
                 out["profile_" + name] = kernel_profile(mixer(initial), device=device, timed_ms=out[name], iters=3,
                                                         label=name, keep=40)
+    # The state path alone (the GDN recurrence and the score, fla's kernels on a GPU), fresh and from an incoming
+    # state with its gradient: how much of the continuing mixer's extra time is the state path's own (fla's
+    # state-gradient kernel took 5.1 ms against 4.0 at 64k on an H200, 2026-12-03).
+    from hola_titan.kernels.hola_stages import state_path
+
+    def state_only(initial: bool):
+        def run():
+            o_state, m, _ = state_path(*(full[n] for n in ("q", "k", "v", "g", "beta")),
+                                       initial_state=state if initial else None, cu_seqlens=None,
+                                       output_final_state=False, recompute_norms=not initial)
+            (o_state * do).sum().add(m.sum()).backward()
+            for tensor in [*full.values(), state]:
+                tensor.grad = None
+        return run
+
+    out["state_fresh"], _ = timer(state_only(False), args.reps)
+    out["state_cont"], _ = timer(state_only(True), args.reps)
+    out["state_cont_note"] = ("the state path from an incoming state with its gradient, norms kept as a continuing "
+                              "call keeps them; fresh: remade in backward, as a fresh call does")
+    if args.profile and device.type == "cuda":
+        from hola_titan.profiling import kernel_profile
+        for name, initial in (("state_fresh", False), ("state_cont", True)):
+            out["profile_" + name] = kernel_profile(state_only(initial), device=device, timed_ms=out[name], iters=3,
+                                                    label=name, keep=40)
     # Split the continuing mixer's extra time between forward and backward as the fresh layer splits.
     extra = out["mixer_cont"] - out["mixer_fresh"]
     share = out["layer_fwd_fresh"] / out["layer_fwd_bwd_fresh"]

@@ -216,6 +216,9 @@ def test_bench_context_parallel_predicts_from_stage_timings(tmp_path):
           "--out", str(out)])
     rows = json.loads(pred.read_text())
     assert [(r["R"], r["seq_len_per_rank"]) for r in rows] == [(2, 64), (4, 64), (2, 128), (4, 128)]
+    # The state path alone, fresh and continuing, beside the mixer's two timings.
+    stages = json.loads(out.read_text())["timings"]["64"]
+    assert all(stages[name] > 0 for name in ("mixer_fresh", "mixer_cont", "state_fresh", "state_cont")), stages
     for r in rows:
         assert {"R", "seq_len_per_rank", "size", "predicted_speedup", "date", "device"} <= set(r)
         assert r["predicted_speedup"] == pytest.approx(r["one_gpu_step_ms"] / r["predicted_step_ms"])
