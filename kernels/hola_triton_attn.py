@@ -285,6 +285,7 @@ if triton is not None:
         """``SPLIT`` > 1: each of SPLIT programs of a query tile computes the whole softmax (q k^T over all D) but
         accumulates and writes only its D / SPLIT output columns (a smaller accumulator, for fewer registers).
         ``TMA`` (fresh calls, SPLIT 1): the in-block key tiles through the descriptors ``kd``, ``vd``."""
+        tl.static_assert(not TMA or (SPLIT == 1 and not HAS_PRE), "TMA: fresh calls, SPLIT 1 only")
         pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM, SPLIT)
         part = tl.program_id(1) % SPLIT
         v_off = part * (D // SPLIT)
@@ -452,6 +453,7 @@ if triton is not None:
         """``TWO_PASS``: sum ``delta`` over the keys first, then dq with it (the keys are read and q k^T, do v^T
         formed twice, for one [BM, D] accumulator instead of two). ``TMA`` (fresh calls): the in-block key tiles
         through the descriptors ``kd``, ``vd``."""
+        tl.static_assert(not TMA or not HAS_PRE, "TMA: fresh calls only (key position = token row)")
         pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM, 1)
         if q0 >= length:  # past the block's end: zero partials (the buffers are not zero-filled first)
             tl.store(dgq_ptr + (pid * H + i_h) * D + tl.arange(0, D), tl.zeros([D], dtype=tl.float32))
@@ -651,6 +653,7 @@ if triton is not None:
                              TMA: tl.constexpr = False):
         """``MODE`` 0: a key tile's dk and dv; 1: its dv only, 2: its dk only (two launches, each program with one
         [BN, D] accumulator instead of two; the key tile's q k^T formed in both)."""
+        tl.static_assert(not TMA or not HAS_PRE, "TMA: fresh calls only (query position = token row)")
         pid = tl.program_id(0)
         i_h = tl.program_id(1).to(tl.int64)
         i_b = (pid // NKT).to(tl.int64)
