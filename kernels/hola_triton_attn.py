@@ -826,9 +826,8 @@ def _tma_alone(tma: bool, kind: str, **others: bool) -> bool:
 
 def _row_descriptors(tensors, rows: int):
     """Tensor descriptors of contiguous ``[..., H, D]`` tensors viewed as ``[tokens, H D]``, with ``[rows, D]``
-    blocks: one head's rows of a tile (the TMA launch candidates). A tile read this way includes the rows past its
-    block's end (other tokens'); the kernels give them zero weight, so only a non-finite value there (0 x inf)
-    would reach another block's result, which the pointer reads, zero-filled where masked, never let happen."""
+    blocks: one head's rows of a tile (the TMA launch candidates). The kernels read through them only the tiles
+    that lie inside a block (see ``_own_tile``)."""
     return [TensorDescriptor.from_tensor(x.view(-1, x.shape[-2] * x.shape[-1]), [rows, x.shape[-1]])
             for x in tensors]
 

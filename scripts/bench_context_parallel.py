@@ -236,13 +236,6 @@ def stage_timings(args, device, t: int) -> dict:
     except Exception as exc:  # reported: the continuing call's backward is what the protocol needs
         out["mixer_cont_error"] = f"{type(exc).__name__}: {exc}"
         out["mixer_cont"] = float("nan")
-    if args.profile and device.type == "cuda":
-        # Where a continuing mixer's extra time goes: kernels by name and kind, ATen calls, host-bound gap.
-        from hola_titan.profiling import kernel_profile
-        for name, initial in (("mixer_fresh", False), ("mixer_cont", True)):
-            if not math.isnan(out[name]):
-                out["profile_" + name] = kernel_profile(mixer(initial), device=device, timed_ms=out[name], iters=3,
-                                                        label=name, keep=40)
     # The state path alone (the GDN recurrence and the score, fla's kernels on a GPU), fresh and from an incoming
     # state with its gradient: how much of the continuing mixer's extra time is the state path's own (fla's
     # state-gradient kernel took 5.1 ms against 4.0 at 64k on an H200, 2026-12-03).
@@ -263,10 +256,15 @@ def stage_timings(args, device, t: int) -> dict:
     out["state_cont_note"] = ("the state path from an incoming state with its gradient, norms kept as a continuing "
                               "call keeps them; fresh: remade in backward, as a fresh call does")
     if args.profile and device.type == "cuda":
+        # Where a continuing mixer's extra time goes: kernels by name and kind, ATen calls, host-bound gap; the mixer's
+        # and the state path's alone.
         from hola_titan.profiling import kernel_profile
-        for name, initial in (("state_fresh", False), ("state_cont", True)):
-            out["profile_" + name] = kernel_profile(state_only(initial), device=device, timed_ms=out[name], iters=3,
-                                                    label=name, keep=40)
+        for name, make in (("mixer", mixer), ("state", state_only)):
+            for suffix, initial in (("_fresh", False), ("_cont", True)):
+                if not math.isnan(out[name + suffix]):
+                    out["profile_" + name + suffix] = kernel_profile(make(initial), device=device,
+                                                                     timed_ms=out[name + suffix], iters=3,
+                                                                     label=name + suffix, keep=40)
     # Split the continuing mixer's extra time between forward and backward as the fresh layer splits.
     extra = out["mixer_cont"] - out["mixer_fresh"]
     share = out["layer_fwd_fresh"] / out["layer_fwd_bwd_fresh"]

@@ -300,12 +300,11 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None):
                         {k: v for k, v in saved.items() if k not in ("BM", "BN", "num_warps", "num_stages")})
         configs = [in_use_entry] + [c for c in configs if tuple(c[:4]) + ((c[4] if len(c) > 4 else {}),)
                                     != in_use_entry]
-        for bm, bn, nw, ns, *variant in configs:
+        for i, (bm, bn, nw, ns, *variant) in enumerate(configs):
             extra = variant[0] if variant else {}
             attn_mod.CONFIGS[kind][d] = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, **extra)
             key = f"{kind}_BM{bm}_BN{bn}_w{nw}_s{ns}" + "".join(f"_{name}{value}" for name, value in extra.items())
-            in_use = saved == dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, **extra)
-            if match is not None and not in_use and not match.search(key):
+            if match is not None and i > 0 and not match.search(key):  # the first is the one in use
                 continue
             try:
                 fn = fwd_fn if kind == "fwd" else bwd_fn
