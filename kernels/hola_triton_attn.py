@@ -44,11 +44,9 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     triton = None
     tl = None
-    TensorDescriptor = None
 
 NORM_EPS = 1e-6
 LOG2E = 1.4426950408889634
@@ -82,11 +80,9 @@ def _empty(*shape, dtype, device):
 
 # Kernel variants a launch configuration may choose (scripts/bench_hola_attention.py --sweep times them): the
 # forward with its output columns split over SPLIT programs, the dq pass in two passes over the keys, dk and dv
-# summed by separate launches (SEPARATE), and (TMA) the tiles of contiguous rows read whole through tensor
-# descriptors (Hopper's tensor memory accelerator, no per-element addresses): the forward's and dq's in-block key
-# tiles, dk/dv's query tiles. Fresh calls only: a call continuing from a cache runs the plain kernels (with the same
-# tiles) whatever the variant.
-VARIANTS = {"fwd": ("SPLIT", "TMA"), "dq": ("TWO_PASS", "TMA"), "dkdv": ("SEPARATE", "TMA")}
+# summed by separate launches (SEPARATE). Fresh calls only: a call continuing from a cache runs the plain kernels
+# (with the same tiles) whatever the variant.
+VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE",)}
 
 
 def _config(kind: str, d: int, device: torch.device) -> dict:
@@ -112,7 +108,8 @@ if triton is not None:
     @triton.jit
     def _load_rows(x_ptr, y_ptr, r_ptr, row, ok, D: tl.constexpr, DV: tl.constexpr, y_off):
         """Rows ``row`` (flat row = token * H + head) of x, columns ``y_off ... y_off + DV`` of y, and x's rstd,
-        zeros where not ``ok``."""
+        zeros where not ``ok``: masked loads, not rows read and then given zero weight (0 x NaN would carry one
+        packed document's non-finite values into another's results)."""
         o_d = tl.arange(0, D)
         b_x = tl.load(x_ptr + row[:, None] * D + o_d[None, :], mask=ok[:, None], other=0.0)
         b_y = tl.load(y_ptr + row[:, None] * D + y_off + tl.arange(0, DV)[None, :], mask=ok[:, None], other=0.0)
@@ -154,49 +151,6 @@ if triton is not None:
             return b_k, b_v, tl.load(_two(rk_ptr, rka_ptr, row, row_a, a_ok, 1), mask=ok, other=0.0)
         else:
             return _load_rows(k_ptr, v_ptr, rk_ptr, row, t_ok, D, DV, v_off)
-
-    @triton.jit
-    def _whole_end(lo, hi, B: tl.constexpr, TMA: tl.constexpr):
-        """Where the whole tiles of B rows from ``lo`` below ``hi`` end (``lo`` without TMA: none are read
-        through descriptors)."""
-        if TMA:
-            return lo + ((hi - lo) // B) * B
-        else:
-            return lo
-
-    @triton.jit
-    def _own_keys(src: tl.constexpr, kd, vd, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, start, length, pre_start,
-                  pre, c0, H, i_h, D: tl.constexpr, BN: tl.constexpr, HAS_PRE: tl.constexpr, DV: tl.constexpr,
-                  v_off):
-        """Key positions c0 ... c0 + BN of a block's own rows: (positions, token rows ok, prefix rows ok, k, v,
-        k's rstd), a whole tile through descriptors (``src`` 0) or through pointers (1)."""
-        o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
-        if src == 0:
-            b_k, b_v, b_rk = _own_tile(kd, vd, rk_ptr, start, c0, row, t_ok, i_h, D)
-        else:
-            b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok, D,
-                                       HAS_PRE, DV, v_off)
-        return o_n, t_ok, a_ok, b_k, b_v, b_rk
-
-    @triton.jit
-    def _own_range(src: tl.constexpr, whole, hi):
-        """Positions of a loop over a block's own rows: ``src`` 0 the whole tiles below ``whole`` (read through
-        descriptors), 1 the rest up to ``hi`` (through pointers)."""
-        if src == 0:
-            return 0, whole
-        else:
-            return whole, hi
-
-    @triton.jit
-    def _own_tile(kd, vd, rk_ptr, start, c0, row, t_ok, i_h, D: tl.constexpr):
-        """A fresh call's in-block key tile (rows ``start + c0 ...``) through tensor descriptors ``kd``, ``vd`` of
-        the ``[tokens, H D]`` views. Descriptors read whole tiles, so the TMA loops read this way only the tiles that
-        lie inside the block and the last, partial one through masked pointers: a row of another block never enters
-        a product, not even with zero weight (0 x inf would carry one document's non-finite values into another's
-        results)."""
-        b_k = kd.load([(start + c0).to(tl.int32), (i_h * D).to(tl.int32)])
-        b_v = vd.load([(start + c0).to(tl.int32), (i_h * D).to(tl.int32)])
-        return b_k, b_v, tl.load(rk_ptr + row, mask=t_ok, other=0.0)
 
     @triton.jit
     def _cache_rows(sel_ptr, i_b, i_h, c0, H, W, BN: tl.constexpr, HAS_PRE: tl.constexpr):
@@ -280,12 +234,9 @@ if triton is not None:
     def _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
                         gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr,
                         pre_len_ptr, H, NQT, scale, W, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        DOT_PREC: tl.constexpr, HAS_PRE: tl.constexpr, SPLIT: tl.constexpr, kd=None, vd=None,
-                        TMA: tl.constexpr = False):
+                        DOT_PREC: tl.constexpr, HAS_PRE: tl.constexpr, SPLIT: tl.constexpr):
         """``SPLIT`` > 1: each of SPLIT programs of a query tile computes the whole softmax (q k^T over all D) but
-        accumulates and writes only its D / SPLIT output columns (a smaller accumulator, for fewer registers).
-        ``TMA`` (fresh calls, SPLIT 1): the in-block key tiles through the descriptors ``kd``, ``vd``."""
-        tl.static_assert(not TMA or (SPLIT == 1 and not HAS_PRE), "TMA: fresh calls, SPLIT 1 only")
+        accumulates and writes only its D / SPLIT output columns (a smaller accumulator, for fewer registers)."""
         pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM, SPLIT)
         part = tl.program_id(1) % SPLIT
         v_off = part * (D // SPLIT)
@@ -306,15 +257,12 @@ if triton is not None:
                                                 DOT_PREC)
             # Key positions up to the tile's last query, whose position in the block is pre + its index.
             hi = tl.minimum(q0 + BM, length) + pre
-            whole = _whole_end(0, hi, BN, TMA)
-            for src in tl.static_range(1 - TMA, 2):  # 0: whole tiles through descriptors, 1: pointers
-                lo_c, hi_c = _own_range(src, whole, hi)
-                for c0 in range(lo_c, hi_c, BN):
-                    o_n, t_ok, a_ok, b_k, b_v, b_rk = _own_keys(src, kd, vd, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr,
-                                                                rka_ptr, start, length, pre_start, pre, c0, H, i_h,
-                                                                D, BN, HAS_PRE, D // SPLIT, v_off)
-                    b_ok = (t_ok | a_ok)[None, :] & (o_n[None, :] <= o_m[:, None] + pre)
-                    b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, b_ok, DOT_PREC)
+            for c0 in range(0, hi, BN):
+                o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
+                b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok,
+                                           D, HAS_PRE, D // SPLIT, v_off)
+                b_ok = (t_ok | a_ok)[None, :] & (o_n[None, :] <= o_m[:, None] + pre)
+                b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, b_ok, DOT_PREC)
             b_oc = b_acc / b_l[:, None]
             if SPLIT == 1:
                 tl.store(lse_ptr + row_q, b_m + tl.log2(b_l), mask=m_ok)
@@ -346,17 +294,6 @@ if triton is not None:
         _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
                         gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr,
                         blk_len_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, False, SPLIT)
-
-    @triton.jit(do_not_specialize=["H", "NQT", "W"])
-    def _cache_fwd_tma_kernel(q_ptr, k_ptr, v_ptr, kd, vd, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
-                              sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W,
-                              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                              DOT_PREC: tl.constexpr):
-        """The fresh call's forward with the in-block key tiles read through tensor descriptors (a launch
-        candidate; the cache slots' rows are gathered through pointers)."""
-        _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
-                        gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr,
-                        blk_len_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, False, 1, kd, vd, True)
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_fwd_pre_kernel(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -419,7 +356,7 @@ if triton is not None:
     def _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta,
                  b_lam, i_b, i_h, start, length, pre_start, pre, q0, o_m, m_ok, H, W, D: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, DOT_PREC: tl.constexpr,
-                 HAS_PRE: tl.constexpr, kd, vd, TMA: tl.constexpr):
+                 HAS_PRE: tl.constexpr):
         """A dq pass over the query tile's keys (cache slots, then the block's own); ``MODE`` as in
         :func:`_dq_step`."""
         if W > 0:
@@ -431,16 +368,13 @@ if triton is not None:
                 b_r, b_dq, b_pk = _dq_step(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta, b_k, b_v, b_rk, b_ok, b_lam,
                                            MODE, DOT_PREC)
         hi = tl.minimum(q0 + BM, length) + pre
-        whole = _whole_end(0, hi, BN, TMA)
-        for src in tl.static_range(1 - TMA, 2):  # 0: whole tiles through descriptors, 1: pointers
-            lo_c, hi_c = _own_range(src, whole, hi)
-            for c0 in range(lo_c, hi_c, BN):
-                o_n, t_ok, a_ok, b_k, b_v, b_rk = _own_keys(src, kd, vd, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr,
-                                                            start, length, pre_start, pre, c0, H, i_h, D, BN, HAS_PRE,
-                                                            D, 0)
-                b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None] & (o_n[None, :] <= o_m[:, None] + pre)
-                b_r, b_dq, b_pk = _dq_step(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta, b_k, b_v, b_rk, b_ok,
-                                           b_lam, MODE, DOT_PREC)
+        for c0 in range(0, hi, BN):
+            o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
+            b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok,
+                                       D, HAS_PRE, D, 0)
+            b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None] & (o_n[None, :] <= o_m[:, None] + pre)
+            b_r, b_dq, b_pk = _dq_step(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta, b_k, b_v, b_rk, b_ok, b_lam,
+                                       MODE, DOT_PREC)
         return b_r, b_dq, b_pk
 
     @triton.jit
@@ -448,12 +382,9 @@ if triton is not None:
                            sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
                            dgate_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr, H, NQT, scale, W,
                            D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
-                           HAS_PRE: tl.constexpr, TWO_PASS: tl.constexpr, kd=None, vd=None,
-                           TMA: tl.constexpr = False):
+                           HAS_PRE: tl.constexpr, TWO_PASS: tl.constexpr):
         """``TWO_PASS``: sum ``delta`` over the keys first, then dq with it (the keys are read and q k^T, do v^T
-        formed twice, for one [BM, D] accumulator instead of two). ``TMA`` (fresh calls): the in-block key tiles
-        through the descriptors ``kd``, ``vd``."""
-        tl.static_assert(not TMA or not HAS_PRE, "TMA: fresh calls only (key position = token row)")
+        formed twice, for one [BM, D] accumulator instead of two)."""
         pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM, 1)
         if q0 >= length:  # past the block's end: zero partials (the buffers are not zero-filled first)
             tl.store(dgq_ptr + (pid * H + i_h) * D + tl.arange(0, D), tl.zeros([D], dtype=tl.float32))
@@ -471,19 +402,17 @@ if triton is not None:
                 b_none = tl.zeros([BM, 16], dtype=tl.float32)  # no dq (nor sum of p kc) in the first pass
                 b_r, b_none, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do,
                                                b_lse, b_r, b_none, b_none, b_r, b_lam, i_b, i_h, start, length,
-                                               pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 1, DOT_PREC, HAS_PRE,
-                                               kd, vd, TMA)
+                                               pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 1, DOT_PREC, HAS_PRE)
                 b_delta = b_lam * b_r
                 b_dq = tl.zeros([BM, D], dtype=tl.float32)
                 b_r, b_dqr, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do,
                                               b_lse, b_r, b_dq, b_none, b_delta, b_lam, i_b, i_h, start, length,
-                                              pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 2, DOT_PREC, HAS_PRE,
-                                              kd, vd, TMA)
+                                              pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 2, DOT_PREC, HAS_PRE)
             else:
                 b_zero = tl.zeros([BM, D], dtype=tl.float32)
                 b_r, b_dq, b_pk = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse,
                                            b_r, b_zero, b_zero, b_r, b_lam, i_b, i_h, start, length, pre_start, pre,
-                                           q0, o_m, m_ok, H, W, D, BM, BN, 0, DOT_PREC, HAS_PRE, kd, vd, TMA)
+                                           q0, o_m, m_ok, H, W, D, BM, BN, 0, DOT_PREC, HAS_PRE)
                 b_delta = b_lam * b_r
                 b_dqr = b_dq - b_delta[:, None] * b_pk
             tl.store(delta_ptr + row_q, b_delta, mask=m_ok)
@@ -525,18 +454,6 @@ if triton is not None:
                            BN, DOT_PREC, False, True)
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
-    def _cache_bwd_dq_tma_kernel(q_ptr, k_ptr, v_ptr, kd, vd, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr,
-                                 gk_ptr, sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr,
-                                 dsink_ptr, dgate_ptr, H, NQT, scale, W,
-                                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                                 DOT_PREC: tl.constexpr):
-        """The fresh call's dq with the in-block key tiles read through tensor descriptors (a launch candidate)."""
-        _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
-                           sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
-                           dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W, D, BM,
-                           BN, DOT_PREC, False, False, kd, vd, True)
-
-    @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_bwd_dq_pre_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                                  sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr,
                                  dsink_ptr, dgate_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr, H, NQT,
@@ -550,42 +467,32 @@ if triton is not None:
     @triton.jit
     def _dkdv_loop(q_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, b_ks, b_v, b_lam, n_ok, o_n, is_cache, start, length,
                    lo, pre, i_h, H, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
-                   MODE: tl.constexpr, qd, dod, TMA: tl.constexpr):
+                   MODE: tl.constexpr):
         """A key tile's sums over its queries: ``MODE`` 0 both dk and dv, 1 dv only, 2 dk only (the one not
-        formed comes back as a [BN, 16] zero). ``TMA``: the query tiles that lie whole inside the block are read
-        through ``qd`` and ``dod``, tensor descriptors of q's and do's ``[tokens, H D]`` views with ``[BM, D]``
-        blocks, by Hopper's tensor memory accelerator; the last, partial one through pointers (see
-        :func:`_own_tile`)."""
+        formed comes back as a [BN, 16] zero)."""
         o_d = tl.arange(0, D)
         b_dk = tl.zeros([BN, D if MODE != 1 else 16], dtype=tl.float32)
         b_dv = tl.zeros([BN, D if MODE != 2 else 16], dtype=tl.float32)
-        whole = _whole_end(lo, length, BM, TMA)
-        for src in tl.static_range(1 - TMA, 2):  # 0: whole tiles through descriptors, 1: pointers
-            lo_m, hi_m = _own_range(src, whole, length)
-            for m0 in range(tl.maximum(lo_m, lo), hi_m, BM):
-                o_m = m0 + tl.arange(0, BM)
-                m_ok = o_m < length
-                row_q = (start + o_m) * H + i_h
-                p_q = row_q[:, None] * D + o_d[None, :]
-                if src == 0:  # descriptor coordinates are 32-bit (rows of one call's tokens)
-                    b_q = qd.load([(start + m0).to(tl.int32), (i_h * D).to(tl.int32)])
-                    b_do = dod.load([(start + m0).to(tl.int32), (i_h * D).to(tl.int32)])
-                else:
-                    b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
-                    b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
-                b_rq = tl.load(rq_ptr + row_q, mask=m_ok, other=0.0)
-                b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
-                if MODE != 1:
-                    b_delta = tl.load(delta_ptr + row_q, mask=m_ok, other=0.0)
-                b_st = tl.dot(b_ks, tl.trans(b_q), input_precision=DOT_PREC) * b_rq[None, :]
-                b_ok = n_ok[:, None] & m_ok[None, :] & (is_cache | (o_m[None, :] + pre >= o_n[:, None]))
-                b_pt = tl.where(b_ok, tl.exp2(b_st - b_lse[None, :]), 0.0)
-                if MODE != 2:
-                    b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
-                if MODE != 1:
-                    b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC) * b_lam
-                    b_dst = b_pt * (b_dpt - b_delta[None, :])
-                    b_dk += tl.dot((b_dst * b_rq[None, :]).to(b_q.dtype), b_q, input_precision=DOT_PREC)
+        for m0 in range(lo, length, BM):
+            o_m = m0 + tl.arange(0, BM)
+            m_ok = o_m < length
+            row_q = (start + o_m) * H + i_h
+            p_q = row_q[:, None] * D + o_d[None, :]
+            b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
+            b_do = tl.load(do_ptr + p_q, mask=m_ok[:, None], other=0.0)
+            b_rq = tl.load(rq_ptr + row_q, mask=m_ok, other=0.0)
+            b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
+            if MODE != 1:
+                b_delta = tl.load(delta_ptr + row_q, mask=m_ok, other=0.0)
+            b_st = tl.dot(b_ks, tl.trans(b_q), input_precision=DOT_PREC) * b_rq[None, :]
+            b_ok = n_ok[:, None] & m_ok[None, :] & (is_cache | (o_m[None, :] + pre >= o_n[:, None]))
+            b_pt = tl.where(b_ok, tl.exp2(b_st - b_lse[None, :]), 0.0)
+            if MODE != 2:
+                b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PREC)
+            if MODE != 1:
+                b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC) * b_lam
+                b_dst = b_pt * (b_dpt - b_delta[None, :])
+                b_dk += tl.dot((b_dst * b_rq[None, :]).to(b_q.dtype), b_q, input_precision=DOT_PREC)
         return b_dk, b_dv
 
     @triton.jit
@@ -649,11 +556,9 @@ if triton is not None:
                              dgk_ptr, dest_ptr, SENTINEL, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr,
                              dka_ptr, dva_ptr, A_BASE, H, NKT, NCT, scale, W,
                              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
-                             HAS_PRE: tl.constexpr, MODE: tl.constexpr, qd=None, dod=None,
-                             TMA: tl.constexpr = False):
+                             HAS_PRE: tl.constexpr, MODE: tl.constexpr):
         """``MODE`` 0: a key tile's dk and dv; 1: its dv only, 2: its dk only (two launches, each program with one
         [BN, D] accumulator instead of two; the key tile's q k^T formed in both)."""
-        tl.static_assert(not TMA or not HAS_PRE, "TMA: fresh calls only (query position = token row)")
         pid = tl.program_id(0)
         i_h = tl.program_id(1).to(tl.int64)
         i_b = (pid // NKT).to(tl.int64)
@@ -683,7 +588,7 @@ if triton is not None:
             b_ks = b_ks.to(b_k.dtype)
             b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
             b_dk, b_dv = _dkdv_loop(q_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, b_ks, b_v, b_lam, n_ok, o_n, is_cache,
-                                    start, length, lo, pre, i_h, H, D, BM, BN, DOT_PREC, MODE, qd, dod, TMA)
+                                    start, length, lo, pre, i_h, H, D, BM, BN, DOT_PREC, MODE)
             _store_grads(b_dk, b_dv, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, gq_ptr, gk_ptr, b_lam, scale,
                          is_cache, o_n, t_ok, row_k, a_ok, row_a, i_b, i_h, pid, H, W, dk_ptr, dv_ptr, pdk_ptr,
                          pdv_ptr, dgk_ptr, dest_ptr, dka_ptr, dva_ptr, SENTINEL, A_BASE, D, HAS_PRE, MODE)
@@ -713,19 +618,6 @@ if triton is not None:
                              gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
                              dgk_ptr, dest_ptr, SENTINEL, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, dk_ptr,
                              dv_ptr, SENTINEL, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, MODE)
-
-    @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
-    def _cache_bwd_dkdv_tma_kernel(q_ptr, k_ptr, v_ptr, do_ptr, qd, dod, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr,
-                                   gk_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr,
-                                   pdv_ptr, dgk_ptr, dest_ptr, SENTINEL, H, NKT, NCT, scale, W,
-                                   D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                                   DOT_PREC: tl.constexpr):
-        """The fresh call's dk/dv with its whole query tiles (q, do) read through tensor descriptors (a launch
-        candidate)."""
-        _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
-                             gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
-                             dgk_ptr, dest_ptr, SENTINEL, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, dk_ptr,
-                             dv_ptr, SENTINEL, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, 0, qd, dod, True)
 
     @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
     def _cache_bwd_dkdv_pre_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -815,23 +707,6 @@ class Prefix(NamedTuple):
     length: torch.Tensor
 
 
-def _tma_alone(tma: bool, kind: str, **others: bool) -> bool:
-    """The TMA variant has no form combined with the other variants: a configuration naming both is refused
-    rather than run as one of them."""
-    if tma and any(others.values()):
-        raise ValueError(f"CONFIGS[{kind!r}]: TMA cannot be combined with "
-                         f"{', '.join(name for name, on in others.items() if on)}")
-    return tma
-
-
-def _row_descriptors(tensors, rows: int):
-    """Tensor descriptors of contiguous ``[..., H, D]`` tensors viewed as ``[tokens, H D]``, with ``[rows, D]``
-    blocks: one head's rows of a tile (the TMA launch candidates). The kernels read through them only the tiles
-    that lie inside a block (see ``_own_tile``)."""
-    return [TensorDescriptor.from_tensor(x.view(-1, x.shape[-2] * x.shape[-1]), [rows, x.shape[-1]])
-            for x in tensors]
-
-
 def _check_prefix(prefix: Prefix, k: torch.Tensor, v: torch.Tensor) -> None:
     """The kernels read a key tile from either source through one pointer (``_two``): same element types."""
     if prefix.k.dtype != k.dtype or prefix.v.dtype != v.dtype:
@@ -854,15 +729,9 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nqt = triton.cdiv(block, bm)
     split = cfg.pop("SPLIT", 1)
-    tma = _tma_alone(cfg.pop("TMA", False), "fwd", SPLIT=split > 1)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=_dot_precision(q.dtype), **cfg)
     if prefix is None:
-        if num_blocks and split == 1 and tma:
-            kd, vd = _row_descriptors((k, v), bn)
-            _cache_fwd_tma_kernel[(num_blocks * nqt, h)](
-                q, k, v, kd, vd, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len,
-                h, nqt, d ** -0.5, **common)
-        elif num_blocks and split == 1:
+        if num_blocks and split == 1:
             _cache_fwd_kernel[(num_blocks * nqt, h)](
                 q, k, v, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len,
                 h, nqt, d ** -0.5, **common)
@@ -902,14 +771,8 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     dsink_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
     dgate_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
     two_pass = cfg.pop("TWO_PASS", False)
-    tma = _tma_alone(cfg.pop("TMA", False), "dq", TWO_PASS=two_pass)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
-    if num_blocks and prefix is None and tma:
-        kd, vd = _row_descriptors((k, v), bn)
-        _cache_bwd_dq_tma_kernel[(num_blocks * nqt, h)](
-            q, k, v, kd, vd, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
-            dgq_part, dsink_part, dgate_part, h, nqt, scale, **common)
-    elif num_blocks and prefix is None:
+    if num_blocks and prefix is None:
         dq_kernel = _cache_bwd_dq_two_pass_kernel if two_pass else _cache_bwd_dq_kernel
         dq_kernel[(num_blocks * nqt, h)](
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
@@ -925,7 +788,6 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     cfg = _config("dkdv", d, device)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     separate = cfg.pop("SEPARATE", False)
-    tma = _tma_alone(cfg.pop("TMA", False), "dkdv", SEPARATE=separate)
     nct = triton.cdiv(window, bn)
     nkt = nct + triton.cdiv(block, bn)
     num_slots = num_blocks * h * window
@@ -938,12 +800,7 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     dest = _empty(max(num_slots, 1), dtype=torch.int64, device=device)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
     if prefix is None:
-        if num_blocks and tma:
-            qd, dod = _row_descriptors((q, do), bm)
-            _cache_bwd_dkdv_tma_kernel[(num_blocks * nkt, h)](
-                q, k, v, do, qd, dod, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
-                pdk, pdv, dgk_part, dest, sentinel, h, nkt, nct, scale, **common)
-        elif num_blocks and not separate:
+        if num_blocks and not separate:
             _cache_bwd_dkdv_kernel[(num_blocks * nkt, h)](
                 q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
                 pdk, pdv, dgk_part, dest, sentinel, h, nkt, nct, scale, **common)

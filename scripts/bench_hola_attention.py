@@ -265,7 +265,7 @@ def profile(fn, grads, timed_ms, iters=5, top=12):
 def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None):
     """Time the cache kernels under alternative configurations (each kernel kind swept on its own); ``match``: a
     regular expression the configuration's name must match (the one in use is timed whatever it is)."""
-    split, two, sep, tma = dict(SPLIT=2), dict(TWO_PASS=True), dict(SEPARATE=True), dict(TMA=True)
+    split, two, sep = dict(SPLIT=2), dict(TWO_PASS=True), dict(SEPARATE=True)
     # (BM, BN, warps, stages[, variant]): the variants (kernels/hola_triton_attn.py, VARIANTS) trade more products
     # for one half-sized or one fewer [BM, D] accumulator, i.e. fewer registers at D = 256. Compiled here for sm_90a
     # with Triton 3.6 (scripts/kernel_resources.py, docs/LOG.md 2026-12-03): the current tiles spill (forward 72
@@ -273,24 +273,18 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None):
     # dq 32x64 w8 and separate dk/dv 32x32 and 32x64 w8 (the latter with wgmma) spill nothing. Added after the
     # Nsight Compute profile (the backward bound by shared-memory traffic of mma.sync, LOG 2026-12-03, seventh
     # session): 64-key tiles at 8 warps, where dk/dv gets wgmma (16x64: 112 bytes of stack, 32x64: 160) and dq
-    # wider key tiles (16x64: 208 registers, no spills). TMA: the tiles that lie whole inside a block read through
-    # tensor descriptors (the forward's and dq's in-block keys, dk/dv's queries), the partial last one through
-    # pointers; stack bytes against the pointer reads: forward 64x32 w4 40 (72), 128x32 w8 0 (0); dq 32x64 w8 48
-    # (56), 16x64 w8 0 (0); dk/dv 32x32 w4 176 (160), 16x64 w8 192 (112).
+    # wider key tiles (16x64: 208 registers, no spills).
     grid = {
         "fwd": [(64, 32, 4, 2), (64, 32, 4, 1), (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 2), (128, 32, 8, 2),
                 (128, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2, split), (64, 64, 4, 2, split),
-                (128, 32, 8, 2, split), (128, 64, 8, 2, split), (64, 64, 4, 3, split), (64, 32, 4, 2, tma),
-                (128, 32, 8, 2, tma), (128, 64, 8, 2, tma)],
+                (128, 32, 8, 2, split), (128, 64, 8, 2, split), (64, 64, 4, 3, split)],
         "dq": [(32, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 3), (32, 32, 8, 2), (16, 32, 4, 2), (32, 64, 4, 2),
                (64, 32, 4, 2), (64, 32, 8, 2), (32, 32, 4, 2, two), (64, 32, 4, 2, two), (64, 64, 4, 2, two),
                (64, 32, 8, 2, two), (128, 32, 8, 2, two), (32, 32, 8, 2, two), (32, 64, 8, 2, two),
-               (32, 64, 8, 2), (16, 64, 8, 2), (16, 64, 8, 3), (32, 32, 4, 2, tma), (32, 64, 8, 2, tma),
-               (16, 64, 8, 2, tma)],
+               (32, 64, 8, 2), (16, 64, 8, 2), (16, 64, 8, 3)],
         "dkdv": [(32, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 3), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 8, 2),
                  (64, 64, 8, 2), (32, 32, 4, 2, sep), (32, 32, 8, 2, sep), (32, 64, 8, 2, sep), (64, 32, 8, 2, sep),
-                 (64, 64, 8, 2, sep), (32, 64, 8, 2), (16, 64, 8, 2), (16, 64, 8, 3), (32, 32, 4, 2, tma),
-                 (16, 64, 8, 2, tma), (32, 64, 8, 2, tma)],
+                 (64, 64, 8, 2, sep), (32, 64, 8, 2), (16, 64, 8, 2), (16, 64, 8, 3)],
     }
     out = {}
     for kind, configs in grid.items():

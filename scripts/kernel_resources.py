@@ -46,9 +46,6 @@ def _parse(argv):
     parser.add_argument("--alias", nargs="*", default=[], metavar="NEW=BASE",
                         help="with --function: its argument NEW takes the type and attributes of the kernel's "
                              "argument BASE (e.g. ka_ptr=k_ptr for a continuing call's prefix rows)")
-    parser.add_argument("--descriptor", nargs="*", default=[], metavar="NEW=BASE:ROWS",
-                        help="with --function: its argument NEW is a tensor descriptor over BASE's elements with "
-                             "[ROWS, D] blocks, ROWS a constexpr (e.g. kd=k_ptr:BN for the TMA candidates)")
     parser.add_argument("--sweep", nargs="*", default=[], metavar="NAME=V1,V2",
                         help="constexpr values to try (the plan's value otherwise)")
     parser.add_argument("--warps", default=None, help="comma-separated num_warps (the plan's otherwise)")
@@ -80,17 +77,14 @@ def _find_spec(path: Path, plan: str, kernel: str) -> dict:
     raise SystemExit(f"error: --kernel: plan {plan} has no kernel {kernel!r}; it has {', '.join(names)}")
 
 
-def variant_spec(spec: dict, function: str, constants: dict, aliases: dict | None = None,
-                 descriptors: dict | None = None) -> dict:
+def variant_spec(spec: dict, function: str, constants: dict, aliases: dict | None = None) -> dict:
     """``spec`` re-addressed to ``function`` (a jit function of the same module): its arguments take the plan
     kernel's types, constants and attributes by name; an extra argument named in ``aliases`` (``{new: base}``)
     takes those of the kernel's argument ``base`` (a second source of the same kind, e.g. the prefix rows of a
-    continuing call); one in ``descriptors`` (``{new: (base, rows)}``) is a tensor descriptor over ``base``'s
-    elements with ``[rows, D]`` blocks, its type made per compile (:func:`_descriptor_types`); any other extra
-    argument must be a constexpr in ``constants``."""
+    continuing call); any other extra argument must be a constexpr in ``constants``."""
     from hola_titan.kernels.precompile import jit_function
 
-    aliases, descriptors = aliases or {}, descriptors or {}
+    aliases = aliases or {}
     base = jit_function(spec["name"]).arg_names
     name = spec["name"].rsplit(".", 1)[0] + "." + function
     names = jit_function(name).arg_names
@@ -99,12 +93,7 @@ def variant_spec(spec: dict, function: str, constants: dict, aliases: dict | Non
     if bad:
         raise SystemExit(f"error: --alias {' '.join(bad)}: the first must be an argument of {function} that the "
                          f"plan's kernel lacks, the second an argument of the plan's kernel")
-    bad = [new for new, (old, _) in descriptors.items() if new not in names or old not in spec["signature"]]
-    if bad:
-        raise SystemExit(f"error: --descriptor {' '.join(bad)}: not an argument of {function} over one of the plan's "
-                         f"kernel")
-    missing = [n for n in names if n not in spec["signature"] and n not in constants and n not in aliases
-               and n not in descriptors]
+    missing = [n for n in names if n not in spec["signature"] and n not in constants and n not in aliases]
     if missing:
         raise SystemExit(f"error: --function {function}: arguments {', '.join(missing)} are not in the plan's "
                          f"kernel; give the constexprs with --sweep NAME=VALUE, other arguments with --alias")
@@ -125,18 +114,9 @@ def variant_spec(spec: dict, function: str, constants: dict, aliases: dict | Non
             const_vals.append(value)
     attrs_keys, attrs_vals = moved(spec["attrs_keys"], spec["attrs_vals"])
     types = {n: spec["signature"].get(aliases.get(n, n), "constexpr") for n in names}
-    return {**spec, "name": name, "signature": types, "descriptors": {k: list(v) for k, v in descriptors.items()},
+    return {**spec, "name": name, "signature": types,
             "constant_keys": const_keys, "constant_vals": const_vals, "attrs_keys": attrs_keys,
             "attrs_vals": attrs_vals}
-
-
-def _descriptor_types(spec: dict, names: list, consts: dict) -> dict:
-    """The signature with each descriptor argument's type for these constants: ``tensordesc<elem[rows, D]>``."""
-    signature = dict(spec["signature"])
-    for new, (base, rows) in spec.get("descriptors", {}).items():
-        signature[new] = (f"tensordesc<{spec['signature'][base].lstrip('*')}"
-                          f"[{consts[(names.index(rows),)]},{consts[(names.index('D'),)]}]>")
-    return signature
 
 
 def compile_resources(spec: dict, *, constants: dict, num_warps: int, num_stages: int, arch: int) -> dict:
@@ -154,7 +134,7 @@ def compile_resources(spec: dict, *, constants: dict, num_warps: int, num_stages
         value = value["constexpr"] if isinstance(value, dict) and "constexpr" in value else value
         consts[tuple(path)] = constants.get(names[path[0]], value) if len(path) == 1 else value
     attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
-    src = ASTSource(fn, _descriptor_types(spec, names, consts), consts, attrs)
+    src = ASTSource(fn, dict(spec["signature"]), consts, attrs)
     began = time.perf_counter()
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -193,8 +173,7 @@ def main(argv=None) -> int:
     if args.function:
         sys.path.insert(0, str(ROOT))
         aliases = dict(item.partition("=")[::2] for item in args.alias)
-        descriptors = {new: tuple(rest.split(":", 1)) for new, rest in (d.partition("=")[::2] for d in args.descriptor)}
-        spec = variant_spec(spec, args.function, {n: v[0] for n, v in sweep.items()}, aliases, descriptors)
+        spec = variant_spec(spec, args.function, {n: v[0] for n, v in sweep.items()}, aliases)
     for name in sweep:
         if name not in spec["signature"] or spec["signature"][name] != "constexpr":
             raise SystemExit(f"error: --sweep: {name!r} is not a constexpr argument of "

@@ -96,24 +96,3 @@ def test_matrix_instructions_follow_the_tile_rows(tmp_path):
     by_rows = {r["BM"]: r for r in rows}
     assert by_rows[32]["wgmma"] == 0 and by_rows[32]["mma_sync"] > 0, rows
     assert by_rows[64]["wgmma"] > 0, rows
-
-
-def test_a_tma_candidate_gets_descriptor_types_from_its_tile_constants():
-    """--descriptor: the TMA forward's kd and vd are tensor descriptors over k's and v's elements whose block is
-    [BN, D] of the configuration being compiled; a descriptor over an argument the plan's kernel lacks is refused."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import kernel_resources
-
-    from hola_titan.kernels.precompile import jit_function
-
-    path = ROOT / "kernels/configs/NVIDIA_H200__fla-0.6.0__triton-3.6.0.json"
-    spec = kernel_resources._find_spec(path, "hola/d128/h2/bfloat16/packed", "_cache_fwd_kernel")
-    variant = kernel_resources.variant_spec(spec, "_cache_fwd_tma_kernel", {}, {},
-                                            {"kd": ("k_ptr", "BN"), "vd": ("v_ptr", "BN")})
-    names = jit_function(variant["name"]).arg_names
-    consts = {(names.index("BN"),): 32, (names.index("D"),): 128}
-    types = kernel_resources._descriptor_types(variant, names, consts)
-    assert types["kd"] == types["vd"] == f"tensordesc<{spec['signature']['k_ptr'].lstrip('*')}[32,128]>"
-    assert types["k_ptr"] == spec["signature"]["k_ptr"]
-    with pytest.raises(SystemExit, match="--descriptor kd"):
-        kernel_resources.variant_spec(spec, "_cache_fwd_tma_kernel", {}, {}, {"kd": ("nope", "BN")})

@@ -276,12 +276,12 @@ def test_bench_hola_attention_sweep_times_the_configuration_in_use_and_the_match
         current["bwd"] = (dict(attn.CONFIGS["dq"][64]), dict(attn.CONFIGS["dkdv"][64]))
         return "bwd"
 
-    out = bench.sweep(attn, fwd, bwd, 64, 1, match=re.compile("TMATrue$"))
+    out = bench.sweep(attn, fwd, bwd, 64, 1, match=re.compile("SEPARATETrue$"))
     names = list(out)
     assert "fwd_BM64_BN64_w4_s3" in names and "dq_BM64_BN64_w4_s3_TWO_PASSTrue" in names, names
     assert "dkdv_BM32_BN32_w4_s2" in names, names  # in use and in the grid: once
     assert names.count("dkdv_BM32_BN32_w4_s2") == 1
     others = [n for n in names if n not in ("fwd_BM64_BN64_w4_s3", "dq_BM64_BN64_w4_s3_TWO_PASSTrue",
                                             "dkdv_BM32_BN32_w4_s2")]
-    assert others and all(n.endswith("TMATrue") for n in others), others
+    assert others and all(n.endswith("SEPARATETrue") for n in others), others
     assert {kind: attn.CONFIGS[kind][64] for kind in in_use} == in_use

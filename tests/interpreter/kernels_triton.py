@@ -550,29 +550,11 @@ def test_kernel_variants_match_reference_given_their_selection(case, monkeypatch
     check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 3)
 
 
-@pytest.mark.parametrize("case", CASES[:2], ids=[_case_id(c) for c in CASES[:2]])
-def test_tensor_descriptor_candidates_match_reference_given_their_selection(case, monkeypatch):
-    """The launch candidates that read whole tiles through tensor descriptors (the forward's and dq's in-block key
-    tiles, dk/dv's query tiles; rows past a block's end included and masked in the products) compute the same
-    read, output and every gradient; each kernel made its descriptors."""
-    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG", dict(hola_triton_attn._INTERPRET_CONFIG, TMA=True))
-    made = []
-    original = hola_triton_attn._row_descriptors
-    monkeypatch.setattr(hola_triton_attn, "_row_descriptors", lambda tensors, rows: made.append(rows) or original(
-        tensors, rows))
-    check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 5)
-    assert len(made) >= 3 and set(made) == {16}, made  # forward, dq, dk/dv; 16-row tiles in the interpreter
-
-
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-def test_nan_in_one_document_stays_in_it(tma, monkeypatch):
+def test_nan_in_one_document_stays_in_it():
     """NaN in one packed document's q, k and v reaches none of the other documents' outputs or gradients of q, k,
     v: not through a tile of rows that straddles a document boundary, in which masked rows must be read as zeros
     (or not read), never as zero-weighted values (0 x NaN). The documents sit so that the blocks before and after
     the poisoned one are shorter than a tile."""
-    if tma:
-        monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG", dict(hola_triton_attn._INTERPRET_CONFIG,
-                                                                         TMA=True))
     cu = [0, 1, 23, 24, 60]
     bad = slice(1, 23)
     x = make_inputs(1, cu[-1], 2, 16, seed=21)
