@@ -94,6 +94,26 @@ def inputs(t, args, device, dtype, seed=0):
 NAMES = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate")
 
 
+def boundary_cache(n: int, h: int, d: int, *, window: int, block: int, evict: str, dtype: torch.dtype,
+                   device: torch.device):
+    """``(cache, seen)``: ``n`` sequences' caches as a shard boundary inside a block leaves them (persistent
+    entries full, the block half buffered), their k and v leaves that take gradients; ``seen`` tokens each."""
+    from hola_titan.kernels.hola_cache import HolaCache
+
+    empty = HolaCache.empty(n, h, d, window=window, block=block, evict=evict, dtype=dtype, device=device)
+    seen, half = 4 * block + block // 2, block // 2
+    cache = HolaCache(scores=torch.rand(n, h, window, device=device),
+                      positions=torch.arange(window, device=device).repeat(n, h, 1),
+                      k=torch.randn_like(empty.k).requires_grad_(), v=torch.randn_like(empty.v).requires_grad_(),
+                      buf_scores=torch.cat([torch.rand(n, h, half, device=device),
+                                            torch.full((n, h, block - half), float("-inf"), device=device)], -1),
+                      buf_k=torch.randn_like(empty.buf_k).requires_grad_(),
+                      buf_v=torch.randn_like(empty.buf_v).requires_grad_(),
+                      seen=torch.full((n,), seen, device=device, dtype=torch.int64), window=window, block=block,
+                      evict=evict)
+    return cache, seen
+
+
 class Timer:
     def __init__(self, device):
         self.device = device
@@ -155,7 +175,6 @@ def stage_timings(args, device, t: int) -> dict:
     backward starting its document (rank 0) and continuing one from an incoming state and cache whose gradients
     it returns (later ranks), the head with its loss, and a fused AdamW step over the whole model's parameters;
     plus the bytes of one layer's message and each block's peak memory."""
-    from hola_titan.kernels.hola_cache import HolaCache
     from hola_titan.loss import chunked_linear_cross_entropy
     from hola_titan.models.args import model_args, replace
     from hola_titan.models.context import NO_CONTEXT
@@ -201,19 +220,8 @@ def stage_timings(args, device, t: int) -> dict:
     kw = dict(window=margs.window, block=margs.block, evict=margs.evict)
     full = {n: mix[n].requires_grad_() for n in NAMES}
     state = (0.01 * torch.randn(1, h, d, d, device=device)).requires_grad_()
-    cache = HolaCache.empty(1, h, d, window=margs.window, block=margs.block, evict=margs.evict, dtype=dtype,
-                            device=device)
-    # A full persistent cache and a buffer half filled, as a shard boundary inside a block leaves them.
-    seen, half = 4 * margs.block + margs.block // 2, margs.block // 2
-    cache = HolaCache(scores=torch.rand(1, h, margs.window, device=device),
-                      positions=torch.arange(margs.window, device=device).repeat(1, h, 1),
-                      k=torch.randn_like(cache.k).requires_grad_(), v=torch.randn_like(cache.v).requires_grad_(),
-                      buf_scores=torch.cat([torch.rand(1, h, half, device=device),
-                                            torch.full((1, h, margs.block - half), float("-inf"), device=device)], -1),
-                      buf_k=torch.randn_like(cache.buf_k).requires_grad_(),
-                      buf_v=torch.randn_like(cache.buf_v).requires_grad_(),
-                      seen=torch.full((1,), seen, device=device, dtype=torch.int64), window=margs.window,
-                      block=margs.block, evict=margs.evict)
+    cache, seen = boundary_cache(1, h, d, window=margs.window, block=margs.block, evict=margs.evict, dtype=dtype,
+                                 device=device)
     leaves = [state, cache.k, cache.v, cache.buf_k, cache.buf_v]
     # As a context-parallel batch does: the continuing call's index layout made once, for every layer.
     from hola_titan.kernels.hola_continue import ContinuationLayout

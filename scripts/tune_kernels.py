@@ -3,7 +3,9 @@
 Every fla kernel on the training path is autotuned at the shapes of the recipes: for each size, a one-layer model
 of that width runs through the real ``Trainer`` in each recurrent flavour and compute precision the recipes of
 that size train in: training steps on packed rows (``cu_seqlens``) or on plain rows, and after the plain rows a
-chunked prefill (a forward with a cache, then one continuing from it, as evaluation and decoding run).
+chunked prefill (a forward with a cache, then one continuing from it, as evaluation and decoding run). Each
+combination also runs the calls of a context-parallel rank after the first (continuing from an incoming state and
+cache, with their gradients), whose fla state kernels have keys of their own.
 ``--references fla_gdn`` adds fla's own ``GatedDeltaNetForCausalLM`` at 340M in both precision policies of
 ``scripts/bench_train.py``, so that benchmark's reference rows start tuned too. Every combination of size,
 flavour, precision and row kind runs in its own child process, ``--jobs`` at a time: the cost is mostly
@@ -119,6 +121,9 @@ def _tune_ours(size: str, flavour: str, precision: str, rows: str, args, folder:
     for seed in ((0, 1) if rows == "packed" else (2,)):
         trainer.train_step([_batch(args.rows, args.seq_len, vocab, packed=rows == "packed", seed=seed)])
     trainer.resolve_pending()
+    if prefill:
+        for line in _shard_calls(trainer, precision, packed=rows == "packed"):
+            print(f"{size}/{flavour}/{precision}/{rows}: context-parallel shard call: {line}", flush=True)
     if rows == "packed" or not prefill:
         torch.cuda.synchronize()
         return key
@@ -130,6 +135,53 @@ def _tune_ours(size: str, flavour: str, precision: str, rows: str, args, folder:
         trainer.model(tokens[:, half:], cache=cache)
     torch.cuda.synchronize()
     return key
+
+
+def _shard_calls(trainer, precision: str, *, packed: bool) -> list[str]:
+    """The calls a context-parallel rank makes after the first: the layer's op continuing from an incoming state
+    (and cache) and returning their gradients, with and without a final state to pass on. fla's state kernels see
+    other autotuning keys there than in a fresh call (the initial state's gradient and the final state's are extra
+    float32 arguments), which a context-parallel run would otherwise tune at its start. The shapes of
+    ``parallelisms/context_parallel.py``: the continuing document alone as one row, and the whole shard's rows
+    (packed: one stream with ``cu_seqlens``). Not part of the compile plan: only context-parallel runs need them.
+    Returns what ran, one line per call."""
+    import torch
+
+    if str(ROOT / "scripts") not in sys.path:  # a child runs this file as a script; tests load it by path
+        sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_context_parallel import NAMES, boundary_cache, inputs
+    from hola_titan.ops import hola_attention
+
+    margs, device = trainer.model_args, trainer.device
+    h, d, evict = margs.n_heads, margs.head_dim, margs.evict
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[precision]
+    t = 4 * margs.block
+    cu = torch.tensor([0, margs.block // 2, 3 * margs.block, t], device=device, dtype=torch.int32)
+    ran = []
+    for rows_kind, final in [("one row", False), ("one row", True), ("shard", False), ("shard", True)]:
+        n = 3 if rows_kind == "shard" and packed else 1
+        x, do = inputs(t, argparse.Namespace(heads=h, dim=d), device, dtype, seed=n + 2 * final)
+        x = {name: x[name].requires_grad_() for name in NAMES}
+        state = (0.01 * torch.randn(n, h, d, d, device=device)).requires_grad_()
+        extra = {}
+        if evict != "none":
+            cache, _ = boundary_cache(n, h, d, window=margs.window, block=margs.block, evict=evict, dtype=dtype,
+                                      device=device)
+            extra = dict(initial_cache=cache, output_final_cache=final)
+        o, *finals = hola_attention(*(x[name] for name in NAMES), window=margs.window, block=margs.block, evict=evict,
+                                    cu_seqlens=cu if n > 1 else None, initial_state=state, output_final_state=final,
+                                    **extra)
+        loss = (o.float() * do.float()).sum()
+        if final:
+            loss = loss + finals[0].float().square().sum()
+            if evict != "none":
+                loss = loss + finals[1].k.float().square().sum() + finals[1].v.float().square().sum()
+        loss.backward()
+        if state.grad is None or not torch.isfinite(state.grad).all():
+            raise RuntimeError(f"tune_kernels: the continuing call ({rows_kind}, final state {final}) gave the "
+                               "incoming state no finite gradient, so it did not run the backward that needs tuning")
+        ran.append(f"{rows_kind}{' (packed)' if n > 1 else ''}, final state {'out' if final else 'not out'}")
+    return ran
 
 
 def _tune_reference(args) -> None:

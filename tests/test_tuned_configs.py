@@ -238,3 +238,20 @@ def test_tune_kernels_keeps_the_file_notes_when_it_merges():
     assert meta == {"gpu": "G", "torch": "t", "runs": [{"date": "d"}, {"date": "e"}],
                     "notes": ["plans migrated by hand"]}
     assert "notes" not in _tune_kernels_script().file_meta({}, gpu="G", versions={}, runs=[])
+
+
+@pytest.mark.parametrize("flavour,packed", [("hola", True), ("hola", False), ("gdn", True)])
+def test_tune_kernels_shard_calls_continue_with_gradients(flavour, packed):
+    """The tuning run's context-parallel calls (an incoming state and cache, their gradients, with and without a
+    final state) run with the model's shapes and give the incoming state a gradient (here on the reference path;
+    on a GPU they reach fla's state kernels with the initial-state and final-state arguments)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hola_titan.models.args import model_args
+
+    trainer = SimpleNamespace(model_args=model_args(flavour, "debug", vocab_size=256), device=torch.device("cpu"))
+    ran = _tune_kernels_script()._shard_calls(trainer, "float32", packed=packed)
+    assert len(ran) == 4 and sum("final state out" in line for line in ran) == 2
+    assert any("(packed)" in line for line in ran) == packed
