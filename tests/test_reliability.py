@@ -247,7 +247,16 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(tmp_path, mod
                 os.kill(pid, sig)
         else:
             proc.send_signal(sig)
-        output, _ = proc.communicate(timeout=120)
+        try:
+            output, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            # What the run did after the signal is the diagnosis (one CI run on 2 loaded cores went on training).
+            tree = _children(proc.pid)
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+            pytest.fail(f"{sig.name} to {mode}: no exit within 120 s; child processes then {tree}; "
+                        f"{len(rows)} metric rows; output:\n{output[-4000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
