@@ -45,7 +45,8 @@ def _parse(argv):
                              "by name (a variant whose arguments are the kernel's plus constexprs given in --sweep)")
     parser.add_argument("--alias", nargs="*", default=[], metavar="NEW=BASE",
                         help="with --function: its argument NEW takes the type and attributes of the kernel's "
-                             "argument BASE (e.g. ka_ptr=k_ptr for a continuing call's prefix rows)")
+                             "argument BASE (e.g. ka_ptr=k_ptr for a continuing call's prefix rows; or dh0=g for "
+                             "an optional pointer the plan's launch passed as None)")
     parser.add_argument("--sweep", nargs="*", default=[], metavar="NAME=V1,V2",
                         help="constexpr values to try (the plan's value otherwise)")
     parser.add_argument("--warps", default=None, help="comma-separated num_warps (the plan's otherwise)")
@@ -88,11 +89,15 @@ def variant_spec(spec: dict, function: str, constants: dict, aliases: dict | Non
     base = jit_function(spec["name"]).arg_names
     name = spec["name"].rsplit(".", 1)[0] + "." + function
     names = jit_function(name).arg_names
+    # An optional pointer the plan's launch passed as None is a constexpr None there; aliased, it becomes a real
+    # argument (e.g. fla's state kernels with an initial state, which a training plan never launches).
+    absent = {base[key[0]] for key, val in zip(spec["constant_keys"], spec["constant_vals"])
+              if len(key) == 1 and val is None}
     bad = [f"{new}={old}" for new, old in aliases.items()
-           if new not in names or new in spec["signature"] or old not in spec["signature"]]
+           if new not in names or (new in spec["signature"] and new not in absent) or old not in spec["signature"]]
     if bad:
         raise SystemExit(f"error: --alias {' '.join(bad)}: the first must be an argument of {function} that the "
-                         f"plan's kernel lacks, the second an argument of the plan's kernel")
+                         f"plan's kernel lacks (or passed as None), the second an argument of the plan's kernel")
     missing = [n for n in names if n not in spec["signature"] and n not in constants and n not in aliases]
     if missing:
         raise SystemExit(f"error: --function {function}: arguments {', '.join(missing)} are not in the plan's "
@@ -102,7 +107,8 @@ def variant_spec(spec: dict, function: str, constants: dict, aliases: dict | Non
         out_keys, out_vals = [], []
         for key, val in zip(keys, vals):
             arg = base[key[0]]
-            for target in [arg] * (arg in names) + [new for new, old in aliases.items() if old == arg]:
+            for target in [arg] * (arg in names and arg not in aliases) + [new for new, old in aliases.items()
+                                                                            if old == arg]:
                 out_keys.append([names.index(target), *key[1:]])
                 out_vals.append(val)
         return out_keys, out_vals

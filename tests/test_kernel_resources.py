@@ -84,6 +84,26 @@ def test_a_continuing_kernel_takes_its_prefix_arguments_types_from_aliases():
         kernel_resources.variant_spec(spec, "_cache_fwd_pre_kernel", {}, {})
 
 
+
+def test_an_optional_pointer_the_plan_passed_as_none_becomes_an_argument_by_alias():
+    """--alias NEW=BASE also serves an argument the plan's launch passed as None (a constexpr None there): fla's
+    state-gradient kernel with an initial state, which no training plan launches. The None constant goes, NEW takes
+    BASE's type; aliasing an argument the plan passed as a tensor stays refused."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import kernel_resources
+
+    path = ROOT / "kernels/configs/NVIDIA_H200__fla-0.6.0__triton-3.6.0.json"
+    kernel = "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"
+    spec = kernel_resources._find_spec(path, "hola/d256/h4/bfloat16/packed", kernel)
+    assert spec["signature"]["dh0"] == "constexpr"
+    variant = kernel_resources.variant_spec(spec, kernel, {}, {"dh0": "g"})
+    names = list(variant["signature"])
+    assert variant["signature"]["dh0"] == spec["signature"]["g"] == "*fp32"
+    assert [names.index("dh0")] not in variant["constant_keys"]
+    assert [names.index("dht")] in variant["constant_keys"]  # not aliased: still None
+    with pytest.raises(SystemExit, match="--alias dh=g"):
+        kernel_resources.variant_spec(spec, kernel, {}, {"dh": "g"})
+
 def test_matrix_instructions_follow_the_tile_rows(tmp_path):
     """The D = 256 dq kernel's query tile decides the matrix instructions: 32 rows compile to Ampere's mma.sync
     only, 64 rows (one warpgroup) to Hopper's wgmma (docs/LOG.md, 2026-12-03: why the backward kernels run on
