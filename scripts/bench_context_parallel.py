@@ -51,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--no-single", action="store_true", help="skip the one-GPU baseline")
     p.add_argument("--profile", action="store_true",
-                   help="also profile the CP call and the single call (scripts/profiling.py): kernel time "
+                   help="also profile the CP call and the single call (hola_titan/profiling.py): kernel time "
                         "against wall time, top kernels, ATen calls per call; with --predict the fresh and the "
                         "continuing token mixer")
     p.add_argument("--kernel-configs", default="auto", help=CHOICE_HELP)

@@ -250,7 +250,7 @@ def _names(text):
 
 
 def profile(fn, grads, timed_ms, iters=5, top=12):
-    """GPU kernel time per call, by kernel name, against the call's timed median (``scripts/profiling.py``)."""
+    """GPU kernel time per call, by kernel name, against the call's timed median (``hola_titan/profiling.py``)."""
     from hola_titan.profiling import kernel_profile
 
     def call():

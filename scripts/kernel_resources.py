@@ -94,10 +94,11 @@ def variant_spec(spec: dict, function: str, constants: dict, aliases: dict | Non
     absent = {base[key[0]] for key, val in zip(spec["constant_keys"], spec["constant_vals"])
               if len(key) == 1 and val is None}
     bad = [f"{new}={old}" for new, old in aliases.items()
-           if new not in names or (new in spec["signature"] and new not in absent) or old not in spec["signature"]]
+           if new not in names or (new in spec["signature"] and new not in absent) or old not in spec["signature"]
+           or old in absent]
     if bad:
         raise SystemExit(f"error: --alias {' '.join(bad)}: the first must be an argument of {function} that the "
-                         f"plan's kernel lacks (or passed as None), the second an argument of the plan's kernel")
+                         f"plan's kernel lacks (or passed as None), the second an argument the plan's kernel was given")
     missing = [n for n in names if n not in spec["signature"] and n not in constants and n not in aliases]
     if missing:
         raise SystemExit(f"error: --function {function}: arguments {', '.join(missing)} are not in the plan's "

@@ -4,8 +4,8 @@ Every fla kernel on the training path is autotuned at the shapes of the recipes:
 of that width runs through the real ``Trainer`` in each recurrent flavour and compute precision the recipes of
 that size train in: training steps on packed rows (``cu_seqlens``) or on plain rows, and after the plain rows a
 chunked prefill (a forward with a cache, then one continuing from it, as evaluation and decoding run). Each
-combination also runs the calls of a context-parallel rank after the first (continuing from an incoming state and
-cache, with their gradients), whose fla state kernels have keys of their own.
+combination also runs the calls of a context-parallel run (continuing from an incoming state and cache with their
+gradients, passing a final state on), whose fla state kernels have keys of their own.
 ``--references fla_gdn`` adds fla's own ``GatedDeltaNetForCausalLM`` at 340M in both precision policies of
 ``scripts/bench_train.py``, so that benchmark's reference rows start tuned too. Every combination of size,
 flavour, precision and row kind runs in its own child process, ``--jobs`` at a time: the cost is mostly
@@ -138,13 +138,14 @@ def _tune_ours(size: str, flavour: str, precision: str, rows: str, args, folder:
 
 
 def _shard_calls(trainer, precision: str, *, packed: bool) -> list[str]:
-    """The calls a context-parallel rank makes after the first: the layer's op continuing from an incoming state
-    (and cache) and returning their gradients, with and without a final state to pass on. fla's state kernels see
-    other autotuning keys there than in a fresh call (the initial state's gradient and the final state's are extra
-    float32 arguments), which a context-parallel run would otherwise tune at its start. The shapes of
-    ``parallelisms/context_parallel.py``: the continuing document alone as one row, and the whole shard's rows
-    (packed: one stream with ``cu_seqlens``). Not part of the compile plan: only context-parallel runs need them.
-    Returns what ran, one line per call."""
+    """The calls of a context-parallel run that a one-process training step does not make: the layer's op
+    continuing from an incoming state (and cache) and returning their gradients, with and without a final state to
+    pass on, and a fresh call that passes its final state on (rank 0, and the documents that start in a shard).
+    fla's state kernels see other autotuning keys there (the incoming state's gradient and the final state's are
+    extra float32 arguments), which a context-parallel run would otherwise tune at its start. The shapes of
+    ``parallelisms/context_parallel.py``: the continuing document alone as one row, and on packed rows the shard's
+    documents as one stream with ``cu_seqlens``. Not part of the compile plan: only context-parallel runs need
+    them. Returns what ran, one line per call."""
     import torch
 
     if str(ROOT / "scripts") not in sys.path:  # a child runs this file as a script; tests load it by path
@@ -158,29 +159,38 @@ def _shard_calls(trainer, precision: str, *, packed: bool) -> list[str]:
     t = 4 * margs.block
     cu = torch.tensor([0, margs.block // 2, 3 * margs.block, t], device=device, dtype=torch.int32)
     ran = []
-    for rows_kind, final in [("one row", False), ("one row", True), ("shard", False), ("shard", True)]:
-        n = 3 if rows_kind == "shard" and packed else 1
-        x, do = inputs(t, argparse.Namespace(heads=h, dim=d), device, dtype, seed=n + 2 * final)
-        x = {name: x[name].requires_grad_() for name in NAMES}
-        state = (0.01 * torch.randn(n, h, d, d, device=device)).requires_grad_()
-        extra = {}
-        if evict != "none":
-            cache, _ = boundary_cache(n, h, d, window=margs.window, block=margs.block, evict=evict, dtype=dtype,
-                                      device=device)
-            extra = dict(initial_cache=cache, output_final_cache=final)
-        o, *finals = hola_attention(*(x[name] for name in NAMES), window=margs.window, block=margs.block, evict=evict,
-                                    cu_seqlens=cu if n > 1 else None, initial_state=state, output_final_state=final,
-                                    **extra)
-        loss = (o.float() * do.float()).sum()
-        if final:
-            loss = loss + finals[0].float().square().sum()
+    for n in [1, 3] if packed else [1]:
+        for incoming, final in [(True, False), (True, True), (False, True)]:
+            what = (f"{'one row' if n == 1 else f'{n} packed documents'}, "
+                    f"{'incoming state' if incoming else 'fresh'}, final state {'out' if final else 'not out'}")
+            x, do = inputs(t, argparse.Namespace(heads=h, dim=d), device, dtype, seed=n + 2 * final + 4 * incoming)
+            x = {name: x[name].requires_grad_() for name in NAMES}
+            kw = dict(window=margs.window, block=margs.block, evict=evict, cu_seqlens=cu if n > 1 else None,
+                      output_final_state=final)
+            state = None
+            if incoming:
+                state = (0.01 * torch.randn(n, h, d, d, device=device)).requires_grad_()
+                kw["initial_state"] = state
             if evict != "none":
-                loss = loss + finals[1].k.float().square().sum() + finals[1].v.float().square().sum()
-        loss.backward()
-        if state.grad is None or not torch.isfinite(state.grad).all():
-            raise RuntimeError(f"tune_kernels: the continuing call ({rows_kind}, final state {final}) gave the "
-                               "incoming state no finite gradient, so it did not run the backward that needs tuning")
-        ran.append(f"{rows_kind}{' (packed)' if n > 1 else ''}, final state {'out' if final else 'not out'}")
+                kw["output_final_cache"] = final
+                if incoming:
+                    kw["initial_cache"] = boundary_cache(n, h, d, window=margs.window, block=margs.block,
+                                                         evict=evict, dtype=dtype, device=device)[0]
+            o, *finals = hola_attention(*(x[name] for name in NAMES), **kw)
+            loss = (o.float() * do.float()).sum()
+            if final:
+                if finals[0].shape[0] != n:
+                    raise RuntimeError(f"tune_kernels: {what}: a final state for {finals[0].shape[0]} sequences")
+                loss = loss + finals[0].float().square().sum()
+                if evict != "none":
+                    loss = loss + finals[1].k.float().square().sum() + finals[1].v.float().square().sum()
+            loss.backward()
+            grad = state.grad if incoming else x["q"].grad
+            if grad is None or not torch.isfinite(grad).all():
+                raise RuntimeError(f"tune_kernels: {what}: no finite gradient "
+                                   f"{'to the incoming state' if incoming else 'to q'}, so the backward that "
+                                   "needs tuning did not run")
+            ran.append(what)
     return ran
 
 

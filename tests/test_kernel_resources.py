@@ -103,6 +103,8 @@ def test_an_optional_pointer_the_plan_passed_as_none_becomes_an_argument_by_alia
     assert [names.index("dht")] in variant["constant_keys"]  # not aliased: still None
     with pytest.raises(SystemExit, match="--alias dh=g"):
         kernel_resources.variant_spec(spec, kernel, {}, {"dh": "g"})
+    with pytest.raises(SystemExit, match="--alias dh0=dht"):  # a base the plan passed as None has no type
+        kernel_resources.variant_spec(spec, kernel, {}, {"dh0": "dht"})
 
 def test_matrix_instructions_follow_the_tile_rows(tmp_path):
     """The D = 256 dq kernel's query tile decides the matrix instructions: 32 rows compile to Ampere's mma.sync

@@ -251,11 +251,20 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(tmp_path, mod
             output, _ = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             # What the run did after the signal is the diagnosis (one CI run on 2 loaded cores went on training).
-            tree = _children(proc.pid)
+            # torchrun starts its workers in sessions of their own: the group kill alone would leave them running.
+            tree, todo = [], [proc.pid]
+            while todo:
+                todo = [c for p in todo for c in _children(p)]
+                tree += todo
             os.killpg(proc.pid, signal.SIGKILL)
+            for pid in tree:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             output, _ = proc.communicate()
             rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
-            pytest.fail(f"{sig.name} to {mode}: no exit within 120 s; child processes then {tree}; "
+            pytest.fail(f"{sig.name} to {mode}: no exit within 120 s; descendant processes then {tree}; "
                         f"{len(rows)} metric rows; output:\n{output[-4000:]}")
     finally:
         if proc.poll() is None:

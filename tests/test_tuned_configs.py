@@ -242,9 +242,10 @@ def test_tune_kernels_keeps_the_file_notes_when_it_merges():
 
 @pytest.mark.parametrize("flavour,packed", [("hola", True), ("hola", False), ("gdn", True)])
 def test_tune_kernels_shard_calls_continue_with_gradients(flavour, packed):
-    """The tuning run's context-parallel calls (an incoming state and cache, their gradients, with and without a
-    final state) run with the model's shapes and give the incoming state a gradient (here on the reference path;
-    on a GPU they reach fla's state kernels with the initial-state and final-state arguments)."""
+    """The tuning run's context-parallel calls (an incoming state and cache with their gradients, with and without a
+    final state; a fresh call passing its final state on) run with the model's shapes, the packed ones over their
+    documents, and give the incoming state (or q) a gradient (here on the reference path; on a GPU they reach fla's
+    state kernels with the initial-state and final-state arguments)."""
     from types import SimpleNamespace
 
     import torch
@@ -253,5 +254,7 @@ def test_tune_kernels_shard_calls_continue_with_gradients(flavour, packed):
 
     trainer = SimpleNamespace(model_args=model_args(flavour, "debug", vocab_size=256), device=torch.device("cpu"))
     ran = _tune_kernels_script()._shard_calls(trainer, "float32", packed=packed)
-    assert len(ran) == 4 and sum("final state out" in line for line in ran) == 2
-    assert any("(packed)" in line for line in ran) == packed
+    assert len(ran) == (6 if packed else 3), ran
+    assert sum("incoming state" in line for line in ran) == (4 if packed else 2)
+    assert sum("fresh, final state out" in line for line in ran) == (2 if packed else 1)
+    assert any("3 packed documents" in line for line in ran) == packed
