@@ -235,6 +235,11 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits_cleanly(tmp_path, mod
     else:
         cmd = [str(ROOT / "run_train.sh"), *run]
         env = _env() | {"NGPU": "2", "CONFIG_FILE": DEBUG, "PYTHON": sys.executable, "LOG_RANK": "0,1"}
+    # As from a terminal: SIGINT and SIGQUIT at their defaults. A test run started in the background of a
+    # non-interactive shell inherits them ignored, and bash cannot trap a signal ignored at its start, so Ctrl-C to
+    # run_train.sh would never reach the workers (it did not, on such a run).
+    cmd = [sys.executable, "-c", "import os, signal, sys\nfor s in (signal.SIGINT, signal.SIGQUIT): "
+           "signal.signal(s, signal.SIG_DFL)\nos.execvp(sys.argv[1], sys.argv[1:])", *cmd]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
