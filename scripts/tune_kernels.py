@@ -94,8 +94,9 @@ def _batch(rows: int, seq_len: int, vocab: int, *, packed: bool, seed: int) -> d
 
 
 def _tune_ours(size: str, flavour: str, precision: str, rows: str, args, folder: Path, *, prefill: bool = True) -> str:
-    """One combination's training steps (and, on plain rows with ``prefill``, a chunked prefill, whose launch keys
-    evaluation and decoding need); returns its plan key."""
+    """One combination's training steps; with ``prefill`` (the tuning phase, not the plan's) also a
+    context-parallel run's calls (:func:`_shard_calls`) and, on plain rows, a chunked prefill, whose launch keys
+    evaluation and decoding need; returns its plan key."""
     import torch
 
     from hola_titan.config import parse_config
