@@ -84,7 +84,6 @@ def test_a_continuing_kernel_takes_its_prefix_arguments_types_from_aliases():
         kernel_resources.variant_spec(spec, "_cache_fwd_pre_kernel", {}, {})
 
 
-
 def test_an_optional_pointer_the_plan_passed_as_none_becomes_an_argument_by_alias():
     """--alias NEW=BASE also serves an argument the plan's launch passed as None (a constexpr None there): fla's
     state-gradient kernel with an initial state, which no training plan launches. The None constant goes, NEW takes
@@ -105,6 +104,7 @@ def test_an_optional_pointer_the_plan_passed_as_none_becomes_an_argument_by_alia
         kernel_resources.variant_spec(spec, kernel, {}, {"dh": "g"})
     with pytest.raises(SystemExit, match="--alias dh0=dht"):  # a base the plan passed as None has no type
         kernel_resources.variant_spec(spec, kernel, {}, {"dh0": "dht"})
+
 
 def test_matrix_instructions_follow_the_tile_rows(tmp_path):
     """The D = 256 dq kernel's query tile decides the matrix instructions: 32 rows compile to Ampere's mma.sync
