@@ -387,13 +387,99 @@ def _gdn_bwd_impl(do, dht, qn, q_rstd, kn, k_rstd, v, g_cum, beta, a, initial_st
         if recompute_norms:
             qn, q_rstd = l2norm_fwd(qn.contiguous())
             kn, k_rstd = l2norm_fwd(kn.contiguous())
-        dq, dk, dv, db, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
-            q=qn, k=kn, v=v, g=g_cum, beta=beta, A=a, scale=scale, initial_state=initial_state,
-            do=do.contiguous(), dht=dht, cu_seqlens=cu_seqlens,
-            chunk_indices=_chunk_indices(cu_seqlens, chunk_indices), chunk_size=CHUNK)
+        chunk_indices = _chunk_indices(cu_seqlens, chunk_indices)
+        if initial_state is None:
+            dq, dk, dv, db, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
+                q=qn, k=kn, v=v, g=g_cum, beta=beta, A=a, scale=scale, initial_state=None, do=do.contiguous(),
+                dht=dht, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK)
+        else:
+            dq, dk, dv, db, dg, dh0 = _bwd_from_initial_state(qn, kn, v, g_cum, beta, a, scale, initial_state,
+                                                              do.contiguous(), dht, cu_seqlens, chunk_indices)
         dq = l2norm_bwd(qn, q_rstd, dq)
         dk = l2norm_bwd(kn, k_rstd, dk)
     return dq, dk, dv, dg, db, dh0
+
+
+def _bwd_from_initial_state(qn, kn, v, g_cum, beta, a, scale, initial_state, do, dht, cu_seqlens, chunk_indices):
+    """fla's ``chunk_gated_delta_rule_bwd`` from an incoming state, stage by stage in its order, with the state
+    gradient kernel launched without its initial-state output and that gradient formed here instead.
+
+    Why: fla 0.6.0's state-gradient kernel (``chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64``) compiles with
+    96 bytes of stack without the initial-state store and 224 with it (D 256, Triton 3.6, sm_90a,
+    ``scripts/kernel_resources.py``), and runs 5.1 ms against 4.0 at 65,536 x 4 x 256 on an H200 (docs/LOG.md,
+    2026-12-03): the whole difference between a fresh and a continuing context-parallel shard's state path. The
+    kernel's other outputs (the per-chunk state gradients ``dh`` and the corrected ``dv``) do not depend on that
+    store, so every other gradient is bitwise fla's own; the initial state's gradient is the kernel's last update
+    step, made here in float32 by :func:`initial_state_grad` from the first chunk's stored ``dh`` (which fla keeps
+    in the compute dtype: one bf16 rounding of the carried gradient that fla's fused store does not make).
+    """
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local
+    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    common = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    w, u = recompute_w_u_fwd(k=kn, v=v, beta=beta, A=a, g=g_cum, **common)
+    h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kn, w=w, u=u, g=g_cum, initial_state=initial_state,
+                                               output_final_state=False, chunk_size=CHUNK, **common)
+    dv = chunk_bwd_dv_local(q=qn, k=kn, g=g_cum, do=do, scale=scale, chunk_size=CHUNK, **common)
+    dh, _, dv = chunk_gated_delta_rule_bwd_dhu(q=qn, k=kn, w=w, g=g_cum, h0=None, dht=dht, do=do, dv=dv, scale=scale,
+                                               chunk_size=CHUNK, **common)
+    dh0 = initial_state_grad(dh, qn, w, do, dv, g_cum, scale, cu_seqlens=cu_seqlens, dht=dht)
+    dq, dk, dw, dg = chunk_bwd_dqkwg(q=qn, k=kn, v=v_new, w=w, g=g_cum, h=h, dv=dv, do=do, dh=dh, scale=scale,
+                                     chunk_size=CHUNK, **common)
+    dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=kn, v=v, beta=beta, g=g_cum, A=a, dw=dw, du=dv, **common)
+    dk.add_(dk2)
+    dg.add_(dg2)
+    dg = chunk_local_cumsum(dg, chunk_size=CHUNK, reverse=True, **common)
+    return dq, dk, dv, db, dg, dh0
+
+
+def initial_state_grad(dh: torch.Tensor, q: torch.Tensor, w: torch.Tensor, do: torch.Tensor, dv: torch.Tensor,
+                       g_cum: torch.Tensor, scale: float, *, cu_seqlens: torch.Tensor | None,
+                       dht: torch.Tensor | None) -> torch.Tensor:
+    """The gradient of the initial state ``[N, H, K, V]`` (float32) from fla's state-gradient pass run without it.
+
+    fla's pass walks the chunks backward carrying ``dS`` (the gradient of the state after the current chunk) and
+    stores it per chunk in ``dh [B, NT, H, K, V]`` before applying the chunk. The initial state's gradient is
+    that chunk's update applied to the first chunk of each sequence (``C`` = its rows, at most 64, ``Lc`` its
+    last row, ``g`` fla's chunk-local cumulative log2-decay):
+        dS0 = 2^g_Lc dh[first] + scale (q_C 2^g_C)^T do_C - w_C^T dv_C
+    with ``w`` the WY-form keys and ``dv`` the corrected value gradient of the same pass (``dv2``). ``q`` is the
+    l2-normalised query fla ran with. Rows ``[B, T, ...]``; with ``cu_seqlens`` (B = 1) sequence n's first chunk
+    is chunk ``sum_{m<n} ceil(T_m / 64)`` of ``dh``. A sequence without tokens passes ``dht`` (or zero) through.
+    Device-side indexing only (no host read of ``cu_seqlens``)."""
+    f32 = torch.float32
+    b, t, h = q.shape[:3]
+    if cu_seqlens is None:
+        c = min(t, CHUNK)
+        first, rows, last = dh[:, 0], (lambda x: x[:, :c]), (lambda x: x[:, c - 1])
+        mask = None
+        empty = None
+    else:
+        bos, lens = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+        chunks = torch.div(lens + CHUNK - 1, CHUNK, rounding_mode="floor")
+        first_chunk = (torch.cumsum(chunks, 0) - chunks).clamp_max(dh.shape[1] - 1)
+        first = dh[0, first_chunk]                                                  # [N, H, K, V]
+        offs = torch.arange(CHUNK, device=q.device)
+        mask = offs[None, :] < lens[:, None]                                        # [N, C]
+        last_row = (lens.clamp_max(CHUNK) - 1).clamp_min(0)                        # of the first chunk
+        index = (bos[:, None] + offs[None, :].minimum(last_row[:, None])).clamp(0, t - 1)
+        end = (bos + last_row).clamp(0, t - 1)
+        rows, last = (lambda x: x[0, index]), (lambda x: x[0, end])                 # [N, C, ...], [N, ...]
+        empty = lens == 0
+    g_c = rows(g_cum).to(f32)                                                       # [N, C, H]
+    qg = rows(q).to(f32) * torch.exp2(g_c)[..., None]
+    w_c, do_c, dv_c = rows(w).to(f32), rows(do).to(f32), rows(dv).to(f32)
+    if mask is not None:
+        m = mask[:, :, None, None].to(f32)
+        qg, w_c = qg * m, w_c * m
+    dS0 = (torch.exp2(last(g_cum).to(f32))[..., None, None] * first.to(f32)
+           + scale * torch.einsum("nchk,nchv->nhkv", qg, do_c) - torch.einsum("nchk,nchv->nhkv", w_c, dv_c))
+    if empty is not None:
+        through = dht.to(f32) if dht is not None else torch.zeros_like(dS0)
+        dS0 = torch.where(empty[:, None, None, None], through, dS0)
+    return dS0
 
 
 @torch.library.custom_op("hola::gdn_fwd", mutates_args=())

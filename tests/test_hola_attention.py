@@ -710,6 +710,60 @@ def test_fla_chunk_indices_from_the_host_copy_equal_fla_s_own():
         assert host.tolist() == cu
 
 
+def _dhu_loop(q, k, w, do, dv, g_cum, scale, lens, dht):
+    """fla's state-gradient pass, one sequence at a time in float64 (rows ``[T_n, H, D]`` per sequence): the
+    per-chunk ``dh`` (the gradient of the state after the chunk), the corrected ``dv`` and the initial state's
+    gradient, as ``chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64`` computes them."""
+    dh, dv2, dh0 = [], [], []
+    for n, (qs, ks, ws, dos, dvs, gs) in enumerate(zip(*(x.split(lens) for x in (q, k, w, do, dv, g_cum)))):
+        ds = dht[n].clone() if dht is not None else torch.zeros(q.shape[1], q.shape[2], q.shape[2],
+                                                                 dtype=torch.float64)
+        chunks, dv_n = [], torch.empty_like(dvs)
+        for c0 in reversed(range(0, lens[n], 64)):
+            sl = slice(c0, min(c0 + 64, lens[n]))
+            gl = gs[sl][-1]                                                    # [H]
+            chunks.insert(0, ds.clone())
+            dvc = torch.einsum("thk,hkv->thv", ks[sl], ds) * torch.exp2(gl[None] - gs[sl])[..., None] + dvs[sl]
+            dv_n[sl] = dvc
+            ds = (torch.exp2(gl)[:, None, None] * ds
+                  + scale * torch.einsum("thk,thv->hkv", qs[sl] * torch.exp2(gs[sl])[..., None], dos[sl])
+                  - torch.einsum("thk,thv->hkv", ws[sl], dvc))
+        dh += chunks
+        dv2.append(dv_n)
+        dh0.append(ds)
+    return torch.stack(dh), torch.cat(dv2), torch.stack(dh0)
+
+
+@pytest.mark.parametrize("lens", [[300], [70, 0, 1, 64, 130], [40]])
+@pytest.mark.parametrize("with_dht", [False, True])
+def test_initial_state_gradient_from_the_first_chunk_s_stored_gradient(lens, with_dht):
+    """``fla_gdn.initial_state_grad`` (the initial state's gradient, formed outside fla's state-gradient kernel
+    from the first chunk's stored ``dh``) equals the pass's own last step: packed documents of every length
+    class (shorter than a chunk, one row, a whole chunk, several chunks, none), plain rows, with and without a
+    final-state gradient. Checks the first chunk's index, its rows and its last row per sequence."""
+    pytest.importorskip("fla")
+    from hola_titan.kernels import fla_gdn
+    gen = torch.Generator().manual_seed(len(lens) + 7 * with_dht)
+    t, h, d = sum(lens), 2, 8
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+    q, k, w, do, dv = (randn(t, h, d) for _ in range(5))
+    g = -torch.rand(t, h, generator=gen, dtype=torch.float64)
+    g_cum = torch.cat([torch.cat([x.cumsum(0) for x in gs.split(64)]) for gs in g.split(lens)]) if t else g
+    dht = randn(len(lens), h, d, d) if with_dht else None
+    dh, dv2, dh0 = _dhu_loop(q, k, w, do, dv, g_cum, 0.3, lens, dht)
+    if len(lens) == 1:  # plain rows: [B = 1, T, ...], dh [B, NT, ...]
+        got = fla_gdn.initial_state_grad(dh[None], q[None], w[None], do[None], dv2[None], g_cum[None], 0.3,
+                                         cu_seqlens=None, dht=dht)
+    else:
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        got = fla_gdn.initial_state_grad(dh[None], q[None], w[None], do[None], dv2[None], g_cum[None], 0.3,
+                                         cu_seqlens=cu, dht=dht)
+    assert got.dtype == torch.float32
+    assert_close_scaled(got, dh0, 1e-5, "initial state gradient")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Finite in, finite out; a NaN in one document stays in that document
 # ----------------------------------------------------------------------------------------------------------------

@@ -196,6 +196,40 @@ def test_fla_adapter_is_bit_identical_to_fla_and_scores_match_reference():
     assert rel(m, m_r) < 2e-2, f"score error {rel(m, m_r):.2e}"
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["varlen", "rows"])
+@pytest.mark.parametrize("with_dht", [False, True], ids=["", "dht"])
+def test_backward_from_an_initial_state_is_fla_s_with_its_state_gradient_formed_outside(packed, with_dht):
+    """The backward from an incoming state (``fla_gdn._bwd_from_initial_state``: fla's state-gradient kernel
+    without its initial-state store, that gradient formed from the first chunk's stored ``dh``) against fla's own
+    ``chunk_gated_delta_rule_bwd`` on the same saved tensors: q, k, v, g and beta gradients bit for bit, the
+    initial state's within one bf16 rounding of the carried gradient. Documents of 1, 63, 1, 235 and 400 rows."""
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+    b, t, h, d = (1, 700, 4, 256) if packed else (2, 300, 4, 256)
+    cu = torch.tensor([0, 1, 64, 65, 300, 700], device=DEVICE) if packed else None
+    n = 5 if packed else b
+    x = make_inputs(b, t, h, d, num_states=n, seed=11, dtype=torch.bfloat16)
+    fla_gdn.ensure_backward_checked(d, DEVICE, num_heads=h, dtype=torch.bfloat16, packed=packed)
+    scale = d ** -0.5
+    _, _, _, qn, _, kn, _, g_cum, a = fla_gdn._gdn_fwd_impl(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                            x["initial_state"], cu, None, scale, with_dht)
+    gen = torch.Generator(device=DEVICE).manual_seed(12)
+    do = torch.randn(b, t, h, d, generator=gen, device=DEVICE).to(torch.bfloat16)
+    dht = torch.randn(n, h, d, d, generator=gen, device=DEVICE) if with_dht else None
+    ci = fla_gdn._chunk_indices(cu, None)
+    v, beta = x["v"].contiguous(), x["beta"].contiguous()
+    with torch.cuda.device(DEVICE.index or 0), fla_gdn.fla_backward_allowed(d, DEVICE):
+        want = chunk_gated_delta_rule_bwd(q=qn, k=kn, v=v, g=g_cum, beta=beta, A=a, scale=scale,
+                                          initial_state=x["initial_state"], do=do, dht=dht, cu_seqlens=cu,
+                                          chunk_indices=ci, chunk_size=fla_gdn.CHUNK)[:6]
+        got = fla_gdn._bwd_from_initial_state(qn, kn, v, g_cum, beta, a, scale, x["initial_state"], do, dht, cu, ci)
+    for name, e, g in zip(("dq", "dk", "dv", "dbeta", "dg"), want[:5], got[:5]):
+        assert torch.equal(g, e), f"{name} differs from fla's"
+    err = rel(got[5], want[5])
+    print(f"\ninitial state gradient: relative error against fla's fused store {err:.2e}")
+    assert got[5].dtype == torch.float32 and got[5].shape == want[5].shape
+    assert err < 4e-3, f"initial state gradient off by {err:.2e} (one bf16 rounding is ~1e-3)"
+
+
 def test_fla_adapter_recomputing_the_norms_gives_the_same_gradients():
     """``recompute_norms=True`` (fla's op keeps the raw q, k and remakes their l2norms in backward): output and
     every gradient bit for bit those of the default, which keeps the normalised copies."""
