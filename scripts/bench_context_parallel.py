@@ -147,6 +147,26 @@ class Timer:
         return sorted(times)[len(times) // 2], peak
 
 
+    def back_to_back(self, fn, reps):
+        """Mean milliseconds per call of ``reps`` calls issued back to back (one untimed call first): the host
+        queues each call while the GPU runs the one before, as the layers of a training step run, so a call's
+        host work before its first kernel (which a synchronised call exposes) overlaps GPU work."""
+        fn()
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            return 1e3 * (time.perf_counter() - t0) / reps
+        torch.cuda.synchronize(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+
+
 def count_host_syncs(fn, device) -> int | None:
     """How many times one call of ``fn`` made the host wait for the GPU (CUDA's sync debug mode), None on CPU.
     Each wait leaves the GPU idle while the host issues what comes next."""
@@ -244,6 +264,14 @@ def stage_timings(args, device, t: int) -> dict:
     except Exception as exc:  # reported: the continuing call's backward is what the protocol needs
         out["mixer_cont_error"] = f"{type(exc).__name__}: {exc}"
         out["mixer_cont"] = float("nan")
+    # The same two calls issued back to back. A continuing call makes more host work than a fresh one (its prefix
+    # and index space: 566 ATen calls against 262), which a synchronised call pays before its first kernel and a
+    # step of 24 layers overlaps with the layer before: what a continuing layer adds to a step is the back-to-back
+    # difference (H200, 64k, 2026-12-03: synchronised +0.5 to +0.9 ms, back to back +0.41 to +0.48 ms; the host
+    # 9 ms per continuing call, 7 per fresh one, against 16 ms of GPU work).
+    out["mixer_fresh_b2b"] = timer.back_to_back(mixer(False), args.reps)
+    out["mixer_cont_b2b"] = (timer.back_to_back(mixer(True), args.reps) if "mixer_cont_error" not in out
+                             else float("nan"))
     # The state path alone (the GDN recurrence and the score, fla's kernels on a GPU), fresh and from an incoming
     # state with its gradient: how much of the continuing mixer's extra time is the state path's own (fla's
     # state-gradient kernel took 5.1 ms against 4.0 at 64k on an H200, 2026-12-03).
@@ -273,8 +301,10 @@ def stage_timings(args, device, t: int) -> dict:
                     out["profile_" + name + suffix] = kernel_profile(make(initial), device=device,
                                                                      timed_ms=out[name + suffix], iters=3,
                                                                      label=name + suffix, keep=40)
-    # Split the continuing mixer's extra time between forward and backward as the fresh layer splits.
-    extra = out["mixer_cont"] - out["mixer_fresh"]
+    # Split the continuing mixer's extra time (back to back, see above) between forward and backward as the fresh
+    # layer splits.
+    extra = out["mixer_cont_b2b"] - out["mixer_fresh_b2b"]
+    out["mixer_extra_from"] = "back to back"
     share = out["layer_fwd_fresh"] / out["layer_fwd_bwd_fresh"]
     out["layer_fwd_cont"] = out["layer_fwd_fresh"] + share * extra
     out["layer_bwd_cont"] = out["layer_bwd_fresh"] + (1 - share) * extra

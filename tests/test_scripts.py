@@ -218,7 +218,13 @@ def test_bench_context_parallel_predicts_from_stage_timings(tmp_path):
     assert [(r["R"], r["seq_len_per_rank"]) for r in rows] == [(2, 64), (4, 64), (2, 128), (4, 128)]
     # The state path alone, fresh and continuing, beside the mixer's two timings.
     stages = json.loads(out.read_text())["timings"]["64"]
-    assert all(stages[name] > 0 for name in ("mixer_fresh", "mixer_cont", "state_fresh", "state_cont")), stages
+    assert all(stages[name] > 0 for name in ("mixer_fresh", "mixer_cont", "state_fresh", "state_cont",
+                                             "mixer_fresh_b2b", "mixer_cont_b2b")), stages
+    # A continuing layer's extra time comes from the back-to-back pair, split as the fresh layer splits.
+    extra = stages["mixer_cont_b2b"] - stages["mixer_fresh_b2b"]
+    assert stages["mixer_extra_from"] == "back to back"
+    assert (stages["layer_fwd_cont"] + stages["layer_bwd_cont"]
+            == pytest.approx(stages["layer_fwd_fresh"] + stages["layer_bwd_fresh"] + extra))
     for r in rows:
         assert {"R", "seq_len_per_rank", "size", "predicted_speedup", "date", "device"} <= set(r)
         assert r["predicted_speedup"] == pytest.approx(r["one_gpu_step_ms"] / r["predicted_step_ms"])
