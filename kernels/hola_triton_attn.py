@@ -231,6 +231,39 @@ if triton is not None:
         return b_m_new, b_l, b_acc
 
     @triton.jit
+    def _prefix_tiles_end(pre, hi, BN: tl.constexpr, HAS_PRE: tl.constexpr):
+        """The end of a block's key tiles that hold prefix rows (positions ``0 ... pre - 1`` come first), at most
+        ``hi``; 0 without a prefix. Tiles from there on hold token rows only."""
+        if HAS_PRE:
+            return tl.minimum(tl.cdiv(pre, BN) * BN, hi)
+        else:
+            return 0
+
+    @triton.jit
+    def _own_rows(start, length, pre_start, pre, c0, H, i_h, BN: tl.constexpr, TWO: tl.constexpr):
+        """:func:`_block_rows` for a tile of the block's own keys: with ``TWO`` a tile that may hold prefix rows
+        (both sources); else one past the prefix, addressed as token rows alone (the single read of a fresh call:
+        a continuing call's every tile read through per-row source selection cost its forward ~28% at 64k, H200)."""
+        if TWO:
+            return _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, True)
+        else:  # positions c0 ... >= pre: token row start + position - pre
+            return _block_rows(start - pre, length + pre, pre_start, 0, c0, H, i_h, BN, False)
+
+    @triton.jit
+    def _fwd_block_loop(lo, hi, b_qs, b_m, b_l, b_acc, o_m, start, length, pre_start, pre, k_ptr, v_ptr, rk_ptr,
+                        ka_ptr, va_ptr, rka_ptr, H, i_h, v_off, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
+                        DOT_PREC: tl.constexpr, TWO: tl.constexpr):
+        """The forward over the block's own key tiles at positions ``lo ... hi`` (``TWO`` as in :func:`_own_rows`),
+        causal: query i sits at position pre + i."""
+        for c0 in range(lo, hi, BN):
+            o_n, t_ok, row, a_ok, row_a = _own_rows(start, length, pre_start, pre, c0, H, i_h, BN, TWO)
+            b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok, D, TWO,
+                                       DV, v_off)
+            b_ok = (t_ok | a_ok)[None, :] & (o_n[None, :] <= o_m[:, None] + pre)
+            b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, b_ok, DOT_PREC)
+        return b_m, b_l, b_acc
+
+    @triton.jit
     def _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
                         gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr,
                         pre_len_ptr, H, NQT, scale, W, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -257,12 +290,14 @@ if triton is not None:
                                                 DOT_PREC)
             # Key positions up to the tile's last query, whose position in the block is pre + its index.
             hi = tl.minimum(q0 + BM, length) + pre
-            for c0 in range(0, hi, BN):
-                o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
-                b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok,
-                                           D, HAS_PRE, D // SPLIT, v_off)
-                b_ok = (t_ok | a_ok)[None, :] & (o_n[None, :] <= o_m[:, None] + pre)
-                b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, b_k, b_v, b_rk, b_ok, DOT_PREC)
+            mid = _prefix_tiles_end(pre, hi, BN, HAS_PRE)
+            if HAS_PRE:
+                b_m, b_l, b_acc = _fwd_block_loop(0, mid, b_qs, b_m, b_l, b_acc, o_m, start, length, pre_start, pre,
+                                                  k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, H, i_h, v_off, D,
+                                                  D // SPLIT, BN, DOT_PREC, True)
+            b_m, b_l, b_acc = _fwd_block_loop(mid, hi, b_qs, b_m, b_l, b_acc, o_m, start, length, pre_start, pre,
+                                              k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, H, i_h, v_off, D,
+                                              D // SPLIT, BN, DOT_PREC, False)
             b_oc = b_acc / b_l[:, None]
             if SPLIT == 1:
                 tl.store(lse_ptr + row_q, b_m + tl.log2(b_l), mask=m_ok)
@@ -368,10 +403,25 @@ if triton is not None:
                 b_r, b_dq, b_pk = _dq_step(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta, b_k, b_v, b_rk, b_ok, b_lam,
                                            MODE, DOT_PREC)
         hi = tl.minimum(q0 + BM, length) + pre
-        for c0 in range(0, hi, BN):
-            o_n, t_ok, row, a_ok, row_a = _block_rows(start, length, pre_start, pre, c0, H, i_h, BN, HAS_PRE)
-            b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok,
-                                       D, HAS_PRE, D, 0)
+        mid = _prefix_tiles_end(pre, hi, BN, HAS_PRE)
+        if HAS_PRE:
+            b_r, b_dq, b_pk = _dq_block_loop(0, mid, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, b_qs, b_do, b_lse,
+                                             b_r, b_dq, b_pk, b_delta, b_lam, i_h, start, length, pre_start, pre, o_m,
+                                             m_ok, H, D, BN, MODE, DOT_PREC, True)
+        b_r, b_dq, b_pk = _dq_block_loop(mid, hi, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, b_qs, b_do, b_lse,
+                                         b_r, b_dq, b_pk, b_delta, b_lam, i_h, start, length, pre_start, pre, o_m,
+                                         m_ok, H, D, BN, MODE, DOT_PREC, False)
+        return b_r, b_dq, b_pk
+
+    @triton.jit
+    def _dq_block_loop(lo, hi, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, b_qs, b_do, b_lse, b_r, b_dq, b_pk,
+                       b_delta, b_lam, i_h, start, length, pre_start, pre, o_m, m_ok, H, D: tl.constexpr,
+                       BN: tl.constexpr, MODE: tl.constexpr, DOT_PREC: tl.constexpr, TWO: tl.constexpr):
+        """A dq pass over the block's own key tiles at positions ``lo ... hi`` (``TWO`` as in :func:`_own_rows`)."""
+        for c0 in range(lo, hi, BN):
+            o_n, t_ok, row, a_ok, row_a = _own_rows(start, length, pre_start, pre, c0, H, i_h, BN, TWO)
+            b_k, b_v, b_rk = _load_two(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, row, t_ok, row_a, a_ok, D, TWO,
+                                       D, 0)
             b_ok = (t_ok | a_ok)[None, :] & m_ok[:, None] & (o_n[None, :] <= o_m[:, None] + pre)
             b_r, b_dq, b_pk = _dq_step(b_qs, b_do, b_lse, b_r, b_dq, b_pk, b_delta, b_k, b_v, b_rk, b_ok, b_lam,
                                        MODE, DOT_PREC)
