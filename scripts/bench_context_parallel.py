@@ -274,7 +274,8 @@ def stage_timings(args, device, t: int) -> dict:
                              else float("nan"))
     # The state path alone (the GDN recurrence and the score, fla's kernels on a GPU), fresh and from an incoming
     # state with its gradient: how much of the continuing mixer's extra time is the state path's own (fla's
-    # state-gradient kernel took 5.1 ms against 4.0 at 64k on an H200, 2026-12-03).
+    # state-gradient kernel took 5.1 ms against 4.0 at 64k on an H200 with its initial-state store, 2026-12-03;
+    # kernels/fla_gdn.py now launches it without that store).
     from hola_titan.kernels.hola_stages import state_path
 
     def state_only(initial: bool):
