@@ -6,7 +6,9 @@ A thin adapter over fla-core's internal stages (imported, never copied; pinned t
 calls the stages of ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` with the in-kernel l2norm in the same
 order, so ``o`` is bit-identical to the public op, and keeps the per-token update ``v_new = beta_t e_t`` that
 fla computes and drops, whose norm is the score ``m_t = beta_t ||e_t||`` (float32, detached). The backward is
-fla's ``chunk_gated_delta_rule_bwd`` unchanged (the score takes no gradient). Both directions are
+fla's ``chunk_gated_delta_rule_bwd`` unchanged (the score takes no gradient), except from an incoming state: there
+its stages run in the same order with the initial state's gradient formed outside fla's kernel
+(:func:`_bwd_from_initial_state` says why). Both directions are
 ``torch.library`` custom ops, so a compiled block does not graph-break around fla's ``compiler.disable``.
 
 What the backward keeps: fla's own op saves the l2-normalised ``qn``, ``kn`` and their reciprocal norms. A caller
@@ -409,9 +411,12 @@ def _bwd_from_initial_state(qn, kn, v, g_cum, beta, a, scale, initial_state, do,
     ``scripts/kernel_resources.py``), and runs 5.1 ms against 4.0 at 65,536 x 4 x 256 on an H200 (docs/LOG.md,
     2026-12-03): the whole difference between a fresh and a continuing context-parallel shard's state path. The
     kernel's other outputs (the per-chunk state gradients ``dh`` and the corrected ``dv``) do not depend on that
-    store, so every other gradient is bitwise fla's own; the initial state's gradient is the kernel's last update
-    step, made here in float32 by :func:`initial_state_grad` from the first chunk's stored ``dh`` (which fla keeps
-    in the compute dtype: one bf16 rounding of the carried gradient that fla's fused store does not make).
+    store, so every other gradient is bitwise fla's own wherever both launches run the same configuration (the
+    shipped configurations give them the same one; the autotuner keys them apart); the initial state's gradient is
+    the kernel's last update step, made here in float32 by :func:`initial_state_grad` from the first chunk's stored
+    ``dh`` (which fla keeps in the compute dtype: one bf16 rounding of the carried gradient that fla's fused store
+    does not make; fla's store forms its ``q^T do`` term in TF32, this one in float32). On an H200 the two agree
+    within 0.07-0.17% (``tests/test_kernels_triton_gpu.py``).
     """
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local
@@ -451,6 +456,10 @@ def initial_state_grad(dh: torch.Tensor, q: torch.Tensor, w: torch.Tensor, do: t
     Device-side indexing only (no host read of ``cu_seqlens``)."""
     f32 = torch.float32
     b, t, h = q.shape[:3]
+    if t == 0 or dh.shape[1] == 0:  # no chunk at all: every sequence passes its final-state gradient through
+        n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        return (dht.to(f32) if dht is not None
+                else torch.zeros(n, h, q.shape[-1], do.shape[-1], dtype=f32, device=q.device))
     if cu_seqlens is None:
         c = min(t, CHUNK)
         first, rows, last = dh[:, 0], (lambda x: x[:, :c]), (lambda x: x[:, c - 1])

@@ -146,7 +146,6 @@ class Timer:
             peak = (torch.cuda.max_memory_allocated(self.device) - base) / 2 ** 30
         return sorted(times)[len(times) // 2], peak
 
-
     def back_to_back(self, fn, reps):
         """Mean milliseconds per call of ``reps`` calls issued back to back (one untimed call first): the host
         queues each call while the GPU runs the one before, as the layers of a training step run, so a call's
@@ -267,8 +266,8 @@ def stage_timings(args, device, t: int) -> dict:
     # The same two calls issued back to back. A continuing call makes more host work than a fresh one (its prefix
     # and index space: 566 ATen calls against 262), which a synchronised call pays before its first kernel and a
     # step of 24 layers overlaps with the layer before: what a continuing layer adds to a step is the back-to-back
-    # difference (H200, 64k, 2026-12-03: synchronised +0.5 to +0.9 ms, back to back +0.41 to +0.48 ms; the host
-    # 9 ms per continuing call, 7 per fresh one, against 16 ms of GPU work).
+    # difference (H200, 64k, 2026-12-03, docs/LOG.md: synchronised +0.14 to +1.8 ms over runs, back to back +0.24 to
+    # +0.55 ms; the host 7-10 ms per continuing call, 6-7.5 per fresh one, against 16 ms of GPU work).
     out["mixer_fresh_b2b"] = timer.back_to_back(mixer(False), args.reps)
     out["mixer_cont_b2b"] = (timer.back_to_back(mixer(True), args.reps) if "mixer_cont_error" not in out
                              else float("nan"))

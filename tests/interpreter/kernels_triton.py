@@ -212,6 +212,11 @@ CONTINUE_CASES = [
     # Unfinished blocks of more buffered rows than a key tile of the interpreter (16): the prefix spans two tiles.
     (1, 54, 30, 32, 5, "score"),
     (2, 45, 20, 24, 4, "recency"),
+    # Unfinished blocks whose new rows reach past the prefix's last key tile: the forward and dq read those tiles
+    # as token rows alone (prefix 5, 8 and 16 rows of a 32-row block).
+    (1, 37, 30, 32, 5, "score"),
+    (2, 40, 20, 32, 4, "recency"),
+    (1, 48, 40, 32, 5, "score"),
 ]
 
 
