@@ -466,9 +466,12 @@ def initial_state_grad(dh: torch.Tensor, q: torch.Tensor, w: torch.Tensor, do: t
         mask = None
         empty = None
     else:
+        from fla.ops.utils.index import prepare_chunk_offsets
+
         bos, lens = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
-        chunks = torch.div(lens + CHUNK - 1, CHUNK, rounding_mode="floor")
-        first_chunk = (torch.cumsum(chunks, 0) - chunks).clamp_max(dh.shape[1] - 1)
+        # fla's own chunk offsets, the ones its state-gradient kernel indexed dh with (cached by fla on this
+        # cu_seqlens tensor, so not made again after that kernel's launch).
+        first_chunk = prepare_chunk_offsets(cu_seqlens, CHUNK)[:-1].clamp_max(dh.shape[1] - 1)
         first = dh[0, first_chunk]                                                  # [N, H, K, V]
         offs = torch.arange(CHUNK, device=q.device)
         mask = offs[None, :] < lens[:, None]                                        # [N, C]
