@@ -59,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--predict", action="store_true",
                    help="one process: time each stage of a 340M shard (layer fresh / continuing, head, optimizer) at "
                         "each --seq-lens (tokens per rank) and predict the pipelined protocol's step at --ranks "
-                        "(parallelisms/critical_path.py); rows are appended to --prediction-out")
+                        "(hola_titan/parallelisms/critical_path.py); rows are appended to --prediction-out")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--size", default="340M")
     p.add_argument("--p2p-gbps", type=float, default=100.0,
@@ -274,7 +274,7 @@ def stage_timings(args, device, t: int) -> dict:
     # The state path alone (the GDN recurrence and the score, fla's kernels on a GPU), fresh and from an incoming
     # state with its gradient: how much of the continuing mixer's extra time is the state path's own (fla's
     # state-gradient kernel took 5.1 ms against 4.0 at 64k on an H200 with its initial-state store, 2026-12-03;
-    # kernels/fla_gdn.py now launches it without that store).
+    # hola_titan/kernels/fla_gdn.py now launches it without that store).
     from hola_titan.kernels.hola_stages import state_path
 
     def state_only(initial: bool):

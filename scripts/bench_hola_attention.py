@@ -266,9 +266,9 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None):
     """Time the cache kernels under alternative configurations (each kernel kind swept on its own); ``match``: a
     regular expression the configuration's name must match (the one in use is timed whatever it is)."""
     split, two, sep = dict(SPLIT=2), dict(TWO_PASS=True), dict(SEPARATE=True)
-    # (BM, BN, warps, stages[, variant]): the variants (kernels/hola_triton_attn.py, VARIANTS) trade more products
-    # for one half-sized or one fewer [BM, D] accumulator, i.e. fewer registers at D = 256. Compiled here for sm_90a
-    # with Triton 3.6 (scripts/kernel_resources.py, docs/LOG.md 2026-12-03): the current tiles spill (forward 72
+    # (BM, BN, warps, stages[, variant]): the variants (hola_titan/kernels/hola_triton_attn.py, VARIANTS) trade more
+    # products for one half-sized or one fewer [BM, D] accumulator, i.e. fewer registers at D = 256. Compiled here for
+    # sm_90a with Triton 3.6 (scripts/kernel_resources.py, docs/LOG.md 2026-12-03): the current tiles spill (forward 72
     # bytes of stack, dq 200, dk/dv 160; dq and dk/dv use no wgmma at 32-row tiles); split forward 64x32 w4, two-pass
     # dq 32x64 w8 and separate dk/dv 32x32 and 32x64 w8 (the latter with wgmma) spill nothing. Added after the
     # Nsight Compute profile (the backward bound by shared-memory traffic of mma.sync, LOG 2026-12-03, seventh

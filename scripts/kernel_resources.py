@@ -8,8 +8,9 @@ thread (bytes; spilled registers go there), shared memory, the count of ``wgmma`
 (Hopper's warpgroup matrix instructions) and of ``mma.sync`` ones (the Ampere path Triton falls back to, e.g. for
 tiles of fewer than 64 rows: every warp then reads its operands from shared memory itself), and the compile time.
 
-The kernel and its exact argument types come from a compile plan of ``kernels/configs/`` (``kernels/precompile.py``:
-what a real run compiled); constexprs, warps and stages can be overridden, so a sweep over tiles is one command::
+The kernel and its exact argument types come from a compile plan of ``hola_titan/kernels/configs/``
+(``hola_titan/kernels/precompile.py``: what a real run compiled); constexprs, warps and stages can be overridden,
+so a sweep over tiles is one command::
 
     python scripts/kernel_resources.py --plan hola/d256/h4/bfloat16/packed --kernel _cache_fwd_kernel \\
         --sweep BM=64,128 BN=32,64 --warps 4,8 --stages 2,3 --json /tmp/fwd.json
@@ -37,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", type=Path, default=None,
-                        help="configurations file with plans (default: the H200 file under kernels/configs/)")
+                        help="configurations file with plans "
+                             "(default: the H200 file under hola_titan/kernels/configs/)")
     parser.add_argument("--plan", required=True, help="plan key, e.g. hola/d256/h4/bfloat16/packed")
     parser.add_argument("--kernel", required=True, help="kernel function name (the last part of its full name)")
     parser.add_argument("--function", default=None,
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="kernel_resources_"))
     # The H200 file by name (no import of torch before the arguments are known to be good).
-    path = args.configs or ROOT / "kernels" / "configs" / "NVIDIA_H200__fla-0.6.0__triton-3.6.0.json"
+    path = args.configs or ROOT / "hola_titan" / "kernels" / "configs" / "NVIDIA_H200__fla-0.6.0__triton-3.6.0.json"
     spec = _find_spec(path, args.plan, args.kernel)
     sweep = {}
     for item in args.sweep:

@@ -1,4 +1,5 @@
-"""Tune fla-core's kernels once on this GPU and write the configurations the trainer ships (``kernels/configs/``).
+"""Tune fla-core's kernels once on this GPU and write the configurations the trainer ships
+(``hola_titan/kernels/configs/``).
 
 Every fla kernel on the training path is autotuned at the shapes of the recipes: for each size, a one-layer model
 of that width runs through the real ``Trainer`` in each recurrent flavour and compute precision the recipes of
@@ -14,12 +15,13 @@ combinations side by side (packed and plain rows, float32 and bf16 are different
 
 A second phase (``--phases plan``, on by default) runs each combination's trainer start and training steps again
 with every configuration served and records what Triton compiled: the combination's compile *plan*, which
-``kernels/precompile.py`` compiles in parallel at a run's start.
+``hola_titan/kernels/precompile.py`` compiles in parallel at a run's start.
 
-The winners (every autotuner's ``cache``, see ``kernels/tuned_configs.py``) and the plans are merged and written to
-``kernels/configs/<GPU>__fla-<v>__triton-<v>.json`` with the GPU, the fla-core, Triton, torch and CUDA versions,
-the date and the command; an existing file for the same GPU and versions is merged into (new results first), and
-its keys are served to the children instead of tuned again, so the tuning can be spread over several runs.
+The winners (every autotuner's ``cache``, see ``hola_titan/kernels/tuned_configs.py``) and the plans are merged
+and written to ``hola_titan/kernels/configs/<GPU>__fla-<v>__triton-<v>.json`` with the GPU, the fla-core, Triton,
+torch and CUDA versions, the date and the command; an existing file for the same GPU and versions is merged into
+(new results first), and its keys are served to the children instead of tuned again, so the tuning can be spread
+over several runs.
 The trainer picks the file up by itself (``model.kernel_configs = auto``). GPU only::
 
     python scripts/tune_kernels.py --jobs 12                # every recipe combination, 12 processes at a time
@@ -65,7 +67,7 @@ def _parse_args(argv):
     parser.add_argument("--no-merge", action="store_true", help="replace an existing file instead of merging")
     parser.add_argument("--phases", default="tune,plan",
                         help="tune: autotune what the file lacks; plan: record each combination's compile plan "
-                             "(kernels/precompile.py) with the file served")
+                             "(hola_titan/kernels/precompile.py) with the file served")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-configs", default="off", help=argparse.SUPPRESS)
@@ -143,10 +145,10 @@ def _shard_calls(trainer, precision: str, *, packed: bool) -> list[str]:
     continuing from an incoming state (and cache) and returning their gradients, with and without a final state to
     pass on, and a fresh call that passes its final state on (rank 0, and the documents that start in a shard).
     fla's state kernels see other autotuning keys there (the incoming state's gradient and the final state's are
-    extra float32 arguments), which a context-parallel run would otherwise tune at its start. The shapes of
-    ``parallelisms/context_parallel.py``: the continuing document alone as one row, and on packed rows the shard's
-    documents as one stream with ``cu_seqlens``. Not part of the compile plan: only context-parallel runs need
-    them. Returns what ran, one line per call."""
+    extra float32 arguments), which a context-parallel run would otherwise tune at its start. The shapes
+    of ``hola_titan/parallelisms/context_parallel.py``: the continuing document alone as one row, and on packed
+    rows the shard's documents as one stream with ``cu_seqlens``. Not part of the compile plan: only
+    context-parallel runs need them. Returns what ran, one line per call."""
     import torch
 
     if str(ROOT / "scripts") not in sys.path:  # a child runs this file as a script; tests load it by path
@@ -267,7 +269,7 @@ def child(args) -> int:
 
 def _record_plan(args, folder: Path) -> None:
     """Run one combination with every configuration served from the file and keep what Triton compiled: the plan
-    that kernels/precompile.py compiles in parallel at a run's start."""
+    that hola_titan/kernels/precompile.py compiles in parallel at a run's start."""
     from hola_titan.kernels import precompile, tuned_configs
 
     t1 = time.time()

@@ -1,4 +1,4 @@
-"""The critical-path model of context parallelism pipelined over layers (parallelisms/critical_path.py)."""
+"""The critical-path model of context parallelism pipelined over layers (hola_titan/parallelisms/critical_path.py)."""
 
 from __future__ import annotations
 

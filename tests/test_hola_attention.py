@@ -830,7 +830,8 @@ def test_nan_in_one_document_does_not_leak_into_others(evict, poisoned):
 
 
 def test_each_call_s_path_and_its_reason():
-    """kernels/dispatch.call_path: the path one hola_attention call takes, and why, for every kind of call."""
+    """hola_titan.kernels.dispatch.call_path: the path one hola_attention call takes, and why, for every kind of
+    call."""
     from hola_titan.kernels.dispatch import call_path
 
     q = torch.zeros(1, 4, 2, 16)

@@ -1,4 +1,4 @@
-"""The decoding step (kernels/hola_step.py) against the reference backend, one token at a time.
+"""The decoding step (hola_titan/kernels/hola_step.py) against the reference backend, one token at a time.
 
 Rows at different points of their blocks (caches of prompts of different lengths, concatenated), steps across
 several block boundaries, score ties, float32 and bfloat16, every eviction mode; and the calls it must not take.

@@ -42,8 +42,8 @@ BLOCK = 256
 
 @pytest.fixture(autouse=True, scope="module")
 def _shipped_fla_configs():
-    """fla's shipped launch configurations (kernels/tuned_configs.py), as the trainer installs them: on a fresh
-    machine fla compiles one configuration per kernel instead of autotuning for minutes at D = 256. The kernels
+    """fla's shipped launch configurations (hola_titan/kernels/tuned_configs.py), as the trainer installs them: on a
+    fresh machine fla compiles one configuration per kernel instead of autotuning for minutes at D = 256. The kernels
     compared here are the same either way (fla's own candidates). They stay installed for the rest of the process,
     as in a training run: uninstalling would send later GPU tests back to autotuning."""
     from hola_titan.kernels import tuned_configs

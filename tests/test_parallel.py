@@ -96,7 +96,7 @@ def test_layout_matches_single_process(single, layout, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(INIT_LAYOUTS))
 def test_initial_weights_are_identical_at_every_layout(single, layout, tmp_path_factory):
-    """Built on the meta device and initialised shard by shard (parallelisms/init.py): the gathered initial
+    """Built on the meta device and initialised shard by shard (hola_titan/parallelisms/init.py): the gathered initial
     weights equal the single process's bit for bit. Layouts that train above read their 3-step runs (the
     weights are gathered before the first step); the others run one step."""
     flavour, ref = single

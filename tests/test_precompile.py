@@ -1,4 +1,4 @@
-"""Compile plans and the precompile workers (``kernels/precompile.py``), on the CPU.
+"""Compile plans and the precompile workers (``hola_titan/kernels/precompile.py``), on the CPU.
 
 Triton cannot compile here (no GPU driver), so the compile itself is a stand-in where a test needs it to succeed;
 what is real: the plan's text form, which plan a run takes, the node-wide once-only division of the work between

@@ -522,6 +522,14 @@ def test_importing_the_hf_model_prints_nothing():
     assert result.returncode == 0 and result.stdout == "" and result.stderr == "", result.stderr[-2000:]
 
 
+def test_the_checkout_root_hides_no_installed_package():
+    """Launched from the checkout (``python -m``, ``python -c``, run_train.sh), the root is the first entry of
+    sys.path, so a package or module there would take the place of an installed distribution of the same name. A
+    top-level ``kernels/`` did: transformers 5 imports Hugging Face's ``kernels`` package, and got ours."""
+    names = sorted(p.stem for p in ROOT.iterdir() if (p / "__init__.py").is_file() or p.suffix == ".py")
+    assert names == ["hola_titan"], f"importable from the checkout root besides hola_titan: {names}"
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:

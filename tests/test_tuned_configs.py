@@ -1,4 +1,4 @@
-"""Shipped launch configurations for fla's autotuned kernels (``kernels/tuned_configs.py``), on the CPU.
+"""Shipped launch configurations for fla's autotuned kernels (``hola_titan/kernels/tuned_configs.py``), on the CPU.
 
 The tables are exercised through Triton's own ``Autotuner.run``: the kernel launch itself is replaced by a
 recorder and the benchmarking by a function that fails, so a test shows which configuration a launch would run
@@ -150,7 +150,7 @@ def test_install_off_and_on_a_cpu_tunes_as_fla_does():
 
 
 def test_the_shipped_files_are_well_formed():
-    """Every file in kernels/configs/ reads, names its GPU and versions, and matches its own file name."""
+    """Every file in hola_titan/kernels/configs/ reads, names its GPU and versions, and matches its own file name."""
     for path in sorted(tuned_configs.CONFIG_DIR.glob("*.json")):
         data = tuned_configs.read_file(path)
         meta = data["meta"]
