@@ -217,7 +217,7 @@ def run_model_case(mesh, *, flavour: str, packed: bool, dtype, seed: int = 0, bs
     expected = {"logits": shard(logits_ref), **{f"d.{n}": g for n, g in grads_ref.items()}}
     if dtype == torch.float64:
         return {"errors": {n: rel_err(actual[n], expected[n]) for n in actual}, "tol": TOL[dtype]}
-    # float32 (STYLE 8): against float64, at most twice the error of the one-process float32 run (plus 1e-6,
+    # float32 (DESIGN §7): against float64, at most twice the error of the one-process float32 run (plus 1e-6,
     # about 8 units of float32 roundoff, for tensors that one process happens to get almost exact). Reported
     # as the ratio error / bound. A fixed 1e-5 would not do: the decay-parameter gradients are sums with
     # heavy cancellation, and one process alone is 7e-6 away from float64 on them.

@@ -4,7 +4,7 @@ process through torchrun (``tests/cp_worker.py``, 2, 4 and 8 ranks) and through 
 
 Parity bounds. Float64 cases: 1e-10 of each tensor's scale (the CP run chunks the state path at other token
 offsets, so only rounding differs: ~1e-15 is typical). Float32 ``hola_attention``: 1e-5 (~100x the roundoff).
-Float32 whole model: at most twice the one-process float32 error against float64 (STYLE 8; see the worker).
+Float32 whole model: at most twice the one-process float32 error against float64 (DESIGN §7; see the worker).
 Trainer losses: 1e-5 absolute (losses are ~9).
 """
 

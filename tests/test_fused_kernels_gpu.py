@@ -1,6 +1,6 @@
 """The fused short convolution and cross-entropy kernels compiled on a GPU, at the 340M shapes (marker ``gpu``).
 
-Reference: the PyTorch forms in float64 on the same inputs. Bound (STYLE.md 8): the kernel's relative L2 error may be
+Reference: the PyTorch forms in float64 on the same inputs. Bound (DESIGN §7): the kernel's relative L2 error may be
 at most twice that of the PyTorch form run in the kernel's input precision (bf16), plus 1e-6. Outputs are poisoned
 with NaN before the kernels write them. The interpreter versions of these checks, on tiny shapes, are in
 ``tests/interpreter/fused_kernels.py``.

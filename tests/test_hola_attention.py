@@ -9,7 +9,7 @@ not with each element: an element-wise relative bound would fail on entries that
 and a bare absolute bound would be meaningless for gradients whose scale is far from 1. Bounds: 1e-10 in
 float64 (unit roundoff 1.1e-16, so this leaves ~6 orders of magnitude for error growth over tens of tokens
 and a triangular solve), 1e-5 in float32 (unit roundoff 6e-8: ~100x headroom), 1e-6 for packed vs. separate
-in float32 (same kernel, only the batching differs; STYLE item 10).
+in float32 (same kernel, only the batching differs; DESIGN §7).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``HolaTitanLM`` (DESIGN §2 (packed documents), 4, 5; STYLE items 1-3, 10): parameter counts, meta-device build and
+"""``HolaTitanLM`` (DESIGN §2 (packed documents), 4, 5, 7): parameter counts, meta-device build and
 ``init_weights``, module layout, packed equals separate, teacher-forced decoding, constant decoding memory,
 gradients into the cache parameters, and NaN isolation between packed documents.
 

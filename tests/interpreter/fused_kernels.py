@@ -119,6 +119,34 @@ def test_bad_shapes_name_the_argument():
     assert not short_conv.supports(20, torch.device("cpu")) and short_conv.supports(32, torch.device("cpu"))
 
 
+def _model_grads(args, tokens, cu, kernels, dtype, nudge=None):
+    """Logits and parameter gradients of the debug model with ``kernels``, from seed 0's weights; ``nudge``: the
+    seed of a random one-ulp step (up, down or none) of every float32 weight before the run."""
+    torch.manual_seed(0)
+    model = HolaTitanLM(args, backend="reference", kernels=kernels)
+    model.init_weights()
+    model.to(dtype)
+    if nudge is not None:
+        gen = torch.Generator().manual_seed(nudge)
+        with torch.no_grad():
+            for p in model.parameters():
+                step = torch.randint(-1, 2, p.shape, generator=gen)
+                up, down = (torch.nextafter(p, torch.full_like(p, x)) for x in (float("inf"), float("-inf")))
+                p.copy_(torch.where(step > 0, up, torch.where(step < 0, down, p)))
+    logits = model(tokens, cu_seqlens=cu)
+    logits.square().mean().backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+# The float32 PyTorch model's error on one gradient is one draw of a wide distribution where the gradient sums
+# every token with cancellation (the decays' A_log and dt_bias, the sinks): over 12 token draws its relative error
+# on A_log ran from 2 to 52 roundoff units, and the kernels' from 8 to 137 with the same median. So its scale
+# comes from the plain model at eight nearby points, each float32 weight moved by at most one ulp: over 24 token
+# draws (both flavours) no gradient of the kernels' model then exceeded 0.64 of the bound below, where one
+# unnudged run let 1.5 through.
+NUDGED_RUNS = 7
+
+
 @pytest.mark.parametrize("flavour", ["hola", "gdn"])
 def test_model_with_the_kernels_equals_the_reference_model(flavour):
     """The whole debug model with ``kernels="triton"`` (fused q|k|v projection and convolution) against the same
@@ -126,24 +154,22 @@ def test_model_with_the_kernels_equals_the_reference_model(flavour):
     args = model_args(flavour, "debug", vocab_size=97, n_layers=2)
     tokens = torch.randint(0, 97, (1, 80))
     cu = torch.tensor([0, 30, 31, 80])
-    results = {}
-    for kernels, dtype in (("reference", torch.float32), ("triton", torch.float32), ("reference", torch.float64)):
-        torch.manual_seed(0)
-        model = HolaTitanLM(args, backend="reference", kernels=kernels)
-        model.init_weights()
-        model.to(dtype)
-        logits = model(tokens, cu_seqlens=cu)
-        logits.square().mean().backward()
-        results[kernels, dtype] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()})
-    (ref_logits, ref_grads), (logits, grads), (exact_logits, exact_grads) = results.values()
+    exact_logits, exact_grads = _model_grads(args, tokens, cu, "reference", torch.float64)
+    logits, grads = _model_grads(args, tokens, cu, "triton", torch.float32)
+    ref_logits, ref_grads = _model_grads(args, tokens, cu, "reference", torch.float32)
     assert_fp32_close(logits, ref_logits, exact_logits, "logits")
     assert ref_grads.keys() == grads.keys() == exact_grads.keys()
+    nudged = [_model_grads(args, tokens, cu, "reference", torch.float32, nudge=k)[1] for k in range(NUDGED_RUNS)]
+
+    def rel_err(got, name):
+        exact = exact_grads[name]
+        return ((got[name].double() - exact).norm() / exact.norm().clamp_min(1e-300)).item()
+
     # Against the float64 model, in relative L2 norm per parameter: at most twice the float32 PyTorch model's
-    # error (STYLE 8) plus 16 roundoff units (both sides round the same sums; the errors seen are 0.4 to 0.5 of
-    # this bound, the largest on the per-head decay parameters, sums over every token).
-    for name, exact in exact_grads.items():
-        err = ((grads[name].double() - exact).norm() / exact.norm().clamp_min(1e-300)).item()
-        err_ref = ((ref_grads[name].double() - exact).norm() / exact.norm().clamp_min(1e-300)).item()
+    # largest error over the plain and nudged runs (DESIGN §7) plus 16 roundoff units.
+    for name in exact_grads:
+        err = rel_err(grads, name)
+        err_ref = max(rel_err(g, name) for g in (ref_grads, *nudged))
         assert err <= 2 * err_ref + FP32_FLOOR_UNITS * U32, (name, err, err_ref)
 
 

@@ -7,7 +7,7 @@ are in ``test_kernels_triton_gpu.py``.
 
 Bounds (``helpers.assert_fp32_close``): every float32 output and gradient of a kernel is compared with the
 reference run in float64 on the same inputs (and the same selection); its error may be at most twice that of the
-reference run in float32 (plain PyTorch at the same precision; STYLE 8) plus 16 float32 roundoff units of the
+reference run in float32 (plain PyTorch at the same precision; DESIGN §7) plus 16 float32 roundoff units of the
 absolute terms. For the gradients of the per-head and per-channel parameters (gamma_q, gamma_k, sink, gate),
 which sum every token's contribution with cancellation, the absolute terms are the sum over tokens of each
 token's |contribution| (computed in float64); for the other tensors, the tensor's largest magnitude. A fixed
