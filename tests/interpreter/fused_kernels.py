@@ -25,7 +25,8 @@ from hola_titan.models.args import model_args  # noqa: E402
 from hola_titan.models.layers import ShortConvolution, document_positions  # noqa: E402
 from hola_titan.models.model import HolaTitanLM  # noqa: E402
 from hola_titan.ops import resolve_kernels  # noqa: E402
-from helpers import FP32_FLOOR_UNITS, U32, assert_fp32_close, token_abs_terms  # noqa: E402
+from helpers import (FP32_FLOOR_UNITS, NUDGED_RUNS, U32, assert_fp32_close, nudge_weights,  # noqa: E402
+                     token_abs_terms)
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -120,31 +121,17 @@ def test_bad_shapes_name_the_argument():
 
 
 def _model_grads(args, tokens, cu, kernels, dtype, nudge=None):
-    """Logits and parameter gradients of the debug model with ``kernels``, from seed 0's weights; ``nudge``: the
-    seed of a random one-ulp step (up, down or none) of every float32 weight before the run."""
+    """Logits and parameter gradients of the debug model with ``kernels``, from seed 0's weights, moved by
+    ``helpers.nudge_weights(nudge)`` where given."""
     torch.manual_seed(0)
     model = HolaTitanLM(args, backend="reference", kernels=kernels)
     model.init_weights()
     model.to(dtype)
     if nudge is not None:
-        gen = torch.Generator().manual_seed(nudge)
-        with torch.no_grad():
-            for p in model.parameters():
-                step = torch.randint(-1, 2, p.shape, generator=gen)
-                up, down = (torch.nextafter(p, torch.full_like(p, x)) for x in (float("inf"), float("-inf")))
-                p.copy_(torch.where(step > 0, up, torch.where(step < 0, down, p)))
+        nudge_weights(model, nudge)
     logits = model(tokens, cu_seqlens=cu)
     logits.square().mean().backward()
     return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
-# The float32 PyTorch model's error on one gradient is one draw of a wide distribution where the gradient sums
-# every token with cancellation (the decays' A_log and dt_bias, the sinks): over 12 token draws its relative error
-# on A_log ran from 2 to 52 roundoff units, and the kernels' from 8 to 137 with the same median. So its scale
-# comes from the plain model at eight nearby points, each float32 weight moved by at most one ulp: over 24 token
-# draws (both flavours) no gradient of the kernels' model then exceeded 0.64 of the bound below, where one
-# unnudged run let 1.5 through.
-NUDGED_RUNS = 7
 
 
 @pytest.mark.parametrize("flavour", ["hola", "gdn"])
@@ -166,7 +153,7 @@ def test_model_with_the_kernels_equals_the_reference_model(flavour):
         return ((got[name].double() - exact).norm() / exact.norm().clamp_min(1e-300)).item()
 
     # Against the float64 model, in relative L2 norm per parameter: at most twice the float32 PyTorch model's
-    # largest error over the plain and nudged runs (DESIGN §7) plus 16 roundoff units.
+    # largest error over the plain and nudged runs (helpers.NUDGED_RUNS, DESIGN §7) plus 16 roundoff units.
     for name in exact_grads:
         err = rel_err(grads, name)
         err_ref = max(rel_err(g, name) for g in (ref_grads, *nudged))
