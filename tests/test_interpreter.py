@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 # (suite, -k expression or None, at least this many tests pass): a shard that silently shrinks is a failure too.
 # The continuation cases are about half of kernels_triton.py's time.
 SHARDS = {  # the longest first (tests/conftest.py starts this module's tests before the others)
-    "kernels_triton-rest": ("kernels_triton.py", "not continues", 29),
+    "kernels_triton-rest": ("kernels_triton.py", "not continues", 34),
     "fused_kernels": ("fused_kernels.py", None, 15),
     "kernels_triton-continues": ("kernels_triton.py", "continues", 13),
 }

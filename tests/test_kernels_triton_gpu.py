@@ -164,10 +164,12 @@ def test_triton_backend_against_reference_and_sdpa(case):
 
 
 # Launch candidates at D 256 that bench_hola_attention.py --sweep times (64-key tiles at 8 warps, where dk/dv gets
-# wgmma): each must compute the same read before it can be chosen.
+# wgmma; dq summed by the dk/dv programs): each must compute the same read before it can be chosen.
 CANDIDATES = [("dkdv", dict(BM=16, BN=64, num_warps=8, num_stages=2)),
               ("dkdv", dict(BM=32, BN=64, num_warps=8, num_stages=2)),
-              ("dq", dict(BM=16, BN=64, num_warps=8, num_stages=2))]
+              ("dq", dict(BM=16, BN=64, num_warps=8, num_stages=2)),
+              ("dkdv", dict(BM=32, BN=32, num_warps=4, num_stages=2, DQ_ATOMIC=True)),
+              ("dkdv", dict(BM=32, BN=32, num_warps=8, num_stages=2, DQ_ATOMIC=True))]
 
 
 @pytest.mark.parametrize("kind,cfg", CANDIDATES,

@@ -80,9 +80,13 @@ def _empty(*shape, dtype, device):
 
 # Kernel variants a launch configuration may choose (scripts/bench_hola_attention.py --sweep times them): the
 # forward with its output columns split over SPLIT programs, the dq pass in two passes over the keys, dk and dv
-# summed by separate launches (SEPARATE). Fresh calls only: a call continuing from a cache runs the plain kernels
-# (with the same tiles) whatever the variant.
-VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE",)}
+# summed by separate launches (SEPARATE), and DQ_ATOMIC: dq summed by the dk/dv programs (atomic float32 adds,
+# FlashAttention-2's order), after a pass that forms only ``delta`` (two products per pair) and before a
+# per-row epilogue, so 7 products per pair instead of 8 (the dq config's tiles serve the delta pass and the
+# epilogue). Atomic adds sum dq in no fixed order: under torch.use_deterministic_algorithms (the trainer's
+# ``training.deterministic``) DQ_ATOMIC is not used. Fresh calls only: a call continuing from a cache runs the
+# plain kernels (with the same tiles) whatever the variant.
+VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE", "DQ_ATOMIC")}
 
 
 def _config(kind: str, d: int, device: torch.device) -> dict:
@@ -432,12 +436,15 @@ if triton is not None:
                            sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
                            dgate_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr, H, NQT, scale, W,
                            D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
-                           HAS_PRE: tl.constexpr, TWO_PASS: tl.constexpr):
+                           HAS_PRE: tl.constexpr, TWO_PASS: tl.constexpr, DELTA_ONLY: tl.constexpr):
         """``TWO_PASS``: sum ``delta`` over the keys first, then dq with it (the keys are read and q k^T, do v^T
-        formed twice, for one [BM, D] accumulator instead of two)."""
+        formed twice, for one [BM, D] accumulator instead of two). ``DELTA_ONLY``: that first pass alone, with
+        ``delta`` and the sink and gate partials written; dq and its gamma_q partial come from the dk/dv programs'
+        sums (the DQ_ATOMIC variant, :func:`_cache_bwd_dq_finish_kernel`)."""
         pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM, 1)
         if q0 >= length:  # past the block's end: zero partials (the buffers are not zero-filled first)
-            tl.store(dgq_ptr + (pid * H + i_h) * D + tl.arange(0, D), tl.zeros([D], dtype=tl.float32))
+            if not DELTA_ONLY:
+                tl.store(dgq_ptr + (pid * H + i_h) * D + tl.arange(0, D), tl.zeros([D], dtype=tl.float32))
             tl.store(dsink_ptr + pid * H + i_h, 0.0)
             tl.store(dgate_ptr + pid * H + i_h, 0.0)
         else:
@@ -448,16 +455,18 @@ if triton is not None:
             b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
             b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
             b_r = tl.zeros([BM], dtype=tl.float32)
-            if TWO_PASS:
+            if TWO_PASS or DELTA_ONLY:
                 b_none = tl.zeros([BM, 16], dtype=tl.float32)  # no dq (nor sum of p kc) in the first pass
                 b_r, b_none, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do,
                                                b_lse, b_r, b_none, b_none, b_r, b_lam, i_b, i_h, start, length,
                                                pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 1, DOT_PREC, HAS_PRE)
                 b_delta = b_lam * b_r
-                b_dq = tl.zeros([BM, D], dtype=tl.float32)
-                b_r, b_dqr, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do,
-                                              b_lse, b_r, b_dq, b_none, b_delta, b_lam, i_b, i_h, start, length,
-                                              pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 2, DOT_PREC, HAS_PRE)
+                if not DELTA_ONLY:
+                    b_dq = tl.zeros([BM, D], dtype=tl.float32)
+                    b_r, b_dqr, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs,
+                                                  b_do, b_lse, b_r, b_dq, b_none, b_delta, b_lam, i_b, i_h, start,
+                                                  length, pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 2, DOT_PREC,
+                                                  HAS_PRE)
             else:
                 b_zero = tl.zeros([BM, D], dtype=tl.float32)
                 b_r, b_dq, b_pk = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do, b_lse,
@@ -469,14 +478,23 @@ if triton is not None:
             b_psink = tl.exp2(tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634 - b_lse)
             tl.store(dsink_ptr + pid * H + i_h, -tl.sum(tl.where(m_ok, b_psink * b_delta, 0.0), axis=0))
             tl.store(dgate_ptr + pid * H + i_h, tl.sum(b_r, axis=0) * b_lam * (1.0 - b_lam))
-            # q and the gammas read again for the epilogue rather than kept through the loops (registers at D = 256;
-            # after the stores above, so that the compiler does not reuse the first reads).
-            b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
-            b_gq = tl.load(gq_ptr + o_d).to(tl.float32)
-            b_gk = tl.load(gk_ptr + o_d).to(tl.float32)
-            b_dx, b_dg = _norm_bwd(b_dqr * (scale * b_gk)[None, :], b_q.to(tl.float32), b_rq, b_gq, D)
-            tl.store(dq_ptr + p_q, b_dx.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
-            tl.store(dgq_ptr + (pid * H + i_h) * D + o_d, b_dg)
+            if not DELTA_ONLY:
+                # q and the gammas read again for the epilogue rather than kept through the loops (registers at
+                # D = 256; after the stores above, so that the compiler does not reuse the first reads).
+                _dq_epilogue(b_dqr, q_ptr, gq_ptr, gk_ptr, dq_ptr, dgq_ptr, p_q, m_ok, o_d, b_rq, pid, i_h, H, scale,
+                             D)
+
+    @triton.jit
+    def _dq_epilogue(b_dqr, q_ptr, gq_ptr, gk_ptr, dq_ptr, dgq_ptr, p_q, m_ok, o_d, b_rq, pid, i_h, H, scale,
+                     D: tl.constexpr):
+        """dq through the query RMSNorm's backward from ``b_dqr`` = sum_j p (dp - delta) kc_j (gamma_k and the scale
+        applied here), and the tile's partial gamma_q sum."""
+        b_q = tl.load(q_ptr + p_q, mask=m_ok[:, None], other=0.0)
+        b_gq = tl.load(gq_ptr + o_d).to(tl.float32)
+        b_gk = tl.load(gk_ptr + o_d).to(tl.float32)
+        b_dx, b_dg = _norm_bwd(b_dqr * (scale * b_gk)[None, :], b_q.to(tl.float32), b_rq, b_gq, D)
+        tl.store(dq_ptr + p_q, b_dx.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
+        tl.store(dgq_ptr + (pid * H + i_h) * D + o_d, b_dg)
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -489,7 +507,7 @@ if triton is not None:
         _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                            sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
                            dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W, D, BM,
-                           BN, DOT_PREC, False, False)
+                           BN, DOT_PREC, False, False, False)
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_bwd_dq_two_pass_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr,
@@ -501,7 +519,37 @@ if triton is not None:
         _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                            sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
                            dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W, D, BM,
-                           BN, DOT_PREC, False, True)
+                           BN, DOT_PREC, False, True, False)
+
+    @triton.jit(do_not_specialize=["H", "NQT", "W"])
+    def _cache_bwd_delta_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                                sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dsink_ptr, dgate_ptr, H, NQT,
+                                scale, W, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                DOT_PREC: tl.constexpr):
+        """The fresh call's ``delta`` and sink and gate partials alone, from one pass of two products over the keys
+        (the DQ_ATOMIC variant; dq and its gamma_q partial come after the dk/dv programs)."""
+        _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                           sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, do_ptr, dsink_ptr, dsink_ptr,
+                           dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W, D, BM,
+                           BN, DOT_PREC, False, False, True)
+
+    @triton.jit(do_not_specialize=["H", "NQT"])
+    def _cache_bwd_dq_finish_kernel(dqa_ptr, q_ptr, rq_ptr, gq_ptr, gk_ptr, blk_start_ptr, blk_len_ptr, dq_ptr,
+                                    dgq_ptr, H, NQT, scale, D: tl.constexpr, BM: tl.constexpr):
+        """dq of a query tile from the float32 sums that the dk/dv programs added into ``dqa`` (the DQ_ATOMIC
+        variant), through the query RMSNorm's backward, and the tile's partial gamma_q sum."""
+        pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM, 1)
+        o_d = tl.arange(0, D)
+        if q0 >= length:  # past the block's end: a zero partial (the buffer is not zero-filled first)
+            tl.store(dgq_ptr + (pid * H + i_h) * D + o_d, tl.zeros([D], dtype=tl.float32))
+        else:
+            o_m = q0 + tl.arange(0, BM)
+            m_ok = o_m < length
+            row_q = (start + o_m) * H + i_h
+            p_q = row_q[:, None] * D + o_d[None, :]
+            b_dqr = tl.load(dqa_ptr + p_q, mask=m_ok[:, None], other=0.0)
+            b_rq = tl.load(rq_ptr + row_q, mask=m_ok, other=0.0)
+            _dq_epilogue(b_dqr, q_ptr, gq_ptr, gk_ptr, dq_ptr, dgq_ptr, p_q, m_ok, o_d, b_rq, pid, i_h, H, scale, D)
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_bwd_dq_pre_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -512,14 +560,16 @@ if triton is not None:
         _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                            sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
                            dgate_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr, H, NQT, scale, W, D, BM,
-                           BN, DOT_PREC, True, False)
+                           BN, DOT_PREC, True, False, False)
 
     @triton.jit
     def _dkdv_loop(q_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, b_ks, b_v, b_lam, n_ok, o_n, is_cache, start, length,
-                   lo, pre, i_h, H, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
-                   MODE: tl.constexpr):
+                   lo, pre, i_h, H, b_k, b_rk, dqa_ptr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   DOT_PREC: tl.constexpr, MODE: tl.constexpr):
         """A key tile's sums over its queries: ``MODE`` 0 both dk and dv, 1 dv only, 2 dk only (the one not
-        formed comes back as a [BN, 16] zero)."""
+        formed comes back as a [BN, 16] zero); 3 both, and each query tile's share of dq, ``sum_j p (dp - delta)
+        kc_j`` from the raw keys ``b_k`` and their rstd ``b_rk``, added into the float32 rows of ``dqa`` (atomic
+        adds: every key tile of the block adds into the same query rows)."""
         o_d = tl.arange(0, D)
         b_dk = tl.zeros([BN, D if MODE != 1 else 16], dtype=tl.float32)
         b_dv = tl.zeros([BN, D if MODE != 2 else 16], dtype=tl.float32)
@@ -543,6 +593,9 @@ if triton is not None:
                 b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC) * b_lam
                 b_dst = b_pt * (b_dpt - b_delta[None, :])
                 b_dk += tl.dot((b_dst * b_rq[None, :]).to(b_q.dtype), b_q, input_precision=DOT_PREC)
+                if MODE == 3:
+                    b_dqt = tl.dot(tl.trans((b_dst * b_rk[:, None]).to(b_k.dtype)), b_k, input_precision=DOT_PREC)
+                    tl.atomic_add(dqa_ptr + p_q, b_dqt, mask=m_ok[:, None], sem="relaxed")
         return b_dk, b_dv
 
     @triton.jit
@@ -604,11 +657,12 @@ if triton is not None:
     def _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                              gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
                              dgk_ptr, dest_ptr, SENTINEL, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr,
-                             dka_ptr, dva_ptr, A_BASE, H, NKT, NCT, scale, W,
+                             dka_ptr, dva_ptr, A_BASE, dqa_ptr, H, NKT, NCT, scale, W,
                              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
                              HAS_PRE: tl.constexpr, MODE: tl.constexpr):
         """``MODE`` 0: a key tile's dk and dv; 1: its dv only, 2: its dk only (two launches, each program with one
-        [BN, D] accumulator instead of two; the key tile's q k^T formed in both)."""
+        [BN, D] accumulator instead of two; the key tile's q k^T formed in both); 3: dk, dv and the tile's share
+        of dq, added into ``dqa`` (see :func:`_dkdv_loop`)."""
         pid = tl.program_id(0)
         i_h = tl.program_id(1).to(tl.int64)
         i_b = (pid // NKT).to(tl.int64)
@@ -638,7 +692,7 @@ if triton is not None:
             b_ks = b_ks.to(b_k.dtype)
             b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
             b_dk, b_dv = _dkdv_loop(q_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, b_ks, b_v, b_lam, n_ok, o_n, is_cache,
-                                    start, length, lo, pre, i_h, H, D, BM, BN, DOT_PREC, MODE)
+                                    start, length, lo, pre, i_h, H, b_k, b_rk, dqa_ptr, D, BM, BN, DOT_PREC, MODE)
             _store_grads(b_dk, b_dv, k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, gq_ptr, gk_ptr, b_lam, scale,
                          is_cache, o_n, t_ok, row_k, a_ok, row_a, i_b, i_h, pid, H, W, dk_ptr, dv_ptr, pdk_ptr,
                          pdv_ptr, dgk_ptr, dest_ptr, dka_ptr, dva_ptr, SENTINEL, A_BASE, D, HAS_PRE, MODE)
@@ -655,7 +709,20 @@ if triton is not None:
         _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                              gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
                              dgk_ptr, dest_ptr, SENTINEL, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, dk_ptr,
-                             dv_ptr, SENTINEL, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, 0)
+                             dv_ptr, SENTINEL, pdk_ptr, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, 0)
+
+    @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
+    def _cache_bwd_dkdv_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                                  gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
+                                  dgk_ptr, dest_ptr, SENTINEL, dqa_ptr, H, NKT, NCT, scale, W,
+                                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                  DOT_PREC: tl.constexpr):
+        """The fresh call's key tile as in :func:`_cache_bwd_dkdv_kernel`, also adding its share of dq into the
+        float32 ``dqa`` (the DQ_ATOMIC variant: one more product per pair here, the dq pass's four saved)."""
+        _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                             gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
+                             dgk_ptr, dest_ptr, SENTINEL, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, dk_ptr,
+                             dv_ptr, SENTINEL, dqa_ptr, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, 3)
 
     @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
     def _cache_bwd_dkdv_separate_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr,
@@ -667,7 +734,7 @@ if triton is not None:
         _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                              gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
                              dgk_ptr, dest_ptr, SENTINEL, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, dk_ptr,
-                             dv_ptr, SENTINEL, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, MODE)
+                             dv_ptr, SENTINEL, pdk_ptr, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, False, MODE)
 
     @triton.jit(do_not_specialize=["H", "NKT", "NCT", "W"])
     def _cache_bwd_dkdv_pre_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -679,7 +746,7 @@ if triton is not None:
         _cache_bwd_dkdv_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                              gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dk_ptr, dv_ptr, pdk_ptr, pdv_ptr,
                              dgk_ptr, dest_ptr, SENTINEL, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr,
-                             dka_ptr, dva_ptr, A_BASE, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, True, 0)
+                             dka_ptr, dva_ptr, A_BASE, pdk_ptr, H, NKT, NCT, scale, W, D, BM, BN, DOT_PREC, True, 0)
 
     @triton.jit
     def _scatter_core(key_ptr, order_ptr, pdk_ptr, pdv_ptr, dk_ptr, dv_ptr, dka_ptr, dva_ptr, E, SENTINEL, A_BASE,
@@ -813,6 +880,11 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     delta = _empty(num_tokens, h, dtype=torch.float32, device=device)
     sel = sel if sel.numel() else blk_start  # window 0: never read, but Triton needs a valid pointer
     dq = _empty(*q.shape, dtype=q.dtype, device=device)
+    dkdv_cfg = _config("dkdv", d, device)
+    separate, dq_atomic = dkdv_cfg.pop("SEPARATE", False), dkdv_cfg.pop("DQ_ATOMIC", False)
+    if separate and dq_atomic:
+        raise ValueError("cache attention dk/dv launch configuration: SEPARATE and DQ_ATOMIC exclude each other")
+    dq_atomic = dq_atomic and prefix is None and not torch.are_deterministic_algorithms_enabled()
     cfg = _config("dq", d, device)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nqt = triton.cdiv(block, bm)
@@ -822,7 +894,15 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     dgate_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
     two_pass = cfg.pop("TWO_PASS", False)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
-    if num_blocks and prefix is None:
+    dq_finish = None
+    if num_blocks and dq_atomic:
+        _cache_bwd_delta_kernel[(num_blocks * nqt, h)](
+            q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dsink_part,
+            dgate_part, h, nqt, scale, **common)
+        # The dk/dv programs add into it (zeros first); the epilogue after them reads it with the dq tiles.
+        dqa = torch.zeros(num_tokens * h, d, dtype=torch.float32, device=device)
+        dq_finish = dict(grid=(num_blocks * nqt, h), BM=bm, num_warps=cfg["num_warps"])
+    elif num_blocks and prefix is None:
         dq_kernel = _cache_bwd_dq_two_pass_kernel if two_pass else _cache_bwd_dq_kernel
         dq_kernel[(num_blocks * nqt, h)](
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
@@ -835,9 +915,8 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
             **common)
     dk = _empty(*k.shape, dtype=k.dtype, device=device)
     dv = _empty(*v.shape, dtype=v.dtype, device=device)
-    cfg = _config("dkdv", d, device)
+    cfg = dkdv_cfg
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
-    separate = cfg.pop("SEPARATE", False)
     nct = triton.cdiv(window, bn)
     nkt = nct + triton.cdiv(block, bn)
     num_slots = num_blocks * h * window
@@ -850,7 +929,14 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     dest = _empty(max(num_slots, 1), dtype=torch.int64, device=device)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
     if prefix is None:
-        if num_blocks and not separate:
+        if num_blocks and dq_atomic:
+            _cache_bwd_dkdv_dq_kernel[(num_blocks * nkt, h)](
+                q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
+                pdk, pdv, dgk_part, dest, sentinel, dqa, h, nkt, nct, scale, **common)
+            _cache_bwd_dq_finish_kernel[dq_finish["grid"]](
+                dqa, q, rq, gamma_q, gamma_k, blk_start, blk_len, dq, dgq_part, h, nqt, scale, D=d,
+                BM=dq_finish["BM"], num_warps=dq_finish["num_warps"])
+        elif num_blocks and not separate:
             _cache_bwd_dkdv_kernel[(num_blocks * nkt, h)](
                 q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
                 pdk, pdv, dgk_part, dest, sentinel, h, nkt, nct, scale, **common)

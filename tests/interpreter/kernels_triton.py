@@ -555,6 +555,47 @@ def test_kernel_variants_match_reference_given_their_selection(case, monkeypatch
     check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 3)
 
 
+class _Launches:
+    """Stands in for a Triton kernel and counts its launches (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_dq_summed_by_the_dkdv_programs_matches_reference_given_its_selection(case, monkeypatch):
+    """The DQ_ATOMIC launch candidate (dq added into float32 rows by the dk/dv programs, after a pass that forms
+    only delta, then a per-row epilogue): output and every gradient, and its kernel did run."""
+    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG", dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True))
+    launches = _Launches(hola_triton_attn._cache_bwd_dkdv_dq_kernel)
+    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dkdv_dq_kernel", launches)
+    check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 5)
+    assert launches.count == 1
+
+
+def test_dq_atomic_is_not_used_under_deterministic_algorithms(monkeypatch):
+    """Atomic adds sum dq in no fixed order, so a run that asks torch for deterministic algorithms gets the dq
+    programs instead, with the same results; and the two launch choices that exclude each other are refused."""
+    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG", dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True))
+    launches = _Launches(hola_triton_attn._cache_bwd_dkdv_dq_kernel)
+    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dkdv_dq_kernel", launches)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        check_backend_against_reference_given_its_selection(hola_attention_triton, CASES[0], seed=7)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert launches.count == 0
+    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
+                        dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True, SEPARATE=True))
+    with pytest.raises(ValueError, match="SEPARATE and DQ_ATOMIC"):
+        check_backend_against_reference_given_its_selection(hola_attention_triton, CASES[0], seed=7)
+
+
 def test_nan_in_one_document_stays_in_it():
     """NaN in one packed document's q, k and v reaches none of the other documents' outputs or gradients of q, k,
     v: not through a tile of rows that straddles a document boundary, in which masked rows must be read as zeros
