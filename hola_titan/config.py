@@ -131,6 +131,13 @@ class Model:
     """HOLA layers on the Triton backend (CUDA): run each layer as one op whose backward overlaps the cache
     attention's backward (a side CUDA stream) with fla's GDN backward. Same results bit for bit; 0.3-0.9 ms faster
     per layer call at the 340M shape on an H200, not yet measured in whole-model training."""
+    save_cache_output: bool = setting(False, resume="applied")
+    """HOLA layers on the Triton backend: keep each layer's cache-read output (one ``[tokens, heads, head_dim]``
+    tensor in the compute dtype per layer, about 1.5 GiB at 340M with 32,768 tokens per step) for the backward,
+    which then forms the softmax gradient's row sums from it instead of a pass over the cache's keys. Needs
+    ``attention_backend`` resolving to ``triton``; not with ``overlap_backward``; context-parallel shards that
+    continue a document form the sums over the keys as before. The results are the same function (the row sums
+    read the stored output, rounded to the compute dtype)."""
     require_fast_path: bool = setting(False, resume="applied")
     """Refuse to start when ``attention_backend = auto`` on a GPU cannot use the Triton kernels (it falls back to
     the reference backend then, with a warning that says why)."""

@@ -37,7 +37,8 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 @dataclass(frozen=True)
 class HolaSettings:
     """What one HOLA (or GDN) layer passes to :func:`hola_attention` on every call: its cache's ``window`` and
-    ``block``, the eviction, the backend and the overlapped backward. Made once by the layer, checked then, and
+    ``block``, the eviction, the backend, the overlapped backward and whether the Triton backend keeps the cache
+    read's output for its backward (``save_cache_output``). Made once by the layer, checked then, and
     handed whole to the op (:meth:`kwargs`) and to context parallelism, so that no caller repeats the keywords."""
 
     window: int
@@ -45,6 +46,7 @@ class HolaSettings:
     evict: str
     backend: str = "auto"
     overlap_backward: bool = False
+    save_cache_output: bool = False
 
     def __post_init__(self):
         if self.window < 0:
@@ -55,11 +57,16 @@ class HolaSettings:
             raise ValueError(f"evict: expected one of {EVICT_MODES}, got {self.evict!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+        if self.save_cache_output and self.overlap_backward:
+            raise ValueError("save_cache_output: not available with overlap_backward (the overlapped layer op "
+                             "forms delta over the keys); choose one")
+        if self.save_cache_output and self.evict == "none":
+            raise ValueError("save_cache_output: evict 'none' (GDN) has no cache read to keep")
 
     def kwargs(self) -> dict:
         """The keyword arguments of :func:`hola_attention` these settings give."""
         return dict(window=self.window, block=self.block, evict=self.evict, backend=self.backend,
-                    overlap_backward=self.overlap_backward)
+                    overlap_backward=self.overlap_backward, save_cache_output=self.save_cache_output)
 
 
 def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -68,7 +75,7 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    cu_seqlens: torch.Tensor | None = None, documents: Documents | None = None,
                    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                    initial_cache: HolaCache | None = None, output_final_cache: bool = False,
-                   backend: str = "auto", overlap_backward: bool = False,
+                   backend: str = "auto", overlap_backward: bool = False, save_cache_output: bool = False,
                    continuation: ContinuationLayout | None = None):
     """HOLA attention over ``[B, T, H, D]`` inputs.
 
@@ -92,6 +99,11 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             as the reference through ``kernels/hola_step.py`` with every backend but ``"reference"``.
         overlap_backward: Triton backend on CUDA: the layer as one op whose backward overlaps the cache
             attention's backward (a side stream) with fla's (``kernels/hola_triton_layer.py``); same results.
+        save_cache_output: Triton backend, a call without ``initial_cache``: keep the cache read's output
+            (``[B, T, H, D]`` in the input dtype) for the backward, which then forms the softmax gradient's row
+            sums from it instead of a pass over the keys (faster, one more token-sized tensor held until the
+            backward). The reference and sdpa paths refuse it; decoding steps and calls continuing from a cache
+            run without it (they keep nothing for a backward, or form delta over the cache's rows).
         continuation: with ``initial_cache``, the batch's
             :class:`~hola_titan.kernels.hola_continue.ContinuationLayout` for these shapes and the cache's token
             counts, made once for all layers (the Triton backend's index work for continuing); None: made in the
@@ -112,6 +124,9 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     decoding = hola_step.applies(args, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                  initial_cache=initial_cache, evict=evict)
     path, _ = call_path(backend, chosen, q, decoding=decoding, initial_cache=initial_cache)
+    if save_cache_output and path in ("reference", "sdpa"):
+        raise ValueError(f"save_cache_output: only the Triton backend keeps the cache read's output; this call "
+                         f"takes the {path} path")
     if path == "decode_step":
         # Decoding: one token per row through a fixed, small set of tensor ops (kernels/hola_step.py); the
         # blocked paths below cost about 1,500 ATen calls per layer for a single token.
@@ -132,6 +147,7 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         from hola_titan.kernels.hola_triton import hola_attention_triton
         o, final_state, final_cache = hola_attention_triton(*args, initial_cache=initial_cache,
                                                             overlap_backward=overlap_backward,
+                                                            save_cache_output=save_cache_output,
                                                             continuation=continuation,
                                                             chunk_indices=chunk_indices, block_table=block_table,
                                                             **kw)

@@ -208,6 +208,11 @@ class Trainer:
                 # (no fla-core) is known only now.
                 check_compile_fullgraph(config, backend=self.attention_backend,
                                         where=f"{self.device.type} ({self._backend_why})")
+            if config.model.save_cache_output and self.attention_backend != "triton":
+                raise ConfigError("model.save_cache_output", f"needs the Triton attention backend; this run "
+                                  f"uses {self.attention_backend} ({self._backend_why})")
+            if config.model.save_cache_output and config.model.overlap_backward:
+                raise ConfigError("model.save_cache_output", "not available with model.overlap_backward; choose one")
             if self.attention_backend == "reference":
                 self.precompile.stop(f"the attention backend is the reference ({self._backend_why})")
             self.kernel_configs = self._install_kernel_configs(located)
@@ -217,7 +222,8 @@ class Trainer:
             # the same initial weights at every layout, and never the whole model on a rank's host or GPU.
             with torch.device("meta"):
                 build = dict(backend=self.attention_backend, kernels=self.kernels,
-                             overlap_backward=config.model.overlap_backward)
+                             overlap_backward=config.model.overlap_backward,
+                             save_cache_output=config.model.save_cache_output)
                 model = HolaTitanLM(self.model_args, **build)
                 template = HolaTitanLM(self.model_args, **build)
             self.num_params = num_params(model)
@@ -433,6 +439,11 @@ class Trainer:
         if self.model_args.is_recurrent:
             paths["attention_backend"] = f"{self.attention_backend} ({self._backend_why})" + (
                 ", overlapped backward" if config.model.overlap_backward and self.attention_backend == "triton" else "")
+            if self.model_args.evict != "none" and self.attention_backend == "triton":
+                paths["cache_backward"] = (
+                    "delta from the kept cache-read output (model.save_cache_output"
+                    + ("; continuing context-parallel shards over the keys)" if self.dims.cp > 1 else ")")
+                    if config.model.save_cache_output else "delta over the cache's keys (output not kept)")
             paths["short_conv"] = ("triton (fused q|k|v, kernels/short_conv.py) where it applies, else PyTorch"
                                    if self.kernels == "triton" else "PyTorch reference")
             paths["kernel_configs"] = self.kernel_configs.describe()

@@ -8,11 +8,14 @@ Rows (medians of ``triton.testing.do_bench``, CUDA events):
 - ``gdn_adapter``: this project's fla adapter (the same GDN plus the score), i.e. ``evict="none"``;
 - ``hola_triton`` / ``hola_sdpa``: ``hola_attention`` with each backend (window 64, block 256, evict score);
 - ``hola_triton_overlap``: the Triton backend with ``overlap_backward=True`` (cache backward on a side stream);
+- ``hola_triton_keep``: the Triton backend with ``save_cache_output=True`` (the backward forms delta from the
+  kept cache-read output; its peak memory shows the extra tensor);
 - ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` with 16 heads x 64;
 - the forward stages of the Triton backend (state path + score, selection, cache attention) and the cache
   attention backward, to show where the time goes.
 Peak memory is the peak allocated during one forward + backward minus what was allocated before it.
-``--sweep`` also times the cache-attention kernels under alternative launch configurations (T = 2k). Two
+``--sweep`` also times the cache-attention kernels under alternative launch configurations (T = 2k); with
+``--keep-output`` the stage rows and the sweep time the kept-output forward and backward instead. Two
 candidates of the cache read were measured against the Triton op and removed (docs/LOG.md, 2026-12-03):
 FlexAttention (6x the time, 5x the memory) and FlashAttention-2's variable-length kernels with the work around
 them compiled (1.24x the time, 2.75x the memory; the FlashAttention calls alone ran at 163 / 93 TFLOP/s).
@@ -54,9 +57,12 @@ def parse_args():
     p.add_argument("--sweep-match", default=None, metavar="REGEX", type=_regex,
                    help="with --sweep / --sweep-only: time only the configurations whose name matches (e.g. "
                         "'BN64_w8'); the configurations in use are always timed, as the rows to compare with")
+    p.add_argument("--keep-output", action="store_true",
+                   help="stage rows and sweep: the cache op keeping its output for the backward (save_cache_output)")
     p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--rows", action="store_true", help="B rows of T tokens instead of one packed row")
-    p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_triton_overlap,hola_sdpa,sdpa_causal",
+    p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_triton_overlap,hola_triton_keep,hola_sdpa,"
+                                      "sdpa_causal",
                    help="comma-separated rows to time (default: all)")
     p.add_argument("--kernel-configs", default="auto", help=CHOICE_HELP)
     p.add_argument("--profile", action="store_true",
@@ -144,11 +150,11 @@ def main():
             with fla_gdn.fla_backward_allowed(dp, device):
                 o.backward(do)
 
-        def hola(backend, evict="score", overlap_backward=False):
+        def hola(backend, evict="score", overlap_backward=False, keep=False):
             def fn():
                 o, _ = hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block,
                                       evict=evict, backend=backend, documents=documents,
-                                      overlap_backward=overlap_backward)
+                                      overlap_backward=overlap_backward, save_cache_output=keep)
                 o.backward(do)
             return fn
 
@@ -160,6 +166,7 @@ def main():
 
         items = {"gdn_fla": (gdn_fla, x[:5]), "gdn_adapter": (hola("triton", "none"), x[:5]),
                  "hola_triton": (hola("triton"), x), "hola_triton_overlap": (hola("triton", overlap_backward=True), x),
+                 "hola_triton_keep": (hola("triton", keep=True), x),
                  "hola_sdpa": (hola("sdpa"), x),
                  "sdpa_causal": (sdpa_causal, [qa, ka, va])}
         wanted = set(_names(args.items))
@@ -193,16 +200,18 @@ def main():
                                       block, window)
             sel, _ = sel_fn()
             row["stage_select_ms"] = bench(sel_fn, None, args.rep_ms)
+            row["stage_cache_keep_output"] = args.keep_output
 
             def fwd_fn():
                 return cache_attn_op(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table.blk_start,
-                                     table.blk_len, block, window)
+                                     table.blk_len, block, window, args.keep_output)
             out = fwd_fn()
             row["stage_cache_fwd_ms"] = bench(fwd_fn, None, args.rep_ms)
 
             def bwd_fn():
                 return cache_attn_bwd_op(do, q, k, v, out[1], out[2], out[3], gamma_q, gamma_k, sink, gate, sel,
-                                         table.blk_start, table.blk_len, block, window)
+                                         table.blk_start, table.blk_len, block, window,
+                                         out[4] if args.keep_output else None)
             bwd_fn()
             row["stage_cache_bwd_ms"] = bench(bwd_fn, None, args.rep_ms)
             # The read's FLOPs: 4 D per (query, key) pair read forward (q k^T and p v), 2.5 times that backward
@@ -214,11 +223,11 @@ def main():
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
                 row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms, match=args.sweep_match)
         if args.profile:
-            profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap")
+            profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap", "hola_triton_keep")
             row["profile"] = {name: profile(fn, grads, row.get(name + "_ms"))
                               for name, (fn, grads) in items.items() if name in profiled}
         if "gdn_fla_ms" in row:
-            for name in ("hola_triton", "hola_triton_overlap", "hola_sdpa", "gdn_adapter"):
+            for name in ("hola_triton", "hola_triton_overlap", "hola_triton_keep", "hola_sdpa", "gdn_adapter"):
                 if name + "_ms" in row:
                     row[name + "_over_gdn"] = row[name + "_ms"] / row["gdn_fla_ms"]
                     row[name + "_mem_over_gdn"] = row[name + "_peak_mib"] / row["gdn_fla_peak_mib"]
@@ -327,6 +336,7 @@ def cache_pairs(sel, table) -> int:
 def print_table(results):
     cols = [("T", "T"), ("B", "B"), ("gdn_fla_ms", "GDN ms"), ("gdn_adapter_ms", "adapter ms"),
             ("hola_triton_ms", "HOLA triton ms"), ("hola_triton_overlap_ms", "overlap ms"),
+            ("hola_triton_keep_ms", "keep ms"), ("hola_triton_keep_mem_over_gdn", "mem keep/GDN"),
             ("hola_sdpa_ms", "HOLA sdpa ms"),
             ("sdpa_causal_ms", "SDPA causal ms"),
             ("hola_triton_over_gdn", "triton/GDN"), ("hola_sdpa_over_gdn", "sdpa/GDN"),

@@ -180,6 +180,22 @@ def test_launch_candidates_against_reference_and_sdpa(kind, cfg, monkeypatch):
         test_triton_backend_against_reference_and_sdpa(case)
 
 
+@pytest.mark.parametrize("dq_atomic", [False, True], ids=["dq_pass", "DQ_ATOMIC"])
+def test_kept_cache_output_against_reference_and_sdpa(dq_atomic, monkeypatch):
+    """``save_cache_output``: delta from the forward's kept output (bf16 here, as in training), dq in one pass
+    with it or summed by the dk/dv programs; the same bounds as the default path."""
+    import functools
+    import sys
+    if dq_atomic:
+        monkeypatch.setitem(hola_triton_attn.CONFIGS["dkdv"], 256,
+                            dict(hola_triton_attn.CONFIGS["dkdv"][256], DQ_ATOMIC=True))
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "hola_attention_triton",
+                        functools.partial(module.hola_attention_triton, save_cache_output=True))
+    for case in (CASES[1], CASES[4]):  # packed documents with fla's state path; rows with the reference's
+        test_triton_backend_against_reference_and_sdpa(case)
+
+
 def test_fla_adapter_is_bit_identical_to_fla_and_scores_match_reference():
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     b, t, h, d = 1, 700, 4, 256

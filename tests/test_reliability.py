@@ -601,6 +601,16 @@ def test_a_fallback_of_auto_is_explained_and_can_be_refused(monkeypatch):
                            require=True) is None
 
 
+def test_keeping_the_cache_output_needs_the_triton_backend(tmp_path):
+    """``model.save_cache_output`` on a run whose backend is not Triton (here the CPU's reference) is refused at
+    the start, naming the key, before the run folder holds more than its lock."""
+    folder = tmp_path / "run"
+    with pytest.raises(ConfigError, match="model.save_cache_output: needs the Triton attention backend; this run "
+                                          "uses reference"):
+        Trainer(parse_config([*FAST, "--model.save_cache_output", "true", "--job.dump_folder", str(folder)]))
+    assert sorted(p.name for p in folder.iterdir()) == [".lock"]
+
+
 def test_bytes_that_are_not_utf8_or_not_gzip_are_named_by_file_and_line(tmp_path):
     from hola_titan.data.sources import DataError, read_documents, resolve_source
 

@@ -31,7 +31,8 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
                           cu_seqlens=None, initial_state=None, output_final_state: bool = False,
                           initial_cache: HolaCache | None = None, output_final_cache: bool = False,
                           selected: torch.Tensor | None = None, return_aux: bool = False, state_impl: str = "auto",
-                          overlap_backward: bool = False, chunk_indices: torch.Tensor | None = None,
+                          overlap_backward: bool = False, save_cache_output: bool = False,
+                          chunk_indices: torch.Tensor | None = None,
                           block_table: BlockTable | None = None, continuation: ContinuationLayout | None = None):
     """The Triton backend (arguments validated by ``hola_titan.ops.hola_attention``); ``chunk_indices`` as in
     :func:`state_path`; ``block_table``: the batch's table for ``block`` (``Documents.block_table``, made once per
@@ -41,12 +42,15 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
     compare reading given the same indices. With ``return_aux`` the result gains a dict with the scores ``m``
     ``[B, T, H]``, the selection ``sel`` and the block table. ``state_impl``: see :func:`state_path`.
     ``overlap_backward``: the layer as one op whose backward overlaps the two paths (:mod:`hola_triton_layer`).
+    ``save_cache_output``: a fresh call keeps the cache read's output for the backward (``hola::cache_attn``).
     A call with an ``initial_cache`` reads the cache as a prefix of key rows
     (:func:`~hola_titan.kernels.hola_continue.continue_from_cache`), with the batch's ``continuation`` layout
     when given.
     Returns ``(o, final_state, final_cache[, aux])``.
     """
     bsz, seq_len, h, d = q.shape
+    if save_cache_output and overlap_backward:
+        raise ValueError("save_cache_output: not available with overlap_backward; choose one")
     from hola_titan.kernels import hola_triton_layer
     if hola_triton_layer.applies(q, overlap_backward=overlap_backward, evict=evict, initial_cache=initial_cache,
                                  selected=selected, state_impl=state_impl, output_final_cache=output_final_cache,
@@ -81,7 +85,7 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
     else:
         sel = selected.to(device=q.device, dtype=torch.int32).contiguous()
     o, *_ = cache_attn_op(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table.blk_start, table.blk_len,
-                          block, window)
+                          block, window, save_cache_output)
     final_cache = None
     if output_final_cache:
         final_cache = final_cache_from_selection(q, k, v, m_flat, sel, final_keys, table, window=window, block=block,

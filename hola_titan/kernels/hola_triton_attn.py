@@ -83,7 +83,8 @@ def _empty(*shape, dtype, device):
 # summed by separate launches (SEPARATE), and DQ_ATOMIC: dq summed by the dk/dv programs (atomic float32 adds,
 # FlashAttention-2's order), after a pass that forms only ``delta`` (two products per pair) and before a
 # per-row epilogue, so 7 products per pair instead of 8 (the dq config's tiles serve the delta pass and the
-# epilogue). Atomic adds sum dq in no fixed order: under torch.use_deterministic_algorithms (the trainer's
+# epilogue); 5 when the forward kept its output (``save_output``), whose row sums give delta without a pass.
+# Atomic adds sum dq in no fixed order: under torch.use_deterministic_algorithms (the trainer's
 # ``training.deterministic``) DQ_ATOMIC is not used. Fresh calls only: a call continuing from a cache runs the
 # plain kernels (with the same tiles) whatever the variant.
 VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE", "DQ_ATOMIC")}
@@ -270,10 +271,11 @@ if triton is not None:
     @triton.jit
     def _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
                         gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr,
-                        pre_len_ptr, H, NQT, scale, W, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        DOT_PREC: tl.constexpr, HAS_PRE: tl.constexpr, SPLIT: tl.constexpr):
+                        pre_len_ptr, oc_ptr, H, NQT, scale, W, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        DOT_PREC: tl.constexpr, HAS_PRE: tl.constexpr, SPLIT: tl.constexpr, STORE_OC: tl.constexpr):
         """``SPLIT`` > 1: each of SPLIT programs of a query tile computes the whole softmax (q k^T over all D) but
-        accumulates and writes only its D / SPLIT output columns (a smaller accumulator, for fewer registers)."""
+        accumulates and writes only its D / SPLIT output columns (a smaller accumulator, for fewer registers).
+        ``STORE_OC``: also write the cache read's own output ``o_cache`` to ``oc`` (kept for the backward)."""
         pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM, SPLIT)
         part = tl.program_id(1) % SPLIT
         v_off = part * (D // SPLIT)
@@ -314,6 +316,8 @@ if triton is not None:
                 p_o = row_q[:, None] * D + v_off + tl.arange(0, D // SPLIT)[None, :]
             b_os = tl.load(os_ptr + p_o, mask=m_ok[:, None], other=0.0).to(tl.float32)
             tl.store(o_ptr + p_o, (b_os + b_lam * b_oc).to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+            if STORE_OC:
+                tl.store(oc_ptr + p_o, b_oc.to(oc_ptr.dtype.element_ty), mask=m_ok[:, None])
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_fwd_kernel(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -322,7 +326,18 @@ if triton is not None:
                           DOT_PREC: tl.constexpr):
         _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
                         gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr,
-                        blk_len_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, False, 1)
+                        blk_len_ptr, o_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, False, 1, False)
+
+    @triton.jit(do_not_specialize=["H", "NQT", "W"])
+    def _cache_fwd_oc_kernel(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                             sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, oc_ptr, H, NQT, scale, W,
+                             D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             DOT_PREC: tl.constexpr, SPLIT: tl.constexpr):
+        """The fresh call's forward that also writes ``o_cache`` (``model.save_cache_output``), SPLIT as in
+        :func:`_cache_fwd_split_kernel` (1: not split)."""
+        _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
+                        gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr,
+                        blk_len_ptr, oc_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, False, SPLIT, True)
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_fwd_split_kernel(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -332,7 +347,7 @@ if triton is not None:
         """The fresh call's forward with the output columns split over SPLIT programs (a launch candidate)."""
         _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
                         gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr,
-                        blk_len_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, False, SPLIT)
+                        blk_len_ptr, o_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, False, SPLIT, False)
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_fwd_pre_kernel(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -342,7 +357,7 @@ if triton is not None:
                               DOT_PREC: tl.constexpr):
         _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
                         gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr,
-                        pre_len_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, True, 1)
+                        pre_len_ptr, o_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, True, 1, False)
 
     @triton.jit
     def _norm_bwd(b_dy, b_x, b_r, b_g, D: tl.constexpr):
@@ -434,13 +449,16 @@ if triton is not None:
     @triton.jit
     def _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                            sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
-                           dgate_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr, H, NQT, scale, W,
+                           dgate_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr, oc_ptr, H, NQT, scale, W,
                            D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_PREC: tl.constexpr,
-                           HAS_PRE: tl.constexpr, TWO_PASS: tl.constexpr, DELTA_ONLY: tl.constexpr):
+                           HAS_PRE: tl.constexpr, TWO_PASS: tl.constexpr, DELTA_ONLY: tl.constexpr,
+                           HAS_OC: tl.constexpr):
         """``TWO_PASS``: sum ``delta`` over the keys first, then dq with it (the keys are read and q k^T, do v^T
         formed twice, for one [BM, D] accumulator instead of two). ``DELTA_ONLY``: that first pass alone, with
         ``delta`` and the sink and gate partials written; dq and its gamma_q partial come from the dk/dv programs'
-        sums (the DQ_ATOMIC variant, :func:`_cache_bwd_dq_finish_kernel`)."""
+        sums (the DQ_ATOMIC variant, :func:`_cache_bwd_dq_finish_kernel`). ``HAS_OC``: ``delta`` from the forward's
+        saved ``o_cache`` (``oc``, one row sum), no pass over the keys for it; then dq in one pass with ``delta``
+        known (one [BM, D] accumulator), unless ``DELTA_ONLY``."""
         pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM, 1)
         if q0 >= length:  # past the block's end: zero partials (the buffers are not zero-filled first)
             if not DELTA_ONLY:
@@ -455,7 +473,18 @@ if triton is not None:
             b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
             b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
             b_r = tl.zeros([BM], dtype=tl.float32)
-            if TWO_PASS or DELTA_ONLY:
+            if HAS_OC:
+                b_oc = tl.load(oc_ptr + p_q, mask=m_ok[:, None], other=0.0)
+                b_r = tl.sum(b_do.to(tl.float32) * b_oc.to(tl.float32), axis=1)
+                b_delta = b_lam * b_r
+                if not DELTA_ONLY:
+                    b_none = tl.zeros([BM, 16], dtype=tl.float32)
+                    b_dq = tl.zeros([BM, D], dtype=tl.float32)
+                    b_r, b_dqr, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs,
+                                                  b_do, b_lse, b_r, b_dq, b_none, b_delta, b_lam, i_b, i_h, start,
+                                                  length, pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 2, DOT_PREC,
+                                                  HAS_PRE)
+            elif TWO_PASS or DELTA_ONLY:
                 b_none = tl.zeros([BM, 16], dtype=tl.float32)  # no dq (nor sum of p kc) in the first pass
                 b_r, b_none, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do,
                                                b_lse, b_r, b_none, b_none, b_r, b_lam, i_b, i_h, start, length,
@@ -506,8 +535,8 @@ if triton is not None:
         gradients (see the module docstring)."""
         _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                            sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
-                           dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W, D, BM,
-                           BN, DOT_PREC, False, False, False)
+                           dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, do_ptr, H, NQT, scale, W, D,
+                           BM, BN, DOT_PREC, False, False, False, False)
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_bwd_dq_two_pass_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr,
@@ -518,8 +547,8 @@ if triton is not None:
         """The fresh call's dq in two passes over the keys (a launch candidate)."""
         _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                            sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
-                           dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W, D, BM,
-                           BN, DOT_PREC, False, True, False)
+                           dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, do_ptr, H, NQT, scale, W, D,
+                           BM, BN, DOT_PREC, False, True, False, False)
 
     @triton.jit(do_not_specialize=["H", "NQT", "W"])
     def _cache_bwd_delta_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
@@ -530,8 +559,21 @@ if triton is not None:
         (the DQ_ATOMIC variant; dq and its gamma_q partial come after the dk/dv programs)."""
         _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                            sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, do_ptr, dsink_ptr, dsink_ptr,
-                           dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, H, NQT, scale, W, D, BM,
-                           BN, DOT_PREC, False, False, True)
+                           dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, do_ptr, H, NQT, scale, W, D,
+                           BM, BN, DOT_PREC, False, False, True, False)
+
+    @triton.jit(do_not_specialize=["H", "NQT", "W"])
+    def _cache_bwd_dq_oc_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                                sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
+                                dgate_ptr, oc_ptr, H, NQT, scale, W, D: tl.constexpr, BM: tl.constexpr,
+                                BN: tl.constexpr, DOT_PREC: tl.constexpr, DELTA_ONLY: tl.constexpr):
+        """The fresh call's dq pass with ``delta`` from the saved ``o_cache`` (``model.save_cache_output``): three
+        products per pair and one [BM, D] accumulator; with ``DELTA_ONLY`` (the DQ_ATOMIC variant) no products at
+        all, only ``delta`` and the sink and gate partials."""
+        _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
+                           sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
+                           dgate_ptr, k_ptr, v_ptr, rk_ptr, blk_start_ptr, blk_len_ptr, oc_ptr, H, NQT, scale, W, D,
+                           BM, BN, DOT_PREC, False, False, DELTA_ONLY, True)
 
     @triton.jit(do_not_specialize=["H", "NQT"])
     def _cache_bwd_dq_finish_kernel(dqa_ptr, q_ptr, rq_ptr, gq_ptr, gk_ptr, blk_start_ptr, blk_len_ptr, dq_ptr,
@@ -559,8 +601,8 @@ if triton is not None:
                                  DOT_PREC: tl.constexpr):
         _cache_bwd_dq_core(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr,
                            sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, dq_ptr, dgq_ptr, dsink_ptr,
-                           dgate_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr, H, NQT, scale, W, D, BM,
-                           BN, DOT_PREC, True, False, False)
+                           dgate_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr, pre_len_ptr, do_ptr, H, NQT, scale, W,
+                           D, BM, BN, DOT_PREC, True, False, False, False)
 
     @triton.jit
     def _dkdv_loop(q_ptr, do_ptr, lse_ptr, delta_ptr, rq_ptr, b_ks, b_v, b_lam, n_ok, o_n, is_cache, start, length,
@@ -832,9 +874,11 @@ def _check_prefix(prefix: Prefix, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, *, block: int,
-                        window: int, prefix: Prefix | None = None):
+                        window: int, prefix: Prefix | None = None, save_output: bool = False):
     """Forward launches. Returns ``(o, lse [B*T, H] base 2, r_q, r_k)``: what the backward needs besides the
-    inputs (no cache output: the backward forms ``delta`` itself); with a ``prefix``, its rows' rstd after them.
+    inputs (no cache output: the backward forms ``delta`` itself); with a ``prefix``, its rows' rstd after them;
+    with ``save_output`` (fresh calls), the cache read's own output ``o_cache`` (q's shape and dtype) after them,
+    from which the backward forms ``delta`` without a pass over the keys.
     A block's ``blk_len`` counts its queries (its token rows); its keys are its prefix rows, then those."""
     h, d = q.shape[-2], q.shape[-1]
     num_blocks = blk_start.shape[0]
@@ -847,6 +891,15 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     nqt = triton.cdiv(block, bm)
     split = cfg.pop("SPLIT", 1)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=_dot_precision(q.dtype), **cfg)
+    if save_output and prefix is not None:
+        raise ValueError("save_output: a call continuing from a cache (prefix) does not keep o_cache")
+    if save_output:
+        oc = _empty(*q.shape, dtype=q.dtype, device=q.device)
+        if num_blocks:
+            _cache_fwd_oc_kernel[(num_blocks * nqt, h * split)](
+                q, k, v, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, oc,
+                h, nqt, d ** -0.5, SPLIT=split, **common)
+        return o, lse, rq, rk, oc
     if prefix is None:
         if num_blocks and split == 1:
             _cache_fwd_kernel[(num_blocks * nqt, h)](
@@ -867,9 +920,12 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
 
 
 def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, *,
-                        block: int, window: int, prefix: Prefix | None = None, rka: torch.Tensor | None = None):
+                        block: int, window: int, prefix: Prefix | None = None, rka: torch.Tensor | None = None,
+                        o_cache: torch.Tensor | None = None):
     """Backward launches. Returns ``(dq, dk, dv, dgamma_q, dgamma_k, dsink, dgate)`` (parameter grads float32);
-    with a ``prefix`` (and its rows' rstd ``rka`` from the forward), ``(dk, dv)`` of its rows after them."""
+    with a ``prefix`` (and its rows' rstd ``rka`` from the forward), ``(dk, dv)`` of its rows after them. With
+    ``o_cache`` (the forward's ``save_output``; fresh calls), ``delta`` comes from it instead of a pass over the
+    keys."""
     h, d = q.shape[-2], q.shape[-1]
     num_blocks = blk_start.shape[0]
     num_tokens = q.numel() // (h * d)
@@ -885,6 +941,8 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     if separate and dq_atomic:
         raise ValueError("cache attention dk/dv launch configuration: SEPARATE and DQ_ATOMIC exclude each other")
     dq_atomic = dq_atomic and prefix is None and not torch.are_deterministic_algorithms_enabled()
+    if o_cache is not None and prefix is not None:
+        raise ValueError("o_cache: a call continuing from a cache (prefix) does not keep o_cache")
     cfg = _config("dq", d, device)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nqt = triton.cdiv(block, bm)
@@ -895,13 +953,22 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     two_pass = cfg.pop("TWO_PASS", False)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
     dq_finish = None
-    if num_blocks and dq_atomic:
+    if num_blocks and dq_atomic and o_cache is not None:
+        _cache_bwd_dq_oc_kernel[(num_blocks * nqt, h)](
+            q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
+            dgq_part, dsink_part, dgate_part, o_cache, h, nqt, scale, DELTA_ONLY=True, **common)
+    elif num_blocks and dq_atomic:
         _cache_bwd_delta_kernel[(num_blocks * nqt, h)](
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dsink_part,
             dgate_part, h, nqt, scale, **common)
+    if num_blocks and dq_atomic:
         # The dk/dv programs add into it (zeros first); the epilogue after them reads it with the dq tiles.
         dqa = torch.zeros(num_tokens * h, d, dtype=torch.float32, device=device)
         dq_finish = dict(grid=(num_blocks * nqt, h), BM=bm, num_warps=cfg["num_warps"])
+    elif num_blocks and o_cache is not None:
+        _cache_bwd_dq_oc_kernel[(num_blocks * nqt, h)](
+            q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
+            dgq_part, dsink_part, dgate_part, o_cache, h, nqt, scale, DELTA_ONLY=False, **common)
     elif num_blocks and prefix is None:
         dq_kernel = _cache_bwd_dq_two_pass_kernel if two_pass else _cache_bwd_dq_kernel
         dq_kernel[(num_blocks * nqt, h)](

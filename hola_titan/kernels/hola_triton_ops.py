@@ -17,39 +17,46 @@ from hola_titan.kernels.hola_triton_select import BlockTable
 @torch.library.custom_op("hola::cache_attn", mutates_args=())
 def cache_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_state: torch.Tensor, gamma_q: torch.Tensor,
                   gamma_k: torch.Tensor, sink: torch.Tensor, gate: torch.Tensor, sel: torch.Tensor,
-                  blk_start: torch.Tensor, blk_len: torch.Tensor, block: int,
-                  window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o, lse, r_q, r_k)`` for ``[B, T, H, D]`` inputs; see :mod:`hola_triton_attn`."""
+                  blk_start: torch.Tensor, blk_len: torch.Tensor, block: int, window: int,
+                  save_output: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
+    """``(o, lse, r_q, r_k, o_cache)`` for ``[B, T, H, D]`` inputs; see :mod:`hola_triton_attn`. ``o_cache``,
+    the cache read's own output that the backward then reads instead of forming ``delta`` over the keys, only with
+    ``save_output`` (else an empty tensor)."""
     from hola_titan.kernels.hola_triton_attn import cache_attention_fwd
     q, k, v, o_state = (x.contiguous() for x in (q, k, v, o_state))
     with _device_ctx(q):
-        return cache_attention_fwd(q, k, v, o_state, gamma_q.contiguous(), gamma_k.contiguous(), sink.contiguous(),
-                                   gate.contiguous(), sel.contiguous(), blk_start, blk_len, block=block,
-                                   window=window)
+        out = cache_attention_fwd(q, k, v, o_state, gamma_q.contiguous(), gamma_k.contiguous(), sink.contiguous(),
+                                  gate.contiguous(), sel.contiguous(), blk_start, blk_len, block=block,
+                                  window=window, save_output=save_output)
+    return out if save_output else (*out, q.new_empty(0))
 
 
 @cache_attn_op.register_fake
-def _(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, block, window):
+def _(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, block, window, save_output=False):
     stats = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    return torch.empty_like(q), stats, torch.empty_like(stats), torch.empty_like(stats)
+    return (torch.empty_like(q), stats, torch.empty_like(stats), torch.empty_like(stats),
+            torch.empty_like(q) if save_output else q.new_empty(0))
 
 
 @torch.library.custom_op("hola::cache_attn_bwd", mutates_args=())
 def cache_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                       rq: torch.Tensor, rk: torch.Tensor, gamma_q: torch.Tensor,
                       gamma_k: torch.Tensor, sink: torch.Tensor, gate: torch.Tensor, sel: torch.Tensor,
-                      blk_start: torch.Tensor, blk_len: torch.Tensor, block: int,
-                      window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                            torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, dgamma_q, dgamma_k, dsink, dgate)``, parameter gradients in float32."""
+                      blk_start: torch.Tensor, blk_len: torch.Tensor, block: int, window: int,
+                      o_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor]:
+    """``(dq, dk, dv, dgamma_q, dgamma_k, dsink, dgate)``, parameter gradients in float32; ``o_cache`` the
+    forward's saved one, if it kept it."""
     from hola_titan.kernels.hola_triton_attn import cache_attention_bwd
     with _device_ctx(q):
         return cache_attention_bwd(do.contiguous(), q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel,
-                                   blk_start, blk_len, block=block, window=window)
+                                   blk_start, blk_len, block=block, window=window, o_cache=o_cache)
 
 
 @cache_attn_bwd_op.register_fake
-def _(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, block, window):
+def _(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, block, window, o_cache=None):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             gamma_q.new_empty(gamma_q.shape, dtype=torch.float32),
             gamma_k.new_empty(gamma_k.shape, dtype=torch.float32),
@@ -57,23 +64,25 @@ def _(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, bl
 
 
 def _cache_attn_setup(ctx, inputs, output):
-    q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, block, window = inputs
-    _, lse, rq, rk = output
+    q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, block, window, *save_output = inputs
+    _, lse, rq, rk, o_cache = output
     # The saved outputs take no gradient: no zero-filled gradients for them.
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len)
+    ctx.save_for_backward(q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, o_cache)
     ctx.block, ctx.window = block, window
+    ctx.saved_output = bool(save_output and save_output[0])
 
 
-def _cache_attn_backward(ctx, do, dlse, drq, drk):
-    q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len = ctx.saved_tensors
+def _cache_attn_backward(ctx, do, dlse, drq, drk, do_cache):
+    q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, o_cache = ctx.saved_tensors
     if do is None:  # the output was not used
         do = torch.zeros_like(q)
     dq, dk, dv, dgq, dgk, dsink, dgate = cache_attn_bwd_op(
         do, q.contiguous(), k.contiguous(), v.contiguous(), lse, rq, rk, gamma_q.contiguous(),
-        gamma_k.contiguous(), sink.contiguous(), gate.contiguous(), sel, blk_start, blk_len, ctx.block, ctx.window)
+        gamma_k.contiguous(), sink.contiguous(), gate.contiguous(), sel, blk_start, blk_len, ctx.block, ctx.window,
+        o_cache if ctx.saved_output else None)
     return (dq, dk, dv, do, dgq.to(gamma_q.dtype), dgk.to(gamma_k.dtype), dsink.to(sink.dtype), dgate.to(gate.dtype),
-            None, None, None, None, None)
+            None, None, None, None, None, None)
 
 
 torch.library.register_autograd("hola::cache_attn", _cache_attn_backward, setup_context=_cache_attn_setup)

@@ -9,10 +9,10 @@ flavour's name:
   #640 check and the recurrent context-parallel protocol apply), the ``evict`` argument of ``hola_attention`` for
   recurrent mixers, and heads that differ from the size's (Transformer++ uses heads of 128);
 - the mixer class (``hola_titan.models.model``): one constructor ``Mixer(args, *, backend, kernels,
-  overlap_backward)``, one forward ``mixer(x, *, context, positions, cache)``, ``Mixer.stream(args, tokens,
-  context, cache)`` (the batch as the mixer's blocks take it, and the positions they read), ``Mixer.Cache`` (its
-  decoding state per layer) and its tensor-parallel plan as data (``TP_COLWISE``, ``TP_ROWWISE``,
-  ``TP_PER_HEAD``), which ``hola_titan.parallelisms`` applies.
+  overlap_backward, save_cache_output)``, one forward ``mixer(x, *, context, positions, cache)``,
+  ``Mixer.stream(args, tokens, context, cache)`` (the batch as the mixer's blocks take it, and the positions
+  they read), ``Mixer.Cache`` (its decoding state per layer) and its tensor-parallel plan as data
+  (``TP_COLWISE``, ``TP_ROWWISE``, ``TP_PER_HEAD``), which ``hola_titan.parallelisms`` applies.
 
 A new flavour is a :func:`register` call here, its mixer class, and its tests; docs/DESIGN.md §5 sketches one.
 The mixer is named as ``module:Class`` and imported on first use, so reading the registry (the config's

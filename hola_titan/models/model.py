@@ -153,13 +153,14 @@ class GatedDeltaMixer(LocalParams, nn.Module):
                         "gamma_q": "replicate", "gamma_k": "replicate"}}
 
     def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference",
-                 overlap_backward: bool = False):
+                 overlap_backward: bool = False, save_cache_output: bool = False):
         super().__init__()
         dim, h, d = args.dim, args.n_heads, args.head_dim
         self.num_heads, self.head_dim = h, d
         # What every call of the op takes, made (and checked) once; context parallelism gets it whole.
         self.settings = HolaSettings(window=args.window, block=args.block, evict=args.evict, backend=backend,
-                                     overlap_backward=overlap_backward)
+                                     overlap_backward=overlap_backward,
+                                     save_cache_output=save_cache_output and args.evict != "none")
         if kernels not in ("triton", "reference"):
             raise ValueError(f"kernels: expected 'triton' or 'reference' (resolved), got {kernels!r}")
         self.kernels = kernels
@@ -303,8 +304,8 @@ class GatedDeltaMixer(LocalParams, nn.Module):
 
 class Attention(nn.Module):
     """Transformer++ attention: RoPE, SDPA, causal within each document. Built and called as every mixer is
-    (``hola_titan.models.flavours``); ``backend``, ``kernels`` and ``overlap_backward`` choose paths of the
-    recurrent mixers and change nothing here (SDPA runs)."""
+    (``hola_titan.models.flavours``); ``backend``, ``kernels``, ``overlap_backward`` and ``save_cache_output``
+    choose paths of the recurrent mixers and change nothing here (SDPA runs)."""
 
     Cache = AttentionLayerCache
     TP_COLWISE = ("q_proj", "k_proj", "v_proj")
@@ -312,7 +313,7 @@ class Attention(nn.Module):
     TP_PER_HEAD: dict = {}
 
     def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference",
-                 overlap_backward: bool = False):
+                 overlap_backward: bool = False, save_cache_output: bool = False):
         super().__init__()
         h, d = args.n_heads, args.head_dim
         self.num_heads, self.head_dim, self.rope_theta = h, d, args.rope_theta
@@ -398,10 +399,12 @@ def _doc_ids(documents: Documents, bsz: int, seq_len: int) -> torch.Tensor:
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, args: ModelArgs, *, backend: str, kernels: str, overlap_backward: bool = False):
+    def __init__(self, args: ModelArgs, *, backend: str, kernels: str, overlap_backward: bool = False,
+                 save_cache_output: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attn = args.mixer_class()(args, backend=backend, kernels=kernels, overlap_backward=overlap_backward)
+        self.attn = args.mixer_class()(args, backend=backend, kernels=kernels, overlap_backward=overlap_backward,
+                                       save_cache_output=save_cache_output)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.mlp_hidden)
 
@@ -420,13 +423,14 @@ class HolaTitanLM(nn.Module):
     """Decoder-only language model of any flavour (see the module docstring)."""
 
     def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference",
-                 overlap_backward: bool = False):
+                 overlap_backward: bool = False, save_cache_output: bool = False):
         super().__init__()
         self.args = args
         self.kernels = kernels
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, backend=backend, kernels=kernels,
-                                                              overlap_backward=overlap_backward)
+                                                              overlap_backward=overlap_backward,
+                                                              save_cache_output=save_cache_output)
                                      for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied embeddings reuse ``tok_embeddings.weight`` in ``forward``: one parameter, so that ``to_empty``

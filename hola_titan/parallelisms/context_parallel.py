@@ -518,7 +518,9 @@ class CPLayer:
         device, cdt, has_cache = q.device, compute_dtype(q.dtype), evict != "none"
         num_seqs = len(layout.seq_start)
         want_out = bool(self.chains_out)
-        common = dict(window=window, block=block, evict=evict, backend=backend)
+        # A fresh call keeps its cache-read output with the setting; a continuing one forms delta over the keys.
+        common = dict(window=window, block=block, evict=evict, backend=backend,
+                      save_cache_output=self.settings.save_cache_output)
         cache_params = (gamma_q, gamma_k, sink, gate)
         split = layout.packed and bool(self.chains_in) and num_seqs > 1
         # ``split``: the continuing document alone, as one row, then the documents that start in this shard as a

@@ -435,8 +435,9 @@ def test_cache_attn_op_registrations():
     o_state = torch.randn(b, t, h, d, requires_grad=True)
     args = (x["q"], x["k"], x["v"], o_state, x["gamma_q"], x["gamma_k"], x["sink"], x["gate"], sel, table.blk_start,
             table.blk_len, block, window)
-    torch.library.opcheck(cache_attn_op, args, test_utils=("test_schema", "test_autograd_registration",
-                                                          "test_faketensor"))
+    for keep in (False, True):  # without and with the cache read's output kept for the backward
+        torch.library.opcheck(cache_attn_op, (*args, keep), test_utils=("test_schema", "test_autograd_registration",
+                                                                        "test_faketensor"))
 
 
 def test_fresh_kernels_read_every_negative_slot_as_empty():
@@ -596,6 +597,44 @@ def test_dq_atomic_is_not_used_under_deterministic_algorithms(monkeypatch):
         check_backend_against_reference_given_its_selection(hola_attention_triton, CASES[0], seed=7)
 
 
+KEPT_OUTPUT_CASES = [(case, False) for case in CASES] + [(CASES[0], True), (CASES[1], True)]
+
+
+@pytest.mark.parametrize("case,dq_atomic", KEPT_OUTPUT_CASES,
+                         ids=[_case_id(c) + ("-DQ_ATOMIC" if a else "") for c, a in KEPT_OUTPUT_CASES])
+def test_kept_cache_output_matches_reference_given_its_selection(case, dq_atomic, monkeypatch):
+    """``save_cache_output``: the forward also writes the cache read's output and the backward forms delta from
+    it (dq in one pass with delta known; with DQ_ATOMIC, no pass at all before the dk/dv programs): output and
+    every gradient against the reference, and the kernels that keep and read it did run."""
+    import functools
+    if dq_atomic:
+        monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
+                            dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True))
+    keep = _Launches(hola_triton_attn._cache_fwd_oc_kernel)
+    read = _Launches(hola_triton_attn._cache_bwd_dq_oc_kernel)
+    monkeypatch.setattr(hola_triton_attn, "_cache_fwd_oc_kernel", keep)
+    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dq_oc_kernel", read)
+    backend = functools.partial(hola_attention_triton, save_cache_output=True)
+    check_backend_against_reference_given_its_selection(backend, case, seed=case[1] + 7)
+    assert (keep.count, read.count) == (1, 1)
+
+
+def test_kept_cache_output_is_refused_where_it_cannot_apply():
+    """Paths that cannot keep the output refuse the setting instead of ignoring it."""
+    x = make_inputs(1, 20, 2, 16, seed=3)
+    args = [x[n] for n in NAMES]
+    with pytest.raises(ValueError, match="save_cache_output: only the Triton backend"):
+        hola_attention(*args, window=4, block=8, backend="reference", save_cache_output=True)
+    with pytest.raises(ValueError, match="save_cache_output: not available with overlap_backward"):
+        hola_attention_triton(*args, window=4, block=8, evict="score", overlap_backward=True,
+                              save_cache_output=True)
+    from hola_titan.ops import HolaSettings
+    with pytest.raises(ValueError, match="overlap_backward"):
+        HolaSettings(window=4, block=8, evict="score", overlap_backward=True, save_cache_output=True)
+    with pytest.raises(ValueError, match="evict 'none'"):
+        HolaSettings(window=0, block=8, evict="none", save_cache_output=True)
+
+
 def test_nan_in_one_document_stays_in_it():
     """NaN in one packed document's q, k and v reaches none of the other documents' outputs or gradients of q, k,
     v: not through a tile of rows that straddles a document boundary, in which masked rows must be read as zeros
@@ -654,3 +693,33 @@ def test_a_batch_s_continuation_layout_gives_the_call_s_own_results(case):
     with pytest.raises(ValueError, match="continuation: a layout for"):
         continue_from_cache(q, k, v, o_state, m, gamma_q, gamma_k, sink, gate, cu2, cache, output_final_cache=False,
                             layout=other, **kw)
+
+
+def test_the_model_setting_reaches_the_cache_op(monkeypatch):
+    """``HolaTitanLM(..., save_cache_output=True)`` on the Triton backend: the layer's call keeps its output (the
+    kernels that write and read it run once each) and the model's logits and gradients equal the model's without
+    it."""
+    from hola_titan.models.args import model_args
+    from hola_titan.models.model import HolaTitanLM
+    keep = _Launches(hola_triton_attn._cache_fwd_oc_kernel)
+    read = _Launches(hola_triton_attn._cache_bwd_dq_oc_kernel)
+    monkeypatch.setattr(hola_triton_attn, "_cache_fwd_oc_kernel", keep)
+    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dq_oc_kernel", read)
+    args = dataclasses.replace(model_args("hola", "debug", vocab_size=61), n_layers=1, dim=32, head_dim=16,
+                               mlp_hidden=32, block=8, window=4)
+    tokens = torch.randint(0, 61, (1, 24), generator=torch.Generator().manual_seed(5))
+    cu = torch.tensor([0, 9, 10, 24])
+    results = []
+    for save in (False, True):
+        torch.manual_seed(0)
+        model = HolaTitanLM(args, backend="triton", save_cache_output=save)
+        model.init_weights()
+        logits = model(tokens, cu_seqlens=cu)
+        logits.square().mean().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert (keep.count, read.count) == (1, 1)
+    (ref_logits, ref_grads), (logits, grads) = results
+    assert torch.equal(logits, ref_logits)  # the forward computes the same; it only also writes o_cache
+    for name, grad in grads.items():
+        scale = ref_grads[name].abs().max().clamp_min(1e-30)
+        assert (grad - ref_grads[name]).abs().max() <= 1e-5 * scale, name
