@@ -71,7 +71,7 @@ def _chunked_loss_and_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch
                             ignore_index: int, compute_grad: bool, matmul_dtype: torch.dtype, kernel: bool = False):
     """Loss sum (float32 scalar) and, with ``compute_grad``, the float32 gradients of ``h`` and ``weight``.
 
-    ``kernel``: the softmax statistics and the logit gradient by ``kernels/cross_entropy.py`` on the
+    ``kernel``: the softmax statistics and the logit gradient by ``hola_titan/kernels/cross_entropy.py`` on the
     ``matmul_dtype`` logits, in place (needs a low-precision ``matmul_dtype``); else :func:`_logit_grads`, its
     reference, on float32 copies of the logits."""
     if kernel:

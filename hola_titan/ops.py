@@ -96,9 +96,9 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         initial_cache / output_final_cache: a :class:`HolaCache` to continue from / to return.
         backend: ``"auto"``, ``"reference"``, ``"sdpa"`` or ``"triton"``. A decoding step (one token per row,
             no ``cu_seqlens``, continuing from a state and cache, no gradient wanted) runs the same arithmetic
-            as the reference through ``kernels/hola_step.py`` with every backend but ``"reference"``.
+            as the reference through ``hola_titan/kernels/hola_step.py`` with every backend but ``"reference"``.
         overlap_backward: Triton backend on CUDA: the layer as one op whose backward overlaps the cache
-            attention's backward (a side stream) with fla's (``kernels/hola_triton_layer.py``); same results.
+            attention's backward (a side stream) with fla's (``hola_titan/kernels/hola_triton_layer.py``); same results.
         save_cache_output: Triton backend, a call without ``initial_cache``: keep the cache read's output
             (``[B, T, H, D]`` in the input dtype) for the backward, which then forms the softmax gradient's row
             sums from it instead of a pass over the keys (faster, one more token-sized tensor held until the
@@ -128,7 +128,7 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         raise ValueError(f"save_cache_output: only the Triton backend keeps the cache read's output; this call "
                          f"takes the {path} path")
     if path == "decode_step":
-        # Decoding: one token per row through a fixed, small set of tensor ops (kernels/hola_step.py); the
+        # Decoding: one token per row through a fixed, small set of tensor ops (hola_titan/kernels/hola_step.py); the
         # blocked paths below cost about 1,500 ATen calls per layer for a single token.
         o, final_state, final_cache = hola_step.decode_step(
             *args, window=window, block=block, evict=evict, initial_state=initial_state,
@@ -228,6 +228,6 @@ def _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, 
     return documents
 
 
-# The public interface: the op, its settings, and the decisions of kernels/dispatch.py that the trainer asks.
+# The public interface: the op, its settings, and the decisions of hola_titan/kernels/dispatch.py that the trainer asks.
 __all__ = ["hola_attention", "HolaSettings", "EVICT_MODES", "BACKENDS", "resolve_backend", "explain_backend",
            "resolve_kernels"]

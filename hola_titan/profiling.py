@@ -77,8 +77,9 @@ def is_device_kernel(evt) -> bool:
     return evt.device_type == DeviceType.CUDA and not getattr(evt, "is_user_annotation", False)
 
 
-# Kinds of kernels by name, first match wins. This project's own Triton kernels are named in kernels/*.py; fla's are
-# the remaining Triton kernels of the GDN stages (chunk_*, l2norm, WY, solve_tril, causal_conv1d, ...).
+# Kinds of kernels by name, first match wins. This project's own Triton kernels are named in
+# hola_titan/kernels/*.py; fla's are the remaining Triton kernels of the GDN stages (chunk_*, l2norm, WY, solve_tril,
+# causal_conv1d, ...).
 _KINDS = (
     ("inductor", ("triton_poi", "triton_red", "triton_per", "triton_tem")),
     ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),

@@ -218,8 +218,9 @@ class Trainer:
             self.kernel_configs = self._install_kernel_configs(located)
             self.precompile.imports_done()  # fla imported (on this thread): the workers may compile its kernels too
             # Built on the meta device, parallelised, materialised with to_empty (each rank holds only its shards, on
-            # its device), then initialised with the values one process draws from the seed (parallelisms/init.py):
-            # the same initial weights at every layout, and never the whole model on a rank's host or GPU.
+            # its device), then initialised with the values one process draws from the seed
+            # (hola_titan/parallelisms/init.py): the same initial weights at every layout, and never the whole model on
+            # a rank's host or GPU.
             with torch.device("meta"):
                 build = dict(backend=self.attention_backend, kernels=self.kernels,
                              overlap_backward=config.model.overlap_backward,
@@ -398,7 +399,8 @@ class Trainer:
         return torch.bfloat16 if self.config.training.mixed_precision_param == "bfloat16" else torch.float32
 
     def _start_precompile(self, located):
-        """Start compiling the plan for this kind of run (``model.precompile_workers``; kernels/precompile.py)."""
+        """Start compiling the plan for this kind of run (``model.precompile_workers``;
+        hola_titan/kernels/precompile.py)."""
         from hola_titan.kernels import precompile
 
         workers = self.config.model.precompile_workers
@@ -444,11 +446,11 @@ class Trainer:
                     "delta from the kept cache-read output (model.save_cache_output"
                     + ("; continuing context-parallel shards over the keys)" if self.dims.cp > 1 else ")")
                     if config.model.save_cache_output else "delta over the cache's keys (output not kept)")
-            paths["short_conv"] = ("triton (fused q|k|v, kernels/short_conv.py) where it applies, else PyTorch"
-                                   if self.kernels == "triton" else "PyTorch reference")
+            paths["short_conv"] = ("triton (fused q|k|v, hola_titan/kernels/short_conv.py) where it applies, else "
+                                   "PyTorch" if self.kernels == "triton" else "PyTorch reference")
             paths["kernel_configs"] = self.kernel_configs.describe()
             paths["kernel_precompile"] = self.precompile.describe()
-        paths["cross_entropy"] = ("triton (kernels/cross_entropy.py, bf16 logits)" if self.loss_kernel else
+        paths["cross_entropy"] = ("triton (hola_titan/kernels/cross_entropy.py, bf16 logits)" if self.loss_kernel else
                                   f"PyTorch (chunked, {str(self.head_matmul_dtype).removeprefix('torch.')} matmuls)")
         paths["optimizer"] = ("fused AdamW (non-finite steps skipped on the device)" if self._fused_optimizer
                               else "AdamW (foreach)")

@@ -96,6 +96,18 @@ FP32_FLOOR_UNITS = 16
 NUDGED_RUNS = 7
 
 
+class Launches:
+    """Stands in for a Triton kernel and counts its launches (``kernel[grid](...)``): tests that a launch choice
+    took the kernels it names, not another path with the same results."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
 def nudge_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Move every floating-point weight of ``model`` in place by at most one ulp (up, down or not at all, drawn
     from ``seed``): a point as close to the original as the dtype allows, at which plain PyTorch's rounding

@@ -27,6 +27,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 pytest.importorskip("triton")
 
 from hola_titan.kernels import fla_gdn, hola_triton_attn, hola_triton_select  # noqa: E402
+from helpers import Launches as _Launches  # noqa: E402
 from hola_titan.kernels.hola_reference import hola_attention_reference  # noqa: E402
 from hola_titan.kernels.hola_sdpa import hola_attention_sdpa  # noqa: E402
 from hola_titan.kernels.hola_triton import hola_attention_triton  # noqa: E402
@@ -169,15 +170,26 @@ CANDIDATES = [("dkdv", dict(BM=16, BN=64, num_warps=8, num_stages=2)),
               ("dkdv", dict(BM=32, BN=64, num_warps=8, num_stages=2)),
               ("dq", dict(BM=16, BN=64, num_warps=8, num_stages=2)),
               ("dkdv", dict(BM=32, BN=32, num_warps=4, num_stages=2, DQ_ATOMIC=True)),
-              ("dkdv", dict(BM=32, BN=32, num_warps=8, num_stages=2, DQ_ATOMIC=True))]
+              ("dkdv", dict(BM=32, BN=32, num_warps=8, num_stages=2, DQ_ATOMIC=True)),
+              ("dkdv", dict(BM=32, BN=64, num_warps=8, num_stages=2, DQ_ATOMIC=True))]
+
+
+def _plain_backward(monkeypatch):
+    """Pin the dk/dv configuration to one without DQ_ATOMIC, for tests that compare two runs bit for bit."""
+    cfg = hola_triton_attn.CONFIGS["dkdv"][256]
+    monkeypatch.setitem(hola_triton_attn.CONFIGS["dkdv"], 256, {k: v for k, v in cfg.items() if k != "DQ_ATOMIC"})
 
 
 @pytest.mark.parametrize("kind,cfg", CANDIDATES,
                          ids=[kind + "-" + "-".join(f"{k}{v}" for k, v in c.items()) for kind, c in CANDIDATES])
 def test_launch_candidates_against_reference_and_sdpa(kind, cfg, monkeypatch):
     monkeypatch.setitem(hola_triton_attn.CONFIGS[kind], 256, cfg)
+    atomic = _Launches(hola_triton_attn._cache_bwd_dkdv_dq_kernel)
+    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dkdv_dq_kernel", atomic)
     for case in (CASES[1], CASES[4]):  # packed documents with fla's state path; rows with the reference's
         test_triton_backend_against_reference_and_sdpa(case)
+    # The DQ_ATOMIC candidates ran their kernel (not routed away, e.g. by deterministic algorithms left on).
+    assert (atomic.count > 0) == bool(cfg.get("DQ_ATOMIC")), atomic.count
 
 
 @pytest.mark.parametrize("dq_atomic", [False, True], ids=["dq_pass", "DQ_ATOMIC"])
@@ -192,8 +204,13 @@ def test_kept_cache_output_against_reference_and_sdpa(dq_atomic, monkeypatch):
     module = sys.modules[__name__]
     monkeypatch.setattr(module, "hola_attention_triton",
                         functools.partial(module.hola_attention_triton, save_cache_output=True))
+    read = _Launches(hola_triton_attn._cache_bwd_dq_oc_kernel)
+    atomic = _Launches(hola_triton_attn._cache_bwd_dkdv_dq_kernel)
+    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dq_oc_kernel", read)
+    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dkdv_dq_kernel", atomic)
     for case in (CASES[1], CASES[4]):  # packed documents with fla's state path; rows with the reference's
         test_triton_backend_against_reference_and_sdpa(case)
+    assert read.count > 0 and (atomic.count > 0) == dq_atomic, (read.count, atomic.count)
 
 
 def test_fla_adapter_is_bit_identical_to_fla_and_scores_match_reference():
@@ -324,8 +341,9 @@ def test_compiled_backend_is_one_graph_and_matches_eager():
         assert rel(a, e) < 1e-3, f"d{name}: compiled vs eager {rel(a, e):.2e}"
 
 
-def test_cache_backward_is_deterministic():
+def test_cache_backward_is_deterministic(monkeypatch):
     """Cache rows read by many blocks get their gradient by a fixed-order reduction: two runs are identical."""
+    _plain_backward(monkeypatch)
     from hola_titan.kernels.hola_triton_ops import cache_attn_bwd_op, cache_attn_op
     b, t, h, d, window, block = 1, 4096, 4, 256, 64, 256
     cu = torch.tensor([0, 1, 2000, 2001, 4096], device=DEVICE)
@@ -421,6 +439,7 @@ def test_overlapped_backward_equals_the_layered_form(evict, monkeypatch):
     """``overlap_backward=True`` (hola_triton_layer): the same kernels and the same sums on two streams, so the
     output, the final state and every gradient equal the layered form's bit for bit; it also compiles as one
     graph."""
+    _plain_backward(monkeypatch)
     b, t, h, d = 1, 4096, 4, 256
     cu = torch.tensor([0, 1, 2000, 2001, 4096], device=DEVICE)
     x = make_inputs(b, t, h, d, num_states=4, seed=31, dtype=torch.bfloat16)

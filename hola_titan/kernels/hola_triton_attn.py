@@ -23,7 +23,8 @@ tile) accumulates dk and dv over the queries that read it. In-block keys belong 
 written directly; cache rows are read by many blocks, so each block writes its partial [W, D] rows and a
 deterministic segmented reduction (stable sort by destination row, fixed order) adds them. The RMSNorm backward is
 linear in the incoming gradient, so every program applies it to its own partial. gamma, sink and gate gradients
-are per-program partial sums reduced by torch in a fixed order: the whole backward is deterministic.
+are per-program partial sums reduced by torch in a fixed order: the whole backward is deterministic, except
+with the launch candidate DQ_ATOMIC (see ``VARIANTS``), whose dq sums are atomic adds in no fixed order.
 
 Two sources of keys (a call that continues from a cache, :class:`Prefix`): besides the token rows, a small tensor
 of prefix rows (the cache's entries and its unfinished block's buffered tokens) that are keys, never queries. A

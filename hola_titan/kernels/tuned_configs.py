@@ -4,12 +4,12 @@ fla-core picks every kernel's tile sizes, warps and stages with ``triton.autotun
 kernel at each new key (head dim, heads, flags, dtypes) compiles and times every candidate configuration. On a
 fresh machine that is minutes per process and head dim before the first training step (docs/LOG.md,
 2026-12-02). This module removes that wait: ``scripts/tune_kernels.py`` runs the tuning once on a GPU, at the
-shapes of the recipes, and writes the winning configurations to ``kernels/configs/<GPU>__fla-<v>__triton-<v>.json``;
-:func:`install` gives each of fla's autotuners a table that answers from that file, so a launch compiles the one
-configuration it will run.
+shapes of the recipes, and writes the winning configurations to
+``hola_titan/kernels/configs/<GPU>__fla-<v>__triton-<v>.json``; :func:`install` gives each of fla's autotuners a table
+that answers from that file, so a launch compiles the one configuration it will run.
 
-The same file holds the compile plans of ``kernels/precompile.py`` (``plans``: what a step of each kind of run
-compiled), which :func:`install` hands on (``Installed.plans``).
+The same file holds the compile plans of ``hola_titan/kernels/precompile.py`` (``plans``: what a step of each kind
+of run compiled), which :func:`install` hands on (``Installed.plans``).
 
 The table is consulted where Triton's autotuner asks whether it already knows a key. The answer is one of:
 - **exact**: the file holds this kernel at this key (the configuration tuned there);
@@ -46,9 +46,9 @@ FORMAT = "hola_titan.tuned_configs/1"
 # ``V``, ``D``), tiles (``BT``, ``BK``, ``BV``, ``BC``), flags and dtypes must match exactly.
 EXTENT_KEYS = frozenset({"B", "T", "NB", "NT", "H", "HV"})
 # The choice of configurations as a script's ``--kernel-configs`` describes it (model.kernel_configs in a run).
-CHOICE_HELP = ("fla's launch configurations (kernels/tuned_configs.py): auto (the file shipped for this GPU and these "
-               "fla-core and Triton versions, when there is one: no minutes of autotuning on a fresh machine), off "
-               "(autotune), or the path of a file written by scripts/tune_kernels.py")
+CHOICE_HELP = ("fla's launch configurations (hola_titan/kernels/tuned_configs.py): auto (the file shipped for this "
+               "GPU and these fla-core and Triton versions, when there is one: no minutes of autotuning on a fresh "
+               "machine), off (autotune), or the path of a file written by scripts/tune_kernels.py")
 # Modules whose autotuners the table serves and the tuning script records.
 MODULE_PREFIXES = ("fla.", "hola_titan.kernels.")
 
@@ -240,7 +240,7 @@ class Installed:
     why: str
     kernels: int = 0
     served: Served = dataclasses.field(default_factory=Served)
-    # The file's compile plans (kernels/precompile.py): plan key -> serialised Triton specialisations.
+    # The file's compile plans (hola_titan/kernels/precompile.py): plan key -> serialised Triton specialisations.
     plans: dict = dataclasses.field(default_factory=dict, repr=False)
     # The file as read, between locate() and install() (install() drops it).
     data: dict | None = dataclasses.field(default=None, repr=False)
@@ -280,7 +280,7 @@ def read_file(path: Path) -> dict:
 def locate(choice: str, device) -> Installed:
     """Which configurations file ``choice`` names for ``device`` (read and checked), without importing fla or
     changing anything: the decision :func:`install` then applies. The file's plans are known from here on, so a
-    run can start compiling them (kernels/precompile.py) while fla imports.
+    run can start compiling them (hola_titan/kernels/precompile.py) while fla imports.
 
     ``choice``: ``auto`` (the shipped file for this GPU and these fla and Triton versions, when there is one),
     ``off`` (autotune as fla does), or the path of a file written by ``scripts/tune_kernels.py``.

@@ -246,7 +246,7 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         continued, or nothing (every row or document starts here). The fused kernel serves the last case where it
         applies (:meth:`_fused_conv_applies`)."""
         if self._fused_conv_applies(cp, cache):
-            # One q|k|v projection and one convolution kernel each way (kernels/short_conv.py).
+            # One q|k|v projection and one convolution kernel each way (hola_titan/kernels/short_conv.py).
             from hola_titan.kernels.short_conv import short_conv_qkv
             w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
             q, k, v = short_conv_qkv(F.linear(x, w_qkv), [self.q_conv.weight, self.k_conv.weight,

@@ -28,7 +28,7 @@ from exactly what ``hola_attention`` over its earlier tokens returns: its final 
 Nothing is computed twice. A boundary that no document crosses (a packed shard that starts a document) carries
 no message: that rank waits for nothing. Within one layer the ranks run one after another; across layers they
 pipeline (rank r runs layer l while rank r-1 runs layer l+1), because a send does not wait for the receiver's
-next layer: a forward of n layers takes about n + R - 1 shard-layer times (``parallelisms/critical_path.py``;
+next layer: a forward of n layers takes about n + R - 1 shard-layer times (``hola_titan/parallelisms/critical_path.py``;
 with FSDP over the cp ranks a rank runs at most one layer ahead of the next, docs/DESIGN.md §3).
 Messages have a constant size per layer: ``3 B (K-1) H D`` tail inputs, ``n H D D`` state and ``n H (W + C)``
 cache rows (keys, values, scores), all in the compute dtype, and the positions and ``seen`` in a second, integer
@@ -378,7 +378,7 @@ class _Message:
            has_cache: bool) -> _Message:
         floats = [("tails", (3, rows, k1, width)), ("state", (n, h, d, d))]
         ints = []
-        if has_cache:  # the cache's own layout (kernels/hola_cache.py)
+        if has_cache:  # the cache's own layout (hola_titan/kernels/hola_cache.py)
             shapes = HolaCache.shapes(num_seqs=n, num_heads=h, head_dim=d, window=window, block=block)
             floats += [(name, shapes[name]) for name in HolaCache.TENSORS if name not in HolaCache.INTEGER]
             ints += [(name, shapes[name]) for name in HolaCache.INTEGER]

@@ -1,6 +1,6 @@
 """The critical path of context parallelism pipelined over layers: a step time from one GPU's stage timings.
 
-The pipelined protocol (parallelisms/context_parallel.py): rank r runs its shard of layer l once it has
+The pipelined protocol (hola_titan/parallelisms/context_parallel.py): rank r runs its shard of layer l once it has
 its own layer l-1 output and the state and cache that rank r-1 sends when it finishes its shard of layer l; the
 backward runs the same wavefront in reverse (rank r's backward of layer l waits for the gradient of its outgoing
 state and cache from rank r+1's backward of layer l). With stage times and a message cost this is a

@@ -40,7 +40,7 @@ from hola_titan.kernels.hola_reference import hola_attention_reference  # noqa: 
 from hola_titan.kernels.hola_sdpa import hola_attention_sdpa  # noqa: E402
 from hola_titan.kernels.hola_triton import hola_attention_triton  # noqa: E402
 from hola_titan.ops import resolve_backend  # noqa: E402
-from helpers import assert_fp32_close, token_abs_terms  # noqa: E402
+from helpers import Launches as _Launches, assert_fp32_close, token_abs_terms  # noqa: E402
 
 
 NAMES = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate")
@@ -556,17 +556,6 @@ def test_kernel_variants_match_reference_given_their_selection(case, monkeypatch
     check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 3)
 
 
-class _Launches:
-    """Stands in for a Triton kernel and counts its launches (``kernel[grid](...)``)."""
-
-    def __init__(self, kernel):
-        self.kernel, self.count = kernel, 0
-
-    def __getitem__(self, grid):
-        self.count += 1
-        return self.kernel[grid]
-
-
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_dq_summed_by_the_dkdv_programs_matches_reference_given_its_selection(case, monkeypatch):
     """The DQ_ATOMIC launch candidate (dq added into float32 rows by the dk/dv programs, after a pass that forms
@@ -635,11 +624,16 @@ def test_kept_cache_output_is_refused_where_it_cannot_apply():
         HolaSettings(window=0, block=8, evict="none", save_cache_output=True)
 
 
-def test_nan_in_one_document_stays_in_it():
+@pytest.mark.parametrize("form", ["plain", "dq_atomic", "kept_cache_output"])
+def test_nan_in_one_document_stays_in_it(form, monkeypatch):
     """NaN in one packed document's q, k and v reaches none of the other documents' outputs or gradients of q, k,
     v: not through a tile of rows that straddles a document boundary, in which masked rows must be read as zeros
     (or not read), never as zero-weighted values (0 x NaN). The documents sit so that the blocks before and after
-    the poisoned one are shorter than a tile."""
+    the poisoned one are shorter than a tile. Also with dq summed by the dk/dv programs and with the cache read's
+    output kept (delta from it)."""
+    if form == "dq_atomic":
+        monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
+                            dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True))
     cu = [0, 1, 23, 24, 60]
     bad = slice(1, 23)
     x = make_inputs(1, cu[-1], 2, 16, seed=21)
@@ -647,7 +641,8 @@ def test_nan_in_one_document_stays_in_it():
         for name in ("q", "k", "v"):
             x[name][0, bad] = float("nan")
     o, _, _ = hola_attention_triton(*[x[n] for n in NAMES], window=20, block=24, evict="score",
-                                    cu_seqlens=torch.tensor(cu), state_impl="reference")
+                                    cu_seqlens=torch.tensor(cu), state_impl="reference",
+                                    save_cache_output=form == "kept_cache_output")
     keep = torch.ones(cu[-1], dtype=torch.bool)
     keep[bad] = False
     assert torch.isnan(o[0, bad]).any(), "the poison did not reach its own document (test is vacuous)"
@@ -723,3 +718,21 @@ def test_the_model_setting_reaches_the_cache_op(monkeypatch):
     for name, grad in grads.items():
         scale = ref_grads[name].abs().max().clamp_min(1e-30)
         assert (grad - ref_grads[name]).abs().max() <= 1e-5 * scale, name
+
+
+def test_dq_atomic_and_the_kept_output_leave_a_continuing_call_as_it_was(monkeypatch):
+    """A call continuing from a cache (prefix keys) runs the plain kernels whatever the dk/dv configuration and
+    the setting: it keeps no output and launches neither the atomic dk/dv kernel nor the kept-output ones, and
+    matches the reference as in test_triton_continues_from_a_cache_like_the_reference."""
+    import functools
+    import sys
+    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG", dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True))
+    spies = {name: _Launches(getattr(hola_triton_attn, name))
+             for name in ("_cache_bwd_dkdv_dq_kernel", "_cache_fwd_oc_kernel", "_cache_bwd_dq_oc_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(hola_triton_attn, name, spy)
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "hola_attention_triton",
+                        functools.partial(module.hola_attention_triton, save_cache_output=True))
+    test_triton_continues_from_a_cache_like_the_reference(CONTINUE_CASES[1])
+    assert {name: spy.count for name, spy in spies.items()} == dict.fromkeys(spies, 0)
