@@ -134,10 +134,13 @@ class Model:
     save_cache_output: bool = setting(False, resume="applied")
     """HOLA layers on the Triton backend: keep each layer's cache-read output (one ``[tokens, heads, head_dim]``
     tensor in the compute dtype per layer, about 1.5 GiB at 340M with 32,768 tokens per step) for the backward,
-    which then forms the softmax gradient's row sums from it instead of a pass over the cache's keys. Needs
-    ``attention_backend`` resolving to ``triton``; not with ``overlap_backward``; context-parallel shards that
-    continue a document form the sums over the keys as before. The results are the same function (the row sums
-    read the stored output, rounded to the compute dtype)."""
+    which then takes the softmax gradient's row sums (delta) from it: the dq pass computes three products per
+    (query, key) pair with one ``[rows, head_dim]`` accumulator instead of four with two, and with the DQ_ATOMIC
+    launch candidate no pass precedes the dk/dv programs at all. Needs ``attention_backend`` resolving to
+    ``triton`` and a flavour with a HOLA cache; not with ``overlap_backward``; context-parallel shards that continue
+    a document form delta over the keys as before. The shipped compile plans do not cover its two kernels yet
+    (they compile at the first step). The same function (delta reads the stored output, rounded to the compute
+    dtype)."""
     require_fast_path: bool = setting(False, resume="applied")
     """Refuse to start when ``attention_backend = auto`` on a GPU cannot use the Triton kernels (it falls back to
     the reference backend then, with a warning that says why)."""
@@ -769,6 +772,15 @@ def validate(config: JobConfig, *, world_size: int) -> None:
         elif backend == "auto" and not on_cuda:
             where = f"cpu (training.device {device}{'' if device == 'cpu' else ', no CUDA device'})"
             check_compile_fullgraph(config, backend="reference", where=where)
+    if model.save_cache_output:
+        # What the config alone decides; an auto backend is checked once the trainer has resolved it.
+        if not args.is_recurrent or args.evict == "none":
+            raise ConfigError("model.save_cache_output", f"{model.flavour} has no HOLA cache read to keep")
+        if model.overlap_backward:
+            raise ConfigError("model.save_cache_output", "not available with model.overlap_backward; choose one")
+        if model.attention_backend in ("reference", "sdpa"):
+            raise ConfigError("model.save_cache_output", f"needs the Triton attention backend; "
+                              f"model.attention_backend is {model.attention_backend}")
     if config.profiling.enable and config.profiling.freq <= config.profiling.warmup:
         raise ConfigError("profiling.freq", f"must exceed profiling.warmup = {config.profiling.warmup} (each window "
                           f"is warmup steps, then the traced one), got {config.profiling.freq}")

@@ -211,8 +211,6 @@ class Trainer:
             if config.model.save_cache_output and self.attention_backend != "triton":
                 raise ConfigError("model.save_cache_output", f"needs the Triton attention backend; this run "
                                   f"uses {self.attention_backend} ({self._backend_why})")
-            if config.model.save_cache_output and config.model.overlap_backward:
-                raise ConfigError("model.save_cache_output", "not available with model.overlap_backward; choose one")
             if self.attention_backend == "reference":
                 self.precompile.stop(f"the attention backend is the reference ({self._backend_why})")
             self.kernel_configs = self._install_kernel_configs(located)

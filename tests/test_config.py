@@ -269,6 +269,12 @@ def test_resolve_degrees_fills_shard_and_accumulates():
     (["--training.global_batch_size", "12"], 2, "training.global_batch_size", "multiple"),
     (["--float8.enable"], 1, "float8.enable", "cuda"),
     (["--parallelism.context_parallel_degree", "2", "--compile.enable"], 2, "compile.fullgraph", "must be false"),
+    (["--model.save_cache_output", "--model.flavour", "gdn"], 1, "model.save_cache_output", "gdn has no HOLA cache"),
+    (["--model.save_cache_output", "--model.flavour", "transformer"], 1, "model.save_cache_output",
+     "transformer has no HOLA cache"),
+    (["--model.save_cache_output", "--model.overlap_backward"], 1, "model.save_cache_output", "overlap_backward"),
+    (["--model.save_cache_output", "--model.attention_backend", "sdpa"], 1, "model.save_cache_output",
+     "model.attention_backend is sdpa"),
 ])
 def test_validate_errors(argv, world_size, key, match):
     _invalid(key, ["--training.seq_len", "256", *argv], world_size=world_size, match=match)

@@ -84,8 +84,11 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
         sel, final_keys = select(m_flat, table, window=window, evict=evict, num_heads=h)
     else:
         sel = selected.to(device=q.device, dtype=torch.int32).contiguous()
+    # Kept only when a backward can come (validation, prefill and evaluation run without gradients).
+    keep = save_cache_output and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, o_state, gamma_q, gamma_k, sink, gate))
     o, *_ = cache_attn_op(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table.blk_start, table.blk_len,
-                          block, window, save_cache_output)
+                          block, window, keep)
     final_cache = None
     if output_final_cache:
         final_cache = final_cache_from_selection(q, k, v, m_flat, sel, final_keys, table, window=window, block=block,

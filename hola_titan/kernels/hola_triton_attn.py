@@ -944,6 +944,9 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     dq_atomic = dq_atomic and prefix is None and not torch.are_deterministic_algorithms_enabled()
     if o_cache is not None and prefix is not None:
         raise ValueError("o_cache: a call continuing from a cache (prefix) does not keep o_cache")
+    if o_cache is not None and (o_cache.shape != q.shape or o_cache.dtype != q.dtype or not o_cache.is_contiguous()):
+        raise ValueError(f"o_cache: expected q's shape {list(q.shape)} and dtype {q.dtype}, contiguous; got "
+                         f"{list(o_cache.shape)} {o_cache.dtype}{'' if o_cache.is_contiguous() else ', strided'}")
     cfg = _config("dq", d, device)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nqt = triton.cdiv(block, bm)

@@ -52,7 +52,8 @@ def cache_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     from hola_titan.kernels.hola_triton_attn import cache_attention_bwd
     with _device_ctx(q):
         return cache_attention_bwd(do.contiguous(), q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel,
-                                   blk_start, blk_len, block=block, window=window, o_cache=o_cache)
+                                   blk_start, blk_len, block=block, window=window,
+                                   o_cache=None if o_cache is None else o_cache.contiguous())
 
 
 @cache_attn_bwd_op.register_fake
@@ -69,6 +70,7 @@ def _cache_attn_setup(ctx, inputs, output):
     # The saved outputs take no gradient: no zero-filled gradients for them.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, o_cache)
+    ctx.mark_non_differentiable(o_cache)  # kept for the backward only: no gradient flows into it
     ctx.block, ctx.window = block, window
     ctx.saved_output = bool(save_output and save_output[0])
 

@@ -556,7 +556,11 @@ def test_kernel_variants_match_reference_given_their_selection(case, monkeypatch
     check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 3)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+# The selection is given, so the eviction mode does not matter to the backward: the recency case is left out.
+DQ_ATOMIC_CASES = [CASES[0], CASES[1], CASES[3]]
+
+
+@pytest.mark.parametrize("case", DQ_ATOMIC_CASES, ids=[_case_id(c) for c in DQ_ATOMIC_CASES])
 def test_dq_summed_by_the_dkdv_programs_matches_reference_given_its_selection(case, monkeypatch):
     """The DQ_ATOMIC launch candidate (dq added into float32 rows by the dk/dv programs, after a pass that forms
     only delta, then a per-row epilogue): output and every gradient, and its kernel did run."""
@@ -586,19 +590,20 @@ def test_dq_atomic_is_not_used_under_deterministic_algorithms(monkeypatch):
         check_backend_against_reference_given_its_selection(hola_attention_triton, CASES[0], seed=7)
 
 
-KEPT_OUTPUT_CASES = [(case, False) for case in CASES] + [(CASES[0], True), (CASES[1], True)]
+KEPT_OUTPUT_CASES = [(CASES[1], False), (CASES[3], False), (CASES[0], True), (CASES[1], True)]
 
 
 @pytest.mark.parametrize("case,dq_atomic", KEPT_OUTPUT_CASES,
                          ids=[_case_id(c) + ("-DQ_ATOMIC" if a else "") for c, a in KEPT_OUTPUT_CASES])
 def test_kept_cache_output_matches_reference_given_its_selection(case, dq_atomic, monkeypatch):
     """``save_cache_output``: the forward also writes the cache read's output and the backward forms delta from
-    it (dq in one pass with delta known; with DQ_ATOMIC, no pass at all before the dk/dv programs): output and
-    every gradient against the reference, and the kernels that keep and read it did run."""
+    it (dq in one pass with delta known; with DQ_ATOMIC, no pass at all before the dk/dv programs, and then the
+    forward's output columns split over two programs, each storing its half): output and every gradient against
+    the reference, and the kernels that keep and read it did run."""
     import functools
     if dq_atomic:
         monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
-                            dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True))
+                            dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True, SPLIT=2))
     keep = _Launches(hola_triton_attn._cache_fwd_oc_kernel)
     read = _Launches(hola_triton_attn._cache_bwd_dq_oc_kernel)
     monkeypatch.setattr(hola_triton_attn, "_cache_fwd_oc_kernel", keep)
@@ -693,7 +698,7 @@ def test_a_batch_s_continuation_layout_gives_the_call_s_own_results(case):
 def test_the_model_setting_reaches_the_cache_op(monkeypatch):
     """``HolaTitanLM(..., save_cache_output=True)`` on the Triton backend: the layer's call keeps its output (the
     kernels that write and read it run once each) and the model's logits and gradients equal the model's without
-    it."""
+    it; a forward without gradients keeps nothing."""
     from hola_titan.models.args import model_args
     from hola_titan.models.model import HolaTitanLM
     keep = _Launches(hola_triton_attn._cache_fwd_oc_kernel)
@@ -713,6 +718,9 @@ def test_the_model_setting_reaches_the_cache_op(monkeypatch):
         logits.square().mean().backward()
         results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
     assert (keep.count, read.count) == (1, 1)
+    with torch.no_grad():
+        model(tokens, cu_seqlens=cu)
+    assert keep.count == 1
     (ref_logits, ref_grads), (logits, grads) = results
     assert torch.equal(logits, ref_logits)  # the forward computes the same; it only also writes o_cache
     for name, grad in grads.items():
