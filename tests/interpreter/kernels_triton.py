@@ -401,12 +401,15 @@ def test_dispatch(monkeypatch):
         hola_attention(*[x[n].double() for n in NAMES], window=2, block=4, backend="triton")
 
 
-def test_custom_ops_trace_without_graph_breaks():
-    """The whole backend compiles as one graph: selection and cache attention are opaque custom ops."""
+@pytest.mark.parametrize("save", [False, True], ids=["plain", "kept_cache_output"])
+def test_custom_ops_trace_without_graph_breaks(save):
+    """The whole backend compiles as one graph: selection and cache attention are opaque custom ops (also with the
+    cache read's output kept for the backward)."""
     x = make_inputs(2, 24, 2, 16, seed=9)
 
     def fn(*args):
-        o, state = hola_attention(*args, window=4, block=8, backend="triton", output_final_state=True)
+        o, state = hola_attention(*args, window=4, block=8, backend="triton", output_final_state=True,
+                                  save_cache_output=save)
         return o.square().sum() + state.sum()
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
