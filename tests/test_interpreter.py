@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 _CANDIDATES = "variants or dq_summed or dq_atomic or kept_cache or model_setting"
 SHARDS = {  # the longest first (tests/conftest.py starts this module's tests before the others)
     "kernels_triton-rest": ("kernels_triton.py", f"not continues and not ({_CANDIDATES})", 26),
-    "kernels_triton-candidates": ("kernels_triton.py", _CANDIDATES, 17),
+    "kernels_triton-candidates": ("kernels_triton.py", _CANDIDATES, 16),
     "fused_kernels": ("fused_kernels.py", None, 15),
     "kernels_triton-continues": ("kernels_triton.py", "continues", 16),
 }
