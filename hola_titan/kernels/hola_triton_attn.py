@@ -474,22 +474,16 @@ if triton is not None:
             b_lse = tl.load(lse_ptr + row_q, mask=m_ok, other=0.0)
             b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
             b_r = tl.zeros([BM], dtype=tl.float32)
-            if HAS_OC:
-                b_oc = tl.load(oc_ptr + p_q, mask=m_ok[:, None], other=0.0)
-                b_r = tl.sum(b_do.to(tl.float32) * b_oc.to(tl.float32), axis=1)
-                b_delta = b_lam * b_r
-                if not DELTA_ONLY:
-                    b_none = tl.zeros([BM, 16], dtype=tl.float32)
-                    b_dq = tl.zeros([BM, D], dtype=tl.float32)
-                    b_r, b_dqr, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs,
-                                                  b_do, b_lse, b_r, b_dq, b_none, b_delta, b_lam, i_b, i_h, start,
-                                                  length, pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 2, DOT_PREC,
-                                                  HAS_PRE)
-            elif TWO_PASS or DELTA_ONLY:
-                b_none = tl.zeros([BM, 16], dtype=tl.float32)  # no dq (nor sum of p kc) in the first pass
-                b_r, b_none, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs, b_do,
-                                               b_lse, b_r, b_none, b_none, b_r, b_lam, i_b, i_h, start, length,
-                                               pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 1, DOT_PREC, HAS_PRE)
+            if HAS_OC or TWO_PASS or DELTA_ONLY:
+                b_none = tl.zeros([BM, 16], dtype=tl.float32)  # no dq (nor sum of p kc) while delta is formed
+                if HAS_OC:  # the row sums from the kept output: no pass over the keys
+                    b_oc = tl.load(oc_ptr + p_q, mask=m_ok[:, None], other=0.0)
+                    b_r = tl.sum(b_do.to(tl.float32) * b_oc.to(tl.float32), axis=1)
+                else:
+                    b_r, b_none, b_none = _dq_pass(k_ptr, v_ptr, rk_ptr, ka_ptr, va_ptr, rka_ptr, sel_ptr, b_qs,
+                                                   b_do, b_lse, b_r, b_none, b_none, b_r, b_lam, i_b, i_h, start,
+                                                   length, pre_start, pre, q0, o_m, m_ok, H, W, D, BM, BN, 1,
+                                                   DOT_PREC, HAS_PRE)
                 b_delta = b_lam * b_r
                 if not DELTA_ONLY:
                     b_dq = tl.zeros([BM, D], dtype=tl.float32)
@@ -956,31 +950,33 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     dgate_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
     two_pass = cfg.pop("TWO_PASS", False)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
-    dq_finish = None
-    if num_blocks and dq_atomic and o_cache is not None:
-        _cache_bwd_dq_oc_kernel[(num_blocks * nqt, h)](
-            q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
-            dgq_part, dsink_part, dgate_part, o_cache, h, nqt, scale, DELTA_ONLY=True, **common)
-    elif num_blocks and dq_atomic:
-        _cache_bwd_delta_kernel[(num_blocks * nqt, h)](
-            q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dsink_part,
-            dgate_part, h, nqt, scale, **common)
-    if num_blocks and dq_atomic:
+    # The query tiles' grid and launch, which the DQ_ATOMIC epilogue after the dk/dv programs takes too.
+    dq_grid, dq_bm, dq_warps = (num_blocks * nqt, h), bm, cfg["num_warps"]
+    if not num_blocks:
+        pass
+    elif dq_atomic:
+        if o_cache is not None:
+            _cache_bwd_dq_oc_kernel[dq_grid](
+                q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
+                dgq_part, dsink_part, dgate_part, o_cache, h, nqt, scale, DELTA_ONLY=True, **common)
+        else:
+            _cache_bwd_delta_kernel[dq_grid](
+                q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dsink_part,
+                dgate_part, h, nqt, scale, **common)
         # The dk/dv programs add into it (zeros first); the epilogue after them reads it with the dq tiles.
         dqa = torch.zeros(num_tokens * h, d, dtype=torch.float32, device=device)
-        dq_finish = dict(grid=(num_blocks * nqt, h), BM=bm, num_warps=cfg["num_warps"])
-    elif num_blocks and o_cache is not None:
-        _cache_bwd_dq_oc_kernel[(num_blocks * nqt, h)](
+    elif o_cache is not None:
+        _cache_bwd_dq_oc_kernel[dq_grid](
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
             dgq_part, dsink_part, dgate_part, o_cache, h, nqt, scale, DELTA_ONLY=False, **common)
-    elif num_blocks and prefix is None:
+    elif prefix is None:
         dq_kernel = _cache_bwd_dq_two_pass_kernel if two_pass else _cache_bwd_dq_kernel
-        dq_kernel[(num_blocks * nqt, h)](
+        dq_kernel[dq_grid](
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
             dgq_part, dsink_part, dgate_part, h, nqt, scale, **common)
-    elif num_blocks:
+    else:
         _check_prefix(prefix, k, v)
-        _cache_bwd_dq_pre_kernel[(num_blocks * nqt, h)](
+        _cache_bwd_dq_pre_kernel[dq_grid](
             q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq,
             dgq_part, dsink_part, dgate_part, prefix.k, prefix.v, rka, prefix.start, prefix.length, h, nqt, scale,
             **common)
@@ -1004,9 +1000,8 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
             _cache_bwd_dkdv_dq_kernel[(num_blocks * nkt, h)](
                 q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
                 pdk, pdv, dgk_part, dest, sentinel, dqa, h, nkt, nct, scale, **common)
-            _cache_bwd_dq_finish_kernel[dq_finish["grid"]](
-                dqa, q, rq, gamma_q, gamma_k, blk_start, blk_len, dq, dgq_part, h, nqt, scale, D=d,
-                BM=dq_finish["BM"], num_warps=dq_finish["num_warps"])
+            _cache_bwd_dq_finish_kernel[dq_grid](dqa, q, rq, gamma_q, gamma_k, blk_start, blk_len, dq, dgq_part, h,
+                                                 nqt, scale, D=d, BM=dq_bm, num_warps=dq_warps)
         elif num_blocks and not separate:
             _cache_bwd_dkdv_kernel[(num_blocks * nkt, h)](
                 q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,

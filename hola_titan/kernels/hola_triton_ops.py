@@ -65,14 +65,13 @@ def _(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, bl
 
 
 def _cache_attn_setup(ctx, inputs, output):
-    q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, block, window, *save_output = inputs
+    q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, block, window, _ = inputs
     _, lse, rq, rk, o_cache = output
     # The saved outputs take no gradient: no zero-filled gradients for them.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, o_cache)
     ctx.mark_non_differentiable(o_cache)  # kept for the backward only: no gradient flows into it
     ctx.block, ctx.window = block, window
-    ctx.saved_output = bool(save_output and save_output[0])
 
 
 def _cache_attn_backward(ctx, do, dlse, drq, drk, do_cache):
@@ -82,7 +81,7 @@ def _cache_attn_backward(ctx, do, dlse, drq, drk, do_cache):
     dq, dk, dv, dgq, dgk, dsink, dgate = cache_attn_bwd_op(
         do, q.contiguous(), k.contiguous(), v.contiguous(), lse, rq, rk, gamma_q.contiguous(),
         gamma_k.contiguous(), sink.contiguous(), gate.contiguous(), sel, blk_start, blk_len, ctx.block, ctx.window,
-        o_cache if ctx.saved_output else None)
+        o_cache if o_cache.numel() else None)  # empty: not kept (or nothing to keep)
     return (dq, dk, dv, do, dgq.to(gamma_q.dtype), dgk.to(gamma_k.dtype), dsink.to(sink.dtype), dgate.to(gate.dtype),
             None, None, None, None, None, None)
 
