@@ -221,7 +221,8 @@ def main():
             row["stage_cache_fwd_tflops"] = 4 * d * pairs / (row["stage_cache_fwd_ms"] * 1e9)
             row["stage_cache_bwd_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_ms"] * 1e9)
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
-                row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms, match=args.sweep_match)
+                row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms, match=args.sweep_match,
+                                    kept=args.keep_output)
         if args.profile:
             profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap", "hola_triton_keep")
             row["profile"] = {name: profile(fn, grads, row.get(name + "_ms"))
@@ -271,9 +272,10 @@ def profile(fn, grads, timed_ms, iters=5, top=12):
     return kernel_profile(call, device=torch.device("cuda"), timed_ms=timed_ms, iters=iters, top=top)
 
 
-def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None):
+def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None, kept=False):
     """Time the cache kernels under alternative configurations (each kernel kind swept on its own); ``match``: a
-    regular expression the configuration's name must match (the one in use is timed whatever it is)."""
+    regular expression the configuration's name must match (the one in use is timed whatever it is); ``kept``: the
+    functions keep the forward's output, whose backward takes its dk/dv launch from ``CONFIGS["dkdv_kept"]``."""
     split, two, sep, atomic = dict(SPLIT=2), dict(TWO_PASS=True), dict(SEPARATE=True), dict(DQ_ATOMIC=True)
     # (BM, BN, warps, stages[, variant]): the variants (hola_titan/kernels/hola_triton_attn.py, VARIANTS) trade more
     # products for one half-sized or one fewer [BM, D] accumulator, i.e. fewer registers at D = 256. Compiled here for
@@ -301,7 +303,8 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None):
     }
     out = {}
     for kind, configs in grid.items():
-        saved = dict(attn_mod.CONFIGS[kind][d])
+        table = attn_mod.CONFIGS["dkdv_kept" if kind == "dkdv" and kept else kind]
+        saved = dict(table[d])
         # The configuration in use first, whether or not the grid names it: the row the others compare with.
         in_use_entry = (saved["BM"], saved["BN"], saved["num_warps"], saved["num_stages"],
                         {k: v for k, v in saved.items() if k not in ("BM", "BN", "num_warps", "num_stages")})
@@ -309,7 +312,7 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None):
                                     != in_use_entry]
         for i, (bm, bn, nw, ns, *variant) in enumerate(configs):
             extra = variant[0] if variant else {}
-            attn_mod.CONFIGS[kind][d] = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, **extra)
+            table[d] = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, **extra)
             key = f"{kind}_BM{bm}_BN{bn}_w{nw}_s{ns}" + "".join(f"_{name}{value}" for name, value in extra.items())
             if match is not None and i > 0 and not match.search(key):  # the first is the one in use
                 continue
@@ -320,7 +323,7 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None):
             except Exception as e:  # noqa: BLE001
                 out[key] = f"{type(e).__name__}: {str(e)[:120]}"
             print("sweep:", key, out[key], flush=True)
-        attn_mod.CONFIGS[kind][d] = saved
+        table[d] = saved
     return out
 
 

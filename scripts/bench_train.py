@@ -85,6 +85,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="hola_titan rows hold packed documents with cu_seqlens, as the trainer's data.varlen "
                              "feeds them (default); --no-packed: one sequence per row, as the references get")
     parser.add_argument("--float8", action="store_true", help="float8.enable (torchao rowwise) for hola_titan models")
+    parser.add_argument("--keep-output", action="store_true",
+                        help="also measure each flavour with a HOLA cache under model.save_cache_output true (its "
+                             "rows' flavour reads '<flavour>:kept')")
     parser.add_argument("--profile", action="store_true",
                         help="also profile whole steps (torch.profiler): kernel time against the step's wall time, "
                              "the top kernels, and ATen calls per step (host-bound work)")
@@ -220,13 +223,17 @@ def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, w
 
 def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, args, tokenizer_dir: Path,
                      dump: Path) -> dict:
-    """One row for a hola_titan flavour, through ``Trainer.train_step`` (and its ``loss_sum`` for profiling)."""
+    """One row for a hola_titan flavour, through ``Trainer.train_step`` (and its ``loss_sum`` for profiling);
+    ``<flavour>:kept``: the flavour with ``model.save_cache_output`` true."""
     import torch
 
     from hola_titan.config import parse_config
     from hola_titan.train import IGNORE_INDEX, Trainer
 
-    overrides = ["--model.flavour", flavour, "--model.size", size, "--model.tokenizer_path", str(tokenizer_dir),
+    label = flavour
+    flavour, _, variant = label.partition(":")
+    overrides = ["--model.save_cache_output", str(variant == "kept").lower(),
+                 "--model.flavour", flavour, "--model.size", size, "--model.tokenizer_path", str(tokenizer_dir),
                  "--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch_size),
                  "--training.steps", str(10 * (args.warmup + 2 * args.steps) + 10),
                  "--training.device", args.device, "--training.mixed_precision_param",
@@ -239,7 +246,7 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
     t0 = time.time()
     trainer = Trainer(parse_config(["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"),
                                     *overrides]))
-    print(f"{flavour} {size} T={seq_len} B={batch_size}: trainer built in {time.time() - t0:.1f} s", flush=True)
+    print(f"{label} {size} T={seq_len} B={batch_size}: trainer built in {time.time() - t0:.1f} s", flush=True)
     device = trainer.device
     clock = _Clock(device)
     generator = torch.Generator().manual_seed(0)
@@ -268,7 +275,8 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
                    tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup, profile=args.profile,
                    profile_keep=args.profile_keep)
     flops = trainer.flops["total"]
-    row.update(system="hola_titan", flavour=flavour, size=size, num_params=trainer.num_params,
+    row.update(system="hola_titan", flavour=label, size=size, save_cache_output=variant == "kept",
+               num_params=trainer.num_params,
                mfu=flops * row["tokens_per_s"] / (trainer.peak_tflops * 1e12),
                mfu_measured=flops * row["tokens_per_s"] / (trainer.measured_tflops * 1e12),
                flops_per_token=flops, compile=args.compile, ac=args.ac, float8=args.float8, packed=args.packed,
@@ -448,7 +456,10 @@ def main(argv: list[str] | None = None) -> int:
     passes = [args.kernel_configs] + (["off"] if args.compare_autotuned else [])
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         tokenizer_dir = _write_tokenizer(Path(tmp) / "tokenizer", args.vocab_size)
-        jobs = [("ours", flavour, size, t, b) for size in _split(args.sizes) for flavour in _split(args.flavours)
+        flavours = _split(args.flavours)
+        if args.keep_output:  # after the plain rows, each flavour that has a cache read again with its output kept
+            flavours += [f"{f}:kept" for f in flavours if f in ("hola", "hola_recency")]
+        jobs = [("ours", flavour, size, t, b) for size in _split(args.sizes) for flavour in flavours
                 for t, b in pairs]
         jobs += [(f"ref:{precision}", name, "340M", t, b) for name in references if name not in skipped
                  for precision in precisions for t, b in pairs]

@@ -898,3 +898,18 @@ def test_cache_kernels_refuse_a_prefix_in_another_dtype():
     _check_prefix(ok, k, v)
     with pytest.raises(ValueError, match=r"prefix: k and v in torch.float32 / torch.bfloat16, the tokens' in"):
         _check_prefix(ok._replace(k=ok.k.float()), k, v)
+
+
+def test_the_kept_output_chooses_its_own_dk_dv_launch():
+    """The cache backward takes its dk/dv launch from ``dkdv_kept`` when the forward kept its output: at D 256 the
+    atomic dq sums (5 products per pair then; without the kept output their delta pass makes them slower), at the
+    other head dims the plain table's launch; the plain table never sums dq atomically at D 256."""
+    from hola_titan.kernels import hola_triton_attn as attn
+    cuda = torch.device("cuda")  # _config reads only the device type: no GPU needed
+    assert attn._config("dkdv_kept", 256, cuda).get("DQ_ATOMIC") is True
+    assert "DQ_ATOMIC" not in attn._config("dkdv", 256, cuda)
+    for d in (64, 128):
+        assert attn._config("dkdv_kept", d, cuda) == attn._config("dkdv", d, cuda)
+    kept = dict(attn._config("dkdv_kept", 256, cuda))
+    kept.pop("DQ_ATOMIC")
+    assert kept == attn._config("dkdv", 256, cuda)  # the same tiles: only the variant differs

@@ -175,9 +175,11 @@ CANDIDATES = [("dkdv", dict(BM=16, BN=64, num_warps=8, num_stages=2)),
 
 
 def _plain_backward(monkeypatch):
-    """Pin the dk/dv configuration to one without DQ_ATOMIC, for tests that compare two runs bit for bit."""
-    cfg = hola_triton_attn.CONFIGS["dkdv"][256]
-    monkeypatch.setitem(hola_triton_attn.CONFIGS["dkdv"], 256, {k: v for k, v in cfg.items() if k != "DQ_ATOMIC"})
+    """Pin the dk/dv configurations (with and without a kept output) to ones without DQ_ATOMIC, for tests that
+    compare two runs bit for bit."""
+    for table in ("dkdv", "dkdv_kept"):
+        cfg = hola_triton_attn.CONFIGS[table][256]
+        monkeypatch.setitem(hola_triton_attn.CONFIGS[table], 256, {k: v for k, v in cfg.items() if k != "DQ_ATOMIC"})
 
 
 @pytest.mark.parametrize("kind,cfg", CANDIDATES,
@@ -198,9 +200,9 @@ def test_kept_cache_output_against_reference_and_sdpa(dq_atomic, monkeypatch):
     with it or summed by the dk/dv programs; the same bounds as the default path."""
     import functools
     import sys
-    if dq_atomic:
-        monkeypatch.setitem(hola_triton_attn.CONFIGS["dkdv"], 256,
-                            dict(hola_triton_attn.CONFIGS["dkdv"][256], DQ_ATOMIC=True))
+    # The kept output's own table (CONFIGS["dkdv_kept"]), with the variant set either way.
+    plain = {k: v for k, v in hola_triton_attn.CONFIGS["dkdv_kept"][256].items() if k != "DQ_ATOMIC"}
+    monkeypatch.setitem(hola_triton_attn.CONFIGS["dkdv_kept"], 256, dict(plain, DQ_ATOMIC=True) if dq_atomic else plain)
     module = sys.modules[__name__]
     monkeypatch.setattr(module, "hola_attention_triton",
                         functools.partial(module.hola_attention_triton, save_cache_output=True))

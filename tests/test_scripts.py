@@ -291,3 +291,10 @@ def test_bench_hola_attention_sweep_times_the_configuration_in_use_and_the_match
                                             "dkdv_BM32_BN32_w4_s2")]
     assert others and all(n.endswith("SEPARATETrue") for n in others), others
     assert {kind: attn.CONFIGS[kind][64] for kind in in_use} == in_use
+    # With the kept output the dk/dv entries go to the kept table, which the backward then reads; the plain one stays.
+    attn.CONFIGS["dkdv_kept"] = {64: dict(in_use["dkdv"], DQ_ATOMIC=True)}
+    seen = []
+    out = bench.sweep(attn, fwd, lambda: seen.append(dict(attn.CONFIGS["dkdv_kept"][64])) or "bwd", 64, 1,
+                      match=re.compile("SEPARATETrue$"), kept=True)
+    assert "dkdv_BM32_BN32_w4_s2_DQ_ATOMICTrue" in out and any(c.get("SEPARATE") for c in seen), list(out)
+    assert attn.CONFIGS["dkdv"][64] == in_use["dkdv"] and attn.CONFIGS["dkdv_kept"][64].get("DQ_ATOMIC") is True

@@ -66,6 +66,11 @@ CONFIGS = {
     "dkdv": {64: dict(BM=64, BN=64, num_warps=4, num_stages=3), 128: dict(BM=64, BN=32, num_warps=8, num_stages=2),
              256: dict(BM=32, BN=32, num_warps=4, num_stages=2)},
 }
+# The dk/dv launch when the forward kept its output (``save_output``): at D 256 DQ_ATOMIC, which is then 5
+# products per pair and was 11% faster over the whole cache backward on an H200 (1.88 ms against 2.12 without the
+# kept output and 2.02 with it; without the kept output DQ_ATOMIC's delta pass made it slower, 2.34 ms; LOG
+# 2026-12-03, eleventh session). D 64 and 128 keep the plain table's launch (not timed with the kept output).
+CONFIGS["dkdv_kept"] = {**CONFIGS["dkdv"], 256: dict(CONFIGS["dkdv"][256], DQ_ATOMIC=True)}
 _INTERPRET_CONFIG = dict(BM=16, BN=16, num_warps=1, num_stages=1)
 
 # Tests set this to fill every output buffer with NaN before the kernels run, so unwritten elements fail.
@@ -89,6 +94,7 @@ def _empty(*shape, dtype, device):
 # ``training.deterministic``) DQ_ATOMIC is not used. Fresh calls only: a call continuing from a cache runs the
 # plain kernels (with the same tiles) whatever the variant.
 VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE", "DQ_ATOMIC")}
+VARIANTS["dkdv_kept"] = VARIANTS["dkdv"]
 
 
 def _config(kind: str, d: int, device: torch.device) -> dict:
@@ -931,7 +937,7 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     delta = _empty(num_tokens, h, dtype=torch.float32, device=device)
     sel = sel if sel.numel() else blk_start  # window 0: never read, but Triton needs a valid pointer
     dq = _empty(*q.shape, dtype=q.dtype, device=device)
-    dkdv_cfg = _config("dkdv", d, device)
+    dkdv_cfg = _config("dkdv" if o_cache is None else "dkdv_kept", d, device)
     separate, dq_atomic = dkdv_cfg.pop("SEPARATE", False), dkdv_cfg.pop("DQ_ATOMIC", False)
     if separate and dq_atomic:
         raise ValueError("cache attention dk/dv launch configuration: SEPARATE and DQ_ATOMIC exclude each other")
