@@ -190,13 +190,23 @@ def test_profile_kinds_and_idle_gaps():
 def test_compare_losses_runs_two_trainers_on_the_same_batches(tmp_path):
     out = tmp_path / "compare.json"
     result = _run([sys.executable, "scripts/compare_losses.py", "--steps", "2", "--kernels-a", "reference",
-                   "--kernels-b", "auto", "--out", str(out), "--", "--job.config_file",
+                   "--kernels-b", "auto", "--set-b", "metrics.log_freq=1", "--out", str(out), "--", "--job.config_file",
                    "train_configs/debug_model.toml", "--training.device", "cpu", "--training.seq_len", "64",
                    "--training.local_batch_size", "2"])
     data = json.loads(out.read_text())
-    a, b = data["losses"]["reference"], data["losses"]["auto"]
+    a, b = data["losses"]["reference"], data["losses"]["auto metrics.log_freq=1"]
     assert len(a) == len(b) == 2 and a == b  # auto is the reference on a CPU: the same function, bit for bit
-    assert data["paths"]["auto"]["short_conv"] == "PyTorch reference" and "max |diff| 0.000e+00" in result.stdout
+    assert data["paths"]["auto metrics.log_freq=1"]["short_conv"] == "PyTorch reference"
+    assert data["runs"]["auto metrics.log_freq=1"] == ["--model.kernels", "auto", "--metrics.log_freq", "1"]
+    assert "max |diff| 0.000e+00" in result.stdout
+
+
+@pytest.mark.parametrize("flags,message", [(["--set-a", "model.kernels"], "expected SECTION.KEY=VALUE"),
+                                           (["--kernels-b", "triton"], "the two runs have the same settings")])
+def test_compare_losses_refuses_a_bad_override_and_two_equal_runs(flags, message):
+    result = subprocess.run([sys.executable, "scripts/compare_losses.py", *flags, "--", "--job.config_file",
+                             "train_configs/debug_model.toml"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
 def test_init_memory_reports_every_rank(tmp_path):
