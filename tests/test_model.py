@@ -75,6 +75,17 @@ def test_gdn_has_no_cache_parameters_and_hola_has_exactly_them():
     assert names["gdn"] <= names["hola"] and names["hola_recency"] == names["hola"]
 
 
+@pytest.mark.parametrize("flavour,message", [("gdn", "GDN"), ("transformer", "transformer")])
+def test_a_flavour_without_a_cache_refuses_to_keep_its_output(flavour, message):
+    """``save_cache_output`` asks for memory kept for a HOLA cache read: a flavour without one refuses it instead
+    of ignoring it (the config refuses it first; this is the model built directly)."""
+    with pytest.raises(ValueError, match=f"save_cache_output: .*{message}"):
+        with torch.device("meta"):
+            HolaTitanLM(model_args(flavour, "debug", vocab_size=VOCAB), save_cache_output=True)
+    with torch.device("meta"):  # a HOLA flavour takes it (the backend is checked at the call)
+        HolaTitanLM(model_args("hola", "debug", vocab_size=VOCAB), save_cache_output=True)
+
+
 @pytest.mark.parametrize("size", ["debug", "340M"])
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_constructor_draws_no_random_numbers(flavour, size):

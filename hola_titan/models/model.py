@@ -160,7 +160,7 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         # What every call of the op takes, made (and checked) once; context parallelism gets it whole.
         self.settings = HolaSettings(window=args.window, block=args.block, evict=args.evict, backend=backend,
                                      overlap_backward=overlap_backward,
-                                     save_cache_output=save_cache_output and args.evict != "none")
+                                     save_cache_output=save_cache_output)  # refused for evict "none" (GDN)
         if kernels not in ("triton", "reference"):
             raise ValueError(f"kernels: expected 'triton' or 'reference' (resolved), got {kernels!r}")
         self.kernels = kernels
@@ -304,8 +304,9 @@ class GatedDeltaMixer(LocalParams, nn.Module):
 
 class Attention(nn.Module):
     """Transformer++ attention: RoPE, SDPA, causal within each document. Built and called as every mixer is
-    (``hola_titan.models.flavours``); ``backend``, ``kernels``, ``overlap_backward`` and ``save_cache_output``
-    choose paths of the recurrent mixers and change nothing here (SDPA runs)."""
+    (``hola_titan.models.flavours``); ``backend``, ``kernels`` and ``overlap_backward`` choose paths of the
+    recurrent mixers and change nothing here (SDPA runs); ``save_cache_output``, which would keep memory for a
+    HOLA cache read, is refused."""
 
     Cache = AttentionLayerCache
     TP_COLWISE = ("q_proj", "k_proj", "v_proj")
@@ -315,6 +316,8 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, *, backend: str = "auto", kernels: str = "reference",
                  overlap_backward: bool = False, save_cache_output: bool = False):
         super().__init__()
+        if save_cache_output:
+            raise ValueError("save_cache_output: the transformer flavour has no HOLA cache read to keep")
         h, d = args.n_heads, args.head_dim
         self.num_heads, self.head_dim, self.rope_theta = h, d, args.rope_theta
         self.q_proj = nn.Linear(args.dim, h * d, bias=False)
