@@ -277,7 +277,6 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None, kept=False):
     regular expression the configuration's name must match (the one in use is timed whatever it is); ``kept``: the
     functions keep the forward's output, whose backward takes its dk/dv launch from ``CONFIGS["dkdv_kept"]``."""
     split, two, sep, atomic = dict(SPLIT=2), dict(TWO_PASS=True), dict(SEPARATE=True), dict(DQ_ATOMIC=True)
-    tma = dict(TMA_WS=True)
     # (BM, BN, warps, stages[, variant]): the variants (hola_titan/kernels/hola_triton_attn.py, VARIANTS) trade more
     # products for one half-sized or one fewer [BM, D] accumulator, i.e. fewer registers at D = 256. Compiled here for
     # sm_90a with Triton 3.6 (scripts/kernel_resources.py, docs/LOG.md 2026-12-03): the current tiles spill (forward 72
@@ -289,13 +288,10 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None, kept=False):
     # pair instead of 8; its delta pass and epilogue take the dq tiles in use), compiled the same way
     # (LOG 2026-12-03, tenth session): its dk/dv kernel at 32x32 w4 255 registers and 200 bytes of stack (160 without
     # the dq sums), at 32x32 w8 246 and none, at 64x32 w8 32 bytes; the delta pass at 32x32 w4 161 registers.
-    # TMA_WS (the forward's tiles through tensor descriptors, the own-rows loop warp-specialised at 4 warps, TMA
-    # alone at 8; LOG 2026-12-03, eleventh session): 64x32 w4 168 registers at launch and 193 KiB of shared memory.
     grid = {
         "fwd": [(64, 32, 4, 2), (64, 32, 4, 1), (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 2), (128, 32, 8, 2),
                 (128, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2, split), (64, 64, 4, 2, split),
-                (128, 32, 8, 2, split), (128, 64, 8, 2, split), (64, 64, 4, 3, split), (64, 32, 4, 2, tma),
-                (64, 32, 4, 3, tma), (64, 32, 8, 2, tma), (128, 32, 8, 2, tma)],
+                (128, 32, 8, 2, split), (128, 64, 8, 2, split), (64, 64, 4, 3, split)],
         "dq": [(32, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 3), (32, 32, 8, 2), (16, 32, 4, 2), (32, 64, 4, 2),
                (64, 32, 4, 2), (64, 32, 8, 2), (32, 32, 4, 2, two), (64, 32, 4, 2, two), (64, 64, 4, 2, two),
                (64, 32, 8, 2, two), (128, 32, 8, 2, two), (32, 32, 8, 2, two), (32, 64, 8, 2, two),

@@ -22,10 +22,10 @@ import pytest
 HERE = Path(__file__).resolve().parent
 # (suite, -k expression or None, at least this many tests pass): a shard that silently shrinks is a failure too.
 # The continuation cases are about a third of kernels_triton.py's time, the launch candidates another third.
-_CANDIDATES = "variants or dq_summed or dq_atomic or kept_cache or model_setting or tma_ws"
+_CANDIDATES = "variants or dq_summed or dq_atomic or kept_cache or model_setting"
 SHARDS = {  # the longest first (tests/conftest.py starts this module's tests before the others)
     "kernels_triton-rest": ("kernels_triton.py", f"not continues and not ({_CANDIDATES})", 26),
-    "kernels_triton-candidates": ("kernels_triton.py", _CANDIDATES, 19),
+    "kernels_triton-candidates": ("kernels_triton.py", _CANDIDATES, 16),
     "fused_kernels": ("fused_kernels.py", None, 15),
     "kernels_triton-continues": ("kernels_triton.py", "continues", 16),
 }

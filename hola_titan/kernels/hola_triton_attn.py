@@ -93,16 +93,7 @@ def _empty(*shape, dtype, device):
 # Atomic adds sum dq in no fixed order: under torch.use_deterministic_algorithms (the trainer's
 # ``training.deterministic``) DQ_ATOMIC is not used. Fresh calls only: a call continuing from a cache runs the
 # plain kernels (with the same tiles) whatever the variant.
-# TMA_WS (forward, fresh calls): the queries pre-scaled once into their own tensor and the cache entries gathered
-# once into [blocks, H, W, D], so that every tile of the read is a contiguous rectangle that Hopper's TMA loads and
-# wgmma takes from shared memory; the own-rows loop warp-specialised (a producer warp group loading, consumers
-# computing), the cache tiles unrolled before it (Triton 3.6's Hopper warp specialisation fails on a kernel with a
-# loop before the specialised one; it specialises 4-warp launches only, so at 8 warps this is TMA alone). Compiled
-# for sm_90a with Triton 3.6 (scripts/kernel_resources.py, LOG 2026-12-03 eleventh session): 64x32 w4 168 registers
-# at launch, 216 bytes of stack, 193 KiB of shared memory; without the specialisation 255 registers and 8 bytes of
-# stack (the plain forward: 72); 64x64 needs 256 KiB of shared memory (more than a Hopper SM has) and 128-row tiles
-# make Triton's specialisation pass fail. Untimed.
-VARIANTS = {"fwd": ("SPLIT", "TMA_WS"), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE", "DQ_ATOMIC")}
+VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE", "DQ_ATOMIC")}
 VARIANTS["dkdv_kept"] = VARIANTS["dkdv"]
 
 
@@ -374,75 +365,6 @@ if triton is not None:
         _cache_fwd_core(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
                         gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, ka_ptr, va_ptr, rka_ptr, pre_start_ptr,
                         pre_len_ptr, o_ptr, H, NQT, scale, W, D, BM, BN, DOT_PREC, True, 1, False)
-
-    @triton.jit(do_not_specialize=["R"])
-    def _qs_kernel(q_ptr, rq_ptr, gq_ptr, gk_ptr, qs_ptr, R, H, scale, D: tl.constexpr, BR: tl.constexpr):
-        """The scaled normalised queries ``q r gamma_q gamma_k scale log2(e)`` in q's dtype, the same values as
-        :func:`_query_tile` forms in registers, written once for the TMA_WS forward (flat rows token * H + head)."""
-        o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-        mask = o_r < R
-        o_d = tl.arange(0, D)
-        b_q = tl.load(q_ptr + o_r[:, None] * D + o_d[None, :], mask=mask[:, None], other=0.0)
-        b_rq = tl.load(rq_ptr + o_r, mask=mask, other=0.0)
-        b_gq = tl.load(gq_ptr + o_d).to(tl.float32)
-        b_gk = tl.load(gk_ptr + o_d).to(tl.float32)
-        b_qs = (b_q.to(tl.float32) * b_rq[:, None] * (b_gq * b_gk)[None, :] * (scale * 1.4426950408889634))
-        tl.store(qs_ptr + o_r[:, None] * D + o_d[None, :], b_qs.to(qs_ptr.dtype.element_ty), mask=mask[:, None])
-
-    @triton.jit(do_not_specialize=["H", "NQT"])
-    def _cache_fwd_ws_kernel(qs_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, rkc_ptr, os_ptr, o_ptr, lse_ptr, rk_ptr,
-                             sink_ptr, gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, oc_ptr, H, NQT,
-                             WINDOW: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                             DOT_PREC: tl.constexpr, STORE_OC: tl.constexpr, WS: tl.constexpr):
-        """The TMA_WS forward of a fresh call (see ``VARIANTS``): every tile through a tensor descriptor bounded by
-        its own block (rows past the block's end arrive as zeros, so no other document's row enters a product),
-        the cache tiles from the gathered ``kc``, ``vc`` (empty slots zero, their rstd ``rkc``), ``WS``: the
-        own-rows loop warp-specialised. The same online softmax, sink, gate and outputs as :func:`_cache_fwd_core`.
-        """
-        pid, i_h, i_b, q0, start, length = _query_block(blk_start_ptr, blk_len_ptr, NQT, BM, 1)
-        if q0 < length:
-            base = (start * H + i_h) * D
-            q_desc = tl.make_tensor_descriptor(qs_ptr + base, shape=[length, D], strides=[H * D, 1],
-                                               block_shape=[BM, D])
-            k_desc = tl.make_tensor_descriptor(k_ptr + base, shape=[length, D], strides=[H * D, 1],
-                                               block_shape=[BN, D])
-            v_desc = tl.make_tensor_descriptor(v_ptr + base, shape=[length, D], strides=[H * D, 1],
-                                               block_shape=[BN, D])
-            b_qs = q_desc.load([q0, 0])
-            o_m = q0 + tl.arange(0, BM)
-            m_ok = o_m < length
-            b_m = tl.zeros([BM], dtype=tl.float32) + tl.load(sink_ptr + i_h).to(tl.float32) * 1.4426950408889634
-            b_l = tl.full([BM], 1.0, dtype=tl.float32)
-            b_acc = tl.zeros([BM, D], dtype=tl.float32)
-            if WINDOW > 0:
-                slot0 = (i_b * H + i_h) * WINDOW
-                kc_desc = tl.make_tensor_descriptor(kc_ptr + slot0 * D, shape=[WINDOW, D], strides=[D, 1],
-                                                    block_shape=[BN, D])
-                vc_desc = tl.make_tensor_descriptor(vc_ptr + slot0 * D, shape=[WINDOW, D], strides=[D, 1],
-                                                    block_shape=[BN, D])
-                for c0 in tl.static_range(0, WINDOW, BN):  # unrolled: no loop before the specialised one
-                    o_n = c0 + tl.arange(0, BN)
-                    b_sel = tl.load(sel_ptr + slot0 + o_n, mask=o_n < WINDOW, other=-1)
-                    b_rk = tl.load(rkc_ptr + slot0 + o_n, mask=o_n < WINDOW, other=0.0)
-                    b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, kc_desc.load([c0, 0]), vc_desc.load([c0, 0]),
-                                                b_rk, (b_sel >= 0)[None, :], DOT_PREC)
-            hi = tl.minimum(q0 + BM, length)
-            for c0 in tl.range(0, hi, BN, warp_specialize=WS):
-                o_n = c0 + tl.arange(0, BN)
-                n_ok = o_n < length
-                b_rk = tl.load(rk_ptr + (start + o_n) * H + i_h, mask=n_ok, other=0.0)
-                b_ok = n_ok[None, :] & (o_n[None, :] <= o_m[:, None])
-                b_m, b_l, b_acc = _fwd_tile(b_qs, b_m, b_l, b_acc, k_desc.load([c0, 0]), v_desc.load([c0, 0]),
-                                            b_rk, b_ok, DOT_PREC)
-            b_oc = b_acc / b_l[:, None]
-            row_q = (start + o_m) * H + i_h
-            tl.store(lse_ptr + row_q, b_m + tl.log2(b_l), mask=m_ok)
-            b_lam = tl.sigmoid(tl.load(gate_ptr + i_h).to(tl.float32))
-            p_o = row_q[:, None] * D + tl.arange(0, D)[None, :]
-            b_os = tl.load(os_ptr + p_o, mask=m_ok[:, None], other=0.0).to(tl.float32)
-            tl.store(o_ptr + p_o, (b_os + b_lam * b_oc).to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
-            if STORE_OC:
-                tl.store(oc_ptr + p_o, b_oc.to(oc_ptr.dtype.element_ty), mask=m_ok[:, None])
 
     @triton.jit
     def _norm_bwd(b_dy, b_x, b_r, b_g, D: tl.constexpr):
@@ -952,39 +874,6 @@ def _check_prefix(prefix: Prefix, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"{v.dtype}; they must match")
 
 
-def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for the tensor descriptors a kernel makes on the device (Triton asks through this)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _fwd_tma_ws(q, k, v, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, oc,
-                save_output, h, nqt, scale, window, common):
-    """The TMA_WS forward's launches: the pre-scaled queries, the gathered cache entries (empty slots zero, so
-    that the kernel's tiles are plain rectangles), then the read."""
-    d = q.shape[-1]
-    rows = q.numel() // d
-    qs = torch.empty_like(q)
-    br = 16 if q.device.type != "cuda" else max(1, 4096 // d)
-    _qs_kernel[(triton.cdiv(rows, br),)](q, rq, gamma_q, gamma_k, qs, rows, h, scale, D=d, BR=br, num_warps=4)
-    num_blocks = blk_start.shape[0]
-    if window:
-        valid = sel >= 0  # [blocks, H, W]
-        heads = torch.arange(h, device=q.device).view(1, h, 1)
-        flat = torch.where(valid, sel.long() * h + heads, 0).reshape(-1)
-        kc = torch.where(valid.reshape(-1, 1), k.reshape(rows, d).index_select(0, flat), 0).view(*sel.shape, d)
-        vc = torch.where(valid.reshape(-1, 1), v.reshape(rows, d).index_select(0, flat), 0).view(*sel.shape, d)
-        rkc = torch.where(valid.reshape(-1), rk.reshape(rows).index_select(0, flat), 0).view(sel.shape)
-    else:  # never read, but Triton needs valid pointers
-        kc, vc, rkc = k, v, rk
-    if q.device.type == "cuda":
-        triton.set_allocator(_tma_allocator)
-    cfg = dict(common)
-    cfg.pop("W")
-    _cache_fwd_ws_kernel[(num_blocks * nqt, h)](
-        qs, k, v, kc, vc, rkc, o_state, o, lse, rk, sink, gate, sel, blk_start, blk_len, oc, h, nqt, WINDOW=window,
-        STORE_OC=save_output, WS=q.device.type == "cuda" and cfg["num_warps"] == 4, **cfg)
-
-
 def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, *, block: int,
                         window: int, prefix: Prefix | None = None, save_output: bool = False):
     """Forward launches. Returns ``(o, lse [B*T, H] base 2, r_q, r_k)``: what the backward needs besides the
@@ -1002,18 +891,9 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nqt = triton.cdiv(block, bm)
     split = cfg.pop("SPLIT", 1)
-    tma_ws = cfg.pop("TMA_WS", False)
-    if tma_ws and split != 1:
-        raise ValueError("cache attention forward launch configuration: SPLIT and TMA_WS exclude each other")
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=_dot_precision(q.dtype), **cfg)
     if save_output and prefix is not None:
         raise ValueError("save_output: a call continuing from a cache (prefix) does not keep o_cache")
-    if tma_ws and prefix is None:  # fresh calls; a continuing call runs the plain kernel with the same tiles
-        oc = _empty(*q.shape, dtype=q.dtype, device=q.device) if save_output else o
-        if num_blocks:
-            _fwd_tma_ws(q, k, v, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len,
-                        oc, save_output, h, nqt, d ** -0.5, window, common)
-        return (o, lse, rq, rk, oc) if save_output else (o, lse, rq, rk)
     if save_output:
         oc = _empty(*q.shape, dtype=q.dtype, device=q.device)
         if num_blocks:

@@ -558,25 +558,6 @@ def test_kernel_variants_match_reference_given_their_selection(case, monkeypatch
     check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 3)
 
 
-@pytest.mark.parametrize("case,keep", [(CASES[1], False), (CASES[3], True)],
-                         ids=[_case_id(CASES[1]), _case_id(CASES[3]) + "-kept"])
-def test_tma_ws_forward_matches_reference_given_its_selection(case, keep, monkeypatch):
-    """The TMA_WS forward candidate (pre-scaled queries, gathered cache entries, every tile through a descriptor
-    bounded by its block): output and every gradient (the backward is the plain one, on its log-sum-exp), with
-    and without the kept output, and its kernel did run."""
-    import functools
-    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG", dict(hola_triton_attn._INTERPRET_CONFIG, TMA_WS=True))
-    launches = _Launches(hola_triton_attn._cache_fwd_ws_kernel)
-    monkeypatch.setattr(hola_triton_attn, "_cache_fwd_ws_kernel", launches)
-    backend = functools.partial(hola_attention_triton, save_cache_output=True) if keep else hola_attention_triton
-    check_backend_against_reference_given_its_selection(backend, case, seed=case[1] + 11)
-    assert launches.count == 1
-    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
-                        dict(hola_triton_attn._INTERPRET_CONFIG, TMA_WS=True, SPLIT=2))
-    with pytest.raises(ValueError, match="SPLIT and TMA_WS"):
-        check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 11)
-
-
 # The selection is given, so the eviction mode does not matter to the backward: the recency case is left out.
 DQ_ATOMIC_CASES = [CASES[0], CASES[1], CASES[3]]
 
@@ -650,16 +631,16 @@ def test_kept_cache_output_is_refused_where_it_cannot_apply():
         HolaSettings(window=0, block=8, evict="none", save_cache_output=True)
 
 
-@pytest.mark.parametrize("form", ["plain", "dq_atomic", "kept_cache_output", "tma_ws"])
+@pytest.mark.parametrize("form", ["plain", "dq_atomic", "kept_cache_output"])
 def test_nan_in_one_document_stays_in_it(form, monkeypatch):
     """NaN in one packed document's q, k and v reaches none of the other documents' outputs or gradients of q, k,
     v: not through a tile of rows that straddles a document boundary, in which masked rows must be read as zeros
     (or not read), never as zero-weighted values (0 x NaN). The documents sit so that the blocks before and after
     the poisoned one are shorter than a tile. Also with dq summed by the dk/dv programs and with the cache read's
-    output kept (delta from it), and with the TMA_WS forward (tiles bounded by their block's descriptor)."""
-    if form in ("dq_atomic", "tma_ws"):
+    output kept (delta from it)."""
+    if form == "dq_atomic":
         monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
-                            dict(hola_triton_attn._INTERPRET_CONFIG, **{form.upper(): True}))
+                            dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True))
     cu = [0, 1, 23, 24, 60]
     bad = slice(1, 23)
     x = make_inputs(1, cu[-1], 2, 16, seed=21)
