@@ -221,6 +221,30 @@ def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, w
     return row
 
 
+CACHE_FLAVOURS = ("hola", "hola_recency")  # the flavours with a HOLA cache read, whose output can be kept
+
+
+def _flavour_rows(args, device) -> list[str]:
+    """The rows' flavour names, each once: ``--flavours`` in order, then with ``--keep-output`` each cache flavour
+    again as ``<flavour>:kept``. A suffix other than ``:kept``, or kept rows that cannot run (no cache flavour, no
+    CUDA device for the Triton backend), stop the script before any row is measured."""
+    names = list(dict.fromkeys(_split(args.flavours)))
+    for name in names:
+        flavour, colon, variant = name.partition(":")
+        if colon and (variant != "kept" or flavour not in CACHE_FLAVOURS):
+            raise SystemExit(f"error: --flavours: {name!r}: the only variant is ':kept', of "
+                             f"{', '.join(CACHE_FLAVOURS)}")
+    if args.keep_output:
+        if device.type != "cuda":
+            raise SystemExit("error: --keep-output: model.save_cache_output needs the Triton backend (a CUDA device)")
+        added = [f"{name}:kept" for name in names if name in CACHE_FLAVOURS]
+        if not added and not any(name.endswith(":kept") for name in names):
+            raise SystemExit(f"error: --keep-output: none of --flavours has a cache read "
+                             f"({', '.join(CACHE_FLAVOURS)})")
+        names = list(dict.fromkeys(names + added))
+    return names
+
+
 def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, args, tokenizer_dir: Path,
                      dump: Path) -> dict:
     """One row for a hola_titan flavour, through ``Trainer.train_step`` (and its ``loss_sum`` for profiling);
@@ -456,9 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     passes = [args.kernel_configs] + (["off"] if args.compare_autotuned else [])
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         tokenizer_dir = _write_tokenizer(Path(tmp) / "tokenizer", args.vocab_size)
-        flavours = _split(args.flavours)
-        if args.keep_output:  # after the plain rows, each flavour that has a cache read again with its output kept
-            flavours += [f"{f}:kept" for f in flavours if f in ("hola", "hola_recency")]
+        flavours = _flavour_rows(args, device)
         jobs = [("ours", flavour, size, t, b) for size in _split(args.sizes) for flavour in flavours
                 for t, b in pairs]
         jobs += [(f"ref:{precision}", name, "340M", t, b) for name in references if name not in skipped

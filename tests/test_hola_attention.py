@@ -913,3 +913,5 @@ def test_the_kept_output_chooses_its_own_dk_dv_launch():
     kept = dict(attn._config("dkdv_kept", 256, cuda))
     kept.pop("DQ_ATOMIC")
     assert kept == attn._config("dkdv", 256, cuda)  # the same tiles: only the variant differs
+    assert attn.kept_output_sums_dq_atomically(256, cuda) and not attn.kept_output_sums_dq_atomically(128, cuda)
+    assert all(attn.CONFIGS["dkdv_kept"][d] is not attn.CONFIGS["dkdv"][d] for d in attn.CONFIGS["dkdv"])

@@ -194,18 +194,31 @@ def test_compare_losses_runs_two_trainers_on_the_same_batches(tmp_path):
                    "train_configs/debug_model.toml", "--training.device", "cpu", "--training.seq_len", "64",
                    "--training.local_batch_size", "2"])
     data = json.loads(out.read_text())
-    a, b = data["losses"]["reference"], data["losses"]["auto metrics.log_freq=1"]
+    a, b = data["losses"]["a"], data["losses"]["b"]
     assert len(a) == len(b) == 2 and a == b  # auto is the reference on a CPU: the same function, bit for bit
-    assert data["paths"]["auto metrics.log_freq=1"]["short_conv"] == "PyTorch reference"
-    assert data["runs"]["auto metrics.log_freq=1"] == ["--model.kernels", "auto", "--metrics.log_freq", "1"]
+    assert data["paths"]["b"]["short_conv"] == "PyTorch reference"
+    assert data["runs"]["b"] == dict(label="model.kernels=auto metrics.log_freq=1",
+                                     overrides=["--model.kernels", "auto", "--metrics.log_freq", "1"])
+    assert "b: model.kernels=auto metrics.log_freq=1" in result.stdout
     assert "max |diff| 0.000e+00" in result.stdout
 
 
-@pytest.mark.parametrize("flags,message", [(["--set-a", "model.kernels"], "expected SECTION.KEY=VALUE"),
-                                           (["--kernels-b", "triton"], "the two runs have the same settings")])
-def test_compare_losses_refuses_a_bad_override_and_two_equal_runs(flags, message):
+SAME = "the two runs have the same settings"
+
+
+@pytest.mark.parametrize("flags,shared,message", [
+    (["--set-a", "model.kernels"], [], "expected SECTION.KEY=VALUE"),
+    (["--set-b", "training.steps=5"], [], "set by this script"),
+    (["--kernels-b", "triton"], [], SAME),
+    # the same settings however they are spelt: in another order, or given to both runs after "--" as well
+    (["--kernels-b", "triton", "--set-a", "model.save_cache_output=true", "--set-a", "metrics.log_freq=2",
+      "--set-b", "metrics.log_freq=2", "--set-b=--model.save_cache_output=true"], [], SAME),
+    (["--kernels-b", "triton", "--set-a", "model.save_cache_output=true"], ["--model.save_cache_output", "true"],
+     SAME),
+    (["--kernels-a", "triton", "--kernels-b", "reference", "--set-a", "model.kernels=reference"], [], SAME)])
+def test_compare_losses_refuses_a_bad_override_and_two_equal_runs(flags, shared, message):
     result = subprocess.run([sys.executable, "scripts/compare_losses.py", *flags, "--", "--job.config_file",
-                             "train_configs/debug_model.toml"], cwd=ROOT, capture_output=True, text=True)
+                             "train_configs/debug_model.toml", *shared], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
@@ -305,6 +318,34 @@ def test_bench_hola_attention_sweep_times_the_configuration_in_use_and_the_match
     attn.CONFIGS["dkdv_kept"] = {64: dict(in_use["dkdv"], DQ_ATOMIC=True)}
     seen = []
     out = bench.sweep(attn, fwd, lambda: seen.append(dict(attn.CONFIGS["dkdv_kept"][64])) or "bwd", 64, 1,
-                      match=re.compile("SEPARATETrue$"), kept=True)
+                      match=re.compile("SEPARATETrue$|TWO_PASS"), kept=True)
     assert "dkdv_BM32_BN32_w4_s2_DQ_ATOMICTrue" in out and any(c.get("SEPARATE") for c in seen), list(out)
-    assert attn.CONFIGS["dkdv"][64] == in_use["dkdv"] and attn.CONFIGS["dkdv_kept"][64].get("DQ_ATOMIC") is True
+    assert not [n for n in out if "TWO_PASS" in n and n != "dq_BM64_BN64_w4_s3_TWO_PASSTrue"], list(out)
+    assert attn.CONFIGS["dkdv"][64] == in_use["dkdv"]
+    assert attn.CONFIGS["dkdv_kept"][64] == dict(in_use["dkdv"], DQ_ATOMIC=True)
+
+
+def test_bench_train_flavour_rows_keep_output_and_refusals():
+    """``bench_train.py``'s row names: each flavour once, ``--keep-output`` adding ``<flavour>:kept`` for the cache
+    flavours on CUDA; an unknown variant, kept rows on a CPU or without a cache flavour stop before any row."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+    spec = importlib.util.spec_from_file_location("bench_train", "scripts/bench_train.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def rows(flavours, keep, device=cuda):
+        return bench._flavour_rows(SimpleNamespace(flavours=flavours, keep_output=keep), device)
+
+    assert rows("hola,gdn,hola", False, cpu) == ["hola", "gdn"]
+    assert rows("hola,gdn,hola_recency", True) == ["hola", "gdn", "hola_recency", "hola:kept", "hola_recency:kept"]
+    assert rows("hola,hola:kept", True) == ["hola", "hola:kept"]
+    for flavours, keep, device, message in [("hola:foo", False, cuda, "the only variant"),
+                                            ("gdn:kept", False, cuda, "the only variant"),
+                                            ("hola", True, cpu, "needs the Triton backend"),
+                                            ("gdn,transformer", True, cuda, "none of --flavours")]:
+        with pytest.raises(SystemExit, match=message):
+            rows(flavours, keep, device)

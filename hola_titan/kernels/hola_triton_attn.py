@@ -24,7 +24,8 @@ written directly; cache rows are read by many blocks, so each block writes its p
 deterministic segmented reduction (stable sort by destination row, fixed order) adds them. The RMSNorm backward is
 linear in the incoming gradient, so every program applies it to its own partial. gamma, sink and gate gradients
 are per-program partial sums reduced by torch in a fixed order: the whole backward is deterministic, except
-with the launch candidate DQ_ATOMIC (see ``VARIANTS``), whose dq sums are atomic adds in no fixed order.
+under DQ_ATOMIC (see ``VARIANTS``), whose dq sums are atomic adds in no fixed order: the launch that a kept
+forward output takes at head dim 256 (``CONFIGS["dkdv_kept"]``), unless torch's deterministic algorithms are on.
 
 Two sources of keys (a call that continues from a cache, :class:`Prefix`): besides the token rows, a small tensor
 of prefix rows (the cache's entries and its unfinished block's buffered tokens) that are keys, never queries. A
@@ -70,7 +71,8 @@ CONFIGS = {
 # products per pair and was 11% faster over the whole cache backward on an H200 (1.88 ms against 2.12 without the
 # kept output and 2.02 with it; without the kept output DQ_ATOMIC's delta pass made it slower, 2.34 ms; LOG
 # 2026-12-03, eleventh session). D 64 and 128 keep the plain table's launch (not timed with the kept output).
-CONFIGS["dkdv_kept"] = {**CONFIGS["dkdv"], 256: dict(CONFIGS["dkdv"][256], DQ_ATOMIC=True)}
+CONFIGS["dkdv_kept"] = {**{d: dict(cfg) for d, cfg in CONFIGS["dkdv"].items()},
+                        256: dict(CONFIGS["dkdv"][256], DQ_ATOMIC=True)}
 _INTERPRET_CONFIG = dict(BM=16, BN=16, num_warps=1, num_stages=1)
 
 # Tests set this to fill every output buffer with NaN before the kernels run, so unwritten elements fail.
@@ -95,6 +97,12 @@ def _empty(*shape, dtype, device):
 # plain kernels (with the same tiles) whatever the variant.
 VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE", "DQ_ATOMIC")}
 VARIANTS["dkdv_kept"] = VARIANTS["dkdv"]
+
+
+def kept_output_sums_dq_atomically(d: int, device: torch.device) -> bool:
+    """Whether a backward with the forward's kept output sums dq by atomic adds (DQ_ATOMIC) at head dim ``d`` on
+    ``device``, when torch's deterministic algorithms are off: what a run's ``paths`` line reports."""
+    return bool(_config("dkdv_kept", d, device).get("DQ_ATOMIC", False))
 
 
 def _config(kind: str, d: int, device: torch.device) -> dict:

@@ -601,11 +601,16 @@ def test_kept_cache_output_matches_reference_given_its_selection(case, dq_atomic
     """``save_cache_output``: the forward also writes the cache read's output and the backward forms delta from
     it (dq in one pass with delta known; with DQ_ATOMIC, no pass at all before the dk/dv programs, and then the
     forward's output columns split over two programs, each storing its half): output and every gradient against
-    the reference, and the kernels that keep and read it did run."""
+    the reference, and the kernels that keep and read it did run; the backward took its dk/dv launch from the kept
+    output's own table."""
     import functools
     if dq_atomic:
         monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
                             dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True, SPLIT=2))
+    kinds = []
+    config = hola_triton_attn._config
+    monkeypatch.setattr(hola_triton_attn, "_config", lambda kind, d, device: kinds.append(kind) or
+                        config(kind, d, device))
     keep = _Launches(hola_triton_attn._cache_fwd_oc_kernel)
     read = _Launches(hola_triton_attn._cache_bwd_dq_oc_kernel)
     monkeypatch.setattr(hola_triton_attn, "_cache_fwd_oc_kernel", keep)
@@ -613,6 +618,7 @@ def test_kept_cache_output_matches_reference_given_its_selection(case, dq_atomic
     backend = functools.partial(hola_attention_triton, save_cache_output=True)
     check_backend_against_reference_given_its_selection(backend, case, seed=case[1] + 7)
     assert (keep.count, read.count) == (1, 1)
+    assert "dkdv_kept" in kinds and "dkdv" not in kinds, kinds
 
 
 def test_kept_cache_output_is_refused_where_it_cannot_apply():
