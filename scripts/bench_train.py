@@ -3,7 +3,9 @@
 For every (flavour, size, seq_len, batch size) it builds a ``Trainer`` (float32 master weights; bf16 compute on
 GPU through the trainer's autocast; the chunked head loss), runs ``--warmup`` steps of ``Trainer.train_step``, then
 times ``--steps`` steps and reports tokens/s, MFU as the trainer defines it (``flops_per_token * tokens/s`` over
-the matmul rate measured on the device, see ``hola_titan/flops.py``), and peak memory. The batches are packed
+the matmul rate measured on the device, see ``hola_titan/flops.py``), and peak memory; each timed step's own time
+is kept too (``step_ms_each``, marked without synchronising) and the table's ``max/med`` column shows the slowest
+step over the median, so that one slow step is seen as such. The batches are packed
 documents with ``cu_seqlens`` as the trainer's ``data.varlen`` makes them (``--no-packed``: one sequence per
 row, as the outside references below are fed). A separate profiling pass
 of ``--steps`` steps then times the phases with a device synchronisation after each: forward (``loss_sum``),
@@ -57,6 +59,7 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -156,6 +159,21 @@ class _Clock:
         self.sync()
         return time.perf_counter()
 
+    def mark(self):
+        """A point in the device's work without a synchronisation: a recorded CUDA event (on the CPU, the wall
+        time), so that marking every step leaves the steps' overlap as the training loop has it."""
+        import torch
+
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, a, b) -> float:
+        """Seconds from mark ``a`` to mark ``b`` (both recorded and, on CUDA, completed)."""
+        return a.elapsed_time(b) / 1e3 if self.device.type == "cuda" else b - a
+
 
 def _reset_peak(device) -> None:
     import torch
@@ -194,9 +212,14 @@ def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, w
         print(f"  warm-up step {i + 1}: {clock.now() - t0:.1f} s", flush=True)
     _reset_peak(device)
     start = clock.now()
+    marks = [clock.mark()]
     for _ in range(steps):
         step()
+        marks.append(clock.mark())
     elapsed = clock.now() - start
+    # Each timed step's own time, so that one slow step (a late compilation, a host stall) shows as itself
+    # rather than only in the mean.
+    each = [1e3 * clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
     peak = peak_memory_gib(device)
     totals = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     for _ in range(steps):
@@ -211,7 +234,9 @@ def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, w
         totals["forward"] += t1 - t0
         totals["backward"] += t2 - t1
         totals["optimizer"] += t3 - t2
+    median = statistics.median(each)
     row = {"tokens_per_s": tokens_per_step * steps / elapsed, "step_ms": 1e3 * elapsed / steps,
+           "step_ms_each": each, "step_ms_median": median, "step_max_over_median": max(each) / median,
            "peak_memory_gib": peak}
     row.update({f"{name}_ms": 1e3 * value / steps for name, value in totals.items()})
     if profile:
@@ -416,7 +441,7 @@ def _print_table(rows: list[dict]) -> None:
     ws = max([13] + [len(str(r["system"])) + 2 for r in rows])
     wf = max([14] + [len(str(r["flavour"])) + 2 for r in rows])
     header = (f"{'system':<{ws}}{'flavour':<{wf}}{'size':<6}{'T':>6}{'B':>4}{'params':>9}{'tok/s':>11}{'MFU':>7}"
-              f"{'mem GiB':>9}{'step ms':>9}{'fwd':>8}{'bwd':>8}{'opt':>7}  precision, note")
+              f"{'mem GiB':>9}{'step ms':>9}{'max/med':>8}{'fwd':>8}{'bwd':>8}{'opt':>7}  precision, note")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -431,7 +456,8 @@ def _print_table(rows: list[dict]) -> None:
                         if on)
         print(f"{r['system']:<{ws}}{r['flavour']:<{wf}}{r['size']:<6}{r['seq_len']:>6}{r['batch_size']:>4}"
               f"{r['num_params'] / 1e6:>8.1f}M{r['tokens_per_s']:>11,.0f}{100 * r['mfu']:>6.1f}%"
-              f"{r['peak_memory_gib']:>9.2f}{r['step_ms']:>9.1f}{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
+              f"{r['peak_memory_gib']:>9.2f}{r['step_ms']:>9.1f}{r.get('step_max_over_median', float('nan')):>8.2f}"
+              f"{r['forward_ms']:>8.1f}{r['backward_ms']:>8.1f}"
               f"{r['optimizer_ms']:>7.1f}  {note}")
 
 

@@ -138,6 +138,9 @@ def test_bench_script_runs_on_cpu_and_writes_rows(tmp_path):
         tokens = row["seq_len"] * row["batch_size"]
         assert 0 < row["step_ms"] < 60_000
         assert row["tokens_per_s"] == pytest.approx(tokens * 1e3 / row["step_ms"], rel=1e-9)
+        # Each timed step's own time: as many as steps, adding up to the timed window (marks between the ends).
+        assert len(row["step_ms_each"]) == 2 and sum(row["step_ms_each"]) <= 2 * row["step_ms"] * (1 + 1e-6)
+        assert row["step_max_over_median"] == pytest.approx(max(row["step_ms_each"]) / row["step_ms_median"])
         assert 0 < row["mfu"] < 1
     assert "reference models skipped" in result.stdout
 
