@@ -121,6 +121,22 @@ def nudge_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model
 
 
+def model_grads(args, tokens: torch.Tensor, cu: torch.Tensor | None, kernels: str, dtype: torch.dtype,
+                nudge: int | None = None) -> tuple[torch.Tensor, dict]:
+    """Logits and parameter gradients (of the mean squared logit) of the model ``args`` describes on the reference
+    backend with ``kernels``, from seed 0's weights in ``dtype``, moved by :func:`nudge_weights` (``nudge``) where
+    given."""
+    torch.manual_seed(0)
+    model = HolaTitanLM(args, backend="reference", kernels=kernels)
+    model.init_weights()
+    model.to(dtype)
+    if nudge is not None:
+        nudge_weights(model, nudge)
+    logits = model(tokens, cu_seqlens=cu)
+    logits.square().mean().backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
 def token_abs_terms(out: torch.Tensor, weight: torch.Tensor, params: list[torch.Tensor], *,
                     batched: bool = True) -> list[torch.Tensor | None]:
     """The sums of absolute terms of parameter gradients that are reductions over tokens.

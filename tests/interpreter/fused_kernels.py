@@ -25,7 +25,7 @@ from hola_titan.models.args import model_args  # noqa: E402
 from hola_titan.models.layers import ShortConvolution, document_positions  # noqa: E402
 from hola_titan.models.model import HolaTitanLM  # noqa: E402
 from hola_titan.ops import resolve_kernels  # noqa: E402
-from helpers import (FP32_FLOOR_UNITS, NUDGED_RUNS, U32, assert_fp32_close, nudge_weights,  # noqa: E402
+from helpers import (FP32_FLOOR_UNITS, NUDGED_RUNS, U32, assert_fp32_close, model_grads,  # noqa: E402
                      token_abs_terms)
 
 
@@ -120,20 +120,6 @@ def test_bad_shapes_name_the_argument():
     assert not short_conv.supports(20, torch.device("cpu")) and short_conv.supports(32, torch.device("cpu"))
 
 
-def _model_grads(args, tokens, cu, kernels, dtype, nudge=None):
-    """Logits and parameter gradients of the debug model with ``kernels``, from seed 0's weights, moved by
-    ``helpers.nudge_weights(nudge)`` where given."""
-    torch.manual_seed(0)
-    model = HolaTitanLM(args, backend="reference", kernels=kernels)
-    model.init_weights()
-    model.to(dtype)
-    if nudge is not None:
-        nudge_weights(model, nudge)
-    logits = model(tokens, cu_seqlens=cu)
-    logits.square().mean().backward()
-    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("flavour", ["hola", "gdn"])
 def test_model_with_the_kernels_equals_the_reference_model(flavour):
     """The whole debug model with ``kernels="triton"`` (fused q|k|v projection and convolution) against the same
@@ -141,12 +127,12 @@ def test_model_with_the_kernels_equals_the_reference_model(flavour):
     args = model_args(flavour, "debug", vocab_size=97, n_layers=2)
     tokens = torch.randint(0, 97, (1, 80))
     cu = torch.tensor([0, 30, 31, 80])
-    exact_logits, exact_grads = _model_grads(args, tokens, cu, "reference", torch.float64)
-    logits, grads = _model_grads(args, tokens, cu, "triton", torch.float32)
-    ref_logits, ref_grads = _model_grads(args, tokens, cu, "reference", torch.float32)
+    exact_logits, exact_grads = model_grads(args, tokens, cu, "reference", torch.float64)
+    logits, grads = model_grads(args, tokens, cu, "triton", torch.float32)
+    ref_logits, ref_grads = model_grads(args, tokens, cu, "reference", torch.float32)
     assert_fp32_close(logits, ref_logits, exact_logits, "logits")
     assert ref_grads.keys() == grads.keys() == exact_grads.keys()
-    nudged = [_model_grads(args, tokens, cu, "reference", torch.float32, nudge=k)[1] for k in range(NUDGED_RUNS)]
+    nudged = [model_grads(args, tokens, cu, "reference", torch.float32, nudge=k)[1] for k in range(NUDGED_RUNS)]
 
     def rel_err(got, name):
         exact = exact_grads[name]

@@ -20,21 +20,13 @@ U = 2.0 ** -24
 
 def run(flavour, first, last, out):
     import torch
-    from helpers import nudge_weights
+    from helpers import model_grads
     from hola_titan.models.args import model_args
-    from hola_titan.models.model import HolaTitanLM
 
     torch.set_num_threads(1)
 
     def grads(args, tokens, cu, kernels, dtype, nudge=None):
-        torch.manual_seed(0)
-        m = HolaTitanLM(args, backend="reference", kernels=kernels)
-        m.init_weights()
-        m.to(dtype)
-        if nudge is not None:
-            nudge_weights(m, nudge)
-        m(tokens, cu_seqlens=cu).square().mean().backward()
-        return {n: p.grad for n, p in m.named_parameters()}
+        return model_grads(args, tokens, cu, kernels, dtype, nudge)[1]
 
     rows = {}
     for seed in range(first, last):
