@@ -440,14 +440,12 @@ class Trainer:
             paths["attention_backend"] = f"{self.attention_backend} ({self._backend_why})" + (
                 ", overlapped backward" if config.model.overlap_backward and self.attention_backend == "triton" else "")
             if self.model_args.evict != "none" and self.attention_backend == "triton":
-                from hola_titan.kernels.hola_triton_attn import kept_output_sums_dq_atomically
-                atomic = (kept_output_sums_dq_atomically(self.model_args.head_dim, self.device)
-                          and not config.training.deterministic)
-                paths["cache_backward"] = (
-                    "delta from the kept cache-read output (model.save_cache_output"
-                    + ("; dq summed by the dk/dv programs with atomic adds, in no fixed order" if atomic else "")
-                    + ("; continuing context-parallel shards over the keys)" if self.dims.cp > 1 else ")")
-                    if config.model.save_cache_output else "delta over the cache's keys (output not kept)")
+                from hola_titan.kernels.hola_triton_attn import describe_cache_backward
+                paths["cache_backward"] = describe_cache_backward(
+                    self.model_args.head_dim, self._compute_dtype(), self.device,
+                    kept_output=config.model.save_cache_output, deterministic=config.training.deterministic) + (
+                    "; continuing context-parallel shards run the Triton kernels, delta over the keys"
+                    if self.dims.cp > 1 else "")
             paths["short_conv"] = ("triton (fused q|k|v, hola_titan/kernels/short_conv.py) where it applies, else "
                                    "PyTorch" if self.kernels == "triton" else "PyTorch reference")
             paths["kernel_configs"] = self.kernel_configs.describe()

@@ -10,6 +10,8 @@ Rows (medians of ``triton.testing.do_bench``, CUDA events):
 - ``hola_triton_overlap``: the Triton backend with ``overlap_backward=True`` (cache backward on a side stream);
 - ``hola_triton_keep``: the Triton backend with ``save_cache_output=True`` (the backward forms delta from the
   kept cache-read output; its peak memory shows the extra tensor);
+- ``hola_triton_tbwd`` / ``hola_triton_keep_tbwd``: the same two with the cache-read backward pinned to the Triton
+  kernels (``hola_triton_attn.BACKWARD``), where the default runs the Gluon ones (sm_90, D 256);
 - ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` with 16 heads x 64;
 - the forward stages of the Triton backend (state path + score, selection, cache attention) and the cache
   attention backward, to show where the time goes.
@@ -61,8 +63,8 @@ def parse_args():
                    help="stage rows and sweep: the cache op keeping its output for the backward (save_cache_output)")
     p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--rows", action="store_true", help="B rows of T tokens instead of one packed row")
-    p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_triton_overlap,hola_triton_keep,hola_sdpa,"
-                                      "sdpa_causal",
+    p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_triton_overlap,hola_triton_keep,"
+                                      "hola_triton_tbwd,hola_triton_keep_tbwd,hola_sdpa,sdpa_causal",
                    help="comma-separated rows to time (default: all)")
     p.add_argument("--kernel-configs", default="auto", help=CHOICE_HELP)
     p.add_argument("--profile", action="store_true",
@@ -125,7 +127,22 @@ def main():
     fla_gdn.ensure_backward_checked(dp, device)
     meta["fla_640"] = dict(guard_applies=fla_gdn.guard_applies(device), head_dim=dp,
                            errors=fla_gdn._CHECKED.get((device.index or 0, dp)), seconds=round(time.time() - t0, 1))
+    meta["cache_backward"] = hola_triton_attn.backward_kernels(d, torch.bfloat16, device)
     print("meta:", json.dumps(meta))
+
+    def triton_backward(fn):
+        """``fn`` with the cache-read backward pinned to the Triton kernels."""
+        def pinned(*a):
+            saved = hola_triton_attn.BACKWARD.get(d)
+            hola_triton_attn.BACKWARD[d] = "triton"
+            try:
+                return fn(*a)
+            finally:
+                if saved is None:
+                    del hola_triton_attn.BACKWARD[d]
+                else:
+                    hola_triton_attn.BACKWARD[d] = saved
+        return pinned
     results = []
     for t in args.seq_lens:
         b = max(1, args.tokens // t)
@@ -167,6 +184,8 @@ def main():
         items = {"gdn_fla": (gdn_fla, x[:5]), "gdn_adapter": (hola("triton", "none"), x[:5]),
                  "hola_triton": (hola("triton"), x), "hola_triton_overlap": (hola("triton", overlap_backward=True), x),
                  "hola_triton_keep": (hola("triton", keep=True), x),
+                 "hola_triton_tbwd": (triton_backward(hola("triton")), x),
+                 "hola_triton_keep_tbwd": (triton_backward(hola("triton", keep=True)), x),
                  "hola_sdpa": (hola("sdpa"), x),
                  "sdpa_causal": (sdpa_causal, [qa, ka, va])}
         wanted = set(_names(args.items))
@@ -214,21 +233,31 @@ def main():
                                          out[4] if args.keep_output else None)
             bwd_fn()
             row["stage_cache_bwd_ms"] = bench(bwd_fn, None, args.rep_ms)
+            row["stage_cache_bwd_kernels"] = hola_triton_attn.backward_kernels(d, q.dtype, device)[0]
+            if row["stage_cache_bwd_kernels"] != "triton":
+                triton_bwd_fn = triton_backward(bwd_fn)
+                triton_bwd_fn()
+                row["stage_cache_bwd_triton_ms"] = bench(triton_bwd_fn, None, args.rep_ms)
             # The read's FLOPs: 4 D per (query, key) pair read forward (q k^T and p v), 2.5 times that backward
             # (FlashAttention's convention: five products against two; the dq pass's sum of p kc is not counted).
             pairs = cache_pairs(sel, table)
             row["cache_pairs"] = pairs
             row["stage_cache_fwd_tflops"] = 4 * d * pairs / (row["stage_cache_fwd_ms"] * 1e9)
             row["stage_cache_bwd_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_ms"] * 1e9)
+            if "stage_cache_bwd_triton_ms" in row:
+                row["stage_cache_bwd_triton_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_triton_ms"] * 1e9)
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
-                row["sweep"] = sweep(hola_triton_attn, fwd_fn, bwd_fn, d, args.rep_ms, match=args.sweep_match,
-                                    kept=args.keep_output)
+                # The sweep's launch tables are the Triton kernels'.
+                row["sweep"] = sweep(hola_triton_attn, fwd_fn, triton_backward(bwd_fn), d, args.rep_ms,
+                                     match=args.sweep_match, kept=args.keep_output)
         if args.profile:
-            profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap", "hola_triton_keep")
+            profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap", "hola_triton_keep",
+                        "hola_triton_tbwd")
             row["profile"] = {name: profile(fn, grads, row.get(name + "_ms"))
                               for name, (fn, grads) in items.items() if name in profiled}
         if "gdn_fla_ms" in row:
-            for name in ("hola_triton", "hola_triton_overlap", "hola_triton_keep", "hola_sdpa", "gdn_adapter"):
+            for name in ("hola_triton", "hola_triton_overlap", "hola_triton_keep", "hola_triton_tbwd",
+                         "hola_triton_keep_tbwd", "hola_sdpa", "gdn_adapter"):
                 if name + "_ms" in row:
                     row[name + "_over_gdn"] = row[name + "_ms"] / row["gdn_fla_ms"]
                     row[name + "_mem_over_gdn"] = row[name + "_peak_mib"] / row["gdn_fla_peak_mib"]
@@ -342,13 +371,15 @@ def print_table(results):
     cols = [("T", "T"), ("B", "B"), ("gdn_fla_ms", "GDN ms"), ("gdn_adapter_ms", "adapter ms"),
             ("hola_triton_ms", "HOLA triton ms"), ("hola_triton_overlap_ms", "overlap ms"),
             ("hola_triton_keep_ms", "keep ms"), ("hola_triton_keep_mem_over_gdn", "mem keep/GDN"),
+            ("hola_triton_tbwd_ms", "triton bwd ms"), ("hola_triton_keep_tbwd_ms", "keep triton bwd ms"),
             ("hola_sdpa_ms", "HOLA sdpa ms"),
             ("sdpa_causal_ms", "SDPA causal ms"),
             ("hola_triton_over_gdn", "triton/GDN"), ("hola_sdpa_over_gdn", "sdpa/GDN"),
             ("hola_triton_over_sdpa_causal", "triton/SDPA"), ("hola_triton_mem_over_gdn", "mem triton/GDN"),
             ("stage_state_fwd_ms", "state fwd"), ("stage_select_ms", "select"), ("stage_cache_fwd_ms", "cache fwd"),
-            ("stage_cache_bwd_ms", "cache bwd"), ("stage_cache_fwd_tflops", "fwd TFLOP/s"),
-            ("stage_cache_bwd_tflops", "bwd TFLOP/s")]
+            ("stage_cache_bwd_ms", "cache bwd"), ("stage_cache_bwd_triton_ms", "cache bwd triton"),
+            ("stage_cache_fwd_tflops", "fwd TFLOP/s"), ("stage_cache_bwd_tflops", "bwd TFLOP/s"),
+            ("hola_triton_tbwd_over_gdn", "triton bwd/GDN")]
     print(" | ".join(c[1] for c in cols))
     for r in results:
         cells = []

@@ -174,6 +174,12 @@ CANDIDATES = [("dkdv", dict(BM=16, BN=64, num_warps=8, num_stages=2)),
               ("dkdv", dict(BM=32, BN=64, num_warps=8, num_stages=2, DQ_ATOMIC=True))]
 
 
+def _triton_backward(monkeypatch):
+    """Pin the fresh call's backward at D 256 to the Triton kernels (the default on sm_90 is Gluon's), for tests of
+    Triton launch variants."""
+    monkeypatch.setitem(hola_triton_attn.BACKWARD, 256, "triton")
+
+
 def _plain_backward(monkeypatch):
     """Pin the dk/dv configurations (with and without a kept output) to ones without DQ_ATOMIC, for tests that
     compare two runs bit for bit."""
@@ -185,6 +191,7 @@ def _plain_backward(monkeypatch):
 @pytest.mark.parametrize("kind,cfg", CANDIDATES,
                          ids=[kind + "-" + "-".join(f"{k}{v}" for k, v in c.items()) for kind, c in CANDIDATES])
 def test_launch_candidates_against_reference_and_sdpa(kind, cfg, monkeypatch):
+    _triton_backward(monkeypatch)
     monkeypatch.setitem(hola_triton_attn.CONFIGS[kind], 256, cfg)
     atomic = _Launches(hola_triton_attn._cache_bwd_dkdv_dq_kernel)
     monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dkdv_dq_kernel", atomic)
@@ -197,9 +204,11 @@ def test_launch_candidates_against_reference_and_sdpa(kind, cfg, monkeypatch):
 @pytest.mark.parametrize("dq_atomic", [False, True], ids=["dq_pass", "DQ_ATOMIC"])
 def test_kept_cache_output_against_reference_and_sdpa(dq_atomic, monkeypatch):
     """``save_cache_output``: delta from the forward's kept output (bf16 here, as in training), dq in one pass
-    with it or summed by the dk/dv programs; the same bounds as the default path."""
+    with it or summed by the dk/dv programs; the same bounds as the default path. (The Triton kernels; the Gluon
+    ones' kept-output form is in test_gluon_backward_against_reference_and_sdpa.)"""
     import functools
     import sys
+    _triton_backward(monkeypatch)
     # The kept output's own table (CONFIGS["dkdv_kept"]), with the variant set either way.
     plain = {k: v for k, v in hola_triton_attn.CONFIGS["dkdv_kept"][256].items() if k != "DQ_ATOMIC"}
     monkeypatch.setitem(hola_triton_attn.CONFIGS["dkdv_kept"], 256, dict(plain, DQ_ATOMIC=True) if dq_atomic else plain)
@@ -213,6 +222,37 @@ def test_kept_cache_output_against_reference_and_sdpa(dq_atomic, monkeypatch):
     for case in (CASES[1], CASES[4]):  # packed documents with fla's state path; rows with the reference's
         test_triton_backend_against_reference_and_sdpa(case)
     assert read.count > 0 and (atomic.count > 0) == dq_atomic, (read.count, atomic.count)
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["delta_pass", "kept_output"])
+def test_gluon_backward_against_reference_and_sdpa(kept, monkeypatch):
+    """The Gluon backward (hola_gluon_attn.py; the default at D 256 on sm_90) under the same bounds as the Triton
+    kernels: packed documents with length-1 documents, window 8 and 0, rows with the reference state path; with
+    and without the kept output (delta from it, one accumulator). The launch counts show the Gluon kernels ran and
+    the Triton ones did not."""
+    import functools
+    import sys
+    from hola_titan.kernels import hola_gluon_attn
+    if torch.cuda.get_device_capability(DEVICE)[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    monkeypatch.setitem(hola_triton_attn.BACKWARD, 256, "gluon")
+    if kept:
+        module = sys.modules[__name__]
+        monkeypatch.setattr(module, "hola_attention_triton",
+                            functools.partial(module.hola_attention_triton, save_cache_output=True))
+    launches = {}
+    for name in ("_cache_bwd_dq_gluon_kernel", "_cache_bwd_dkdv_gluon_kernel"):
+        launches[name] = _Launches(getattr(hola_gluon_attn, name))
+        monkeypatch.setattr(hola_gluon_attn, name, launches[name])
+    for name in ("_cache_bwd_dq_kernel", "_cache_bwd_dq_oc_kernel", "_cache_bwd_dkdv_kernel"):
+        launches[name] = _Launches(getattr(hola_triton_attn, name))
+        monkeypatch.setattr(hola_triton_attn, name, launches[name])
+    for case in (CASES[0], CASES[1], CASES[2], CASES[4]):
+        test_triton_backend_against_reference_and_sdpa(case)
+    counts = {name: launch.count for name, launch in launches.items()}
+    assert counts["_cache_bwd_dq_gluon_kernel"] > 0 and counts["_cache_bwd_dkdv_gluon_kernel"] > 0, counts
+    assert not any(counts[name] for name in ("_cache_bwd_dq_kernel", "_cache_bwd_dq_oc_kernel",
+                                              "_cache_bwd_dkdv_kernel")), counts
 
 
 def test_fla_adapter_is_bit_identical_to_fla_and_scores_match_reference():
@@ -343,9 +383,14 @@ def test_compiled_backend_is_one_graph_and_matches_eager():
         assert rel(a, e) < 1e-3, f"d{name}: compiled vs eager {rel(a, e):.2e}"
 
 
-def test_cache_backward_is_deterministic(monkeypatch):
-    """Cache rows read by many blocks get their gradient by a fixed-order reduction: two runs are identical."""
+@pytest.mark.parametrize("kernels", ["gluon", "triton"])
+def test_cache_backward_is_deterministic(kernels, monkeypatch):
+    """Cache rows read by many blocks get their gradient by a fixed-order reduction: two runs are identical (the
+    Gluon and the Triton backward)."""
     _plain_backward(monkeypatch)
+    if kernels == "gluon" and torch.cuda.get_device_capability(DEVICE)[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    monkeypatch.setitem(hola_triton_attn.BACKWARD, 256, kernels)
     from hola_titan.kernels.hola_triton_ops import cache_attn_bwd_op, cache_attn_op
     b, t, h, d, window, block = 1, 4096, 4, 256, 64, 256
     cu = torch.tensor([0, 1, 2000, 2001, 4096], device=DEVICE)

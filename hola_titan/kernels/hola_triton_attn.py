@@ -99,10 +99,53 @@ VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE", "DQ_ATO
 VARIANTS["dkdv_kept"] = VARIANTS["dkdv"]
 
 
+# Which kernels run a fresh call's backward, per head dim, on a GPU that has Hopper's warpgroup MMA (sm_90): "gluon"
+# (:mod:`hola_titan.kernels.hola_gluon_attn`, 64 x 64 warpgroup-MMA tiles) or "triton" (the kernels here, with the
+# CONFIGS launches). Timed on an H200 at D 256 (docs/LOG.md, 2026-12-03 twelfth session). Elsewhere (other head dims
+# and GPUs, float32, Triton's interpreter, a call continuing from a cache) the Triton kernels run;
+# :func:`backward_kernels` says which and why, and a run's ``paths`` line reports it.
+BACKWARD = {256: "gluon"}
+
+
+def backward_kernels(d: int, dtype: torch.dtype, device: torch.device, *, continuing: bool = False) -> tuple[str, str]:
+    """("gluon" or "triton", why) for a cache-read backward at head dim ``d`` in ``dtype`` on ``device``."""
+    if BACKWARD.get(d, "triton") != "gluon":
+        return "triton", f"the launch table names Triton at head dim {d}"
+    from hola_titan.kernels import hola_gluon_attn
+    if device.type != "cuda":
+        return "triton", "Gluon kernels need a GPU (Triton's interpreter runs the Triton kernels)"
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        major, minor = torch.cuda.get_device_capability(device)
+        return "triton", f"the Gluon kernels use sm_90's warpgroup MMA; this GPU is sm_{major}{minor}"
+    if hola_gluon_attn.GLUON_MISSING:
+        return "triton", f"this Triton has no Gluon ({hola_gluon_attn.GLUON_MISSING})"
+    if str(dtype).removeprefix("torch.") not in hola_gluon_attn.DTYPES:
+        return "triton", f"the Gluon kernels take bf16/fp16 inputs, not {dtype}"
+    if continuing:
+        return "triton", "a call continuing from a cache (prefix rows) runs the Triton kernels"
+    return "gluon", "warpgroup-MMA tiles on sm_90 (hola_gluon_attn.py)"
+
+
 def kept_output_sums_dq_atomically(d: int, device: torch.device) -> bool:
     """Whether a backward with the forward's kept output sums dq by atomic adds (DQ_ATOMIC) at head dim ``d`` on
-    ``device``, when torch's deterministic algorithms are off: what a run's ``paths`` line reports."""
+    ``device``, when torch's deterministic algorithms are off and the Triton kernels run it: what a run's ``paths``
+    line reports."""
     return bool(_config("dkdv_kept", d, device).get("DQ_ATOMIC", False))
+
+
+def describe_cache_backward(d: int, dtype: torch.dtype, device: torch.device, *, kept_output: bool,
+                            deterministic: bool) -> str:
+    """A run's ``paths.cache_backward`` line: the kernels of a fresh call's cache-read backward and where its
+    ``delta`` comes from."""
+    kernels, why = backward_kernels(d, dtype, device)
+    if kernels == "gluon":
+        text = "Gluon kernels (hola_gluon_attn.py: " + why.split(" (")[0] + ")"
+    else:
+        text = f"Triton kernels ({why})"
+        if kept_output and kept_output_sums_dq_atomically(d, device) and not deterministic:
+            text += "; dq summed by the dk/dv programs with atomic adds, in no fixed order"
+    return text + ("; delta from the kept cache-read output (model.save_cache_output)" if kept_output else
+                   "; delta over the cache's keys (output not kept)")
 
 
 def _config(kind: str, d: int, device: torch.device) -> dict:
@@ -928,6 +971,64 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     return o, lse, rq, rk, rka
 
 
+def _dq_partials(rows: int, h: int, d: int, device):
+    """The dq programs' per-program partial sums of the gamma_q, sink and gate gradients (every one written, zeros
+    past a block's end: no fill launches)."""
+    return (_empty(rows, h, d, dtype=torch.float32, device=device), _empty(rows, h, dtype=torch.float32, device=device),
+            _empty(rows, h, dtype=torch.float32, device=device))
+
+
+def _dkdv_partials(num_blocks: int, nkt: int, h: int, window: int, d: int, device):
+    """The dk/dv programs' outputs besides dk and dv: the cache slots' float32 partials, their destination rows
+    (token * H + head; a prefix row a: A_BASE + a * H + head; empty slots: the sentinel, sorted last), the
+    per-program gamma_k partials; and (slots, sentinel)."""
+    num_slots = num_blocks * h * window
+    pdk = _empty(max(num_slots, 1), d, dtype=torch.float32, device=device)
+    pdv = _empty(max(num_slots, 1), d, dtype=torch.float32, device=device)
+    dgk_part = _empty(num_blocks * nkt, h, d, dtype=torch.float32, device=device)
+    dest = _empty(max(num_slots, 1), dtype=torch.int64, device=device)
+    return pdk, pdv, dgk_part, dest, num_slots, torch.iinfo(torch.int64).max
+
+
+def _reduce_cache_partials(dest, pdk, pdv, dk, dv, num_slots: int, sentinel: int, d: int) -> None:
+    """Add the cache slots' float32 partials into the rows they name, in a fixed order (a stable sort by row)."""
+    if num_slots:
+        dest_sorted, order = torch.sort(dest, stable=True)
+        _scatter_cache_grads_kernel[(num_slots,)](dest_sorted, order, pdk, pdv, dk, dv, num_slots, sentinel,
+                                                  D=d, num_warps=1 if d <= 64 else 2)
+
+
+def _cache_attention_bwd_gluon(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, *,
+                               block: int, window: int, o_cache: torch.Tensor | None):
+    """A fresh call's backward by the Gluon kernels (:mod:`hola_titan.kernels.hola_gluon_attn`): the same outputs
+    as the Triton launches below, from the same partial sums and the same fixed-order reduction of the cache rows."""
+    from hola_titan.kernels import hola_gluon_attn as gluon_attn
+    h, d = q.shape[-2], q.shape[-1]
+    num_blocks = blk_start.shape[0]
+    num_tokens = q.numel() // (h * d)
+    device = q.device
+    scale = d ** -0.5
+    bm, bn, warps = gluon_attn.CONFIG["BM"], gluon_attn.CONFIG["BN"], gluon_attn.CONFIG["num_warps"]
+    nqt = triton.cdiv(block, bm)
+    nct = triton.cdiv(window, bn)
+    nkt = nct + triton.cdiv(block, bn)
+    delta = _empty(num_tokens, h, dtype=torch.float32, device=device)
+    dq = _empty(*q.shape, dtype=q.dtype, device=device)
+    dgq_part, dsink_part, dgate_part = _dq_partials(num_blocks * nqt, h, d, device)
+    gluon_attn._cache_bwd_dq_gluon_kernel[(num_blocks * nqt, h)](
+        q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, dq, dgq_part,
+        dsink_part, dgate_part, do if o_cache is None else o_cache, h, nqt, scale, window, D=d, BM=bm, BN=bn,
+        HAS_OC=o_cache is not None, num_warps=warps)
+    dk = _empty(*k.shape, dtype=k.dtype, device=device)
+    dv = _empty(*v.shape, dtype=v.dtype, device=device)
+    pdk, pdv, dgk_part, dest, num_slots, sentinel = _dkdv_partials(num_blocks, nkt, h, window, d, device)
+    gluon_attn._cache_bwd_dkdv_gluon_kernel[(num_blocks * nkt, h)](
+        q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv, pdk, pdv,
+        dgk_part, dest, sentinel, h, nkt, nct, scale, window, D=d, BM=bm, BN=bn, num_warps=warps)
+    _reduce_cache_partials(dest, pdk, pdv, dk, dv, num_slots, sentinel, d)
+    return dq, dk, dv, dgq_part.sum((0, 1)), dgk_part.sum((0, 1)), dsink_part.sum(0), dgate_part.sum(0)
+
+
 def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, *,
                         block: int, window: int, prefix: Prefix | None = None, rka: torch.Tensor | None = None,
                         o_cache: torch.Tensor | None = None):
@@ -941,10 +1042,7 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     device = q.device
     scale = d ** -0.5
     prec = _dot_precision(q.dtype)
-    # Written by the dq programs for every query row of a block; the dk/dv programs read only those rows.
-    delta = _empty(num_tokens, h, dtype=torch.float32, device=device)
     sel = sel if sel.numel() else blk_start  # window 0: never read, but Triton needs a valid pointer
-    dq = _empty(*q.shape, dtype=q.dtype, device=device)
     dkdv_cfg = _config("dkdv" if o_cache is None else "dkdv_kept", d, device)
     separate, dq_atomic = dkdv_cfg.pop("SEPARATE", False), dkdv_cfg.pop("DQ_ATOMIC", False)
     if separate and dq_atomic:
@@ -955,13 +1053,16 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     if o_cache is not None and (o_cache.shape != q.shape or o_cache.dtype != q.dtype or not o_cache.is_contiguous()):
         raise ValueError(f"o_cache: expected q's shape {list(q.shape)} and dtype {q.dtype}, contiguous; got "
                          f"{list(o_cache.shape)} {o_cache.dtype}{'' if o_cache.is_contiguous() else ', strided'}")
+    if num_blocks and backward_kernels(d, q.dtype, device, continuing=prefix is not None)[0] == "gluon":
+        return _cache_attention_bwd_gluon(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start,
+                                          blk_len, block=block, window=window, o_cache=o_cache)
+    # Written by the dq programs for every query row of a block; the dk/dv programs read only those rows.
+    delta = _empty(num_tokens, h, dtype=torch.float32, device=device)
+    dq = _empty(*q.shape, dtype=q.dtype, device=device)
     cfg = _config("dq", d, device)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nqt = triton.cdiv(block, bm)
-    # Per-program partials, every one written (zeros past a block's end): no fill launches.
-    dgq_part = _empty(num_blocks * nqt, h, d, dtype=torch.float32, device=device)
-    dsink_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
-    dgate_part = _empty(num_blocks * nqt, h, dtype=torch.float32, device=device)
+    dgq_part, dsink_part, dgate_part = _dq_partials(num_blocks * nqt, h, d, device)
     two_pass = cfg.pop("TWO_PASS", False)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
     # The query tiles' grid and launch, which the DQ_ATOMIC epilogue after the dk/dv programs takes too.
@@ -1000,14 +1101,7 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nct = triton.cdiv(window, bn)
     nkt = nct + triton.cdiv(block, bn)
-    num_slots = num_blocks * h * window
-    pdk = _empty(max(num_slots, 1), d, dtype=torch.float32, device=device)
-    pdv = _empty(max(num_slots, 1), d, dtype=torch.float32, device=device)
-    dgk_part = _empty(num_blocks * nkt, h, d, dtype=torch.float32, device=device)
-    # Destination row of every cache slot (token * H + head; a prefix row a: A_BASE + a * H + head), written by the
-    # cache tiles; empty slots sort last.
-    sentinel = torch.iinfo(torch.int64).max
-    dest = _empty(max(num_slots, 1), dtype=torch.int64, device=device)
+    pdk, pdv, dgk_part, dest, num_slots, sentinel = _dkdv_partials(num_blocks, nkt, h, window, d, device)
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=prec, **cfg)
     if prefix is None:
         if num_blocks and dq_atomic:
@@ -1025,10 +1119,7 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
                 _cache_bwd_dkdv_separate_kernel[(num_blocks * nkt, h)](
                     q, k, v, do, lse, delta, rq, rk, gamma_q, gamma_k, gate, sel, blk_start, blk_len, dk, dv,
                     pdk, pdv, dgk_part, dest, sentinel, h, nkt, nct, scale, MODE=mode, **common)
-        if num_slots:
-            dest_sorted, order = torch.sort(dest, stable=True)
-            _scatter_cache_grads_kernel[(num_slots,)](dest_sorted, order, pdk, pdv, dk, dv, num_slots, sentinel,
-                                                      D=d, num_warps=1 if d <= 64 else 2)
+        _reduce_cache_partials(dest, pdk, pdv, dk, dv, num_slots, sentinel, d)
         # The gate's partials carry sigmoid'(gate) already.
         return dq, dk, dv, dgq_part.sum((0, 1)), dgk_part.sum((0, 1)), dsink_part.sum(0), dgate_part.sum(0)
     # The prefix rows that no block reads in-block (the cache's entries, unused buffer slots) get only the cache

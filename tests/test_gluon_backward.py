@@ -1,0 +1,115 @@
+"""The Gluon cache-read backward (``hola_titan/kernels/hola_gluon_attn.py``) on a CPU: which kernels a backward
+takes and what a run reports, and the kernels compiled for sm_90a here (Gluon has no interpreter: the GPU suite
+checks their results against the reference)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from hola_titan.kernels import hola_gluon_attn, hola_triton_attn as attn  # noqa: E402
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """A CUDA device that reports sm_90 (the choice reads only the capability)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    return torch.device("cuda")
+
+
+def test_the_gluon_backward_runs_at_d256_bf16_fresh_calls_on_sm90_only(hopper, monkeypatch):
+    if hola_gluon_attn.GLUON_MISSING:
+        pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
+    assert attn.backward_kernels(256, torch.bfloat16, hopper) == ("gluon", "warpgroup-MMA tiles on sm_90 "
+                                                                  "(hola_gluon_attn.py)")
+    assert attn.backward_kernels(256, torch.float16, hopper)[0] == "gluon"
+    # Every other case runs the Triton kernels, and says why.
+    cases = {(128, torch.bfloat16, hopper, False): "launch table names Triton at head dim 128",
+             (256, torch.float32, hopper, False): "bf16/fp16 inputs, not torch.float32",
+             (256, torch.bfloat16, hopper, True): "continuing from a cache",
+             (256, torch.bfloat16, torch.device("cpu"), False): "need a GPU"}
+    for (d, dtype, device, continuing), why in cases.items():
+        kernels, reason = attn.backward_kernels(d, dtype, device, continuing=continuing)
+        assert kernels == "triton" and why in reason, (d, dtype, device, continuing, reason)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    kernels, reason = attn.backward_kernels(256, torch.bfloat16, hopper)
+    assert kernels == "triton" and "this GPU is sm_100" in reason
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(hola_gluon_attn, "GLUON_MISSING", "ImportError: no gluon")
+    assert attn.backward_kernels(256, torch.bfloat16, hopper) == ("triton", "this Triton has no Gluon (ImportError: "
+                                                                  "no gluon)")
+    monkeypatch.setitem(attn.BACKWARD, 256, "triton")
+    assert attn.backward_kernels(256, torch.bfloat16, hopper)[0] == "triton"
+
+
+def test_the_paths_line_names_the_kernels_and_where_delta_comes_from(hopper, monkeypatch):
+    if hola_gluon_attn.GLUON_MISSING:
+        pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
+    line = attn.describe_cache_backward(256, torch.bfloat16, hopper, kept_output=False, deterministic=False)
+    assert line == ("Gluon kernels (hola_gluon_attn.py: warpgroup-MMA tiles on sm_90); delta over the cache's keys "
+                    "(output not kept)")
+    # The Gluon kernels sum dq without atomic adds, kept output or not.
+    line = attn.describe_cache_backward(256, torch.bfloat16, hopper, kept_output=True, deterministic=False)
+    assert "atomic" not in line and line.endswith("delta from the kept cache-read output (model.save_cache_output)")
+    cpu = attn.describe_cache_backward(256, torch.float32, torch.device("cpu"), kept_output=False,
+                                       deterministic=False)
+    assert cpu.startswith("Triton kernels (Gluon kernels need a GPU")
+    monkeypatch.setitem(attn.BACKWARD, 256, "triton")
+    line = attn.describe_cache_backward(256, torch.bfloat16, hopper, kept_output=True, deterministic=False)
+    assert line.startswith("Triton kernels (the launch table names Triton at head dim 256); dq summed by the dk/dv "
+                           "programs with atomic adds, in no fixed order;"), line
+    line = attn.describe_cache_backward(256, torch.bfloat16, hopper, kept_output=True, deterministic=True)
+    assert "atomic" not in line
+
+
+# Constexprs of the kernels as the backward launches them (hola_triton_attn._cache_attention_bwd_gluon).
+_TYPES = {"sel_ptr": "*i32", "blk_start_ptr": "*i32", "blk_len_ptr": "*i32", "dest_ptr": "*i64", "SENTINEL": "i64",
+          "H": "i32", "NQT": "i32", "NKT": "i32", "NCT": "i32", "W": "i32", "scale": "fp32"}
+_BF16 = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "oc_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
+
+
+def _compile_for_hopper(name: str, **constexprs) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    fn = getattr(hola_gluon_attn, name)
+    names = fn.arg_names
+    constexprs = dict(D=256, **hola_gluon_attn.CONFIG, **constexprs)
+    signature = {n: "constexpr" if n in constexprs else _TYPES.get(n, "*bf16" if n in _BF16 else "*fp32")
+                 for n in names}
+    consts = {(names.index(n),): v for n, v in constexprs.items()}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}
+    kernel = triton.compile(GluonASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=constexprs["num_warps"]))
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.cubin").write_bytes(kernel.asm["cubin"])
+        report = subprocess.run([str(cuobjdump), "--dump-resource-usage", "k.cubin"], cwd=tmp, capture_output=True,
+                                text=True, check=True).stdout
+    ptx = kernel.asm["ptx"]
+    return {"registers": int(re.search(r"\bREG:(\d+)", report).group(1)), "shared": kernel.metadata.shared,
+            "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+            "wgmma_waits": ptx.count("wgmma.wait_group")}
+
+
+# Warpgroup-MMA instructions per step: S and dP (16 each at K = 256), and 4 per accumulating product (K = 64).
+@pytest.mark.parametrize("name,constexprs,products", [("_cache_bwd_dq_gluon_kernel", dict(HAS_OC=False), 40),
+                                                      ("_cache_bwd_dq_gluon_kernel", dict(HAS_OC=True), 36),
+                                                      ("_cache_bwd_dkdv_gluon_kernel", {}, 40)],
+                         ids=["dq", "dq_kept_output", "dkdv"])
+def test_the_gluon_kernels_compile_for_hopper_on_warpgroup_mma(name, constexprs, products):
+    """With the installed Triton (Gluon's names move between versions: the module takes both spellings), for
+    sm_90a: every product a warpgroup MMA (no mma.sync), within the register file and the 227 KiB of shared memory
+    a block may use."""
+    pytest.importorskip("triton.backends.nvidia")
+    if hola_gluon_attn.GLUON_MISSING:
+        pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
+    got = _compile_for_hopper(name, **constexprs)
+    assert got["mma_sync"] == 0 and got["wgmma"] >= products, got
+    assert got["registers"] <= 255 and got["shared"] <= 227 * 1024, got
