@@ -440,7 +440,10 @@ class Trainer:
             paths["attention_backend"] = f"{self.attention_backend} ({self._backend_why})" + (
                 ", overlapped backward" if config.model.overlap_backward and self.attention_backend == "triton" else "")
             if self.model_args.evict != "none" and self.attention_backend == "triton":
-                from hola_titan.kernels.hola_triton_attn import describe_cache_backward
+                from hola_titan.kernels.hola_triton_attn import describe_cache_backward, describe_cache_forward
+                paths["cache_forward"] = describe_cache_forward(self.model_args.head_dim, self._compute_dtype(),
+                                                                self.device) + (
+                    "; continuing context-parallel shards run the Triton kernels" if self.dims.cp > 1 else "")
                 paths["cache_backward"] = describe_cache_backward(
                     self.model_args.head_dim, self._compute_dtype(), self.device,
                     kept_output=config.model.save_cache_output, deterministic=config.training.deterministic) + (

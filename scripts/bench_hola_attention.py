@@ -12,6 +12,7 @@ Rows (medians of ``triton.testing.do_bench``, CUDA events):
   kept cache-read output; its peak memory shows the extra tensor);
 - ``hola_triton_tbwd`` / ``hola_triton_keep_tbwd``: the same two with the cache-read backward pinned to the Triton
   kernels (``hola_triton_attn.BACKWARD``), where the default runs the Gluon ones (sm_90, D 256);
+  ``hola_triton_tall``: forward and backward pinned to the Triton kernels (``FORWARD`` too);
 - ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` with 16 heads x 64;
 - the forward stages of the Triton backend (state path + score, selection, cache attention) and the cache
   attention backward, to show where the time goes.
@@ -64,7 +65,7 @@ def parse_args():
     p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--rows", action="store_true", help="B rows of T tokens instead of one packed row")
     p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_triton_overlap,hola_triton_keep,"
-                                      "hola_triton_tbwd,hola_triton_keep_tbwd,hola_sdpa,sdpa_causal",
+                                      "hola_triton_tbwd,hola_triton_keep_tbwd,hola_triton_tall,hola_sdpa,sdpa_causal",
                    help="comma-separated rows to time (default: all)")
     p.add_argument("--kernel-configs", default="auto", help=CHOICE_HELP)
     p.add_argument("--profile", action="store_true",
@@ -127,22 +128,28 @@ def main():
     fla_gdn.ensure_backward_checked(dp, device)
     meta["fla_640"] = dict(guard_applies=fla_gdn.guard_applies(device), head_dim=dp,
                            errors=fla_gdn._CHECKED.get((device.index or 0, dp)), seconds=round(time.time() - t0, 1))
+    meta["cache_forward"] = hola_triton_attn.forward_kernels(d, torch.bfloat16, device)
     meta["cache_backward"] = hola_triton_attn.backward_kernels(d, torch.bfloat16, device)
     print("meta:", json.dumps(meta))
 
-    def triton_backward(fn):
-        """``fn`` with the cache-read backward pinned to the Triton kernels."""
+    def triton_kernels(fn, tables=(hola_triton_attn.BACKWARD,)):
+        """``fn`` with the cache read's kernels of ``tables`` (``FORWARD``, ``BACKWARD``) pinned to Triton."""
         def pinned(*a):
-            saved = hola_triton_attn.BACKWARD.get(d)
-            hola_triton_attn.BACKWARD[d] = "triton"
+            saved = [table.get(d) for table in tables]
+            for table in tables:
+                table[d] = "triton"
             try:
                 return fn(*a)
             finally:
-                if saved is None:
-                    del hola_triton_attn.BACKWARD[d]
-                else:
-                    hola_triton_attn.BACKWARD[d] = saved
+                for table, value in zip(tables, saved):
+                    if value is None:
+                        del table[d]
+                    else:
+                        table[d] = value
         return pinned
+
+    def triton_backward(fn):
+        return triton_kernels(fn)
     results = []
     for t in args.seq_lens:
         b = max(1, args.tokens // t)
@@ -186,6 +193,8 @@ def main():
                  "hola_triton_keep": (hola("triton", keep=True), x),
                  "hola_triton_tbwd": (triton_backward(hola("triton")), x),
                  "hola_triton_keep_tbwd": (triton_backward(hola("triton", keep=True)), x),
+                 "hola_triton_tall": (triton_kernels(hola("triton"), (hola_triton_attn.FORWARD,
+                                                                       hola_triton_attn.BACKWARD)), x),
                  "hola_sdpa": (hola("sdpa"), x),
                  "sdpa_causal": (sdpa_causal, [qa, ka, va])}
         wanted = set(_names(args.items))
@@ -226,6 +235,11 @@ def main():
                                      table.blk_len, block, window, args.keep_output)
             out = fwd_fn()
             row["stage_cache_fwd_ms"] = bench(fwd_fn, None, args.rep_ms)
+            row["stage_cache_fwd_kernels"] = hola_triton_attn.forward_kernels(d, q.dtype, device)[0]
+            if row["stage_cache_fwd_kernels"] != "triton":
+                triton_fwd_fn = triton_kernels(fwd_fn, (hola_triton_attn.FORWARD,))
+                triton_fwd_fn()
+                row["stage_cache_fwd_triton_ms"] = bench(triton_fwd_fn, None, args.rep_ms)
 
             def bwd_fn():
                 return cache_attn_bwd_op(do, q, k, v, out[1], out[2], out[3], gamma_q, gamma_k, sink, gate, sel,
@@ -243,6 +257,8 @@ def main():
             pairs = cache_pairs(sel, table)
             row["cache_pairs"] = pairs
             row["stage_cache_fwd_tflops"] = 4 * d * pairs / (row["stage_cache_fwd_ms"] * 1e9)
+            if "stage_cache_fwd_triton_ms" in row:
+                row["stage_cache_fwd_triton_tflops"] = 4 * d * pairs / (row["stage_cache_fwd_triton_ms"] * 1e9)
             row["stage_cache_bwd_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_ms"] * 1e9)
             if "stage_cache_bwd_triton_ms" in row:
                 row["stage_cache_bwd_triton_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_triton_ms"] * 1e9)
@@ -257,7 +273,7 @@ def main():
                               for name, (fn, grads) in items.items() if name in profiled}
         if "gdn_fla_ms" in row:
             for name in ("hola_triton", "hola_triton_overlap", "hola_triton_keep", "hola_triton_tbwd",
-                         "hola_triton_keep_tbwd", "hola_sdpa", "gdn_adapter"):
+                         "hola_triton_keep_tbwd", "hola_triton_tall", "hola_sdpa", "gdn_adapter"):
                 if name + "_ms" in row:
                     row[name + "_over_gdn"] = row[name + "_ms"] / row["gdn_fla_ms"]
                     row[name + "_mem_over_gdn"] = row[name + "_peak_mib"] / row["gdn_fla_peak_mib"]
@@ -372,14 +388,16 @@ def print_table(results):
             ("hola_triton_ms", "HOLA triton ms"), ("hola_triton_overlap_ms", "overlap ms"),
             ("hola_triton_keep_ms", "keep ms"), ("hola_triton_keep_mem_over_gdn", "mem keep/GDN"),
             ("hola_triton_tbwd_ms", "triton bwd ms"), ("hola_triton_keep_tbwd_ms", "keep triton bwd ms"),
+            ("hola_triton_tall_ms", "triton fwd+bwd ms"),
             ("hola_sdpa_ms", "HOLA sdpa ms"),
             ("sdpa_causal_ms", "SDPA causal ms"),
             ("hola_triton_over_gdn", "triton/GDN"), ("hola_sdpa_over_gdn", "sdpa/GDN"),
             ("hola_triton_over_sdpa_causal", "triton/SDPA"), ("hola_triton_mem_over_gdn", "mem triton/GDN"),
             ("stage_state_fwd_ms", "state fwd"), ("stage_select_ms", "select"), ("stage_cache_fwd_ms", "cache fwd"),
+            ("stage_cache_fwd_triton_ms", "cache fwd triton"),
             ("stage_cache_bwd_ms", "cache bwd"), ("stage_cache_bwd_triton_ms", "cache bwd triton"),
             ("stage_cache_fwd_tflops", "fwd TFLOP/s"), ("stage_cache_bwd_tflops", "bwd TFLOP/s"),
-            ("hola_triton_tbwd_over_gdn", "triton bwd/GDN")]
+            ("hola_triton_tbwd_over_gdn", "triton bwd/GDN"), ("hola_triton_tall_over_gdn", "triton all/GDN")]
     print(" | ".join(c[1] for c in cols))
     for r in results:
         cells = []

@@ -175,8 +175,9 @@ CANDIDATES = [("dkdv", dict(BM=16, BN=64, num_warps=8, num_stages=2)),
 
 
 def _triton_backward(monkeypatch):
-    """Pin the fresh call's backward at D 256 to the Triton kernels (the default on sm_90 is Gluon's), for tests of
-    Triton launch variants."""
+    """Pin the fresh call's forward and backward at D 256 to the Triton kernels (the default on sm_90 is Gluon's),
+    for tests of Triton launch variants."""
+    monkeypatch.setitem(hola_triton_attn.FORWARD, 256, "triton")
     monkeypatch.setitem(hola_triton_attn.BACKWARD, 256, "triton")
 
 
@@ -205,7 +206,7 @@ def test_launch_candidates_against_reference_and_sdpa(kind, cfg, monkeypatch):
 def test_kept_cache_output_against_reference_and_sdpa(dq_atomic, monkeypatch):
     """``save_cache_output``: delta from the forward's kept output (bf16 here, as in training), dq in one pass
     with it or summed by the dk/dv programs; the same bounds as the default path. (The Triton kernels; the Gluon
-    ones' kept-output form is in test_gluon_backward_against_reference_and_sdpa.)"""
+    ones' kept-output form is in test_gluon_kernels_against_reference_and_sdpa.)"""
     import functools
     import sys
     _triton_backward(monkeypatch)
@@ -225,11 +226,11 @@ def test_kept_cache_output_against_reference_and_sdpa(dq_atomic, monkeypatch):
 
 
 @pytest.mark.parametrize("kept", [False, True], ids=["delta_pass", "kept_output"])
-def test_gluon_backward_against_reference_and_sdpa(kept, monkeypatch):
-    """The Gluon backward (hola_gluon_attn.py; the default at D 256 on sm_90) under the same bounds as the Triton
-    kernels: packed documents with length-1 documents, window 8 and 0, rows with the reference state path; with
-    and without the kept output (delta from it, one accumulator). The launch counts show the Gluon kernels ran and
-    the Triton ones did not."""
+def test_gluon_kernels_against_reference_and_sdpa(kept, monkeypatch):
+    """The Gluon forward and backward (hola_gluon_attn.py; the default at D 256 on sm_90) under the same bounds as
+    the Triton kernels: packed documents with length-1 documents, window 8 and 0, rows with the reference state
+    path; with and without the kept output (stored by the forward; delta from it, one accumulator). The launch
+    counts show the Gluon kernels ran and the Triton ones did not."""
     import functools
     import sys
     from hola_titan.kernels import hola_gluon_attn
@@ -240,19 +241,22 @@ def test_gluon_backward_against_reference_and_sdpa(kept, monkeypatch):
         module = sys.modules[__name__]
         monkeypatch.setattr(module, "hola_attention_triton",
                             functools.partial(module.hola_attention_triton, save_cache_output=True))
+    monkeypatch.setitem(hola_triton_attn.FORWARD, 256, "gluon")
     launches = {}
-    for name in ("_cache_bwd_dq_gluon_kernel", "_cache_bwd_dkdv_gluon_kernel"):
+    for name in ("_cache_fwd_gluon_kernel", "_cache_bwd_dq_gluon_kernel", "_cache_bwd_dkdv_gluon_kernel"):
         launches[name] = _Launches(getattr(hola_gluon_attn, name))
         monkeypatch.setattr(hola_gluon_attn, name, launches[name])
-    for name in ("_cache_bwd_dq_kernel", "_cache_bwd_dq_oc_kernel", "_cache_bwd_dkdv_kernel"):
+    triton_kernels = ("_cache_fwd_kernel", "_cache_fwd_oc_kernel", "_cache_bwd_dq_kernel", "_cache_bwd_dq_oc_kernel",
+                      "_cache_bwd_dkdv_kernel")
+    for name in triton_kernels:
         launches[name] = _Launches(getattr(hola_triton_attn, name))
         monkeypatch.setattr(hola_triton_attn, name, launches[name])
     for case in (CASES[0], CASES[1], CASES[2], CASES[4]):
         test_triton_backend_against_reference_and_sdpa(case)
     counts = {name: launch.count for name, launch in launches.items()}
-    assert counts["_cache_bwd_dq_gluon_kernel"] > 0 and counts["_cache_bwd_dkdv_gluon_kernel"] > 0, counts
-    assert not any(counts[name] for name in ("_cache_bwd_dq_kernel", "_cache_bwd_dq_oc_kernel",
-                                              "_cache_bwd_dkdv_kernel")), counts
+    assert all(counts[name] > 0 for name in ("_cache_fwd_gluon_kernel", "_cache_bwd_dq_gluon_kernel",
+                                             "_cache_bwd_dkdv_gluon_kernel")), counts
+    assert not any(counts[name] for name in triton_kernels), counts
 
 
 def test_fla_adapter_is_bit_identical_to_fla_and_scores_match_reference():
@@ -390,6 +394,7 @@ def test_cache_backward_is_deterministic(kernels, monkeypatch):
     _plain_backward(monkeypatch)
     if kernels == "gluon" and torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
+    monkeypatch.setitem(hola_triton_attn.FORWARD, 256, kernels)
     monkeypatch.setitem(hola_triton_attn.BACKWARD, 256, kernels)
     from hola_titan.kernels.hola_triton_ops import cache_attn_bwd_op, cache_attn_op
     b, t, h, d, window, block = 1, 4096, 4, 256, 64, 256

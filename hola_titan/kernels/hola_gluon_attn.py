@@ -1,4 +1,4 @@
-"""The cache read's backward on Hopper's warpgroup MMA, written in Gluon (Triton's explicit-layout language).
+"""The cache read on Hopper's warpgroup MMA, written in Gluon (Triton's explicit-layout language).
 
 Same function, inputs and outputs as the fresh call's Triton dq and dk/dv kernels of
 :mod:`hola_titan.kernels.hola_triton_attn` (see its docstring for the math, the fused RMSNorms and the reductions);
@@ -15,6 +15,9 @@ every product is a ``warpgroup_mma`` over 64 x 64 tiles with both operands in sh
 - dk/dv, one program per key tile: the scaled normalised keys and V in shared memory once; query tiles of Q and dO
   double-buffered by ``cp.async``; ``S^T = K Q^T``, ``dP^T = V dO^T``, then ``P^T`` and ``dS^T`` through shared
   memory into dV and dK.
+- the forward, one program (one warpgroup) per query tile: scores from the scaled queries and a gathered key tile
+  in shared memory, the online softmax from the sink, and the probabilities from registers into the output
+  product; two programs share an SM and take turns while each waits for its next key tile.
 
 With 8 warps the two warpgroups split each product's N dimension, so each holds half of the two [64, D] float32
 accumulators in registers (no spills at D 256). Written as plain (non-specialised) warpgroups: a first form, timed
@@ -38,8 +41,11 @@ except ImportError as exc:  # a Triton without Gluon: the dispatch reports why
 else:
     GLUON_MISSING = ""
 
-# Tiles and warps: 64-row tiles are the smallest warpgroup MMA; 8 warps split the accumulators' columns.
+# Tiles and warps: 64-row tiles are the smallest warpgroup MMA; in the backward 8 warps split the two accumulators'
+# columns; the forward keeps one warpgroup per program (one accumulator, 255 registers, 96 KiB of shared memory:
+# two programs per SM).
 CONFIG = dict(BM=64, BN=64, num_warps=8)
+FWD_CONFIG = dict(BM=64, BN=64, num_warps=4)
 # Head dims and element types the kernels are written for (their layouts assume D a multiple of 128; timed at 256).
 HEAD_DIMS = (256,)
 DTYPES = ("bfloat16", "float16")
@@ -404,3 +410,91 @@ if gluon is not None:
                 p_k = a_row[:, None] * D + a_d[None, :]
                 gl.store(dv_ptr + p_k, b_dv.to(dv_ptr.dtype.element_ty), mask=a_ok[:, None])
                 gl.store(dk_ptr + p_k, b_dx.to(dk_ptr.dtype.element_ty), mask=a_ok[:, None])
+
+    @gluon.jit
+    def _cache_fwd_gluon_kernel(q_ptr, k_ptr, v_ptr, os_ptr, o_ptr, lse_ptr, rq_ptr, rk_ptr, gq_ptr, gk_ptr, sink_ptr,
+                                gate_ptr, sel_ptr, blk_start_ptr, blk_len_ptr, oc_ptr, H, NQT, scale, W,
+                                D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STORE_OC: gl.constexpr,
+                                num_warps: gl.constexpr):
+        """The forward of a query tile (as ``_cache_fwd_kernel``; with ``STORE_OC`` also ``o_cache``): one
+        warpgroup, the scores from shared memory (scaled queries, gathered key tiles by ``cp.async``), the
+        probabilities from registers into the output product. Small enough for two programs per SM, which take
+        turns at the tensor cores while the other waits for its next key tile."""
+        blk: gl.constexpr = _row_layout(num_warps)
+        s_l: gl.constexpr = _mma_layout(BN, num_warps)
+        acc_l: gl.constexpr = _mma_layout(D, num_warps)
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+        vec_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        pid = gl.program_id(0)
+        i_h = gl.program_id(1).to(gl.int64)
+        i_b = (pid // NQT).to(gl.int64)
+        q0 = (pid % NQT) * BM
+        start = gl.load(blk_start_ptr + i_b).to(gl.int64)
+        length = gl.load(blk_len_ptr + i_b)
+        if q0 < length:
+            sd_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], gl.bfloat16)
+            q_s = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [BM, D], sd_sl)
+            k_s = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [BN, D], sd_sl)
+            v_s = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [BN, D], sd_sl)
+            v1_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            rk_s = gl.allocate_shared_memory(gl.float32, [BN], v1_sl)
+
+            NCT = gl.cdiv(W, BN)
+            n_tiles = NCT + gl.cdiv(gl.minimum(q0 + BM, length), BN)  # own tiles up to the tile's last query
+            o_n, row, ok = _key_rows(sel_ptr, i_b, i_h, 0, NCT, W, start, length, H, BN, gl.SliceLayout(1, blk))
+            _async_rows(k_s, k_ptr, row, ok, D, blk)
+            _async_rows(v_s, v_ptr, row, ok, D, blk)
+            o_n, row, ok = _key_rows(sel_ptr, i_b, i_h, 0, NCT, W, start, length, H, BN, vec_l)
+            _async_vec(rk_s, rk_ptr, row, ok)
+            async_copy.commit_group()
+            o_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, blk))
+            row_q = (start + o_m) * H + i_h
+            _scaled_rows_to_smem(q_s, q_ptr, rq_ptr, gq_ptr, gk_ptr, row_q, o_m < length,
+                                 scale * 1.4426950408889634, D, blk)
+
+            s_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_l))
+            # The softmax starts from the sink: m = sink (log2 units), l = 1.
+            b_m = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_l)) + \
+                gl.load(sink_ptr + i_h).to(gl.float32) * 1.4426950408889634
+            b_l = gl.full([BM], 1.0, gl.float32, gl.SliceLayout(1, s_l))
+            b_acc = gl.zeros([BM, D], gl.float32, acc_l)
+            s_zero = gl.zeros([BM, BN], gl.float32, s_l)
+            for j in range(0, n_tiles):
+                async_copy.wait_group(0)
+                fence_async_shared()
+                _cta_barrier()
+                n_pos, n_row, n_ok = _key_rows(sel_ptr, i_b, i_h, j, NCT, W, start, length, H, BN,
+                                               gl.SliceLayout(0, s_l))
+                b_rk = rk_s.load(gl.SliceLayout(0, s_l))
+                b_s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False) * b_rk[None, :]
+                thr = gl.where(j < NCT, gl.where(n_ok, -1, 1 << 30), n_pos)
+                b_s = gl.where(thr[None, :] <= s_m[:, None], b_s, float("-inf"))
+                b_m_new = gl.maximum(b_m, gl.max(b_s, axis=1))
+                b_alpha = gl.exp2(b_m - b_m_new)
+                b_p = gl.exp2(b_s - b_m_new[:, None])
+                b_l = b_l * b_alpha + gl.sum(b_p, axis=1)
+                b_m = b_m_new
+                b_acc = b_acc * gl.convert_layout(b_alpha, gl.SliceLayout(1, acc_l))[:, None]
+                b_acc = warpgroup_mma(gl.convert_layout(b_p.to(v_s.dtype), p_l), v_s, b_acc)
+                _cta_barrier()  # the warpgroup is done with this tile's K, V and rstd
+                o_n, row, ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN,
+                                         gl.SliceLayout(1, blk))
+                ok = ok & (j + 1 < n_tiles)
+                _async_rows(k_s, k_ptr, row, ok, D, blk)
+                _async_rows(v_s, v_ptr, row, ok, D, blk)
+                o_n, row, ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN, vec_l)
+                _async_vec(rk_s, rk_ptr, row, ok & (j + 1 < n_tiles))
+                async_copy.commit_group()
+            async_copy.wait_group(0)
+            s_row = (start + s_m) * H + i_h
+            gl.store(lse_ptr + s_row, b_m + gl.log2(b_l), mask=s_m < length)
+            a_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_l))
+            a_ok = a_m < length
+            a_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_l))
+            p_o = ((start + a_m) * H + i_h)[:, None] * D + a_d[None, :]
+            b_oc = b_acc / gl.convert_layout(b_l, gl.SliceLayout(1, acc_l))[:, None]
+            b_lam = _sigmoid(gl.load(gate_ptr + i_h).to(gl.float32))
+            b_os = gl.load(os_ptr + p_o, mask=a_ok[:, None], other=0.0).to(gl.float32)
+            gl.store(o_ptr + p_o, (b_os + b_lam * b_oc).to(o_ptr.dtype.element_ty), mask=a_ok[:, None])
+            if STORE_OC:
+                gl.store(oc_ptr + p_o, b_oc.to(oc_ptr.dtype.element_ty), mask=a_ok[:, None])

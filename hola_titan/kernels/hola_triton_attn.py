@@ -99,17 +99,27 @@ VARIANTS = {"fwd": ("SPLIT",), "dq": ("TWO_PASS",), "dkdv": ("SEPARATE", "DQ_ATO
 VARIANTS["dkdv_kept"] = VARIANTS["dkdv"]
 
 
-# Which kernels run a fresh call's backward, per head dim, on a GPU that has Hopper's warpgroup MMA (sm_90): "gluon"
-# (:mod:`hola_titan.kernels.hola_gluon_attn`, 64 x 64 warpgroup-MMA tiles) or "triton" (the kernels here, with the
-# CONFIGS launches). Timed on an H200 at D 256 (docs/LOG.md, 2026-12-03 twelfth session). Elsewhere (other head dims
-# and GPUs, float32, Triton's interpreter, a call continuing from a cache) the Triton kernels run;
-# :func:`backward_kernels` says which and why, and a run's ``paths`` line reports it.
+# Which kernels run a fresh call's forward and backward, per head dim, on a GPU that has Hopper's warpgroup MMA
+# (sm_90): "gluon" (:mod:`hola_titan.kernels.hola_gluon_attn`, 64-row warpgroup-MMA tiles) or "triton" (the kernels
+# here, with the CONFIGS launches). Timed on an H200 at D 256 (docs/LOG.md, 2026-12-03 twelfth session). Elsewhere
+# (other head dims and GPUs, float32, Triton's interpreter, a call continuing from a cache) the Triton kernels run;
+# :func:`forward_kernels` and :func:`backward_kernels` say which and why, and a run's ``paths`` lines report it.
+FORWARD = {256: "gluon"}
 BACKWARD = {256: "gluon"}
+
+
+def forward_kernels(d: int, dtype: torch.dtype, device: torch.device, *, continuing: bool = False) -> tuple[str, str]:
+    """("gluon" or "triton", why) for a cache-read forward at head dim ``d`` in ``dtype`` on ``device``."""
+    return _kernels_choice(FORWARD, d, dtype, device, continuing)
 
 
 def backward_kernels(d: int, dtype: torch.dtype, device: torch.device, *, continuing: bool = False) -> tuple[str, str]:
     """("gluon" or "triton", why) for a cache-read backward at head dim ``d`` in ``dtype`` on ``device``."""
-    if BACKWARD.get(d, "triton") != "gluon":
+    return _kernels_choice(BACKWARD, d, dtype, device, continuing)
+
+
+def _kernels_choice(table: dict, d: int, dtype: torch.dtype, device: torch.device, continuing: bool):
+    if table.get(d, "triton") != "gluon":
         return "triton", f"the launch table names Triton at head dim {d}"
     from hola_titan.kernels import hola_gluon_attn
     if device.type != "cuda":
@@ -131,6 +141,13 @@ def kept_output_sums_dq_atomically(d: int, device: torch.device) -> bool:
     ``device``, when torch's deterministic algorithms are off and the Triton kernels run it: what a run's ``paths``
     line reports."""
     return bool(_config("dkdv_kept", d, device).get("DQ_ATOMIC", False))
+
+
+def describe_cache_forward(d: int, dtype: torch.dtype, device: torch.device) -> str:
+    """A run's ``paths.cache_forward`` line: the kernels of a fresh call's cache-read forward."""
+    kernels, why = forward_kernels(d, dtype, device)
+    return ("Gluon kernels (hola_gluon_attn.py: " + why.split(" (")[0] + ")" if kernels == "gluon" else
+            f"Triton kernels ({why})")
 
 
 def describe_cache_backward(d: int, dtype: torch.dtype, device: torch.device, *, kept_output: bool,
@@ -945,6 +962,15 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=_dot_precision(q.dtype), **cfg)
     if save_output and prefix is not None:
         raise ValueError("save_output: a call continuing from a cache (prefix) does not keep o_cache")
+    if num_blocks and forward_kernels(d, q.dtype, q.device, continuing=prefix is not None)[0] == "gluon":
+        from hola_titan.kernels import hola_gluon_attn as gluon_attn
+        fcfg = gluon_attn.FWD_CONFIG
+        nqt = triton.cdiv(block, fcfg["BM"])
+        oc = _empty(*q.shape, dtype=q.dtype, device=q.device) if save_output else o
+        gluon_attn._cache_fwd_gluon_kernel[(num_blocks * nqt, h)](
+            q, k, v, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, oc, h, nqt,
+            d ** -0.5, window, D=d, BM=fcfg["BM"], BN=fcfg["BN"], STORE_OC=save_output, num_warps=fcfg["num_warps"])
+        return (o, lse, rq, rk, oc) if save_output else (o, lse, rq, rk)
     if save_output:
         oc = _empty(*q.shape, dtype=q.dtype, device=q.device)
         if num_blocks:

@@ -15,7 +15,17 @@ for (t, cu, window, keep) in [(4096, [0, 1, 2000, 2001, 4096], 64, False), (4096
     table = S.build_block_table(b, t, cu_t, block, dev)
     m = torch.rand(b * t, h, device=dev, generator=g)
     sel, _ = S.select_topw(m, table, window)
-    fwd = cache_attn_op(q, k, v, o_state, gq, gk, sink, gate, sel, table.blk_start, table.blk_len, block, window, keep)
+    fo = {}
+    for kern in ("triton", "gluon"):
+        A.FORWARD[256] = kern
+        fo[kern] = cache_attn_op(q, k, v, o_state, gq, gk, sink, gate, sel, table.blk_start, table.blk_len, block, window, keep)
+        torch.cuda.synchronize()
+    frep = {}
+    for i, name in enumerate(("o", "lse", "rq", "rk", "oc")[:len(fo["gluon"])]):
+        a, c = fo["gluon"][i].double(), fo["triton"][i].double()
+        frep[name] = (f"{float((a - c).norm() / c.norm().clamp_min(1e-30)):.2e}", int(torch.isnan(a).sum()))
+    print(f"fwd T{t} W{window} keep={keep}:", frep, flush=True)
+    fwd = fo["triton"]
     args = (do, q, k, v, fwd[1], fwd[2], fwd[3], gq, gk, sink, gate, sel, table.blk_start, table.blk_len, block, window,
             fwd[4] if keep else None)
     out = {}

@@ -1,5 +1,5 @@
-"""The Gluon cache-read backward (``hola_titan/kernels/hola_gluon_attn.py``) on a CPU: which kernels a backward
-takes and what a run reports, and the kernels compiled for sm_90a here (Gluon has no interpreter: the GPU suite
+"""The Gluon cache-read kernels (``hola_titan/kernels/hola_gluon_attn.py``) on a CPU: which kernels a forward and a
+backward take and what a run reports, and the kernels compiled for sm_90a here (Gluon has no interpreter: the GPU suite
 checks their results against the reference)."""
 
 from __future__ import annotations
@@ -46,11 +46,20 @@ def test_the_gluon_backward_runs_at_d256_bf16_fresh_calls_on_sm90_only(hopper, m
                                                                   "no gluon)")
     monkeypatch.setitem(attn.BACKWARD, 256, "triton")
     assert attn.backward_kernels(256, torch.bfloat16, hopper)[0] == "triton"
+    # The forward's choice, by its own table.
+    assert attn.forward_kernels(256, torch.bfloat16, hopper)[0] == "triton"  # GLUON_MISSING is still patched
+    monkeypatch.setattr(hola_gluon_attn, "GLUON_MISSING", "")
+    assert attn.forward_kernels(256, torch.bfloat16, hopper)[0] == "gluon"
+    assert attn.forward_kernels(256, torch.bfloat16, hopper, continuing=True)[0] == "triton"
+    monkeypatch.setitem(attn.FORWARD, 256, "triton")
+    assert attn.forward_kernels(256, torch.bfloat16, hopper)[0] == "triton"
 
 
 def test_the_paths_line_names_the_kernels_and_where_delta_comes_from(hopper, monkeypatch):
     if hola_gluon_attn.GLUON_MISSING:
         pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
+    assert attn.describe_cache_forward(256, torch.bfloat16, hopper) == ("Gluon kernels (hola_gluon_attn.py: "
+                                                                         "warpgroup-MMA tiles on sm_90)")
     line = attn.describe_cache_backward(256, torch.bfloat16, hopper, kept_output=False, deterministic=False)
     assert line == ("Gluon kernels (hola_gluon_attn.py: warpgroup-MMA tiles on sm_90); delta over the cache's keys "
                     "(output not kept)")
@@ -71,7 +80,7 @@ def test_the_paths_line_names_the_kernels_and_where_delta_comes_from(hopper, mon
 # Constexprs of the kernels as the backward launches them (hola_triton_attn._cache_attention_bwd_gluon).
 _TYPES = {"sel_ptr": "*i32", "blk_start_ptr": "*i32", "blk_len_ptr": "*i32", "dest_ptr": "*i64", "SENTINEL": "i64",
           "H": "i32", "NQT": "i32", "NKT": "i32", "NCT": "i32", "W": "i32", "scale": "fp32"}
-_BF16 = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "oc_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
+_BF16 = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "oc_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "os_ptr", "o_ptr")
 
 
 def _compile_for_hopper(name: str, **constexprs) -> dict:
@@ -80,7 +89,8 @@ def _compile_for_hopper(name: str, **constexprs) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
     fn = getattr(hola_gluon_attn, name)
     names = fn.arg_names
-    constexprs = dict(D=256, **hola_gluon_attn.CONFIG, **constexprs)
+    config = hola_gluon_attn.FWD_CONFIG if name == "_cache_fwd_gluon_kernel" else hola_gluon_attn.CONFIG
+    constexprs = dict(D=256, **config, **constexprs)
     signature = {n: "constexpr" if n in constexprs else _TYPES.get(n, "*bf16" if n in _BF16 else "*fp32")
                  for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
@@ -101,8 +111,10 @@ def _compile_for_hopper(name: str, **constexprs) -> dict:
 # Warpgroup-MMA instructions per step: S and dP (16 each at K = 256), and 4 per accumulating product (K = 64).
 @pytest.mark.parametrize("name,constexprs,products", [("_cache_bwd_dq_gluon_kernel", dict(HAS_OC=False), 40),
                                                       ("_cache_bwd_dq_gluon_kernel", dict(HAS_OC=True), 36),
-                                                      ("_cache_bwd_dkdv_gluon_kernel", {}, 40)],
-                         ids=["dq", "dq_kept_output", "dkdv"])
+                                                      ("_cache_bwd_dkdv_gluon_kernel", {}, 40),
+                                                      ("_cache_fwd_gluon_kernel", dict(STORE_OC=False), 20),
+                                                      ("_cache_fwd_gluon_kernel", dict(STORE_OC=True), 20)],
+                         ids=["dq", "dq_kept_output", "dkdv", "fwd", "fwd_kept_output"])
 def test_the_gluon_kernels_compile_for_hopper_on_warpgroup_mma(name, constexprs, products):
     """With the installed Triton (Gluon's names move between versions: the module takes both spellings), for
     sm_90a: every product a warpgroup MMA (no mma.sync), within the register file and the 227 KiB of shared memory
