@@ -263,8 +263,9 @@ def main():
             if "stage_cache_bwd_triton_ms" in row:
                 row["stage_cache_bwd_triton_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_triton_ms"] * 1e9)
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
-                # The sweep's launch tables are the Triton kernels'.
-                row["sweep"] = sweep(hola_triton_attn, fwd_fn, triton_backward(bwd_fn), d, args.rep_ms,
+                # The sweep's launch tables are the Triton kernels': both directions pinned to them.
+                row["sweep"] = sweep(hola_triton_attn, triton_kernels(fwd_fn, (hola_triton_attn.FORWARD,)),
+                                     triton_backward(bwd_fn), d, args.rep_ms,
                                      match=args.sweep_match, kept=args.keep_output)
         if args.profile:
             profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap", "hola_triton_keep",

@@ -18,8 +18,11 @@ from hola_titan.kernels import hola_gluon_attn, hola_triton_attn as attn  # noqa
 
 @pytest.fixture
 def hopper(monkeypatch):
-    """A CUDA device that reports sm_90 (the choice reads only the capability)."""
+    """A CUDA device that reports sm_90 (the choice reads only the capability), with a Triton the kernels are
+    written for (whatever version is installed here)."""
+    import triton
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
     return torch.device("cuda")
 
 
@@ -44,6 +47,24 @@ def test_the_gluon_backward_runs_at_d256_bf16_fresh_calls_on_sm90_only(hopper, m
     monkeypatch.setattr(hola_gluon_attn, "GLUON_MISSING", "ImportError: no gluon")
     assert attn.backward_kernels(256, torch.bfloat16, hopper) == ("triton", "this Triton has no Gluon (ImportError: "
                                                                   "no gluon)")
+    monkeypatch.setattr(hola_gluon_attn, "GLUON_MISSING", "")
+    # Inputs in different dtypes, a head dim the kernels are not written for, a Triton they were not written
+    # against, a ROCm build (whose GPUs report capability 9 too).
+    assert attn.backward_kernels(256, None, hopper) == ("triton", "q, k and v (and the output gradient) come in "
+                                                        "different dtypes")
+    monkeypatch.setitem(attn.BACKWARD, 128, "gluon")
+    assert "written for head dims (256,), not 128" in attn.backward_kernels(128, torch.bfloat16, hopper)[1]
+    import triton
+    monkeypatch.setattr(triton, "__version__", "3.10.0")
+    kernels, reason = attn.backward_kernels(256, torch.bfloat16, hopper)
+    assert kernels == "triton" and reason.endswith("this is 3.10.0") and "3.6" in reason, reason
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert "ROCm" in attn.backward_kernels(256, torch.bfloat16, hopper)[1]
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(hola_gluon_attn, "GLUON_MISSING", "ImportError: no gluon")
     monkeypatch.setitem(attn.BACKWARD, 256, "triton")
     assert attn.backward_kernels(256, torch.bfloat16, hopper)[0] == "triton"
     # The forward's choice, by its own table.
@@ -86,7 +107,10 @@ _BF16 = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "oc_ptr", "dq_ptr", "dk_ptr", "dv_
 def _compile_for_hopper(name: str, **constexprs) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    GluonASTSource = pytest.importorskip("triton.experimental.gluon._runtime").GluonASTSource
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip(f"no cuobjdump in this Triton ({cuobjdump})")
     fn = getattr(hola_gluon_attn, name)
     names = fn.arg_names
     config = hola_gluon_attn.FWD_CONFIG if name == "_cache_fwd_gluon_kernel" else hola_gluon_attn.CONFIG
@@ -97,13 +121,13 @@ def _compile_for_hopper(name: str, **constexprs) -> dict:
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}
     kernel = triton.compile(GluonASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=constexprs["num_warps"]))
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.cubin").write_bytes(kernel.asm["cubin"])
         report = subprocess.run([str(cuobjdump), "--dump-resource-usage", "k.cubin"], cwd=tmp, capture_output=True,
                                 text=True, check=True).stdout
     ptx = kernel.asm["ptx"]
-    return {"registers": int(re.search(r"\bREG:(\d+)", report).group(1)), "shared": kernel.metadata.shared,
+    return {"registers": int(re.search(r"\bREG:(\d+)", report).group(1)),
+            "stack_bytes": int(re.search(r"\bSTACK:(\d+)", report).group(1)), "shared": kernel.metadata.shared,
             "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "wgmma_waits": ptx.count("wgmma.wait_group")}
 
@@ -117,11 +141,12 @@ def _compile_for_hopper(name: str, **constexprs) -> dict:
                          ids=["dq", "dq_kept_output", "dkdv", "fwd", "fwd_kept_output"])
 def test_the_gluon_kernels_compile_for_hopper_on_warpgroup_mma(name, constexprs, products):
     """With the installed Triton (Gluon's names move between versions: the module takes both spellings), for
-    sm_90a: every product a warpgroup MMA (no mma.sync), within the register file and the 227 KiB of shared memory
-    a block may use."""
+    sm_90a: every product a warpgroup MMA (no mma.sync), within the 227 KiB of shared memory a block may use, and
+    spilling at most a few registers (ptxas caps every kernel at 255 registers and spills the rest: the loops spill
+    nothing, the backward's epilogues 16-104 bytes with Triton 3.6 and 3.9)."""
     pytest.importorskip("triton.backends.nvidia")
     if hola_gluon_attn.GLUON_MISSING:
         pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
     got = _compile_for_hopper(name, **constexprs)
     assert got["mma_sync"] == 0 and got["wgmma"] >= products, got
-    assert got["registers"] <= 255 and got["shared"] <= 227 * 1024, got
+    assert got["stack_bytes"] <= 128 and got["shared"] <= 227 * 1024, got

@@ -19,12 +19,13 @@ every product is a ``warpgroup_mma`` over 64 x 64 tiles with both operands in sh
   in shared memory, the online softmax from the sink, and the probabilities from registers into the output
   product; two programs share an SM and take turns while each waits for its next key tile.
 
-With 8 warps the two warpgroups split each product's N dimension, so each holds half of the two [64, D] float32
-accumulators in registers (no spills at D 256). Written as plain (non-specialised) warpgroups: a first form, timed
-against the Triton kernels in ``scripts/bench_hola_attention.py``. Gluon has no interpreter: these kernels run on an
-sm_90 GPU only (the CPU suite compiles them for sm_90a and checks the result; the GPU suite checks them against the
-reference). Fresh calls, no prefix; the dispatch in :func:`~hola_titan.kernels.hola_triton_attn.cache_attention_bwd`
-says when they run.
+In the backward, 8 warps per program: the two warpgroups split each product's N dimension, so each holds half of the
+two [64, D] float32 accumulators in registers (at D 256 the loops spill nothing, the epilogues a few registers).
+Plain (not warp-specialised) warpgroups: a first form, timed against the Triton kernels in
+``scripts/bench_hola_attention.py``. Gluon has no interpreter: these kernels run on an sm_90 GPU only (the CPU suite
+compiles them for sm_90a and checks what they compile to; the GPU suite checks their results against the
+reference). Fresh calls, no prefix: :func:`~hola_titan.kernels.hola_triton_attn.forward_kernels` and
+:func:`~hola_titan.kernels.hola_triton_attn.backward_kernels` say when they run.
 """
 
 from __future__ import annotations
@@ -49,12 +50,15 @@ FWD_CONFIG = dict(BM=64, BN=64, num_warps=4)
 # Head dims and element types the kernels are written for (their layouts assume D a multiple of 128; timed at 256).
 HEAD_DIMS = (256,)
 DTYPES = ("bfloat16", "float16")
+# Triton versions whose Gluon the kernels are written against (Gluon is experimental; its names move between
+# versions): run and timed on 3.6 (an H200), compiled for sm_90a on 3.9. Others take the Triton kernels.
+TRITON_VERSIONS = ("3.6", "3.7", "3.8", "3.9")
 
 if gluon is not None:
     # Triton 3.6 names the cp.async load async_copy_global_to_shared, later versions async_load; the CTA-wide barrier
     # is thread_barrier in 3.6 and barrier later.
-    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _async_load = getattr(async_copy, "async_load", None) or getattr(async_copy, "async_copy_global_to_shared")
+    _cta_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
 
     @gluon.constexpr_function
     def _mma_layout(cols, num_warps):

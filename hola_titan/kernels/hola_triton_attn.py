@@ -25,7 +25,10 @@ deterministic segmented reduction (stable sort by destination row, fixed order) 
 linear in the incoming gradient, so every program applies it to its own partial. gamma, sink and gate gradients
 are per-program partial sums reduced by torch in a fixed order: the whole backward is deterministic, except
 under DQ_ATOMIC (see ``VARIANTS``), whose dq sums are atomic adds in no fixed order: the launch that a kept
-forward output takes at head dim 256 (``CONFIGS["dkdv_kept"]``), unless torch's deterministic algorithms are on.
+forward output takes at head dim 256 (``CONFIGS["dkdv_kept"]``) when these kernels run it, unless torch's
+deterministic algorithms are on. On an sm_90 GPU at head dim 256 a fresh call's forward and backward run instead on
+the Gluon kernels of :mod:`hola_titan.kernels.hola_gluon_attn` (same function, same partial sums, no atomic adds;
+``FORWARD``, ``BACKWARD``).
 
 Two sources of keys (a call that continues from a cache, :class:`Prefix`): besides the token rows, a small tensor
 of prefix rows (the cache's entries and its unfinished block's buffered tokens) that are keys, never queries. A
@@ -108,27 +111,45 @@ FORWARD = {256: "gluon"}
 BACKWARD = {256: "gluon"}
 
 
-def forward_kernels(d: int, dtype: torch.dtype, device: torch.device, *, continuing: bool = False) -> tuple[str, str]:
-    """("gluon" or "triton", why) for a cache-read forward at head dim ``d`` in ``dtype`` on ``device``."""
+def forward_kernels(d: int, dtype: torch.dtype | None, device: torch.device, *,
+                    continuing: bool = False) -> tuple[str, str]:
+    """("gluon" or "triton", why) for a cache-read forward at head dim ``d`` in ``dtype`` (the inputs' common dtype,
+    None when they differ) on ``device``."""
     return _kernels_choice(FORWARD, d, dtype, device, continuing)
 
 
-def backward_kernels(d: int, dtype: torch.dtype, device: torch.device, *, continuing: bool = False) -> tuple[str, str]:
-    """("gluon" or "triton", why) for a cache-read backward at head dim ``d`` in ``dtype`` on ``device``."""
+def backward_kernels(d: int, dtype: torch.dtype | None, device: torch.device, *,
+                     continuing: bool = False) -> tuple[str, str]:
+    """("gluon" or "triton", why) for a cache-read backward at head dim ``d`` in ``dtype`` (the inputs' common
+    dtype, None when they differ) on ``device``."""
     return _kernels_choice(BACKWARD, d, dtype, device, continuing)
 
 
-def _kernels_choice(table: dict, d: int, dtype: torch.dtype, device: torch.device, continuing: bool):
+def _kernels_choice(table: dict, d: int, dtype: torch.dtype | None, device: torch.device, continuing: bool):
+    """``dtype``: the inputs' common dtype, None when they differ."""
     if table.get(d, "triton") != "gluon":
         return "triton", f"the launch table names Triton at head dim {d}"
-    from hola_titan.kernels import hola_gluon_attn
     if device.type != "cuda":
         return "triton", "Gluon kernels need a GPU (Triton's interpreter runs the Triton kernels)"
+    if torch.version.hip is not None:
+        return "triton", "the Gluon kernels are written for NVIDIA's sm_90 (this is a ROCm build)"
     if torch.cuda.get_device_capability(device)[0] != 9:
         major, minor = torch.cuda.get_device_capability(device)
         return "triton", f"the Gluon kernels use sm_90's warpgroup MMA; this GPU is sm_{major}{minor}"
+    try:
+        from hola_titan.kernels import hola_gluon_attn
+    except Exception as exc:  # noqa: BLE001 - an experimental API that moved: the Triton kernels, and the reason
+        return "triton", f"the Gluon kernels do not load with this Triton ({type(exc).__name__}: {exc})"
     if hola_gluon_attn.GLUON_MISSING:
         return "triton", f"this Triton has no Gluon ({hola_gluon_attn.GLUON_MISSING})"
+    version = ".".join(triton.__version__.split(".")[:2])
+    if version not in hola_gluon_attn.TRITON_VERSIONS:
+        return "triton", (f"the Gluon kernels are written for Triton {', '.join(hola_gluon_attn.TRITON_VERSIONS)}; "
+                          f"this is {triton.__version__}")
+    if d not in hola_gluon_attn.HEAD_DIMS:
+        return "triton", f"the Gluon kernels are written for head dims {hola_gluon_attn.HEAD_DIMS}, not {d}"
+    if dtype is None:
+        return "triton", "q, k and v (and the output gradient) come in different dtypes"
     if str(dtype).removeprefix("torch.") not in hola_gluon_attn.DTYPES:
         return "triton", f"the Gluon kernels take bf16/fp16 inputs, not {dtype}"
     if continuing:
@@ -962,7 +983,8 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=_dot_precision(q.dtype), **cfg)
     if save_output and prefix is not None:
         raise ValueError("save_output: a call continuing from a cache (prefix) does not keep o_cache")
-    if num_blocks and forward_kernels(d, q.dtype, q.device, continuing=prefix is not None)[0] == "gluon":
+    if num_blocks and forward_kernels(d, _common_dtype(q, k, v, o_state), q.device,
+                                      continuing=prefix is not None)[0] == "gluon":
         from hola_titan.kernels import hola_gluon_attn as gluon_attn
         fcfg = gluon_attn.FWD_CONFIG
         nqt = triton.cdiv(block, fcfg["BM"])
@@ -1014,6 +1036,11 @@ def _dkdv_partials(num_blocks: int, nkt: int, h: int, window: int, d: int, devic
     dgk_part = _empty(num_blocks * nkt, h, d, dtype=torch.float32, device=device)
     dest = _empty(max(num_slots, 1), dtype=torch.int64, device=device)
     return pdk, pdv, dgk_part, dest, num_slots, torch.iinfo(torch.int64).max
+
+
+def _common_dtype(*tensors: torch.Tensor) -> torch.dtype | None:
+    """The tensors' dtype if they share one (the Gluon kernels' shared-memory products take one), else None."""
+    return tensors[0].dtype if all(t.dtype == tensors[0].dtype for t in tensors) else None
 
 
 def _reduce_cache_partials(dest, pdk, pdv, dk, dv, num_slots: int, sentinel: int, d: int) -> None:
@@ -1079,7 +1106,8 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     if o_cache is not None and (o_cache.shape != q.shape or o_cache.dtype != q.dtype or not o_cache.is_contiguous()):
         raise ValueError(f"o_cache: expected q's shape {list(q.shape)} and dtype {q.dtype}, contiguous; got "
                          f"{list(o_cache.shape)} {o_cache.dtype}{'' if o_cache.is_contiguous() else ', strided'}")
-    if num_blocks and backward_kernels(d, q.dtype, device, continuing=prefix is not None)[0] == "gluon":
+    if num_blocks and backward_kernels(d, _common_dtype(q, k, v, do, *(() if o_cache is None else (o_cache,))),
+                                       device, continuing=prefix is not None)[0] == "gluon":
         return _cache_attention_bwd_gluon(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start,
                                           blk_len, block=block, window=window, o_cache=o_cache)
     # Written by the dq programs for every query row of a block; the dk/dv programs read only those rows.
