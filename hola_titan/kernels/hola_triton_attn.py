@@ -983,7 +983,8 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=_dot_precision(q.dtype), **cfg)
     if save_output and prefix is not None:
         raise ValueError("save_output: a call continuing from a cache (prefix) does not keep o_cache")
-    if num_blocks and forward_kernels(d, _common_dtype(q, k, v, o_state), q.device,
+    # (o_state is only read in the epilogue, in whatever dtype it comes.)
+    if num_blocks and forward_kernels(d, _common_dtype(q, k, v), q.device,
                                       continuing=prefix is not None)[0] == "gluon":
         from hola_titan.kernels import hola_gluon_attn as gluon_attn
         fcfg = gluon_attn.FWD_CONFIG
