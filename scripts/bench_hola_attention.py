@@ -132,7 +132,7 @@ def main():
     meta["cache_backward"] = hola_triton_attn.backward_kernels(d, torch.bfloat16, device)
     print("meta:", json.dumps(meta))
 
-    def triton_kernels(fn, tables=(hola_triton_attn.BACKWARD,)):
+    def triton_kernels(fn, tables):
         """``fn`` with the cache read's kernels of ``tables`` (``FORWARD``, ``BACKWARD``) pinned to Triton."""
         def pinned(*a):
             saved = [table.get(d) for table in tables]
@@ -147,9 +147,7 @@ def main():
                     else:
                         table[d] = value
         return pinned
-
-    def triton_backward(fn):
-        return triton_kernels(fn)
+    bwd_only = (hola_triton_attn.BACKWARD,)
     results = []
     for t in args.seq_lens:
         b = max(1, args.tokens // t)
@@ -191,8 +189,8 @@ def main():
         items = {"gdn_fla": (gdn_fla, x[:5]), "gdn_adapter": (hola("triton", "none"), x[:5]),
                  "hola_triton": (hola("triton"), x), "hola_triton_overlap": (hola("triton", overlap_backward=True), x),
                  "hola_triton_keep": (hola("triton", keep=True), x),
-                 "hola_triton_tbwd": (triton_backward(hola("triton")), x),
-                 "hola_triton_keep_tbwd": (triton_backward(hola("triton", keep=True)), x),
+                 "hola_triton_tbwd": (triton_kernels(hola("triton"), bwd_only), x),
+                 "hola_triton_keep_tbwd": (triton_kernels(hola("triton", keep=True), bwd_only), x),
                  "hola_triton_tall": (triton_kernels(hola("triton"), (hola_triton_attn.FORWARD,
                                                                        hola_triton_attn.BACKWARD)), x),
                  "hola_sdpa": (hola("sdpa"), x),
@@ -249,7 +247,7 @@ def main():
             row["stage_cache_bwd_ms"] = bench(bwd_fn, None, args.rep_ms)
             row["stage_cache_bwd_kernels"] = hola_triton_attn.backward_kernels(d, q.dtype, device)[0]
             if row["stage_cache_bwd_kernels"] != "triton":
-                triton_bwd_fn = triton_backward(bwd_fn)
+                triton_bwd_fn = triton_kernels(bwd_fn, bwd_only)
                 triton_bwd_fn()
                 row["stage_cache_bwd_triton_ms"] = bench(triton_bwd_fn, None, args.rep_ms)
             # The read's FLOPs: 4 D per (query, key) pair read forward (q k^T and p v), 2.5 times that backward
@@ -265,7 +263,7 @@ def main():
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
                 # The sweep's launch tables are the Triton kernels': both directions pinned to them.
                 row["sweep"] = sweep(hola_triton_attn, triton_kernels(fwd_fn, (hola_triton_attn.FORWARD,)),
-                                     triton_backward(bwd_fn), d, args.rep_ms,
+                                     triton_kernels(bwd_fn, bwd_only), d, args.rep_ms,
                                      match=args.sweep_match, kept=args.keep_output)
         if args.profile:
             profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap", "hola_triton_keep",

@@ -174,7 +174,7 @@ CANDIDATES = [("dkdv", dict(BM=16, BN=64, num_warps=8, num_stages=2)),
               ("dkdv", dict(BM=32, BN=64, num_warps=8, num_stages=2, DQ_ATOMIC=True))]
 
 
-def _triton_backward(monkeypatch):
+def _triton_kernels(monkeypatch):
     """Pin the fresh call's forward and backward at D 256 to the Triton kernels (the default on sm_90 is Gluon's),
     for tests of Triton launch variants."""
     monkeypatch.setitem(hola_triton_attn.FORWARD, 256, "triton")
@@ -192,7 +192,7 @@ def _plain_backward(monkeypatch):
 @pytest.mark.parametrize("kind,cfg", CANDIDATES,
                          ids=[kind + "-" + "-".join(f"{k}{v}" for k, v in c.items()) for kind, c in CANDIDATES])
 def test_launch_candidates_against_reference_and_sdpa(kind, cfg, monkeypatch):
-    _triton_backward(monkeypatch)
+    _triton_kernels(monkeypatch)
     monkeypatch.setitem(hola_triton_attn.CONFIGS[kind], 256, cfg)
     atomic = _Launches(hola_triton_attn._cache_bwd_dkdv_dq_kernel)
     monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dkdv_dq_kernel", atomic)
@@ -209,7 +209,7 @@ def test_kept_cache_output_against_reference_and_sdpa(dq_atomic, monkeypatch):
     ones' kept-output form is in test_gluon_kernels_against_reference_and_sdpa.)"""
     import functools
     import sys
-    _triton_backward(monkeypatch)
+    _triton_kernels(monkeypatch)
     # The kept output's own table (CONFIGS["dkdv_kept"]), with the variant set either way.
     plain = {k: v for k, v in hola_triton_attn.CONFIGS["dkdv_kept"][256].items() if k != "DQ_ATOMIC"}
     monkeypatch.setitem(hola_triton_attn.CONFIGS["dkdv_kept"], 256, dict(plain, DQ_ATOMIC=True) if dq_atomic else plain)

@@ -109,6 +109,7 @@ VARIANTS["dkdv_kept"] = VARIANTS["dkdv"]
 # :func:`forward_kernels` and :func:`backward_kernels` say which and why, and a run's ``paths`` lines report it.
 FORWARD = {256: "gluon"}
 BACKWARD = {256: "gluon"}
+GLUON_WHY = "warpgroup-MMA tiles on sm_90"
 
 
 def forward_kernels(d: int, dtype: torch.dtype | None, device: torch.device, *,
@@ -154,7 +155,7 @@ def _kernels_choice(table: dict, d: int, dtype: torch.dtype | None, device: torc
         return "triton", f"the Gluon kernels take bf16/fp16 inputs, not {dtype}"
     if continuing:
         return "triton", "a call continuing from a cache (prefix rows) runs the Triton kernels"
-    return "gluon", "warpgroup-MMA tiles on sm_90 (hola_gluon_attn.py)"
+    return "gluon", f"{GLUON_WHY} (hola_gluon_attn.py)"
 
 
 def kept_output_sums_dq_atomically(d: int, device: torch.device) -> bool:
@@ -164,11 +165,14 @@ def kept_output_sums_dq_atomically(d: int, device: torch.device) -> bool:
     return bool(_config("dkdv_kept", d, device).get("DQ_ATOMIC", False))
 
 
+def _kernels_label(kernels: str, why: str) -> str:
+    """The start of a ``paths`` line for a choice of :func:`forward_kernels` / :func:`backward_kernels`."""
+    return f"Gluon kernels (hola_gluon_attn.py: {GLUON_WHY})" if kernels == "gluon" else f"Triton kernels ({why})"
+
+
 def describe_cache_forward(d: int, dtype: torch.dtype, device: torch.device) -> str:
     """A run's ``paths.cache_forward`` line: the kernels of a fresh call's cache-read forward."""
-    kernels, why = forward_kernels(d, dtype, device)
-    return ("Gluon kernels (hola_gluon_attn.py: " + why.split(" (")[0] + ")" if kernels == "gluon" else
-            f"Triton kernels ({why})")
+    return _kernels_label(*forward_kernels(d, dtype, device))
 
 
 def describe_cache_backward(d: int, dtype: torch.dtype, device: torch.device, *, kept_output: bool,
@@ -176,12 +180,9 @@ def describe_cache_backward(d: int, dtype: torch.dtype, device: torch.device, *,
     """A run's ``paths.cache_backward`` line: the kernels of a fresh call's cache-read backward and where its
     ``delta`` comes from."""
     kernels, why = backward_kernels(d, dtype, device)
-    if kernels == "gluon":
-        text = "Gluon kernels (hola_gluon_attn.py: " + why.split(" (")[0] + ")"
-    else:
-        text = f"Triton kernels ({why})"
-        if kept_output and kept_output_sums_dq_atomically(d, device) and not deterministic:
-            text += "; dq summed by the dk/dv programs with atomic adds, in no fixed order"
+    text = _kernels_label(kernels, why)
+    if kernels == "triton" and kept_output and kept_output_sums_dq_atomically(d, device) and not deterministic:
+        text += "; dq summed by the dk/dv programs with atomic adds, in no fixed order"
     return text + ("; delta from the kept cache-read output (model.save_cache_output)" if kept_output else
                    "; delta over the cache's keys (output not kept)")
 
@@ -976,11 +977,6 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     o = _empty(*q.shape, dtype=q.dtype, device=q.device)
     lse = _empty(*q.shape[:-1], dtype=torch.float32, device=q.device)
     sel = sel if sel.numel() else blk_start  # window 0: never read, but Triton needs a valid pointer
-    cfg = _config("fwd", d, q.device)
-    bm, bn = cfg.pop("BM"), cfg.pop("BN")
-    nqt = triton.cdiv(block, bm)
-    split = cfg.pop("SPLIT", 1)
-    common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=_dot_precision(q.dtype), **cfg)
     if save_output and prefix is not None:
         raise ValueError("save_output: a call continuing from a cache (prefix) does not keep o_cache")
     # (o_state is only read in the epilogue, in whatever dtype it comes.)
@@ -994,6 +990,11 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
             q, k, v, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, oc, h, nqt,
             d ** -0.5, window, D=d, BM=fcfg["BM"], BN=fcfg["BN"], STORE_OC=save_output, num_warps=fcfg["num_warps"])
         return (o, lse, rq, rk, oc) if save_output else (o, lse, rq, rk)
+    cfg = _config("fwd", d, q.device)
+    bm, bn = cfg.pop("BM"), cfg.pop("BN")
+    nqt = triton.cdiv(block, bm)
+    split = cfg.pop("SPLIT", 1)
+    common = dict(W=window, D=d, BM=bm, BN=bn, DOT_PREC=_dot_precision(q.dtype), **cfg)
     if save_output:
         oc = _empty(*q.shape, dtype=q.dtype, device=q.device)
         if num_blocks:
