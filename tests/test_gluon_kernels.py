@@ -150,3 +150,23 @@ def test_the_gluon_kernels_compile_for_hopper_on_warpgroup_mma(name, constexprs,
     got = _compile_for_hopper(name, **constexprs)
     assert got["mma_sync"] == 0 and got["wgmma"] >= products, got
     assert got["stack_bytes"] <= 128 and got["shared"] <= 227 * 1024, got
+
+
+def test_a_launch_that_leaves_the_gluon_kernels_says_so_once(hopper, monkeypatch, caplog):
+    """A fresh call on sm_90 whose table names the Gluon kernels but whose inputs send it to the Triton ones (here
+    in mixed dtypes) logs why, once per reason; a continuing call (always the Triton kernels, as the paths lines
+    say) and a CPU call log nothing."""
+    if hola_gluon_attn.GLUON_MISSING:
+        pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
+    attn._log_fallback.cache_clear()
+    with caplog.at_level("WARNING", logger=attn.__name__):
+        for _ in range(2):
+            assert attn._launch_choice(attn.BACKWARD, "backward", 256, None, hopper, False) == "triton"
+        assert attn._launch_choice(attn.BACKWARD, "backward", 256, torch.bfloat16, hopper, True) == "triton"
+        assert attn._launch_choice(attn.FORWARD, "forward", 256, None, torch.device("cpu"), False) == "triton"
+        assert attn._launch_choice(attn.FORWARD, "forward", 256, torch.bfloat16, hopper, False) == "gluon"
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["cache-read backward: the Triton kernels run, not the Gluon ones: q, k and v (and the "
+                        "output gradient) come in different dtypes"], messages
+    attn._log_fallback.cache_clear()
+

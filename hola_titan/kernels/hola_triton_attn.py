@@ -42,6 +42,8 @@ reduction (keys from ``A_BASE`` on name prefix rows).
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import NamedTuple
 
 import torch
@@ -52,6 +54,8 @@ try:
 except ImportError:
     triton = None
     tl = None
+
+logger = logging.getLogger(__name__)
 
 NORM_EPS = 1e-6
 LOG2E = 1.4426950408889634
@@ -124,6 +128,22 @@ def backward_kernels(d: int, dtype: torch.dtype | None, device: torch.device, *,
     """("gluon" or "triton", why) for a cache-read backward at head dim ``d`` in ``dtype`` (the inputs' common
     dtype, None when they differ) on ``device``."""
     return _kernels_choice(BACKWARD, d, dtype, device, continuing)
+
+
+def _launch_choice(table: dict, direction: str, d: int, dtype: torch.dtype | None, device: torch.device,
+                   continuing: bool) -> str:
+    """The kernels a launch takes. Where the table names the Gluon kernels on a GPU but a fresh call takes the
+    Triton ones (a reason the run's paths lines, made from the run's settings, may not have foreseen: inputs in
+    another dtype, say), the log says so, once per reason."""
+    kernels, why = _kernels_choice(table, d, dtype, device, continuing)
+    if kernels == "triton" and table.get(d) == "gluon" and device.type == "cuda" and not continuing:
+        _log_fallback(direction, why)
+    return kernels
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(direction: str, why: str) -> None:
+    logger.warning("cache-read %s: the Triton kernels run, not the Gluon ones: %s", direction, why)
 
 
 def _kernels_choice(table: dict, d: int, dtype: torch.dtype | None, device: torch.device, continuing: bool):
@@ -980,8 +1000,8 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     if save_output and prefix is not None:
         raise ValueError("save_output: a call continuing from a cache (prefix) does not keep o_cache")
     # (o_state is only read in the epilogue, in whatever dtype it comes.)
-    if num_blocks and forward_kernels(d, _common_dtype(q, k, v), q.device,
-                                      continuing=prefix is not None)[0] == "gluon":
+    if num_blocks and _launch_choice(FORWARD, "forward", d, _common_dtype(q, k, v), q.device,
+                                     prefix is not None) == "gluon":
         from hola_titan.kernels import hola_gluon_attn as gluon_attn
         fcfg = gluon_attn.FWD_CONFIG
         nqt = triton.cdiv(block, fcfg["BM"])
@@ -1108,8 +1128,9 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     if o_cache is not None and (o_cache.shape != q.shape or o_cache.dtype != q.dtype or not o_cache.is_contiguous()):
         raise ValueError(f"o_cache: expected q's shape {list(q.shape)} and dtype {q.dtype}, contiguous; got "
                          f"{list(o_cache.shape)} {o_cache.dtype}{'' if o_cache.is_contiguous() else ', strided'}")
-    if num_blocks and backward_kernels(d, _common_dtype(q, k, v, do, *(() if o_cache is None else (o_cache,))),
-                                       device, continuing=prefix is not None)[0] == "gluon":
+    if num_blocks and _launch_choice(BACKWARD, "backward", d,
+                                     _common_dtype(q, k, v, do, *(() if o_cache is None else (o_cache,))), device,
+                                     prefix is not None) == "gluon":
         return _cache_attention_bwd_gluon(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start,
                                           blk_len, block=block, window=window, o_cache=o_cache)
     # Written by the dq programs for every query row of a block; the dk/dv programs read only those rows.
