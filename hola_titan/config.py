@@ -142,6 +142,13 @@ class Model:
     context-parallel shards that continue a document form delta over the keys as before. The shipped compile
     plans do not cover its kernels yet (they compile at the first step). The same function (delta reads the stored
     output, rounded to the compute dtype); the run's ``paths`` line says which form ran."""
+    cache_kernels: Literal["auto", "triton"] = setting("auto", resume="applied")
+    """Which kernels run a HOLA layer's cache read on the Triton backend. ``auto``: the Gluon kernels (Hopper's
+    warpgroup MMA, ``hola_titan/kernels/hola_gluon_attn.py``) for fresh calls at head dim 256 in bf16/fp16 on an
+    sm_90 GPU with Triton 3.6-3.9, the Triton kernels everywhere else; ``triton``: the Triton kernels always (to
+    compare the two, e.g. with ``scripts/compare_losses.py``; the shipped compile plans list the kernels ``auto``
+    runs, so the other ones compile at their first launch). The run's ``paths`` lines (``cache_forward``,
+    ``cache_backward``) name the kernels and why."""
     require_fast_path: bool = setting(False, resume="applied")
     """Refuse to start when ``attention_backend = auto`` on a GPU cannot use the Triton kernels (it falls back to
     the reference backend then, with a warning that says why)."""
@@ -782,6 +789,9 @@ def validate(config: JobConfig, *, world_size: int) -> None:
         if model.attention_backend in ("reference", "sdpa"):
             raise ConfigError("model.save_cache_output", f"needs the Triton attention backend; "
                               f"model.attention_backend is {model.attention_backend}")
+    if model.cache_kernels != "auto" and model.attention_backend in ("reference", "sdpa"):
+        raise ConfigError("model.cache_kernels", f"chooses among the Triton backend's kernels; model.attention_backend "
+                          f"is {model.attention_backend}")
     if config.profiling.enable and config.profiling.freq <= config.profiling.warmup:
         raise ConfigError("profiling.freq", f"must exceed profiling.warmup = {config.profiling.warmup} (each window "
                           f"is warmup steps, then the traced one), got {config.profiling.freq}")

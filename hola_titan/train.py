@@ -211,6 +211,9 @@ class Trainer:
             if config.model.save_cache_output and self.attention_backend != "triton":
                 raise ConfigError("model.save_cache_output", f"needs the Triton attention backend; this run "
                                   f"uses {self.attention_backend} ({self._backend_why})")
+            if self.attention_backend == "triton" and self.model_args.is_recurrent:
+                from hola_titan.kernels.hola_triton_attn import set_cache_kernels
+                set_cache_kernels(config.model.cache_kernels)  # before the paths lines that report the choice
             if self.attention_backend == "reference":
                 self.precompile.stop(f"the attention backend is the reference ({self._backend_why})")
             self.kernel_configs = self._install_kernel_configs(located)

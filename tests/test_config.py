@@ -200,6 +200,7 @@ def test_help(capsys):
     (["--optimizer.betas", "0.9"], "optimizer.betas", "2 values"),
     (["--model.flavour", "mamba"], "model.flavour", "expected one of"),
     (["--training.device", "tpu"], "training.device", "expected one of"),
+    (["--model.cache_kernels", "gluon"], "model.cache_kernels", "expected one of auto, triton; got 'gluon'"),
     (["--training.steps", "-5"], "training.steps", ">= 1"),
     (["--training.seq_len", "0"], "training.seq_len", ">= 1"),
     (["--training.global_batch_size", "0"], "training.global_batch_size", ">= 1 or -1"),
@@ -273,6 +274,7 @@ def test_resolve_degrees_fills_shard_and_accumulates():
     (["--model.save_cache_output", "--model.flavour", "transformer"], 1, "model.save_cache_output",
      "transformer has no HOLA cache"),
     (["--model.save_cache_output", "--model.overlap_backward"], 1, "model.save_cache_output", "overlap_backward"),
+    (["--model.cache_kernels", "triton", "--model.attention_backend", "sdpa"], 1, "model.cache_kernels", "sdpa"),
     (["--model.save_cache_output", "--model.attention_backend", "sdpa"], 1, "model.save_cache_output",
      "model.attention_backend is sdpa"),
 ])

@@ -111,9 +111,25 @@ VARIANTS["dkdv_kept"] = VARIANTS["dkdv"]
 # here, with the CONFIGS launches). Timed on an H200 at D 256 (docs/LOG.md, 2026-12-03 twelfth session). Elsewhere
 # (other head dims and GPUs, float32, Triton's interpreter, a call continuing from a cache) the Triton kernels run;
 # :func:`forward_kernels` and :func:`backward_kernels` say which and why, and a run's ``paths`` lines report it.
-FORWARD = {256: "gluon"}
-BACKWARD = {256: "gluon"}
+DEFAULT_FORWARD = {256: "gluon"}
+DEFAULT_BACKWARD = {256: "gluon"}
+FORWARD = dict(DEFAULT_FORWARD)
+BACKWARD = dict(DEFAULT_BACKWARD)
+# model.cache_kernels as the trainer last set it (set_cache_kernels): the reason a Triton choice gives.
+_CACHE_KERNELS = {"choice": "auto"}
 GLUON_WHY = "warpgroup-MMA tiles on sm_90"
+
+
+def set_cache_kernels(choice: str) -> None:
+    """``model.cache_kernels`` for this process: ``auto`` restores the launch tables' defaults, ``triton`` empties
+    them (every head dim on the Triton kernels). The trainer sets it before its first launch."""
+    if choice not in ("auto", "triton"):
+        raise ValueError(f"cache_kernels: expected 'auto' or 'triton', got {choice!r}")
+    for table, default in ((FORWARD, DEFAULT_FORWARD), (BACKWARD, DEFAULT_BACKWARD)):
+        table.clear()
+        if choice == "auto":
+            table.update(default)
+    _CACHE_KERNELS["choice"] = choice
 
 
 def forward_kernels(d: int, dtype: torch.dtype | None, device: torch.device, *,
@@ -149,6 +165,8 @@ def _log_fallback(direction: str, why: str) -> None:
 def _kernels_choice(table: dict, d: int, dtype: torch.dtype | None, device: torch.device, continuing: bool):
     """``dtype``: the inputs' common dtype, None when they differ."""
     if table.get(d, "triton") != "gluon":
+        if _CACHE_KERNELS["choice"] == "triton":
+            return "triton", "model.cache_kernels = triton"
         return "triton", f"the launch table names Triton at head dim {d}"
     if device.type != "cuda":
         return "triton", "Gluon kernels need a GPU (Triton's interpreter runs the Triton kernels)"
