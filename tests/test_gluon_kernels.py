@@ -104,7 +104,7 @@ _TYPES = {"sel_ptr": "*i32", "blk_start_ptr": "*i32", "blk_len_ptr": "*i32", "de
 _BF16 = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "oc_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "os_ptr", "o_ptr")
 
 
-def _compile_for_hopper(name: str, **constexprs) -> dict:
+def _compile_for_hopper(name: str, types: dict | None = None, **constexprs) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     GluonASTSource = pytest.importorskip("triton.experimental.gluon._runtime").GluonASTSource
@@ -115,7 +115,8 @@ def _compile_for_hopper(name: str, **constexprs) -> dict:
     names = fn.arg_names
     config = hola_gluon_attn.FWD_CONFIG if name == "_cache_fwd_gluon_kernel" else hola_gluon_attn.CONFIG
     constexprs = dict(D=256, **config, **constexprs)
-    signature = {n: "constexpr" if n in constexprs else _TYPES.get(n, "*bf16" if n in _BF16 else "*fp32")
+    types = {**_TYPES, **(types or {})}
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "*bf16" if n in _BF16 else "*fp32")
                  for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}
@@ -137,17 +138,20 @@ def _compile_for_hopper(name: str, **constexprs) -> dict:
                                                       ("_cache_bwd_dq_gluon_kernel", dict(HAS_OC=True), 36),
                                                       ("_cache_bwd_dkdv_gluon_kernel", {}, 40),
                                                       ("_cache_fwd_gluon_kernel", dict(STORE_OC=False), 20),
-                                                      ("_cache_fwd_gluon_kernel", dict(STORE_OC=True), 20)],
-                         ids=["dq", "dq_kept_output", "dkdv", "fwd", "fwd_kept_output"])
+                                                      ("_cache_fwd_gluon_kernel", dict(STORE_OC=True), 20),
+                                                      ("_cache_fwd_gluon_kernel",
+                                                       dict(STORE_OC=False, types={"os_ptr": "*fp32"}), 20)],
+                         ids=["dq", "dq_kept_output", "dkdv", "fwd", "fwd_kept_output", "fwd_float32_state"])
 def test_the_gluon_kernels_compile_for_hopper_on_warpgroup_mma(name, constexprs, products):
     """With the installed Triton (Gluon's names move between versions: the module takes both spellings), for
     sm_90a: every product a warpgroup MMA (no mma.sync), within the 227 KiB of shared memory a block may use, and
-    spilling at most a few registers (ptxas caps every kernel at 255 registers and spills the rest: the loops spill
-    nothing, the backward's epilogues 16-104 bytes with Triton 3.6 and 3.9)."""
+    spilling at most a few registers (ptxas caps every kernel at 255 registers and spills the rest: with Triton 3.9
+    the loops spill nothing, the epilogues 8-104 bytes; with Triton 3.6 the dk/dv epilogue 128 bytes and the
+    forward's loop 40)."""
     pytest.importorskip("triton.backends.nvidia")
     if hola_gluon_attn.GLUON_MISSING:
         pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
-    got = _compile_for_hopper(name, **constexprs)
+    got = _compile_for_hopper(name, **constexprs)  # (a float32 o_state: read in the epilogue, not staged)
     assert got["mma_sync"] == 0 and got["wgmma"] >= products, got
     assert got["stack_bytes"] <= 128 and got["shared"] <= 227 * 1024, got
 
@@ -170,3 +174,22 @@ def test_a_launch_that_leaves_the_gluon_kernels_says_so_once(hopper, monkeypatch
                         "output gradient) come in different dtypes"], messages
     attn._log_fallback.cache_clear()
 
+
+
+def test_model_cache_kernels_triton_takes_the_triton_kernels_and_says_so(hopper):
+    """``model.cache_kernels = triton`` (set by the trainer through set_cache_kernels) empties both launch tables:
+    every call on the Triton kernels, with that setting as the reason; ``auto`` restores the tables."""
+    if hola_gluon_attn.GLUON_MISSING:
+        pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
+    try:
+        attn.set_cache_kernels("triton")
+        assert attn.forward_kernels(256, torch.bfloat16, hopper) == ("triton", "model.cache_kernels = triton")
+        assert attn.backward_kernels(256, torch.bfloat16, hopper) == ("triton", "model.cache_kernels = triton")
+        assert attn.describe_cache_forward(256, torch.bfloat16, hopper) == ("Triton kernels (model.cache_kernels = "
+                                                                            "triton)")
+    finally:
+        attn.set_cache_kernels("auto")
+    assert attn.FORWARD == attn.DEFAULT_FORWARD and attn.BACKWARD == attn.DEFAULT_BACKWARD
+    assert attn.forward_kernels(256, torch.bfloat16, hopper)[0] == "gluon"
+    with pytest.raises(ValueError, match="cache_kernels: expected 'auto' or 'triton', got 'gluon'"):
+        attn.set_cache_kernels("gluon")

@@ -449,13 +449,22 @@ def test_gluon_kernels_equal_the_triton_kernels_at_the_op_level(shape, kept, mon
     outs = {}
     for kernels in ("triton", "gluon"):
         monkeypatch.setitem(hola_triton_attn.FORWARD, d, kernels)
+        outs[kernels] = cache_attn_op(q, k, v, o_state, gq, gk, sink, gate, sel, table.blk_start, table.blk_len,
+                                      block, window, kept)
+    for name, ref, got in zip(("o", "lse", "rq", "rk", "o_cache"), outs["triton"], outs["gluon"]):
+        if name == "o_cache" and not kept:  # an empty tensor without save_output
+            continue
+        assert not torch.isnan(got).any(), f"forward {name}: NaN"
+        assert rel(got, ref) <= 2e-3, (name, rel(got, ref))
+    # Both backwards from the same forward outputs: their differences are the backward kernels' own (from each
+    # forward's, the kept output's bf16 rounding alone moves the cancelling sums of dgate and dsink by 1e-2).
+    fwd = outs["triton"]
+    outs = {}
+    for kernels in ("triton", "gluon"):
         monkeypatch.setitem(hola_triton_attn.BACKWARD, d, kernels)
-        fwd = cache_attn_op(q, k, v, o_state, gq, gk, sink, gate, sel, table.blk_start, table.blk_len, block, window,
-                            kept)
         bwd = cache_attn_bwd_op(do, q, k, v, fwd[1], fwd[2], fwd[3], gq, gk, sink, gate, sel, table.blk_start,
                                 table.blk_len, block, window, fwd[4] if kept else None)
-        outs[kernels] = dict(zip(("o", "lse"), fwd[:2]), **dict(zip(("dq", "dk", "dv", "dgamma_q", "dgamma_k",
-                                                                      "dsink", "dgate"), bwd)))
+        outs[kernels] = dict(zip(("dq", "dk", "dv", "dgamma_q", "dgamma_k", "dsink", "dgate"), bwd))
     for name, ref in outs["triton"].items():
         got = outs["gluon"][name]
         assert not torch.isnan(got).any(), f"{name}: NaN"

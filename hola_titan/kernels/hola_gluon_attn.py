@@ -17,7 +17,13 @@ every product is a ``warpgroup_mma`` over 64 x 64 tiles with both operands in sh
   memory into dV and dK.
 - the forward, one program (one warpgroup) per query tile: scores from the scaled queries and a gathered key tile
   in shared memory, the online softmax from the sink, and the probabilities from registers into the output
-  product; two programs share an SM and take turns while each waits for its next key tile.
+  product; two programs share an SM. K and V arrive in separate ``cp.async`` groups into one buffer each: the
+  next K is loaded as soon as the scores are done, the next V as soon as the output product is; after the last
+  tile, o_state (in the keys' dtype) is staged into the key buffer for the epilogue.
+
+Each step's key validity comes from the staged rstd (zero only for an empty slot or one past the window), not
+from a load of the selection; the epilogues' RMSNorm backward reads the raw rows from a buffer that the last step
+(dq) or the last products (dk/dv) left free, staged by ``cp.async`` while the products run.
 
 In the backward, 8 warps per program: the two warpgroups split each product's N dimension, so each holds half of the
 two [64, D] float32 accumulators in registers (at D 256 the loops spill nothing, the epilogues a few registers).
@@ -91,6 +97,16 @@ if gluon is not None:
         return o_n, row, ok
 
     @gluon.jit
+    def _key_thresholds(b_rk, j, NCT, BN: gl.constexpr, layout: gl.constexpr):
+        """Per key of tile ``j`` (``layout``, a 1-D slice layout, as ``b_rk``, the tile's staged rstd), the position a
+        query must reach to see it: for a cache slot -1 when it is filled, else above every position; for an own row
+        its position in the block (causal). A filled slot is known by its staged rstd, positive for any real row
+        (1 / sqrt(mean square + eps)), zero-filled for an empty slot or one past the window: no load of the
+        selection in the step."""
+        pos = (j - NCT) * BN + gl.arange(0, BN, layout=layout)
+        return gl.where(j < NCT, gl.where(b_rk > 0.0, -1, 1 << 30), pos)
+
+    @gluon.jit
     def _async_rows(smem, ptr, row, ok, D: gl.constexpr, layout: gl.constexpr):
         """cp.async of rows ``row`` (flat rows of D elements) into ``smem``; rows not ``ok`` are zero-filled."""
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
@@ -119,12 +135,10 @@ if gluon is not None:
         return 1.0 / (1.0 + gl.exp(-x))
 
     @gluon.jit
-    def _norm_bwd(b_dy, x_ptr, r_ptr, g_ptr, row, ok, D: gl.constexpr, layout: gl.constexpr):
-        """RMSNorm backward (y = x r g) of rows ``row`` of x from ``b_dy`` (float32 in ``layout``, a 2-D layout):
-        (dx, the rows' partial sum of dgamma)."""
+    def _norm_bwd(b_dy, b_x, b_r, g_ptr, ok, D: gl.constexpr, layout: gl.constexpr):
+        """RMSNorm backward (y = x r g) of rows ``b_x`` (float32, zeros where not ``ok``) with rstd ``b_r`` from
+        ``b_dy`` (float32 in ``layout``, a 2-D layout): (dx, the rows' partial sum of dgamma)."""
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-        b_x = gl.load(x_ptr + row[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0).to(gl.float32)
-        b_r = gl.load(r_ptr + row, mask=ok, other=0.0)
         b_g = gl.load(g_ptr + cols).to(gl.float32)
         b_dy = gl.where(ok[:, None], b_dy, 0.0)  # rows that are not valid hold unmasked sums: out of the dgamma sum
         b_gdy = b_g[None, :] * b_dy
@@ -179,11 +193,13 @@ if gluon is not None:
             o_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, blk))
             m_ok = o_m < length
             row_q = (start + o_m) * H + i_h
+            _async_rows(do_s, do_ptr, row_q, m_ok, D, blk)  # dO with the first key tile
+            async_copy.commit_group()
+            cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+            if HAS_OC:  # in flight while the queries are scaled
+                b_oc = gl.load(oc_ptr + row_q[:, None] * D + cols[None, :], mask=m_ok[:, None], other=0.0)
             _scaled_rows_to_smem(q_s, q_ptr, rq_ptr, gq_ptr, gk_ptr, row_q, m_ok, scale * 1.4426950408889634, D,
                                  blk)
-            cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-            b_do = gl.load(do_ptr + row_q[:, None] * D + cols[None, :], mask=m_ok[:, None], other=0.0)
-            do_s.store(b_do)
             b_lam = _sigmoid(gl.load(gate_ptr + i_h).to(gl.float32))
 
             s_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_l))
@@ -191,7 +207,9 @@ if gluon is not None:
             s_row = (start + s_m) * H + i_h
             b_lse = gl.load(lse_ptr + s_row, mask=s_mok, other=0.0)
             if HAS_OC:  # the row sums from the kept output
-                b_oc = gl.load(oc_ptr + row_q[:, None] * D + cols[None, :], mask=m_ok[:, None], other=0.0)
+                async_copy.wait_group(0)
+                _cta_barrier()
+                b_do = do_s.load(blk)
                 b_r = gl.convert_layout(gl.sum(b_do.to(gl.float32) * b_oc.to(gl.float32), axis=1),
                                         gl.SliceLayout(1, s_l))
                 b_delta = b_lam * b_r
@@ -210,30 +228,29 @@ if gluon is not None:
                 k_t = k_s.index(cur)
                 v_t = v_s.index(cur)
                 s_tok = warpgroup_mma(q_s, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                # (Positions and validity: arithmetic for the block's own rows; a cache tile's read the
-                # selection, in the first step at a window of up to BN slots.)
-                n_pos, n_row, n_ok = _key_rows(sel_ptr, i_b, i_h, j, NCT, W, start, length, H, BN,
-                                               gl.SliceLayout(0, s_l))
                 b_rk = rk_s.index(cur).load(gl.SliceLayout(0, s_l))
                 dp_tok = warpgroup_mma(do_s, v_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 b_s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # and all older products
                 _cta_barrier()  # both warpgroups: the previous products are done with pa_s, pb_s, buffer 1 - cur
                 # The next tile into the other buffer (past the last: all rows masked, nothing read), and its
                 # score-layout vectors, while this step computes.
-                o_n, row, ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN,
-                                         gl.SliceLayout(1, blk))
-                ok = ok & (j + 1 < n_tiles)
-                _async_rows(k_s.index(1 - cur), k_ptr, row, ok, D, blk)
-                _async_rows(v_s.index(1 - cur), v_ptr, row, ok, D, blk)
-                o_n, row, ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN, vec_l)
-                _async_vec(rk_s.index(1 - cur), rk_ptr, row, ok & (j + 1 < n_tiles))
+                # (Names local to each branch: nothing computed for a load stays live in registers after it.)
+                if j + 1 < n_tiles:
+                    k_n, k_row, k_ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN,
+                                                 gl.SliceLayout(1, blk))
+                    _async_rows(k_s.index(1 - cur), k_ptr, k_row, k_ok, D, blk)
+                    _async_rows(v_s.index(1 - cur), v_ptr, k_row, k_ok, D, blk)
+                    r_n, r_row, r_ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN, vec_l)
+                    _async_vec(rk_s.index(1 - cur), rk_ptr, r_row, r_ok)
+                else:  # after the last tile: the raw query rows, for the epilogue's RMSNorm backward
+                    e_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, blk))
+                    _async_rows(k_s.index(1 - cur), q_ptr, (start + e_m) * H + i_h, e_m < length, D, blk)
                 async_copy.commit_group()
 
-                # One comparison per score: a key's threshold (a cache slot: -1 if filled, else above every
-                # position; an own row: its position, causal) against the query's position. Query rows past the
+                # One comparison per score: the key's threshold against the query's position. Query rows past the
                 # block's end are not masked: they were read as zeros (finite scores) and feed only their own dq
                 # rows, which are not written, and zero row sums.
-                thr = gl.where(j < NCT, gl.where(n_ok, -1, 1 << 30), n_pos)
+                thr = _key_thresholds(b_rk, j, NCT, BN, gl.SliceLayout(0, s_l))
                 b_p = gl.where(thr[None, :] <= s_m[:, None], gl.exp2(b_s * b_rk[None, :] - b_lse[:, None]), 0.0)
                 b_prk = b_p * b_rk[None, :]
                 b_dov = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
@@ -277,7 +294,9 @@ if gluon is not None:
             a_row = (start + a_m) * H + i_h
             a_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_l))
             b_gk = gl.load(gk_ptr + a_d).to(gl.float32)
-            b_dx, b_dg = _norm_bwd(b_dqr * (scale * b_gk)[None, :], q_ptr, rq_ptr, gq_ptr, a_row, a_ok, D, acc_l)
+            b_x = k_s.index(n_tiles % 2).load(acc_l).to(gl.float32)  # the raw queries, staged by the last step
+            b_rq = gl.load(rq_ptr + a_row, mask=a_ok, other=0.0)
+            b_dx, b_dg = _norm_bwd(b_dqr * (scale * b_gk)[None, :], b_x, b_rq, gq_ptr, a_ok, D, acc_l)
             gl.store(dq_ptr + a_row[:, None] * D + a_d[None, :], b_dx.to(dq_ptr.dtype.element_ty), mask=a_ok[:, None])
             gl.store(dgq_ptr + (pid * H + i_h) * D + a_d, b_dg)
 
@@ -330,7 +349,6 @@ if gluon is not None:
 
             # Queries from the first whose position reaches the tile's first key (all for a cache tile).
             lo = gl.where(is_cache, 0, (c0 // BM) * BM)
-            cols = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
             o_m = lo + gl.arange(0, BM, layout=gl.SliceLayout(1, blk))
             m_ok = o_m < length
             row_q = (start + o_m) * H + i_h
@@ -338,14 +356,14 @@ if gluon is not None:
             _async_rows(do_s.index(0), do_ptr, row_q, m_ok, D, blk)
             _query_vectors(rq_s.index(0), lse_s.index(0), dl_s.index(0), rq_ptr, lse_ptr, delta_ptr, lo, start,
                            length, H, i_h, BM, vec_l)
-            async_copy.commit_group()
-
             o_n, row_k, n_ok = _key_rows(sel_ptr, i_b, i_h, j, NCT, W, start, length, H, BN, gl.SliceLayout(1, blk))
+            _async_rows(v_s, v_ptr, row_k, n_ok, D, blk)  # V as it is, with the first query tile
+            async_copy.commit_group()
             _scaled_rows_to_smem(k_s, k_ptr, rk_ptr, gq_ptr, gk_ptr, row_k, n_ok, scale * 1.4426950408889634, D, blk)
-            v_s.store(gl.load(v_ptr + row_k[:, None] * D + cols[None, :], mask=n_ok[:, None], other=0.0))
             b_lam = _sigmoid(gl.load(gate_ptr + i_h).to(gl.float32))
-            s_n, _, _ = _key_rows(sel_ptr, i_b, i_h, j, NCT, W, start, length, H, BN,
-                                            gl.SliceLayout(1, s_l))
+            s_n, _, s_ok = _key_rows(sel_ptr, i_b, i_h, j, NCT, W, start, length, H, BN, gl.SliceLayout(1, s_l))
+            # Causal for the block's own keys, none for filled cache slots; an empty slot's row is masked out.
+            thr = gl.where(is_cache, gl.where(s_ok, -1, 1 << 30), s_n)
 
             b_dk = warpgroup_mma_init(gl.zeros([BN, D], gl.float32, acc_l))
             b_dv = warpgroup_mma_init(gl.zeros([BN, D], gl.float32, acc_l))
@@ -377,10 +395,8 @@ if gluon is not None:
                 b_rq = rq_s.index(cur).load(gl.SliceLayout(0, s_l))
                 b_lse = lse_s.index(cur).load(gl.SliceLayout(0, s_l))
                 b_delta = dl_s.index(cur).load(gl.SliceLayout(0, s_l))
-                # Causal for the block's own keys, none for cache slots: a key row that is not valid (an empty
-                # slot, past the block's end) feeds only its own dk and dv rows, which are not written (and are
-                # zeroed before the gamma_k sum), and query columns past the end were read as zeros.
-                thr = gl.where(is_cache, -1, s_n)
+                # (A key row past the block's end is not masked: it feeds only its own dk and dv rows, which are not
+                # written and are zeroed before the gamma_k sum; query columns past the end were read as zeros.)
                 b_pt = gl.where(thr[:, None] <= s_m[None, :], gl.exp2(b_st * b_rq[None, :] - b_lse[None, :]), 0.0)
                 b_dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt_tok,))
                 pt_s.store(b_pt.to(pt_s.dtype))
@@ -392,7 +408,15 @@ if gluon is not None:
                 async_copy.wait_group(0)
                 fence_async_shared()
                 _cta_barrier()
+            # The tile's raw keys for the epilogue's RMSNorm backward, into the free query buffer while the last
+            # products run (staged in the loop's last step instead, they cost the loop registers: spills).
+            n_steps = gl.cdiv(length - lo, BM)
+            x_n, x_row, x_ok = _key_rows(sel_ptr, i_b, i_h, j, NCT, W, start, length, H, BN, gl.SliceLayout(1, blk))
+            _async_rows(q_s.index(n_steps % 2), k_ptr, x_row, x_ok, D, blk)
+            async_copy.commit_group()
             b_dk, b_dv = warpgroup_mma_wait(num_outstanding=0, deps=(b_dk, b_dv))
+            async_copy.wait_group(0)
+            _cta_barrier()
 
             # dv scaled by the gate, then dk through its RMSNorm's backward; the tile's partial gamma_k sum.
             a_n, a_row, a_ok = _key_rows(sel_ptr, i_b, i_h, j, NCT, W, start, length, H, BN,
@@ -400,7 +424,9 @@ if gluon is not None:
             a_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_l))
             b_dv = gl.where(a_ok[:, None], b_dv * b_lam, 0.0)
             b_gq = gl.load(gq_ptr + a_d).to(gl.float32)
-            b_dx, b_dg = _norm_bwd(b_dk * (scale * b_gq)[None, :], k_ptr, rk_ptr, gk_ptr, a_row, a_ok, D, acc_l)
+            b_x = q_s.index(n_steps % 2).load(acc_l).to(gl.float32)  # the raw keys, staged by the last step
+            b_rk = gl.load(rk_ptr + a_row, mask=a_ok, other=0.0)
+            b_dx, b_dg = _norm_bwd(b_dk * (scale * b_gq)[None, :], b_x, b_rk, gk_ptr, a_ok, D, acc_l)
             gl.store(dgk_ptr + (pid * H + i_h) * D + a_d, b_dg)
             if is_cache:
                 p_e = ((i_b * H + i_h) * W + a_n)[:, None] * D + a_d[None, :]
@@ -445,16 +471,23 @@ if gluon is not None:
 
             NCT = gl.cdiv(W, BN)
             n_tiles = NCT + gl.cdiv(gl.minimum(q0 + BM, length), BN)  # own tiles up to the tile's last query
+            # K (with its rstd) and V in separate cp.async groups: a step waits for K, and V arrives while the
+            # scores and the softmax are computed; the next K is loaded as soon as the scores are (during the
+            # softmax and the output product), the next V as soon as the output product is done.
             o_n, row, ok = _key_rows(sel_ptr, i_b, i_h, 0, NCT, W, start, length, H, BN, gl.SliceLayout(1, blk))
             _async_rows(k_s, k_ptr, row, ok, D, blk)
+            o_n, row_v, ok_v = _key_rows(sel_ptr, i_b, i_h, 0, NCT, W, start, length, H, BN, vec_l)
+            _async_vec(rk_s, rk_ptr, row_v, ok_v)
+            async_copy.commit_group()
             _async_rows(v_s, v_ptr, row, ok, D, blk)
-            o_n, row, ok = _key_rows(sel_ptr, i_b, i_h, 0, NCT, W, start, length, H, BN, vec_l)
-            _async_vec(rk_s, rk_ptr, row, ok)
             async_copy.commit_group()
             o_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, blk))
+            m_ok = o_m < length
             row_q = (start + o_m) * H + i_h
-            _scaled_rows_to_smem(q_s, q_ptr, rq_ptr, gq_ptr, gk_ptr, row_q, o_m < length,
-                                 scale * 1.4426950408889634, D, blk)
+            _scaled_rows_to_smem(q_s, q_ptr, rq_ptr, gq_ptr, gk_ptr, row_q, m_ok, scale * 1.4426950408889634, D, blk)
+            # o_state in the keys' dtype (as in training) is staged into the key buffer after the last scores, so
+            # that the epilogue does not wait for it; in another dtype the epilogue loads it.
+            OS_SMEM: gl.constexpr = os_ptr.dtype.element_ty == k_ptr.dtype.element_ty
 
             s_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_l))
             # The softmax starts from the sink: m = sink (log2 units), l = 1.
@@ -464,14 +497,24 @@ if gluon is not None:
             b_acc = gl.zeros([BM, D], gl.float32, acc_l)
             s_zero = gl.zeros([BM, BN], gl.float32, s_l)
             for j in range(0, n_tiles):
-                async_copy.wait_group(0)
+                async_copy.wait_group(1)  # K j and its rstd (V j may still be in flight)
                 fence_async_shared()
                 _cta_barrier()
-                n_pos, n_row, n_ok = _key_rows(sel_ptr, i_b, i_h, j, NCT, W, start, length, H, BN,
-                                               gl.SliceLayout(0, s_l))
                 b_rk = rk_s.load(gl.SliceLayout(0, s_l))
+                thr = _key_thresholds(b_rk, j, NCT, BN, gl.SliceLayout(0, s_l))
                 b_s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False) * b_rk[None, :]
-                thr = gl.where(j < NCT, gl.where(n_ok, -1, 1 << 30), n_pos)
+                _cta_barrier()  # the warpgroup is done with K j and its rstd
+                # (Names local to each branch: nothing computed for a load stays live in registers after it.)
+                if j + 1 < n_tiles:
+                    k_n, k_row, k_ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN,
+                                                 gl.SliceLayout(1, blk))
+                    _async_rows(k_s, k_ptr, k_row, k_ok, D, blk)
+                    r_n, r_row, r_ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN, vec_l)
+                    _async_vec(rk_s, rk_ptr, r_row, r_ok)
+                elif OS_SMEM:
+                    e_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, blk))
+                    _async_rows(k_s, os_ptr, (start + e_m) * H + i_h, e_m < length, D, blk)
+                async_copy.commit_group()
                 b_s = gl.where(thr[None, :] <= s_m[:, None], b_s, float("-inf"))
                 b_m_new = gl.maximum(b_m, gl.max(b_s, axis=1))
                 b_alpha = gl.exp2(b_m - b_m_new)
@@ -479,17 +522,18 @@ if gluon is not None:
                 b_l = b_l * b_alpha + gl.sum(b_p, axis=1)
                 b_m = b_m_new
                 b_acc = b_acc * gl.convert_layout(b_alpha, gl.SliceLayout(1, acc_l))[:, None]
+                async_copy.wait_group(1)  # V j (the next K may still be in flight)
+                fence_async_shared()
+                _cta_barrier()
                 b_acc = warpgroup_mma(gl.convert_layout(b_p.to(v_s.dtype), p_l), v_s, b_acc)
-                _cta_barrier()  # the warpgroup is done with this tile's K, V and rstd
-                o_n, row, ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN,
-                                         gl.SliceLayout(1, blk))
-                ok = ok & (j + 1 < n_tiles)
-                _async_rows(k_s, k_ptr, row, ok, D, blk)
-                _async_rows(v_s, v_ptr, row, ok, D, blk)
-                o_n, row, ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN, vec_l)
-                _async_vec(rk_s, rk_ptr, row, ok & (j + 1 < n_tiles))
+                _cta_barrier()  # the warpgroup is done with V j
+                if j + 1 < n_tiles:
+                    v_n, v_row, v_ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN,
+                                                 gl.SliceLayout(1, blk))
+                    _async_rows(v_s, v_ptr, v_row, v_ok, D, blk)
                 async_copy.commit_group()
             async_copy.wait_group(0)
+            _cta_barrier()
             s_row = (start + s_m) * H + i_h
             gl.store(lse_ptr + s_row, b_m + gl.log2(b_l), mask=s_m < length)
             a_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_l))
@@ -498,7 +542,10 @@ if gluon is not None:
             p_o = ((start + a_m) * H + i_h)[:, None] * D + a_d[None, :]
             b_oc = b_acc / gl.convert_layout(b_l, gl.SliceLayout(1, acc_l))[:, None]
             b_lam = _sigmoid(gl.load(gate_ptr + i_h).to(gl.float32))
-            b_os = gl.load(os_ptr + p_o, mask=a_ok[:, None], other=0.0).to(gl.float32)
+            if OS_SMEM:
+                b_os = k_s.load(acc_l).to(gl.float32)
+            else:
+                b_os = gl.load(os_ptr + p_o, mask=a_ok[:, None], other=0.0).to(gl.float32)
             gl.store(o_ptr + p_o, (b_os + b_lam * b_oc).to(o_ptr.dtype.element_ty), mask=a_ok[:, None])
             if STORE_OC:
                 gl.store(oc_ptr + p_o, b_oc.to(oc_ptr.dtype.element_ty), mask=a_ok[:, None])
