@@ -446,12 +446,18 @@ def test_gluon_kernels_equal_the_triton_kernels_at_the_op_level(shape, kept, mon
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
     table = hola_triton_select.build_block_table(1, t, cu, block, DEVICE)
     sel, _ = hola_triton_select.select_topw(torch.rand(t, h, device=DEVICE, generator=gen), table, window)
+    from hola_titan.kernels import hola_gluon_attn
+    launches = {name: _Launches(getattr(hola_gluon_attn, name))
+                for name in ("_cache_fwd_gluon_kernel", "_cache_bwd_dq_gluon_kernel", "_cache_bwd_dkdv_gluon_kernel")}
+    for name, launch in launches.items():
+        monkeypatch.setattr(hola_gluon_attn, name, launch)
     outs = {}
     for kernels in ("triton", "gluon"):
         monkeypatch.setitem(hola_triton_attn.FORWARD, d, kernels)
         outs[kernels] = cache_attn_op(q, k, v, o_state, gq, gk, sink, gate, sel, table.blk_start, table.blk_len,
                                       block, window, kept)
-    for name, ref, got in zip(("o", "lse", "rq", "rk", "o_cache"), outs["triton"], outs["gluon"]):
+    # (rq and rk come from one function in both: not compared.)
+    for name, ref, got in zip(("o", "lse", "o_cache"), *(outs[n][:2] + outs[n][4:] for n in ("triton", "gluon"))):
         if name == "o_cache" and not kept:  # an empty tensor without save_output
             continue
         assert not torch.isnan(got).any(), f"forward {name}: NaN"
@@ -471,6 +477,33 @@ def test_gluon_kernels_equal_the_triton_kernels_at_the_op_level(shape, kept, mon
         # Rounding: P and dS in bf16 before their products in both, in different orders (the kept output's dq:
         # atomic float32 sums in the Triton kernels).
         assert rel(got, ref) <= (1e-2 if kept and name in ("dq", "dgamma_q") else 2e-3), (name, rel(got, ref))
+    # The Gluon kernels ran (the comparison is not Triton against Triton after a fallback).
+    assert all(launch.count > 0 for launch in launches.values()), {n: x.count for n, x in launches.items()}
+
+
+def test_a_nan_in_a_cached_key_reaches_the_output_in_both_kernel_sets(monkeypatch):
+    """A selected cache row holding a NaN: its rstd is NaN, and the Gluon kernels (which tell a filled slot by its
+    staged rstd) must treat it as filled, as the Triton kernels do, so that the NaN reaches the block's outputs
+    instead of being dropped as an empty slot."""
+    from hola_titan.kernels.hola_triton_ops import cache_attn_op
+    if torch.cuda.get_device_capability(DEVICE)[0] != 9:
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+    t, h, d, window, block = 512, 2, 256, 64, 256
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    q, k, v, o_state = (torch.randn(1, t, h, d, device=DEVICE, generator=gen).to(torch.bfloat16) for _ in range(4))
+    gq, gk = torch.ones(d, device=DEVICE), torch.ones(d, device=DEVICE)
+    sink, gate = torch.zeros(h, device=DEVICE), torch.zeros(h, device=DEVICE)
+    table = hola_triton_select.build_block_table(1, t, torch.tensor([0, t], device=DEVICE), block, DEVICE)
+    sel, _ = hola_triton_select.select_topw(torch.rand(t, h, device=DEVICE, generator=gen), table, window)
+    token = int(sel[1, 0, 0])  # a slot of the second block's cache, head 0
+    assert token >= 0
+    k[0, token, 0, 0] = float("nan")
+    second = slice(block, 2 * block)
+    for kernels in ("triton", "gluon"):
+        monkeypatch.setitem(hola_triton_attn.FORWARD, d, kernels)
+        o = cache_attn_op(q, k, v, o_state, gq, gk, sink, gate, sel, table.blk_start, table.blk_len, block, window)[0]
+        assert torch.isnan(o[0, second, 0]).all(), kernels
+        assert not torch.isnan(o[0, second, 1]).any(), kernels  # the other head
 
 
 @pytest.mark.parametrize("evict", ["recency", "none"])

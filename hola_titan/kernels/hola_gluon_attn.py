@@ -100,11 +100,11 @@ if gluon is not None:
     def _key_thresholds(b_rk, j, NCT, BN: gl.constexpr, layout: gl.constexpr):
         """Per key of tile ``j`` (``layout``, a 1-D slice layout, as ``b_rk``, the tile's staged rstd), the position a
         query must reach to see it: for a cache slot -1 when it is filled, else above every position; for an own row
-        its position in the block (causal). A filled slot is known by its staged rstd, positive for any real row
-        (1 / sqrt(mean square + eps)), zero-filled for an empty slot or one past the window: no load of the
-        selection in the step."""
+        its position in the block (causal). A filled slot is known by its staged rstd, nonzero for any real row
+        (1 / sqrt(mean square + eps); NaN for a row with a NaN, which then reaches the output as in the Triton
+        kernels), zero-filled for an empty slot or one past the window: no load of the selection in the step."""
         pos = (j - NCT) * BN + gl.arange(0, BN, layout=layout)
-        return gl.where(j < NCT, gl.where(b_rk > 0.0, -1, 1 << 30), pos)
+        return gl.where(j < NCT, gl.where(b_rk != 0.0, -1, 1 << 30), pos)
 
     @gluon.jit
     def _async_rows(smem, ptr, row, ok, D: gl.constexpr, layout: gl.constexpr):
@@ -424,7 +424,7 @@ if gluon is not None:
             a_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_l))
             b_dv = gl.where(a_ok[:, None], b_dv * b_lam, 0.0)
             b_gq = gl.load(gq_ptr + a_d).to(gl.float32)
-            b_x = q_s.index(n_steps % 2).load(acc_l).to(gl.float32)  # the raw keys, staged by the last step
+            b_x = q_s.index(n_steps % 2).load(acc_l).to(gl.float32)  # the raw keys, staged after the loop
             b_rk = gl.load(rk_ptr + a_row, mask=a_ok, other=0.0)
             b_dx, b_dg = _norm_bwd(b_dk * (scale * b_gq)[None, :], b_x, b_rk, gk_ptr, a_ok, D, acc_l)
             gl.store(dgk_ptr + (pid * H + i_h) * D + a_d, b_dg)
