@@ -148,7 +148,8 @@ class Model:
     sm_90 GPU with Triton 3.6-3.9, the Triton kernels everywhere else; ``triton``: the Triton kernels always (to
     compare the two, e.g. with ``scripts/compare_losses.py``; the shipped compile plans list the kernels ``auto``
     runs, so the other ones compile at their first launch). The run's ``paths`` lines (``cache_forward``,
-    ``cache_backward``) name the kernels and why."""
+    ``cache_backward``) name the kernels and why. Refused for flavours without a HOLA cache and off the Triton
+    backend."""
     require_fast_path: bool = setting(False, resume="applied")
     """Refuse to start when ``attention_backend = auto`` on a GPU cannot use the Triton kernels (it falls back to
     the reference backend then, with a warning that says why)."""
@@ -789,9 +790,13 @@ def validate(config: JobConfig, *, world_size: int) -> None:
         if model.attention_backend in ("reference", "sdpa"):
             raise ConfigError("model.save_cache_output", f"needs the Triton attention backend; "
                               f"model.attention_backend is {model.attention_backend}")
-    if model.cache_kernels != "auto" and model.attention_backend in ("reference", "sdpa"):
-        raise ConfigError("model.cache_kernels", f"chooses among the Triton backend's kernels; model.attention_backend "
-                          f"is {model.attention_backend}")
+    if model.cache_kernels != "auto":
+        # What the config alone decides; an auto backend is checked once the trainer has resolved it.
+        if not args.is_recurrent or args.evict == "none":
+            raise ConfigError("model.cache_kernels", f"{model.flavour} has no HOLA cache read to run")
+        if model.attention_backend in ("reference", "sdpa"):
+            raise ConfigError("model.cache_kernels", f"chooses among the Triton backend's kernels; "
+                              f"model.attention_backend is {model.attention_backend}")
     if config.profiling.enable and config.profiling.freq <= config.profiling.warmup:
         raise ConfigError("profiling.freq", f"must exceed profiling.warmup = {config.profiling.warmup} (each window "
                           f"is warmup steps, then the traced one), got {config.profiling.freq}")

@@ -211,7 +211,11 @@ class Trainer:
             if config.model.save_cache_output and self.attention_backend != "triton":
                 raise ConfigError("model.save_cache_output", f"needs the Triton attention backend; this run "
                                   f"uses {self.attention_backend} ({self._backend_why})")
-            if self.attention_backend == "triton" and self.model_args.is_recurrent:
+            if config.model.cache_kernels != "auto" and self.attention_backend != "triton":
+                raise ConfigError("model.cache_kernels", f"needs the Triton attention backend; this run uses "
+                                  f"{self.attention_backend} ({self._backend_why})")
+            from hola_titan.kernels.dispatch import triton_importable
+            if triton_importable():  # every run sets it: one run's choice must not carry over to the next
                 from hola_titan.kernels.hola_triton_attn import set_cache_kernels
                 set_cache_kernels(config.model.cache_kernels)  # before the paths lines that report the choice
             if self.attention_backend == "reference":

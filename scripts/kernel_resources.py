@@ -12,8 +12,12 @@ The kernel and its exact argument types come from a compile plan of ``hola_titan
 (``hola_titan/kernels/precompile.py``: what a real run compiled); constexprs, warps and stages can be overridden,
 so a sweep over tiles is one command::
 
-    python scripts/kernel_resources.py --plan hola/d256/h4/bfloat16/packed --kernel _cache_fwd_kernel \\
+    python scripts/kernel_resources.py --plan hola/d128/h2/bfloat16/packed --kernel _cache_fwd_kernel \\
         --sweep BM=64,128 BN=32,64 --warps 4,8 --stages 2,3 --json /tmp/fwd.json
+    python scripts/kernel_resources.py --plan hola/d256/h4/bfloat16/packed --kernel _cache_bwd_dq_gluon_kernel
+
+(At head dim 256 on an H200 the plans list the Gluon cache kernels, which run there; the Triton cache kernels'
+specialisations are in the plans of other head dims.)
 
 Numbers are for the Triton installed here; the H200 machines run Triton 3.6 (``pip install triton==3.6.0`` in a
 separate environment reproduces them). Timing still needs the GPU (``scripts/bench_hola_attention.py``).
@@ -143,6 +147,8 @@ def compile_resources(spec: dict, *, constants: dict, num_warps: int, num_stages
         value = value["constexpr"] if isinstance(value, dict) and "constexpr" in value else value
         consts[tuple(path)] = constants.get(names[path[0]], value) if len(path) == 1 else value
     attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (the cache read's at D 256): its own front end
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     src = ASTSource(fn, dict(spec["signature"]), consts, attrs)
     began = time.perf_counter()
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),

@@ -275,6 +275,7 @@ def test_resolve_degrees_fills_shard_and_accumulates():
      "transformer has no HOLA cache"),
     (["--model.save_cache_output", "--model.overlap_backward"], 1, "model.save_cache_output", "overlap_backward"),
     (["--model.cache_kernels", "triton", "--model.attention_backend", "sdpa"], 1, "model.cache_kernels", "sdpa"),
+    (["--model.cache_kernels", "triton", "--model.flavour", "gdn"], 1, "model.cache_kernels", "gdn has no HOLA"),
     (["--model.save_cache_output", "--model.attention_backend", "sdpa"], 1, "model.save_cache_output",
      "model.attention_backend is sdpa"),
 ])

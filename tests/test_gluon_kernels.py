@@ -187,6 +187,9 @@ def test_model_cache_kernels_triton_takes_the_triton_kernels_and_says_so(hopper)
         assert attn.backward_kernels(256, torch.bfloat16, hopper) == ("triton", "model.cache_kernels = triton")
         assert attn.describe_cache_forward(256, torch.bfloat16, hopper) == ("Triton kernels (model.cache_kernels = "
                                                                             "triton)")
+        # A head dim the Gluon kernels never take keeps its own reason.
+        assert attn.forward_kernels(128, torch.bfloat16, hopper) == ("triton", "the launch table names Triton at "
+                                                                     "head dim 128")
     finally:
         attn.set_cache_kernels("auto")
     assert attn.FORWARD == attn.DEFAULT_FORWARD and attn.BACKWARD == attn.DEFAULT_BACKWARD

@@ -108,10 +108,10 @@ def test_an_optional_pointer_the_plan_passed_as_none_becomes_an_argument_by_alia
 
 
 def test_matrix_instructions_follow_the_tile_rows(tmp_path):
-    """The D = 256 dq kernel's query tile decides the matrix instructions: 32 rows compile to Ampere's mma.sync
-    only, 64 rows (one warpgroup) to Hopper's wgmma (docs/LOG.md, 2026-12-03: why the backward kernels run on
-    mma.sync)."""
-    result = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--plan", "hola/d256/h4/bfloat16/packed",
+    """The Triton dq kernel's query tile decides the matrix instructions: 32 rows compile to Ampere's mma.sync
+    only, 64 rows (one warpgroup) to Hopper's wgmma (docs/LOG.md, 2026-12-03: why the Triton backward kernels run on
+    mma.sync). From the bf16 plan at D 128: at D 256 the plans list the Gluon kernels, which run there."""
+    result = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--plan", "hola/d128/h2/bfloat16/packed",
                              "--kernel", "_cache_bwd_dq_kernel", "--sweep", "BM=32,64", "--warps", "4", "--json",
                              str(tmp_path / "dq.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -119,3 +119,15 @@ def test_matrix_instructions_follow_the_tile_rows(tmp_path):
     by_rows = {r["BM"]: r for r in rows}
     assert by_rows[32]["wgmma"] == 0 and by_rows[32]["mma_sync"] > 0, rows
     assert by_rows[64]["wgmma"] > 0, rows
+
+
+def test_a_gluon_kernel_of_a_plan_compiles_through_gluon(tmp_path):
+    """The D = 256 plans list the Gluon cache kernels; the script compiles them with Gluon's front end (warpgroup
+    MMA only)."""
+    pytest.importorskip("triton.experimental.gluon")
+    result = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--plan", "hola/d256/h4/bfloat16/packed",
+                             "--kernel", "_cache_bwd_dq_gluon_kernel", "--json", str(tmp_path / "dq.json")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "dq.json").read_text())["rows"]
+    assert row["wgmma"] > 0 and row["mma_sync"] == 0, row

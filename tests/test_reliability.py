@@ -611,6 +611,16 @@ def test_keeping_the_cache_output_needs_the_triton_backend(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == [".lock"]
 
 
+def test_choosing_the_cache_kernels_needs_the_triton_backend(tmp_path):
+    """``model.cache_kernels = triton`` on a run whose auto backend resolved to the reference (a CPU) is refused
+    at the start, naming the key, as the config check refuses an explicit reference or sdpa backend."""
+    folder = tmp_path / "run"
+    with pytest.raises(ConfigError, match="model.cache_kernels: needs the Triton attention backend; this run "
+                                          "uses reference"):
+        Trainer(parse_config([*FAST, "--model.cache_kernels", "triton", "--job.dump_folder", str(folder)]))
+    assert sorted(p.name for p in folder.iterdir()) == [".lock"]
+
+
 def test_bytes_that_are_not_utf8_or_not_gzip_are_named_by_file_and_line(tmp_path):
     from hola_titan.data.sources import DataError, read_documents, resolve_source
 

@@ -121,8 +121,9 @@ GLUON_WHY = "warpgroup-MMA tiles on sm_90"
 
 
 def set_cache_kernels(choice: str) -> None:
-    """``model.cache_kernels`` for this process: ``auto`` restores the launch tables' defaults, ``triton`` empties
-    them (every head dim on the Triton kernels). The trainer sets it before its first launch."""
+    """``model.cache_kernels`` for this process: ``auto`` restores the launch tables' defaults (dropping whatever a
+    caller had set in them), ``triton`` empties them (every head dim on the Triton kernels). Every trainer sets it
+    from its config before its first launch, so that one run's choice does not carry over to the next."""
     if choice not in ("auto", "triton"):
         raise ValueError(f"cache_kernels: expected 'auto' or 'triton', got {choice!r}")
     for table, default in ((FORWARD, DEFAULT_FORWARD), (BACKWARD, DEFAULT_BACKWARD)):
@@ -165,7 +166,8 @@ def _log_fallback(direction: str, why: str) -> None:
 def _kernels_choice(table: dict, d: int, dtype: torch.dtype | None, device: torch.device, continuing: bool):
     """``dtype``: the inputs' common dtype, None when they differ."""
     if table.get(d, "triton") != "gluon":
-        if _CACHE_KERNELS["choice"] == "triton":
+        default = DEFAULT_FORWARD if table is FORWARD else DEFAULT_BACKWARD if table is BACKWARD else {}
+        if _CACHE_KERNELS["choice"] == "triton" and default.get(d) == "gluon":
             return "triton", "model.cache_kernels = triton"
         return "triton", f"the launch table names Triton at head dim {d}"
     if device.type != "cuda":

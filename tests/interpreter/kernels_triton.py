@@ -754,24 +754,28 @@ def test_dq_atomic_and_the_kept_output_leave_a_continuing_call_as_it_was(monkeyp
     assert {name: spy.count for name, spy in spies.items()} == dict.fromkeys(spies, 0)
 
 
-@pytest.mark.parametrize("choice", ["auto", "triton"])
-def test_the_trainer_sets_model_cache_kernels_and_reports_it(choice, tmp_path):
-    """A trainer on the Triton backend applies ``model.cache_kernels`` to the launch tables before its paths lines,
-    which name the kernels and why (the debug model's head dim takes the Triton kernels either way; with ``triton``
-    the setting is the reason); a trainer's ``auto`` restores the tables."""
+def test_the_trainer_sets_model_cache_kernels_and_reports_it(tmp_path):
+    """A trainer on the Triton backend applies ``model.cache_kernels`` to the launch tables before its paths lines;
+    the next trainer, with ``auto``, restores them. (The debug model's head dim takes the Triton kernels either way,
+    so its paths lines give the table as the reason; the reason at head dim 256 is in tests/test_gluon_kernels.py.)"""
     from hola_titan.config import parse_config
     from hola_titan.train import Trainer
 
-    try:
-        trainer = Trainer(parse_config([
+    def trainer(choice: str) -> Trainer:
+        return Trainer(parse_config([
             "--model.size", "debug", "--model.attention_backend", "triton", "--model.cache_kernels", choice,
             "--training.seq_len", "128", "--training.local_batch_size", "1", "--checkpoint.enable", "false",
             "--validation.enable", "false", "--metrics.enable_tensorboard", "false",
-            "--job.dump_folder", str(tmp_path)]))
-        why = ("model.cache_kernels = triton" if choice == "triton" else
-               f"the launch table names Triton at head dim {trainer.model_args.head_dim}")
-        assert trainer.paths["cache_forward"].startswith(f"Triton kernels ({why}"), trainer.paths["cache_forward"]
-        assert trainer.paths["cache_backward"].startswith(f"Triton kernels ({why}"), trainer.paths["cache_backward"]
-        assert hola_triton_attn.FORWARD == ({} if choice == "triton" else hola_triton_attn.DEFAULT_FORWARD)
+            "--job.dump_folder", str(tmp_path / choice)]))
+
+    try:
+        first = trainer("triton")
+        assert hola_triton_attn.FORWARD == {} and hola_triton_attn.BACKWARD == {}
+        why = f"Triton kernels (the launch table names Triton at head dim {first.model_args.head_dim})"
+        assert first.paths["cache_forward"] == why, first.paths["cache_forward"]
+        assert first.paths["cache_backward"].startswith(why), first.paths["cache_backward"]
+        trainer("auto")
+        assert hola_triton_attn.FORWARD == hola_triton_attn.DEFAULT_FORWARD
+        assert hola_triton_attn.BACKWARD == hola_triton_attn.DEFAULT_BACKWARD
     finally:
         hola_triton_attn.set_cache_kernels("auto")
