@@ -734,6 +734,15 @@ def check_compile_fullgraph(config: JobConfig, *, backend: str, where: str) -> N
                       "compiled) or leave compile.enable off")
 
 
+def triton_cache_read_settings(model: Model) -> list[tuple[str, str]]:
+    """The settings of ``model`` that are on and act only on a HOLA layer's cache read on the Triton backend:
+    (key, what the setting does with the read), for the checks of :func:`validate` and of the trainer once it has
+    resolved its backend."""
+    settings = (("model.save_cache_output", model.save_cache_output, "keep"),
+                ("model.cache_kernels", model.cache_kernels != "auto", "run"))
+    return [(key, verb) for key, on, verb in settings if on]
+
+
 def validate(config: JobConfig, *, world_size: int) -> None:
     """Checks across fields that must pass before any model is built. Raises :class:`ConfigError`.
 
@@ -781,22 +790,18 @@ def validate(config: JobConfig, *, world_size: int) -> None:
         elif backend == "auto" and not on_cuda:
             where = f"cpu (training.device {device}{'' if device == 'cpu' else ', no CUDA device'})"
             check_compile_fullgraph(config, backend="reference", where=where)
-    if model.save_cache_output:
-        # What the config alone decides; an auto backend is checked once the trainer has resolved it.
+    # What the config alone decides about the settings that act on the Triton backend's cache read; an auto backend
+    # is checked once the trainer has resolved it (Trainer).
+    cache_read_settings = triton_cache_read_settings(model)
+    for key, verb in cache_read_settings:
         if not args.is_recurrent or args.evict == "none":
-            raise ConfigError("model.save_cache_output", f"{model.flavour} has no HOLA cache read to keep")
-        if model.overlap_backward:
-            raise ConfigError("model.save_cache_output", "not available with model.overlap_backward; choose one")
+            raise ConfigError(key, f"{model.flavour} has no HOLA cache read to {verb}")
+    if model.save_cache_output and model.overlap_backward:
+        raise ConfigError("model.save_cache_output", "not available with model.overlap_backward; choose one")
+    for key, _ in cache_read_settings:
         if model.attention_backend in ("reference", "sdpa"):
-            raise ConfigError("model.save_cache_output", f"needs the Triton attention backend; "
-                              f"model.attention_backend is {model.attention_backend}")
-    if model.cache_kernels != "auto":
-        # What the config alone decides; an auto backend is checked once the trainer has resolved it.
-        if not args.is_recurrent or args.evict == "none":
-            raise ConfigError("model.cache_kernels", f"{model.flavour} has no HOLA cache read to run")
-        if model.attention_backend in ("reference", "sdpa"):
-            raise ConfigError("model.cache_kernels", f"chooses among the Triton backend's kernels; "
-                              f"model.attention_backend is {model.attention_backend}")
+            raise ConfigError(key, f"needs the Triton attention backend; model.attention_backend is "
+                                   f"{model.attention_backend}")
     if config.profiling.enable and config.profiling.freq <= config.profiling.warmup:
         raise ConfigError("profiling.freq", f"must exceed profiling.warmup = {config.profiling.warmup} (each window "
                           f"is warmup steps, then the traced one), got {config.profiling.freq}")

@@ -47,7 +47,7 @@ from hola_titan.checkpoint import CheckpointError, Checkpointer
 from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
 from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, parse_config, resolve_degrees,
-                               schedule_warning, to_toml, validate, write_resolved)
+                               schedule_warning, to_toml, triton_cache_read_settings, validate, write_resolved)
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
 from hola_titan.kernels import seqlens
 from hola_titan.kernels.seqlens import Documents
@@ -208,12 +208,10 @@ class Trainer:
                 # (no fla-core) is known only now.
                 check_compile_fullgraph(config, backend=self.attention_backend,
                                         where=f"{self.device.type} ({self._backend_why})")
-            if config.model.save_cache_output and self.attention_backend != "triton":
-                raise ConfigError("model.save_cache_output", f"needs the Triton attention backend; this run "
-                                  f"uses {self.attention_backend} ({self._backend_why})")
-            if config.model.cache_kernels != "auto" and self.attention_backend != "triton":
-                raise ConfigError("model.cache_kernels", f"needs the Triton attention backend; this run uses "
-                                  f"{self.attention_backend} ({self._backend_why})")
+            for key, _ in triton_cache_read_settings(config.model):
+                if self.attention_backend != "triton":
+                    raise ConfigError(key, f"needs the Triton attention backend; this run uses "
+                                           f"{self.attention_backend} ({self._backend_why})")
             from hola_titan.kernels.dispatch import triton_importable
             if triton_importable():  # every run sets it: one run's choice must not carry over to the next
                 from hola_titan.kernels.hola_triton_attn import set_cache_kernels
