@@ -113,6 +113,13 @@ if gluon is not None:
         _async_load(smem, ptr + row[:, None] * D + cols[None, :], mask=ok[:, None])
 
     @gluon.jit
+    def _async_query_tile(dst, ptr, q0, start, length, H, i_h, BM: gl.constexpr, D: gl.constexpr,
+                          blk: gl.constexpr):
+        """cp.async of the BM token rows of ``ptr`` from block position ``q0`` (zeros past the block's end)."""
+        o_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, blk))
+        _async_rows(dst, ptr, (start + o_m) * H + i_h, o_m < length, D, blk)
+
+    @gluon.jit
     def _async_vec(smem, ptr, idx, ok):
         """cp.async of the float32 values ``ptr[idx]`` (zero where not ``ok``) into the 1-D ``smem``: a tile's
         per-row vectors staged with its rows, so that a step reads them from shared memory, not from a load it
@@ -243,8 +250,7 @@ if gluon is not None:
                     r_n, r_row, r_ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN, vec_l)
                     _async_vec(rk_s.index(1 - cur), rk_ptr, r_row, r_ok)
                 else:  # after the last tile: the raw query rows, for the epilogue's RMSNorm backward
-                    e_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, blk))
-                    _async_rows(k_s.index(1 - cur), q_ptr, (start + e_m) * H + i_h, e_m < length, D, blk)
+                    _async_query_tile(k_s.index(1 - cur), q_ptr, q0, start, length, H, i_h, BM, D, blk)
                 async_copy.commit_group()
 
                 # One comparison per score: the key's threshold against the query's position. Query rows past the
@@ -512,8 +518,7 @@ if gluon is not None:
                     r_n, r_row, r_ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN, vec_l)
                     _async_vec(rk_s, rk_ptr, r_row, r_ok)
                 elif OS_SMEM:
-                    e_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, blk))
-                    _async_rows(k_s, os_ptr, (start + e_m) * H + i_h, e_m < length, D, blk)
+                    _async_query_tile(k_s, os_ptr, q0, start, length, H, i_h, BM, D, blk)
                 async_copy.commit_group()
                 b_s = gl.where(thr[None, :] <= s_m[:, None], b_s, float("-inf"))
                 b_m_new = gl.maximum(b_m, gl.max(b_s, axis=1))
