@@ -159,11 +159,11 @@ def test_the_gluon_kernels_compile_for_hopper_on_warpgroup_mma(name, constexprs,
     sm_90a: every product a warpgroup MMA (no mma.sync) that ptxas does not serialise, within the 227 KiB of shared
     memory a block may use, and spilling at most a few registers (ptxas caps every kernel at 255 registers and
     spills the rest: with Triton 3.9 the loops spill nothing, the epilogues 8-104 bytes; with Triton 3.6 the dk/dv
-    epilogue 128 bytes and the forward's loop 40)."""
+    epilogue 128 bytes)."""
     pytest.importorskip("triton.backends.nvidia")
     if hola_gluon_attn.GLUON_MISSING:
         pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
-    got = _compile_for_hopper(name, **constexprs)  # (a float32 o_state: read in the epilogue, not staged)
+    got = _compile_for_hopper(name, **constexprs)
     assert got["mma_sync"] == 0 and got["wgmma"] >= products, got
     assert not got["serialised"], f"ptxas serialises {name}'s warpgroup MMAs (C7515): {got}"
     assert got["stack_bytes"] <= 128 and got["shared"] <= 227 * 1024, got

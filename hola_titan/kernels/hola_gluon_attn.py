@@ -18,8 +18,7 @@ every product is a ``warpgroup_mma`` over 64 x 64 tiles with both operands in sh
 - the forward, one program (one warpgroup) per query tile: scores from the scaled queries and a gathered key tile
   in shared memory, the online softmax from the sink, and the probabilities from registers into the output
   product; two programs share an SM. K and V arrive in separate ``cp.async`` groups into one buffer each: the
-  next K is loaded as soon as the scores are done, the next V as soon as the output product is; after the last
-  tile, o_state (in the keys' dtype) is staged into the key buffer for the epilogue.
+  next K is loaded as soon as the scores are done, the next V as soon as the output product is.
 
 Each step's key validity comes from the staged rstd (zero only for an empty slot or one past the window), not
 from a load of the selection; the epilogues' RMSNorm backward reads the raw rows from a buffer that the last step
@@ -491,9 +490,6 @@ if gluon is not None:
             m_ok = o_m < length
             row_q = (start + o_m) * H + i_h
             _scaled_rows_to_smem(q_s, q_ptr, rq_ptr, gq_ptr, gk_ptr, row_q, m_ok, scale * 1.4426950408889634, D, blk)
-            # o_state in the keys' dtype (as in training) is staged into the key buffer after the last scores, so
-            # that the epilogue does not wait for it; in another dtype the epilogue loads it.
-            OS_SMEM: gl.constexpr = os_ptr.dtype.element_ty == k_ptr.dtype.element_ty
 
             s_m = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_l))
             # The softmax starts from the sink: m = sink (log2 units), l = 1.
@@ -517,8 +513,6 @@ if gluon is not None:
                     _async_rows(k_s, k_ptr, k_row, k_ok, D, blk)
                     r_n, r_row, r_ok = _key_rows(sel_ptr, i_b, i_h, j + 1, NCT, W, start, length, H, BN, vec_l)
                     _async_vec(rk_s, rk_ptr, r_row, r_ok)
-                elif OS_SMEM:
-                    _async_query_tile(k_s, os_ptr, q0, start, length, H, i_h, BM, D, blk)
                 async_copy.commit_group()
                 b_s = gl.where(thr[None, :] <= s_m[:, None], b_s, float("-inf"))
                 b_m_new = gl.maximum(b_m, gl.max(b_s, axis=1))
@@ -547,10 +541,9 @@ if gluon is not None:
             p_o = ((start + a_m) * H + i_h)[:, None] * D + a_d[None, :]
             b_oc = b_acc / gl.convert_layout(b_l, gl.SliceLayout(1, acc_l))[:, None]
             b_lam = _sigmoid(gl.load(gate_ptr + i_h).to(gl.float32))
-            if OS_SMEM:
-                b_os = k_s.load(acc_l).to(gl.float32)
-            else:
-                b_os = gl.load(os_ptr + p_o, mask=a_ok[:, None], other=0.0).to(gl.float32)
+            # o_state is loaded here, not staged in the free key buffer during the last tile: that staging made
+            # Triton 3.6 spill 40 bytes in the loop, and the forward ran 2.6% slower with it on an H200.
+            b_os = gl.load(os_ptr + p_o, mask=a_ok[:, None], other=0.0).to(gl.float32)
             gl.store(o_ptr + p_o, (b_os + b_lam * b_oc).to(o_ptr.dtype.element_ty), mask=a_ok[:, None])
             if STORE_OC:
                 gl.store(oc_ptr + p_o, b_oc.to(oc_ptr.dtype.element_ty), mask=a_ok[:, None])
