@@ -91,6 +91,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep-output", action="store_true",
                         help="also measure each flavour with a HOLA cache under model.save_cache_output true (its "
                              "rows' flavour reads '<flavour>:kept')")
+    parser.add_argument("--overlap-backward", action="store_true",
+                        help="also measure each flavour with a HOLA cache under model.overlap_backward true (its "
+                             "rows' flavour reads '<flavour>:overlap')")
     parser.add_argument("--profile", action="store_true",
                         help="also profile whole steps (torch.profiler): kernel time against the step's wall time, "
                              "the top kernels, and ATen calls per step (host-bound work)")
@@ -246,26 +249,33 @@ def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, w
     return row
 
 
-CACHE_FLAVOURS = ("hola", "hola_recency")  # the flavours with a HOLA cache read, whose output can be kept
+CACHE_FLAVOURS = ("hola", "hola_recency")  # the flavours with a HOLA cache read
+# A row's variant (``<flavour>:<variant>``): the flag that adds such rows and the setting it turns on. Both settings
+# act on the Triton backend's cache read, so both need a CUDA device and a cache flavour.
+VARIANTS = {"kept": ("keep_output", "model.save_cache_output"),
+            "overlap": ("overlap_backward", "model.overlap_backward")}
 
 
 def _flavour_rows(args, device) -> list[str]:
     """The rows' flavour names, each once: ``--flavours`` in order, then with ``--keep-output`` each cache flavour
-    again as ``<flavour>:kept``. A suffix other than ``:kept``, or kept rows that cannot run (no cache flavour, no
-    CUDA device for the Triton backend), stop the script before any row is measured."""
+    again as ``<flavour>:kept``, with ``--overlap-backward`` as ``<flavour>:overlap``. A suffix other than these,
+    or variant rows that cannot run (no cache flavour, no CUDA device for the Triton backend), stop the script
+    before any row is measured."""
     names = list(dict.fromkeys(_split(args.flavours)))
     for name in names:
         flavour, colon, variant = name.partition(":")
-        if colon and (variant != "kept" or flavour not in CACHE_FLAVOURS):
-            raise SystemExit(f"error: --flavours: {name!r}: the only variant is ':kept', of "
-                             f"{', '.join(CACHE_FLAVOURS)}")
-    if args.keep_output:
+        if colon and (variant not in VARIANTS or flavour not in CACHE_FLAVOURS):
+            raise SystemExit(f"error: --flavours: {name!r}: the variants are "
+                             f"{', '.join(':' + v for v in VARIANTS)}, of {', '.join(CACHE_FLAVOURS)}")
+    for variant, (attr, key) in VARIANTS.items():
+        if not getattr(args, attr):
+            continue
+        flag = "--" + attr.replace("_", "-")
         if device.type != "cuda":
-            raise SystemExit("error: --keep-output: model.save_cache_output needs the Triton backend (a CUDA device)")
-        added = [f"{name}:kept" for name in names if name in CACHE_FLAVOURS]
-        if not added and not any(name.endswith(":kept") for name in names):
-            raise SystemExit(f"error: --keep-output: none of --flavours has a cache read "
-                             f"({', '.join(CACHE_FLAVOURS)})")
+            raise SystemExit(f"error: {flag}: {key} needs the Triton backend (a CUDA device)")
+        added = [f"{name}:{variant}" for name in names if name in CACHE_FLAVOURS]
+        if not added and not any(name.endswith(f":{variant}") for name in names):
+            raise SystemExit(f"error: {flag}: none of --flavours has a cache read ({', '.join(CACHE_FLAVOURS)})")
         names = list(dict.fromkeys(names + added))
     return names
 
@@ -273,7 +283,8 @@ def _flavour_rows(args, device) -> list[str]:
 def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, args, tokenizer_dir: Path,
                      dump: Path) -> dict:
     """One row for a hola_titan flavour, through ``Trainer.train_step`` (and its ``loss_sum`` for profiling);
-    ``<flavour>:kept``: the flavour with ``model.save_cache_output`` true."""
+    ``<flavour>:kept``: the flavour with ``model.save_cache_output`` true; ``<flavour>:overlap``: with
+    ``model.overlap_backward`` true."""
     import torch
 
     from hola_titan.config import parse_config
@@ -282,6 +293,7 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
     label = flavour
     flavour, _, variant = label.partition(":")
     overrides = ["--model.save_cache_output", str(variant == "kept").lower(),
+                 "--model.overlap_backward", str(variant == "overlap").lower(),
                  "--model.flavour", flavour, "--model.size", size, "--model.tokenizer_path", str(tokenizer_dir),
                  "--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch_size),
                  "--training.steps", str(10 * (args.warmup + 2 * args.steps) + 10),
@@ -325,6 +337,7 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
                    profile_keep=args.profile_keep)
     flops = trainer.flops["total"]
     row.update(system="hola_titan", flavour=label, size=size, save_cache_output=variant == "kept",
+               overlap_backward=variant == "overlap",
                num_params=trainer.num_params,
                mfu=flops * row["tokens_per_s"] / (trainer.peak_tflops * 1e12),
                mfu_measured=flops * row["tokens_per_s"] / (trainer.measured_tflops * 1e12),

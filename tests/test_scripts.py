@@ -325,9 +325,10 @@ def test_bench_hola_attention_sweep_times_the_configuration_in_use_and_the_match
     assert attn.CONFIGS["dkdv_kept"][64] == dict(in_use["dkdv"], DQ_ATOMIC=True)
 
 
-def test_bench_train_flavour_rows_keep_output_and_refusals():
-    """``bench_train.py``'s row names: each flavour once, ``--keep-output`` adding ``<flavour>:kept`` for the cache
-    flavours on CUDA; an unknown variant, kept rows on a CPU or without a cache flavour stop before any row."""
+def test_bench_train_flavour_rows_variants_and_refusals():
+    """``bench_train.py``'s row names: each flavour once, ``--keep-output`` adding ``<flavour>:kept`` and
+    ``--overlap-backward`` ``<flavour>:overlap`` for the cache flavours on CUDA; an unknown variant, variant rows on
+    a CPU or without a cache flavour stop before any row."""
     import importlib.util
     from types import SimpleNamespace
 
@@ -337,15 +338,23 @@ def test_bench_train_flavour_rows_keep_output_and_refusals():
     spec.loader.exec_module(bench)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
-    def rows(flavours, keep, device=cuda):
-        return bench._flavour_rows(SimpleNamespace(flavours=flavours, keep_output=keep), device)
+    def rows(flavours, keep, device=cuda, overlap=False):
+        return bench._flavour_rows(SimpleNamespace(flavours=flavours, keep_output=keep, overlap_backward=overlap),
+                                   device)
 
     assert rows("hola,gdn,hola", False, cpu) == ["hola", "gdn"]
     assert rows("hola,gdn,hola_recency", True) == ["hola", "gdn", "hola_recency", "hola:kept", "hola_recency:kept"]
     assert rows("hola,hola:kept", True) == ["hola", "hola:kept"]
-    for flavours, keep, device, message in [("hola:foo", False, cuda, "the only variant"),
-                                            ("gdn:kept", False, cuda, "the only variant"),
-                                            ("hola", True, cpu, "needs the Triton backend"),
-                                            ("gdn,transformer", True, cuda, "none of --flavours")]:
+    assert rows("hola,gdn", False, overlap=True) == ["hola", "gdn", "hola:overlap"]
+    assert rows("hola,gdn", True, overlap=True) == ["hola", "gdn", "hola:kept", "hola:overlap"]
+    assert rows("hola:overlap,gdn", False) == ["hola:overlap", "gdn"]
+    for flavours, keep, overlap, device, message in [
+            ("hola:foo", False, False, cuda, "the variants are :kept, :overlap"),
+            ("gdn:kept", False, False, cuda, "the variants are"),
+            ("gdn:overlap", False, False, cuda, "the variants are"),
+            ("hola", True, False, cpu, "--keep-output: model.save_cache_output needs the Triton backend"),
+            ("hola", False, True, cpu, "--overlap-backward: model.overlap_backward needs the Triton backend"),
+            ("gdn,transformer", True, False, cuda, "--keep-output: none of --flavours"),
+            ("gdn", False, True, cuda, "--overlap-backward: none of --flavours")]:
         with pytest.raises(SystemExit, match=message):
-            rows(flavours, keep, device)
+            rows(flavours, keep, device, overlap)
