@@ -698,16 +698,23 @@ def test_a_batch_s_block_table_is_made_once_from_its_host_copy():
 
 
 def test_fla_chunk_indices_from_the_host_copy_equal_fla_s_own():
-    """The chunk indices a batch's Documents carry on CUDA are fla's, made from the host copy."""
+    """The chunk indices a batch's Documents carry on CUDA equal fla's ``prepare_chunk_indices`` (values, dtype,
+    shape), made from the host copy without fla: documents of one token, of exact chunk multiples, empty ones, a
+    single long one, none, int32 boundaries, and random packings."""
     pytest.importorskip("fla")
     from fla.ops.utils.index import prepare_chunk_indices
 
     from hola_titan.kernels import fla_gdn
-    for cu in ([0, 1, 70, 200, 333], [0, 64, 333], [0, 333]):
-        host = torch.tensor(cu)
-        made = fla_gdn.chunk_indices_from_host(host, torch.device("cpu"))
-        assert torch.equal(made, prepare_chunk_indices(host.clone(), fla_gdn.CHUNK))
-        assert host.tolist() == cu
+    g = torch.Generator().manual_seed(0)
+    cases = [[0, 1, 70, 200, 333], [0, 64, 333], [0, 333], [0, 64, 64, 128, 128], [0, 0], [0], [0, 65536]]
+    cases += [[0] + sorted(torch.randint(0, 4096, (n,), generator=g).tolist()) + [4096] for n in (1, 7, 60)]
+    for cu in cases:
+        for dtype in (torch.int64, torch.int32):
+            host = torch.tensor(cu, dtype=dtype)
+            made = fla_gdn.chunk_indices_from_host(host, torch.device("cpu"))
+            want = prepare_chunk_indices(host.clone(), fla_gdn.CHUNK)
+            assert made.dtype == want.dtype and made.shape == want.shape and torch.equal(made, want), (cu, dtype)
+            assert host.tolist() == cu
 
 
 def _dhu_loop(q, k, w, do, dv, g_cum, scale, lens, dht):

@@ -40,6 +40,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -318,17 +319,24 @@ def prepare_backward(head_dim: int, device: torch.device, *, num_heads: int = 4,
 
 
 def chunk_indices_from_host(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """fla's chunk indices of boundaries given on the host (no read of a device tensor), on ``device``: made once
-    per batch by :class:`~hola_titan.kernels.seqlens.Documents` and passed to every layer."""
-    from fla.ops.utils.index import prepare_chunk_indices
-
+    """fla's chunk indices (``[chunks, 2]``: each chunk's sequence and its index in the sequence, in the boundaries'
+    dtype; what ``fla.ops.utils.index.prepare_chunk_indices`` returns, tested equal) of boundaries given on the
+    host (no read of a device tensor), on ``device``: made once per batch by
+    :class:`~hola_titan.kernels.seqlens.Documents` and passed to every layer."""
     from hola_titan.kernels.seqlens import to_device
 
-    # Sent with a pinned, non-blocking copy: fla's path with cu_seqlens_cpu still ends in a copy from pageable
-    # memory, which waits for the device (tests/test_step_gpu.py caught it). A fresh tensor: fla memoises by
-    # argument identity.
-    fresh = host.clone()
-    return to_device(prepare_chunk_indices(fresh, CHUNK, cu_seqlens_cpu=fresh), device)
+    # Made with numpy from the host copy, not with fla's function: in an H200 step profile (bench_train --profile,
+    # docs/LOG.md 2026-12-04) the host spent 2.6-7.2 ms of each step's start, with the GPU idle, inside the
+    # torch.repeat_interleave of fla's CPU path (about 0.1 ms on a development machine). numpy's repeat runs on
+    # the calling thread.
+    bounds = host.numpy().astype(np.int64)
+    counts = -(-(bounds[1:] - bounds[:-1]) // CHUNK)
+    seq = np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    made = np.stack([seq, np.arange(seq.shape[0], dtype=np.int64) - first], axis=1)
+    # Sent with a pinned, non-blocking copy: a copy from pageable memory waits for the device
+    # (tests/test_step_gpu.py caught it).
+    return to_device(torch.from_numpy(made).to(host.dtype), device)
 
 
 def _chunk_indices(cu_seqlens, given):
