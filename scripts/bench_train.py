@@ -292,18 +292,18 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
 
     label = flavour
     flavour, _, variant = label.partition(":")
-    overrides = ["--model.save_cache_output", str(variant == "kept").lower(),
-                 "--model.overlap_backward", str(variant == "overlap").lower(),
-                 "--model.flavour", flavour, "--model.size", size, "--model.tokenizer_path", str(tokenizer_dir),
-                 "--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch_size),
-                 "--training.steps", str(10 * (args.warmup + 2 * args.steps) + 10),
-                 "--training.device", args.device, "--training.mixed_precision_param",
-                 "float32" if args.device == "cpu" else "bfloat16",
-                 "--activation_checkpoint.mode", args.ac, "--compile.enable", str(args.compile).lower(),
-                 "--validation.enable", "false", "--checkpoint.enable", "false",
-                 "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump),
-                 "--data.dataset", "bundled", "--lr_scheduler.warmup_steps", "1",
-                 "--float8.enable", str(args.float8).lower(), "--model.kernel_configs", args.kernel_configs]
+    # Every variant's setting given, on only for its own rows.
+    overrides = [arg for name, (_, key) in VARIANTS.items() for arg in ("--" + key, str(variant == name).lower())]
+    overrides += ["--model.flavour", flavour, "--model.size", size, "--model.tokenizer_path", str(tokenizer_dir),
+                  "--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch_size),
+                  "--training.steps", str(10 * (args.warmup + 2 * args.steps) + 10),
+                  "--training.device", args.device, "--training.mixed_precision_param",
+                  "float32" if args.device == "cpu" else "bfloat16",
+                  "--activation_checkpoint.mode", args.ac, "--compile.enable", str(args.compile).lower(),
+                  "--validation.enable", "false", "--checkpoint.enable", "false",
+                  "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump),
+                  "--data.dataset", "bundled", "--lr_scheduler.warmup_steps", "1",
+                  "--float8.enable", str(args.float8).lower(), "--model.kernel_configs", args.kernel_configs]
     t0 = time.time()
     trainer = Trainer(parse_config(["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"),
                                     *overrides]))
@@ -336,8 +336,8 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
                    tokens_per_step=batch_size * seq_len, steps=args.steps, warmup=args.warmup, profile=args.profile,
                    profile_keep=args.profile_keep)
     flops = trainer.flops["total"]
-    row.update(system="hola_titan", flavour=label, size=size, save_cache_output=variant == "kept",
-               overlap_backward=variant == "overlap",
+    row.update(system="hola_titan", flavour=label, size=size,
+               **{key.removeprefix("model."): variant == name for name, (_, key) in VARIANTS.items()},
                num_params=trainer.num_params,
                mfu=flops * row["tokens_per_s"] / (trainer.peak_tflops * 1e12),
                mfu_measured=flops * row["tokens_per_s"] / (trainer.measured_tflops * 1e12),

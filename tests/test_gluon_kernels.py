@@ -188,7 +188,6 @@ def test_a_launch_that_leaves_the_gluon_kernels_says_so_once(hopper, monkeypatch
     attn._log_fallback.cache_clear()
 
 
-
 def test_model_cache_kernels_triton_takes_the_triton_kernels_and_says_so(hopper):
     """``model.cache_kernels = triton`` (set by the trainer through set_cache_kernels) empties both launch tables:
     every call on the Triton kernels, with that setting as the reason; ``auto`` restores the tables."""
