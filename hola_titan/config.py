@@ -127,10 +127,13 @@ class Model:
     attention_backend: Literal["auto", "reference", "sdpa", "triton"] = setting("auto", resume="applied")
     """Token-mixer implementation: ``auto`` picks the fastest available for flavour and device, ``reference`` is
     pure PyTorch, ``sdpa`` PyTorch scaled-dot-product attention, ``triton`` the Triton kernels."""
-    overlap_backward: bool = setting(False, resume="applied")
+    overlap_backward: bool | None = setting(None, resume="applied")
     """HOLA layers on the Triton backend (CUDA): run each layer as one op whose backward overlaps the cache
-    attention's backward (a side CUDA stream) with fla's GDN backward. Same results bit for bit; 0.3-0.9 ms faster
-    per layer call at the 340M shape on an H200, not yet measured in whole-model training."""
+    attention's backward (a side CUDA stream) with fla's GDN backward. Same results bit for bit (20 training steps
+    of hola_340M: every loss equal), about 1% faster 340M training on an H200 for about 0.2 GiB more peak memory
+    (docs/LOG.md, 2026-12-04). ``None`` (default): on, unless ``save_cache_output`` is (the two are different
+    backward ops); ``true`` / ``false``: on / off. It applies to fresh calls at head dims fla runs unpadded;
+    context-parallel shards and padded head dims run the layered form. The run's ``paths`` line says which ran."""
     save_cache_output: bool = setting(False, resume="applied")
     """HOLA layers on the Triton backend: keep each layer's cache-read output (one ``[tokens, heads, head_dim]``
     tensor in the compute dtype per layer, about 1.5 GiB at 340M with 32,768 tokens per step) for the backward,
@@ -138,10 +141,11 @@ class Model:
     sum dq, by atomic float32 adds in no fixed order (5 products per (query, key) pair instead of 8; 11% faster
     cache backward on an H200), unless ``training.deterministic`` is on; at other head dims the dq pass computes
     three products with one ``[rows, head_dim]`` accumulator instead of four with two. Needs
-    ``attention_backend`` resolving to ``triton`` and a flavour with a HOLA cache; not with ``overlap_backward``;
-    context-parallel shards that continue a document form delta over the keys as before. The shipped compile
-    plans do not cover its kernels yet (they compile at the first step). The same function (delta reads the stored
-    output, rounded to the compute dtype); the run's ``paths`` line says which form ran."""
+    ``attention_backend`` resolving to ``triton`` and a flavour with a HOLA cache; not with ``overlap_backward``
+    true (left unset, that gives way to this); context-parallel shards that continue a document form delta over the
+    keys as before. The shipped compile plans do not cover its kernels yet (they compile at the first step). The
+    same function (delta reads the stored output, rounded to the compute dtype); the run's ``paths`` line says which
+    form ran."""
     cache_kernels: Literal["auto", "triton"] = setting("auto", resume="applied")
     """Which kernels run a HOLA layer's cache read on the Triton backend. ``auto``: the Gluon kernels (Hopper's
     warpgroup MMA, ``hola_titan/kernels/hola_gluon_attn.py``) for fresh calls at head dim 256 in bf16/fp16 on an
@@ -626,8 +630,9 @@ def parse_config(argv: Sequence[str]) -> JobConfig:
     if config_files:
         _apply_tables(config, _read_toml(config_files[-1]), source=repr(config_files[-1]), known_only=False)
     for key, value in overrides:
-        if value is None:
-            if _key(key).hint is not bool:
+        if value is None:  # a bare flag: true, for a boolean key (``bool`` or ``bool | None``) only
+            hint = _key(key).hint
+            if hint is not bool and set(get_args(hint)) != {bool, type(None)}:
                 raise ConfigError(key, "missing value")
             value = "true"
         _set(config, key, value, text=True)
@@ -743,6 +748,11 @@ def triton_cache_read_settings(model: Model) -> list[tuple[str, str]]:
     return [(key, verb) for key, on, verb in settings if on]
 
 
+def overlap_backward(model: Model) -> bool:
+    """``model.overlap_backward`` resolved: unset means on unless ``model.save_cache_output`` is on."""
+    return (not model.save_cache_output) if model.overlap_backward is None else model.overlap_backward
+
+
 def validate(config: JobConfig, *, world_size: int) -> None:
     """Checks across fields that must pass before any model is built. Raises :class:`ConfigError`.
 
@@ -796,8 +806,9 @@ def validate(config: JobConfig, *, world_size: int) -> None:
     for key, verb in cache_read_settings:
         if not args.is_recurrent or args.evict == "none":
             raise ConfigError(key, f"{model.flavour} has no HOLA cache read to {verb}")
-    if model.save_cache_output and model.overlap_backward:
-        raise ConfigError("model.save_cache_output", "not available with model.overlap_backward; choose one")
+    if model.save_cache_output and model.overlap_backward is True:
+        raise ConfigError("model.save_cache_output", "not available with model.overlap_backward true; choose one "
+                                                     "(left unset, overlap_backward gives way to it)")
     for key, _ in cache_read_settings:
         if model.attention_backend in ("reference", "sdpa"):
             raise ConfigError(key, f"needs the Triton attention backend; model.attention_backend is "

@@ -46,8 +46,9 @@ from hola_titan.builder import model_args_of
 from hola_titan.checkpoint import CheckpointError, Checkpointer
 from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
-from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, parse_config, resolve_degrees,
-                               schedule_warning, to_toml, triton_cache_read_settings, validate, write_resolved)
+from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, overlap_backward, parse_config,
+                               resolve_degrees, schedule_warning, to_toml, triton_cache_read_settings, validate,
+                               write_resolved)
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
 from hola_titan.kernels import seqlens
 from hola_titan.kernels.seqlens import Documents
@@ -226,7 +227,7 @@ class Trainer:
             # a rank's host or GPU.
             with torch.device("meta"):
                 build = dict(backend=self.attention_backend, kernels=self.kernels,
-                             overlap_backward=config.model.overlap_backward,
+                             overlap_backward=overlap_backward(config.model),
                              save_cache_output=config.model.save_cache_output)
                 model = HolaTitanLM(self.model_args, **build)
                 template = HolaTitanLM(self.model_args, **build)
@@ -434,6 +435,23 @@ class Trainer:
                 logger.warning("kernel precompile: %d specialisation(s) did not compile in a worker (they compile at "
                                "their launch): %s", len(result["failed"]), "; ".join(result["failed"][:5]))
 
+    def _layer_backward(self) -> str:
+        """How a HOLA layer's backward runs on the Triton backend: overlapped (one op, the cache read's backward on a
+        side stream beside fla's) or layered, and why (``model.overlap_backward``, hola_triton_layer.applies)."""
+        if self.attention_backend != "triton" or self.model_args.evict == "none":
+            return ""
+        model = self.config.model
+        if not overlap_backward(model):
+            why = "model.save_cache_output" if model.overlap_backward is None else "model.overlap_backward false"
+            return f", layered backward ({why})"
+        if self.device.type != "cuda":
+            return ", layered backward (the overlapped op runs on CUDA only)"
+        from hola_titan.kernels.fla_gdn import padded_head_dim
+        head_dim = self.model_args.head_dim
+        if padded_head_dim(head_dim, self.device) != head_dim:
+            return f", layered backward (head dim {head_dim} is padded for fla on this GPU)"
+        return ", overlapped backward" + ("; context-parallel shards run the layered form" if self.dims.cp > 1 else "")
+
     def _resolved_paths(self) -> dict[str, str]:
         """Which implementation runs each part of the step, as resolved for this run (logged at start-up)."""
         config = self.config
@@ -442,8 +460,7 @@ class Trainer:
                                if self.dims.fsdp_enabled or self.dims.hsdp_enabled else "float32"),
                  "compile": "per block" if config.compile.enable else "off"}
         if self.model_args.is_recurrent:
-            paths["attention_backend"] = f"{self.attention_backend} ({self._backend_why})" + (
-                ", overlapped backward" if config.model.overlap_backward and self.attention_backend == "triton" else "")
+            paths["attention_backend"] = f"{self.attention_backend} ({self._backend_why})" + self._layer_backward()
             if self.model_args.evict != "none" and self.attention_backend == "triton":
                 from hola_titan.kernels.hola_triton_attn import describe_cache_backward, describe_cache_forward
                 paths["cache_forward"] = describe_cache_forward(self.model_args.head_dim, self._compute_dtype(),

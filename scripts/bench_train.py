@@ -91,9 +91,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep-output", action="store_true",
                         help="also measure each flavour with a HOLA cache under model.save_cache_output true (its "
                              "rows' flavour reads '<flavour>:kept')")
-    parser.add_argument("--overlap-backward", action="store_true",
-                        help="also measure each flavour with a HOLA cache under model.overlap_backward true (its "
-                             "rows' flavour reads '<flavour>:overlap')")
+    parser.add_argument("--layered-backward", action="store_true",
+                        help="also measure each flavour with a HOLA cache under model.overlap_backward false, the "
+                             "layered backward (its rows' flavour reads '<flavour>:layered'; the plain rows run the "
+                             "default, the overlapped backward)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile whole steps (torch.profiler): kernel time against the step's wall time, "
                              "the top kernels, and ATen calls per step (host-bound work)")
@@ -252,13 +253,14 @@ def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, w
 CACHE_FLAVOURS = ("hola", "hola_recency")  # the flavours with a HOLA cache read
 # A row's variant (``<flavour>:<variant>``): the flag that adds such rows and the setting it turns on. Both settings
 # act on the Triton backend's cache read, so both need a CUDA device and a cache flavour.
-VARIANTS = {"kept": ("keep_output", "model.save_cache_output"),
-            "overlap": ("overlap_backward", "model.overlap_backward")}
+# The plain rows leave both settings at the trainer's defaults.
+VARIANTS = {"kept": ("keep_output", "model.save_cache_output", "true"),
+            "layered": ("layered_backward", "model.overlap_backward", "false")}
 
 
 def _flavour_rows(args, device) -> list[str]:
     """The rows' flavour names, each once: ``--flavours`` in order, then with ``--keep-output`` each cache flavour
-    again as ``<flavour>:kept``, with ``--overlap-backward`` as ``<flavour>:overlap``. A suffix other than these,
+    again as ``<flavour>:kept``, with ``--layered-backward`` as ``<flavour>:layered``. A suffix other than these,
     or variant rows that cannot run (no cache flavour, no CUDA device for the Triton backend), stop the script
     before any row is measured."""
     names = list(dict.fromkeys(_split(args.flavours)))
@@ -267,7 +269,7 @@ def _flavour_rows(args, device) -> list[str]:
         if colon and (variant not in VARIANTS or flavour not in CACHE_FLAVOURS):
             raise SystemExit(f"error: --flavours: {name!r}: the variants are "
                              f"{', '.join(':' + v for v in VARIANTS)}, of {', '.join(CACHE_FLAVOURS)}")
-    for variant, (attr, key) in VARIANTS.items():
+    for variant, (attr, key, _) in VARIANTS.items():
         if not getattr(args, attr):
             continue
         flag = "--" + attr.replace("_", "-")
@@ -283,8 +285,8 @@ def _flavour_rows(args, device) -> list[str]:
 def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, args, tokenizer_dir: Path,
                      dump: Path) -> dict:
     """One row for a hola_titan flavour, through ``Trainer.train_step`` (and its ``loss_sum`` for profiling);
-    ``<flavour>:kept``: the flavour with ``model.save_cache_output`` true; ``<flavour>:overlap``: with
-    ``model.overlap_backward`` true."""
+    ``<flavour>:kept``: the flavour with ``model.save_cache_output`` true; ``<flavour>:layered``: with
+    ``model.overlap_backward`` false."""
     import torch
 
     from hola_titan.config import parse_config
@@ -292,8 +294,8 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
 
     label = flavour
     flavour, _, variant = label.partition(":")
-    # Every variant's setting given, on only for its own rows.
-    overrides = [arg for name, (_, key) in VARIANTS.items() for arg in ("--" + key, str(variant == name).lower())]
+    # A variant's setting given for its own rows only; the others keep the trainer's defaults.
+    overrides = ["--" + VARIANTS[variant][1], VARIANTS[variant][2]] if variant else []
     overrides += ["--model.flavour", flavour, "--model.size", size, "--model.tokenizer_path", str(tokenizer_dir),
                   "--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch_size),
                   "--training.steps", str(10 * (args.warmup + 2 * args.steps) + 10),
@@ -337,7 +339,9 @@ def bench_hola_titan(*, flavour: str, size: str, seq_len: int, batch_size: int, 
                    profile_keep=args.profile_keep)
     flops = trainer.flops["total"]
     row.update(system="hola_titan", flavour=label, size=size,
-               **{key.removeprefix("model."): variant == name for name, (_, key) in VARIANTS.items()},
+               save_cache_output=trainer.config.model.save_cache_output,
+               # what ran, from the paths line (the setting does not apply to every flavour and device)
+               overlap_backward="overlapped backward" in trainer.paths.get("attention_backend", ""),
                num_params=trainer.num_params,
                mfu=flops * row["tokens_per_s"] / (trainer.peak_tflops * 1e12),
                mfu_measured=flops * row["tokens_per_s"] / (trainer.measured_tflops * 1e12),

@@ -283,6 +283,28 @@ def test_validate_errors(argv, world_size, key, match):
     _invalid(key, ["--training.seq_len", "256", *argv], world_size=world_size, match=match)
 
 
+@pytest.mark.parametrize("argv, setting, resolved", [
+    ([], None, True),
+    (["--model.overlap_backward"], True, True),  # a bare flag sets a ``bool | None`` key too
+    (["--model.overlap_backward", "false"], False, False),
+    (["--model.overlap_backward", "none"], None, True),
+    (["--model.save_cache_output"], None, False),  # left unset, the overlapped backward gives way to the kept output
+    (["--model.save_cache_output", "--model.overlap_backward", "false"], False, False),
+])
+def test_overlap_backward_unset_is_on_unless_the_cache_output_is_kept(argv, setting, resolved):
+    from hola_titan.config import overlap_backward
+
+    config = parse_config(["--training.seq_len", "256", *argv])
+    validate(config, world_size=1)
+    assert config.model.overlap_backward is setting
+    assert overlap_backward(config.model) is resolved
+
+
+def test_a_bare_flag_needs_a_boolean_key():
+    with pytest.raises(ConfigError, match="model.window: missing value"):
+        parse_config(["--model.window"])
+
+
 def test_n_layers_overrides_the_depth_of_a_size():
     from hola_titan.builder import build_model_args
 

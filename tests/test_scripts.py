@@ -327,7 +327,7 @@ def test_bench_hola_attention_sweep_times_the_configuration_in_use_and_the_match
 
 def test_bench_train_flavour_rows_variants_and_refusals():
     """``bench_train.py``'s row names: each flavour once, ``--keep-output`` adding ``<flavour>:kept`` and
-    ``--overlap-backward`` ``<flavour>:overlap`` for the cache flavours on CUDA; an unknown variant, variant rows on
+    ``--layered-backward`` ``<flavour>:layered`` for the cache flavours on CUDA; an unknown variant, variant rows on
     a CPU or without a cache flavour stop before any row."""
     import importlib.util
     from types import SimpleNamespace
@@ -338,23 +338,24 @@ def test_bench_train_flavour_rows_variants_and_refusals():
     spec.loader.exec_module(bench)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
-    def rows(flavours, keep, device=cuda, overlap=False):
-        return bench._flavour_rows(SimpleNamespace(flavours=flavours, keep_output=keep, overlap_backward=overlap),
+    def rows(flavours, keep, device=cuda, layered=False):
+        return bench._flavour_rows(SimpleNamespace(flavours=flavours, keep_output=keep, layered_backward=layered),
                                    device)
 
     assert rows("hola,gdn,hola", False, cpu) == ["hola", "gdn"]
     assert rows("hola,gdn,hola_recency", True) == ["hola", "gdn", "hola_recency", "hola:kept", "hola_recency:kept"]
     assert rows("hola,hola:kept", True) == ["hola", "hola:kept"]
-    assert rows("hola,gdn", False, overlap=True) == ["hola", "gdn", "hola:overlap"]
-    assert rows("hola,gdn", True, overlap=True) == ["hola", "gdn", "hola:kept", "hola:overlap"]
-    assert rows("hola:overlap,gdn", False) == ["hola:overlap", "gdn"]
-    for flavours, keep, overlap, device, message in [
-            ("hola:foo", False, False, cuda, "the variants are :kept, :overlap"),
+    assert rows("hola,gdn", False, layered=True) == ["hola", "gdn", "hola:layered"]
+    assert rows("hola,gdn", True, layered=True) == ["hola", "gdn", "hola:kept", "hola:layered"]
+    assert rows("hola:layered,gdn", False) == ["hola:layered", "gdn"]
+    for flavours, keep, layered, device, message in [
+            ("hola:foo", False, False, cuda, "the variants are :kept, :layered"),
             ("gdn:kept", False, False, cuda, "the variants are"),
-            ("gdn:overlap", False, False, cuda, "the variants are"),
+            ("gdn:layered", False, False, cuda, "the variants are"),
+            ("hola:overlap", False, False, cuda, "the variants are"),
             ("hola", True, False, cpu, "--keep-output: model.save_cache_output needs the Triton backend"),
-            ("hola", False, True, cpu, "--overlap-backward: model.overlap_backward needs the Triton backend"),
+            ("hola", False, True, cpu, "--layered-backward: model.overlap_backward needs the Triton backend"),
             ("gdn,transformer", True, False, cuda, "--keep-output: none of --flavours"),
-            ("gdn", False, True, cuda, "--overlap-backward: none of --flavours")]:
+            ("gdn", False, True, cuda, "--layered-backward: none of --flavours")]:
         with pytest.raises(SystemExit, match=message):
-            rows(flavours, keep, device, overlap)
+            rows(flavours, keep, device, layered)

@@ -341,6 +341,34 @@ def test_the_run_folder_names_the_paths_that_ran(tmp_path, monkeypatch):
                               "--model.kernels", "triton", *FAST]))
 
 
+@pytest.mark.parametrize("backend, flavour, device, argv, padded, cp, expected", [
+    ("triton", "hola", "cuda", [], False, 1, ", overlapped backward"),
+    ("triton", "hola", "cuda", [], False, 2, ", overlapped backward; context-parallel shards run the layered form"),
+    ("triton", "hola_recency", "cuda", ["--model.overlap_backward", "true"], False, 1, ", overlapped backward"),
+    ("triton", "hola", "cuda", ["--model.save_cache_output"], False, 1, ", layered backward (model.save_cache_output)"),
+    ("triton", "hola", "cuda", ["--model.overlap_backward", "false"], False, 1,
+     ", layered backward (model.overlap_backward false)"),
+    ("triton", "hola", "cuda", [], True, 1, ", layered backward (head dim 256 is padded for fla on this GPU)"),
+    ("triton", "hola", "cpu", [], False, 1, ", layered backward (the overlapped op runs on CUDA only)"),
+    ("triton", "gdn", "cuda", [], False, 1, ""),  # no cache read: nothing to overlap
+    ("reference", "hola", "cuda", [], False, 1, ""),
+])
+def test_the_paths_line_says_which_layer_backward_runs(monkeypatch, backend, flavour, device, argv, padded, cp,
+                                                        expected):
+    """``model.overlap_backward`` as resolved for the run, and the cases where the layered form runs instead."""
+    from types import SimpleNamespace
+
+    from hola_titan.kernels import fla_gdn
+    from hola_titan.models.args import model_args
+
+    monkeypatch.setattr(fla_gdn, "padded_head_dim", lambda d, device: max(d, 512) if padded else d)
+    config = parse_config(["--model.flavour", flavour, "--model.size", "340M", *argv])
+    fake = SimpleNamespace(attention_backend=backend, config=config, device=torch.device(device),
+                           model_args=model_args(flavour, "340M", vocab_size=8), dims=SimpleNamespace(cp=cp))
+    assert fake.model_args.head_dim == 256
+    assert Trainer._layer_backward(fake) == expected
+
+
 @pytest.mark.parametrize("wrap", [[], ["--activation_checkpoint.mode", "full"]])
 def test_gdn_decay_parameters_get_no_weight_decay(tmp_path, wrap):
     """A_log and dt_bias are excluded from weight decay (as fla does), also when wrappers prefix their names."""
