@@ -444,12 +444,10 @@ class Trainer:
         if not overlap_backward(model):
             why = "model.save_cache_output" if model.overlap_backward is None else "model.overlap_backward false"
             return f", layered backward ({why})"
-        if self.device.type != "cuda":
-            return ", layered backward (the overlapped op runs on CUDA only)"
-        from hola_titan.kernels.fla_gdn import padded_head_dim
-        head_dim = self.model_args.head_dim
-        if padded_head_dim(head_dim, self.device) != head_dim:
-            return f", layered backward (head dim {head_dim} is padded for fla on this GPU)"
+        from hola_titan.kernels.hola_triton_layer import layered_because
+        why = layered_because(self.model_args.head_dim, self.device)
+        if why is not None:
+            return f", layered backward ({why})"
         return ", overlapped backward" + ("; context-parallel shards run the layered form" if self.dims.cp > 1 else "")
 
     def _resolved_paths(self) -> dict[str, str]:

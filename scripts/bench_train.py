@@ -251,9 +251,9 @@ def _measure(*, step, phases, clock, device, tokens_per_step: int, steps: int, w
 
 
 CACHE_FLAVOURS = ("hola", "hola_recency")  # the flavours with a HOLA cache read
-# A row's variant (``<flavour>:<variant>``): the flag that adds such rows and the setting it turns on. Both settings
-# act on the Triton backend's cache read, so both need a CUDA device and a cache flavour.
-# The plain rows leave both settings at the trainer's defaults.
+# A row's variant (``<flavour>:<variant>``): the flag that adds such rows, the setting and the value its rows give
+# it. Both settings act on the Triton backend's cache read, so both need a CUDA device and a cache flavour. The
+# plain rows leave both settings at the trainer's defaults.
 VARIANTS = {"kept": ("keep_output", "model.save_cache_output", "true"),
             "layered": ("layered_backward", "model.overlap_backward", "false")}
 

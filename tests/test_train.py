@@ -358,10 +358,10 @@ def test_the_paths_line_says_which_layer_backward_runs(monkeypatch, backend, fla
     """``model.overlap_backward`` as resolved for the run, and the cases where the layered form runs instead."""
     from types import SimpleNamespace
 
-    from hola_titan.kernels import fla_gdn
+    from hola_titan.kernels import hola_triton_layer
     from hola_titan.models.args import model_args
 
-    monkeypatch.setattr(fla_gdn, "padded_head_dim", lambda d, device: max(d, 512) if padded else d)
+    monkeypatch.setattr(hola_triton_layer, "padded_head_dim", lambda d, device: max(d, 512) if padded else d)
     config = parse_config(["--model.flavour", flavour, "--model.size", "340M", *argv])
     fake = SimpleNamespace(attention_backend=backend, config=config, device=torch.device(device),
                            model_args=model_args(flavour, "340M", vocab_size=8), dims=SimpleNamespace(cp=cp))

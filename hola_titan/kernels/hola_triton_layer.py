@@ -25,12 +25,21 @@ from hola_titan.kernels import hola_triton_select as _select
 from hola_titan.kernels.fla_gdn import _gdn_bwd_impl, _gdn_fwd_impl, ensure_backward_checked, padded_head_dim
 
 
+def layered_because(head_dim: int, device: torch.device) -> str | None:
+    """Why no call at ``head_dim`` on ``device`` can take this op (the trainer's paths line says it), or None."""
+    if torch.device(device).type != "cuda":
+        return "the overlapped op runs on CUDA only"
+    if padded_head_dim(head_dim, device) != head_dim:
+        return f"head dim {head_dim} is padded for fla on this GPU"
+    return None
+
+
 def applies(q: torch.Tensor, *, overlap_backward: bool, evict: str, initial_cache, selected, state_impl: str,
             output_final_cache: bool, return_aux: bool) -> bool:
     """Whether :func:`hola_layer` serves this call (see the module docstring); the layered form does the rest."""
-    return (overlap_backward and q.device.type == "cuda" and evict in ("score", "recency") and initial_cache is None
-            and selected is None and state_impl in ("auto", "fla") and not output_final_cache and not return_aux
-            and padded_head_dim(q.shape[-1], q.device) == q.shape[-1])
+    return (overlap_backward and evict in ("score", "recency") and initial_cache is None and selected is None
+            and state_impl in ("auto", "fla") and not output_final_cache and not return_aux
+            and layered_because(q.shape[-1], q.device) is None)
 
 
 @torch.library.custom_op("hola::layer_fwd", mutates_args=())
