@@ -15,8 +15,10 @@ from hola_titan.models.args import ModelArgs, model_args
 
 def build_model_args(config: JobConfig, vocab_size: int) -> ModelArgs:
     """The :class:`ModelArgs` of ``config`` for a vocabulary of ``vocab_size``."""
-    return model_args(config.model.flavour, config.model.size, vocab_size=vocab_size, window=config.model.window,
-                      block=config.model.block, n_layers=config.model.n_layers, max_seq_len=config.training.seq_len)
+    model = config.model
+    return model_args(model.flavour, model.size, vocab_size=vocab_size, window=model.window, block=model.block,
+                      n_layers=model.n_layers, max_seq_len=config.training.seq_len,
+                      state_read_scale=model.state_read_scale, gate_init=model.gate_init)
 
 
 def model_args_of(config: JobConfig, *, tokenizer_optional: bool = False) -> tuple[ModelArgs, Any]:

@@ -111,7 +111,7 @@ class Job:
 class Model:
     flavour: FlavourName = setting("hola", resume="fixed")
     """Token mixer of every block: HOLA (score eviction), HOLA+recency, GDN (cache off) or Transformer++."""
-    size: Literal["debug", "small", "340M", "1.3B", "7B"] = setting("debug", resume="fixed")
+    size: Literal["debug", "small", "46M", "340M", "1.3B", "7B"] = setting("debug", resume="fixed")
     """Widths and depth (``hola_titan.models.args``); the vocabulary size comes from the tokenizer."""
     tokenizer_path: str = setting(BUNDLED, resume="launch")
     """``bundled`` (``hola_titan/assets/tokenizer``) or a folder or ``tokenizer.json`` of a HF tokenizer."""
@@ -124,6 +124,13 @@ class Model:
     """Override of the block (chunk) length in tokens (recurrent flavours); None keeps the size's value."""
     n_layers: int | None = setting(None, resume="fixed", ge=1)
     """Override of the number of blocks (a shallow model of a size's width, for tests and ablations)."""
+    state_read_scale: Literal["inv_sqrt_head_dim", "one"] = setting("inv_sqrt_head_dim", resume="fixed")
+    """Recurrent flavours: the factor s of the state read ``o_state = s S^T q`` (q unit-norm). ``inv_sqrt_head_dim``:
+    s = D^-1/2, fla's default for GDN; ``one``: s = 1, the state read as the paper's Eq. 1 and 3 write it (q^T S).
+    HOLA adds the cache read before the per-head output norm, so s sets the weight of the state against the cache:
+    at D = 256, D^-1/2 makes the state read 16x smaller than the paper's (docs/DESIGN.md §1, docs/LOG.md)."""
+    gate_init: float | None = setting(None, resume="fixed")
+    """HOLA flavours: the cache gate's logit at init (lambda = sigmoid(gate)); None: -4, the paper's value."""
     attention_backend: Literal["auto", "reference", "sdpa", "triton"] = setting("auto", resume="applied")
     """Token-mixer implementation: ``auto`` picks the fastest available for flavour and device, ``reference`` is
     pure PyTorch, ``sdpa`` PyTorch scaled-dot-product attention, ``triton`` the Triton kernels."""
@@ -188,6 +195,13 @@ class Optimizer:
     """Adam beta1, beta2."""
     fused: bool | None = setting(None, resume="applied")
     """Use the fused AdamW kernel; None: fused where the device supports it."""
+    decay_cache_scalars: bool = setting(True, resume="fixed")
+    """HOLA flavours: apply ``weight_decay`` to the cache's own parameters (``gamma_q``, ``gamma_k``, ``sink``,
+    ``gate``, per layer), as to every other weight but GDN's ``A_log`` and ``dt_bias``. Off: they never decay
+    (decay pulls the gate towards 0, i.e. lambda towards 1/2, and the RMSNorm-gamma sharpening towards 0)."""
+    cache_lr_multiplier: float = setting(1.0, resume="fixed", gt=0)
+    """HOLA flavours: the cache's own parameters (``gamma_q``, ``gamma_k``, ``sink``, ``gate``) learn at this
+    multiple of the learning rate (schedule included); other than 1, they form a parameter group of their own."""
 
 
 @dataclass
@@ -763,7 +777,8 @@ def validate(config: JobConfig, *, world_size: int) -> None:
     model = config.model
     try:
         args = model_args(model.flavour, model.size, vocab_size=1, window=model.window, block=model.block,
-                          n_layers=model.n_layers)
+                          n_layers=model.n_layers, state_read_scale=model.state_read_scale,
+                          gate_init=model.gate_init)
     except ValueError as e:
         key, _, problem = str(e).partition(": ")
         raise ConfigError(key, problem) from None
@@ -802,6 +817,14 @@ def validate(config: JobConfig, *, world_size: int) -> None:
             check_compile_fullgraph(config, backend="reference", where=where)
     # What the config alone decides about the settings that act on the Triton backend's cache read; an auto backend
     # is checked once the trainer has resolved it (Trainer).
+    has_cache = args.is_recurrent and args.evict != "none"
+    for key, changed in (("model.gate_init", model.gate_init is not None),
+                         ("optimizer.decay_cache_scalars", not config.optimizer.decay_cache_scalars),
+                         ("optimizer.cache_lr_multiplier", config.optimizer.cache_lr_multiplier != 1.0)):
+        if changed and not has_cache:
+            raise ConfigError(key, f"{model.flavour} has no HOLA cache (its gate, sink and gammas)")
+    if model.state_read_scale != "inv_sqrt_head_dim" and not args.is_recurrent:
+        raise ConfigError("model.state_read_scale", f"{model.flavour} has no recurrent state to read")
     cache_read_settings = triton_cache_read_settings(model)
     for key, verb in cache_read_settings:
         if not args.is_recurrent or args.evict == "none":

@@ -2,7 +2,8 @@
 
 Shape legend: B batch, T tokens, H heads, D head dim, N sequences (B, or documents with ``cu_seqlens``).
 
-Math (per sequence and head; ``qh, kh`` are l2-normalised q, k; ``s = D^-1/2``):
+Math (per sequence and head; ``qh, kh`` are l2-normalised q, k; ``s`` the state read's ``scale``, ``D^-1/2`` unless
+given, as in fla):
     e_t = v_t - alpha_t S_{t-1}^T kh_t,   S_t = alpha_t S_{t-1} + beta_t kh_t e_t^T,   o_state_t = s S_t^T qh_t
     m_t = beta_t ||e_t||  (detached)
     o_cache_t = softmax over [P_b | causal tokens of block b | sink] of  qc_t . kc_j / sqrt(D)  times v_j
@@ -15,6 +16,7 @@ largest m (``evict="score"``) or the ``window`` positions just before the block 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,9 +39,10 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 @dataclass(frozen=True)
 class HolaSettings:
     """What one HOLA (or GDN) layer passes to :func:`hola_attention` on every call: its cache's ``window`` and
-    ``block``, the eviction, the backend, the overlapped backward and whether the Triton backend keeps the cache
-    read's output for its backward (``save_cache_output``). Made once by the layer, checked then, and
-    handed whole to the op (:meth:`kwargs`) and to context parallelism, so that no caller repeats the keywords."""
+    ``block``, the eviction, the backend, the overlapped backward, whether the Triton backend keeps the cache
+    read's output for its backward (``save_cache_output``), and the state read's ``scale``. Made once by the layer,
+    checked then, and handed whole to the op (:meth:`kwargs`) and to context parallelism, so that no caller repeats
+    the keywords."""
 
     window: int
     block: int
@@ -47,8 +50,10 @@ class HolaSettings:
     backend: str = "auto"
     overlap_backward: bool = False
     save_cache_output: bool = False
+    scale: float | None = None
 
     def __post_init__(self):
+        check_scale(self.scale)
         if self.window < 0:
             raise ValueError(f"window: must be >= 0, got {self.window}")
         if self.block <= 0:
@@ -66,7 +71,16 @@ class HolaSettings:
     def kwargs(self) -> dict:
         """The keyword arguments of :func:`hola_attention` these settings give."""
         return dict(window=self.window, block=self.block, evict=self.evict, backend=self.backend,
-                    overlap_backward=self.overlap_backward, save_cache_output=self.save_cache_output)
+                    overlap_backward=self.overlap_backward, save_cache_output=self.save_cache_output,
+                    scale=self.scale)
+
+
+def check_scale(scale) -> None:
+    """``ValueError`` naming ``scale`` unless it is None or a finite positive number."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: must be a finite number > 0 or None (D^-1/2), got {scale!r}")
 
 
 def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -76,7 +90,7 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                    initial_cache: HolaCache | None = None, output_final_cache: bool = False,
                    backend: str = "auto", overlap_backward: bool = False, save_cache_output: bool = False,
-                   continuation: ContinuationLayout | None = None):
+                   continuation: ContinuationLayout | None = None, scale: float | None = None):
     """HOLA attention over ``[B, T, H, D]`` inputs.
 
     Args:
@@ -108,6 +122,9 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             :class:`~hola_titan.kernels.hola_continue.ContinuationLayout` for these shapes and the cache's token
             counts, made once for all layers (the Triton backend's index work for continuing); None: made in the
             call. The other backends do not need one.
+        scale: the state read's factor ``s`` in ``o_state = s S^T qh`` (a number > 0); None: ``D^-1/2``, fla's
+            default. The paper's Eq. 1 and 3 read ``q^T S`` (``scale=1``). It changes only the state read: the
+            state, the score and the cache read are the same.
 
     Returns:
         ``(o, final_state)``, or ``(o, final_state, final_cache)`` when ``output_final_cache`` is set;
@@ -115,6 +132,8 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     """
     if continuation is not None and initial_cache is None:
         raise ValueError("continuation: a continuation layout needs the initial_cache it was made for")
+    check_scale(scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     documents = _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
                           cu_seqlens=cu_seqlens, documents=documents, initial_state=initial_state,
                           initial_cache=initial_cache, output_final_cache=output_final_cache, backend=backend)
@@ -133,14 +152,14 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         o, final_state, final_cache = hola_step.decode_step(
             *args, window=window, block=block, evict=evict, initial_state=initial_state,
             initial_cache=initial_cache, output_final_state=output_final_state,
-            output_final_cache=output_final_cache)
+            output_final_cache=output_final_cache, scale=scale)
         return (o, final_state, final_cache) if output_final_cache else (o, final_state)
     # fla's chunk indices and the block table, made once per batch with its Documents (None: made in the call).
     chunk_indices = documents.chunk_indices if documents is not None else None
     block_table = (documents.block_table(block) if documents is not None and path in ("triton", "sdpa")
                    and evict != "none" and initial_cache is None else None)
     kw = dict(window=window, block=block, evict=evict, cu_seqlens=cu_seqlens, initial_state=initial_state,
-              output_final_state=output_final_state, output_final_cache=output_final_cache)
+              output_final_state=output_final_state, output_final_cache=output_final_cache, scale=scale)
     if path == "reference":
         o, final_state, final_cache = hola_attention_reference(*args, initial_cache=initial_cache, **kw)
     elif path == "triton":

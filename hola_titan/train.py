@@ -57,7 +57,7 @@ from hola_titan.loss import chunked_linear_cross_entropy
 from hola_titan.metrics import MetricsLogger, peak_memory_gib, setup_logging
 from hola_titan.models.context import BatchContext
 from hola_titan.models.model import HolaTitanLM, build_model, num_params
-from hola_titan.optim import apply_settings, build_optimizer
+from hola_titan.optim import apply_settings, build_optimizer, describe_cache_optimizer
 from hola_titan.parallelisms.context_parallel import context_parallel_for
 from hola_titan.parallelisms.parallel_dims import ParallelDims, end_process_group, mesh_rank_and_size, submesh
 from hola_titan.parallelisms.init import init_like_one_process
@@ -458,6 +458,7 @@ class Trainer:
                                if self.dims.fsdp_enabled or self.dims.hsdp_enabled else "float32"),
                  "compile": "per block" if config.compile.enable else "off"}
         if self.model_args.is_recurrent:
+            paths["layer"] = self.model_args.describe_layer()
             paths["attention_backend"] = f"{self.attention_backend} ({self._backend_why})" + self._layer_backward()
             if self.model_args.evict != "none" and self.attention_backend == "triton":
                 from hola_titan.kernels.hola_triton_attn import describe_cache_backward, describe_cache_forward
@@ -476,7 +477,7 @@ class Trainer:
         paths["cross_entropy"] = ("triton (hola_titan/kernels/cross_entropy.py, bf16 logits)" if self.loss_kernel else
                                   f"PyTorch (chunked, {str(self.head_matmul_dtype).removeprefix('torch.')} matmuls)")
         paths["optimizer"] = ("fused AdamW (non-finite steps skipped on the device)" if self._fused_optimizer
-                              else "AdamW (foreach)")
+                              else "AdamW (foreach)") + describe_cache_optimizer(self.model_args, config.optimizer)
         return paths
 
     # ------------------------------------------------------------------ the step
@@ -825,6 +826,7 @@ class Trainer:
             f"  layout: {self.world_size} process(es) on {self.device.type}: data-parallel {d.dp_replicate} x "
             f"{d.dp_shard}, tensor {d.tp}, context {d.cp}; global batch {d.global_batch_size} rows x "
             f"{config.training.seq_len} tokens, {d.grad_accum_steps} accumulation step(s)",
+            *([f"  layer: {paths['layer']}"] if "layer" in paths else []),
             f"  compute: {paths['precision']}; compile {paths['compile']}; token mixer {mixer}; short convolution "
             f"{paths.get('short_conv', '-')}; cross-entropy {paths['cross_entropy']}; {paths['optimizer']}",
             *([f"  fla kernel configurations: {paths['kernel_configs']}"] if "kernel_configs" in paths else []),

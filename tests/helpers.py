@@ -15,13 +15,14 @@ from hola_titan.models.args import model_args, replace
 from hola_titan.models.model import HolaTitanLM, build_model
 
 
-def tiny_model(flavour: str, *, vocab_size: int = 97, seed: int = 0) -> HolaTitanLM:
+def tiny_model(flavour: str, *, vocab_size: int = 97, seed: int = 0, **changes) -> HolaTitanLM:
     """The debug flavour with block 4 and window 3, so 20-odd tokens cross several blocks and cache merges.
 
     After the standard init the cache parameters are moved off their init values (gate -4 would scale the
     cache path by 0.018 and hide its errors; gammas of 1 and sink 0 would hide a missing norm weight or sink).
+    ``changes``: other :class:`ModelArgs` fields (the layer's open choices).
     """
-    args = replace(model_args(flavour, "debug", vocab_size=vocab_size), block=4, window=3)
+    args = replace(model_args(flavour, "debug", vocab_size=vocab_size), block=4, window=3, **changes)
     torch.manual_seed(seed)
     model = build_model(args, device="cpu")
     if flavour in ("hola", "hola_recency"):

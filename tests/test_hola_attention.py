@@ -217,6 +217,33 @@ def test_reference_matches_naive_oracle(case, evict, dtype):
     assert_grads_close(g_ref, g_nv, tol)
 
 
+@pytest.mark.parametrize("evict", ["score", "recency", "none"])
+@pytest.mark.parametrize("case", [ORACLE_CASES[0], ORACLE_CASES[6]], ids=[ORACLE_CASES[0][0], ORACLE_CASES[6][0]])
+def test_the_state_read_scale_matches_the_oracle_and_scales_only_the_state(case, evict):
+    """``scale`` (the paper's ``q^T S`` is ``scale=1``) against the oracle, forward and every gradient; with the
+    cache off the output is the D^-1/2 output times ``scale * D^1/2``, and the state and cache do not change."""
+    _, batch, seq_len, heads, dim, block, window, cu, with_state, *_ = case
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    num_seqs = batch if cu is None else len(cu) - 1
+    x = make_inputs(batch, seq_len, heads, dim, dtype=torch.float64, seed=5,
+                    num_states=num_seqs if with_state else None, requires_grad=True)
+    kw = dict(evict=evict, window=window, block=block, cu_seqlens=cu_seqlens)
+    tol = TOL[torch.float64]
+    o_ref, s_ref, c_ref = run_ref(x, scale=1.0, **kw)
+    o_nv, s_nv, c_nv = run_naive(x, scale=1.0, **kw)
+    assert_close_scaled(o_ref, o_nv, tol, "o")
+    assert_close_scaled(s_ref, s_nv, tol, "final_state")
+    names = grad_names(x, evict)
+    assert_grads_close(grads(weighted_loss(o_ref, s_ref), x, names), grads(weighted_loss(o_nv, s_nv), x, names), tol)
+    o_def, s_def, c_def = run_ref(x, **kw)
+    assert_close_scaled(s_ref, s_def, tol, "the state does not depend on the read's scale")
+    if evict == "none":
+        assert_close_scaled(o_ref, o_def * dim ** 0.5, tol, "o at scale 1")
+    else:
+        assert_cache_close(c_ref, c_def, tol)
+        assert (o_ref - o_def * dim ** 0.5).abs().max() > 1e-6, "the cache read must not be scaled with the state"
+
+
 # (id, batch, prefix cu or prefix length, continuation cu or length, block, window)
 CONTINUATION_CASES = [
     ("rows_inside_block", 2, 6, 9, 4, 3),
@@ -615,6 +642,10 @@ BAD_INPUTS = [
     ("initial_cache", lambda a, k: (_packed(a, k, cu=(0, 4, 7, 12)), k.update(initial_cache=_cache(num_seqs=2)))),
     ("initial_cache", _set(initial_cache={"scores": None})),
     ("initial_cache", _set(initial_cache=lambda a, k: _cache(evict="none"), evict="none")),
+    ("scale", _set(scale=0.0)),
+    ("scale", _set(scale=float("nan"))),
+    ("scale", _set(scale=True)),
+    ("scale", _set(scale="1")),
 ]
 
 

@@ -603,3 +603,30 @@ def test_overlapped_backward_equals_the_layered_form(evict, monkeypatch):
     loss = torch.compile(fn, fullgraph=True, backend="aot_eager")(*[xc[n] for n in NAMES])
     grads = torch.autograd.grad(loss, [xc[n] for n in NAMES])
     assert all(torch.isfinite(g_).all() for g_ in grads)
+
+
+def test_the_state_read_scale_reaches_fla_and_the_overlapped_layer(monkeypatch):
+    """``scale=1`` (the paper's ``q^T S``, model.state_read_scale "one") on fla's state path, in the layered form
+    and the overlapped layer op: bf16 within 2x SDPA's error of the fp32 reference at the same scale, the overlapped
+    form equal to the layered one bit for bit, and the output differs from the D^-1/2 one."""
+    _plain_backward(monkeypatch)
+    b, t, h, d = 1, 1500, 4, 256
+    cu = torch.tensor([0, 600, 601, 1500], device=DEVICE)
+    base = make_inputs(b, t, h, d, num_states=3, seed=41, dtype=torch.float32)
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    weights = (torch.randn(b, t, h, d, device=DEVICE, generator=gen),
+               torch.randn(3, h, d, d, device=DEVICE, generator=gen))
+    kw = dict(window=8, block=BLOCK, evict="score", cu_seqlens=cu, scale=1.0)
+    res_t, aux = run(hola_attention_triton, leaves(base, torch.bfloat16), weights, return_aux=True, **kw)
+    sel = aux["sel"]
+    res_s, _ = run(hola_attention_sdpa, leaves(base, torch.bfloat16), weights, selected=sel, **kw)
+    res_r, _ = run(reference(base, sel), leaves(base), weights, **kw)
+    for name, ref in res_r.items():
+        e_t, e_s = rel(res_t[name], ref), rel(res_s[name], ref)
+        assert e_t <= 2 * e_s + 1e-6, f"scale 1, bf16 {name}: triton error {e_t:.2e} > 2 x sdpa error {e_s:.2e}"
+    overlapped, _ = run(hola_attention_triton, leaves(base, torch.bfloat16), weights, overlap_backward=True, **kw)
+    for name, e in res_t.items():
+        assert torch.equal(overlapped[name], e), f"scale 1, overlapped {name} differs by {rel(overlapped[name], e):.1e}"
+    default, _ = run(hola_attention_triton, leaves(base, torch.bfloat16), weights, selected=sel,
+                     **{**kw, "scale": None})
+    assert rel(default["o"], res_t["o"]) > 0.05

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hola_titan.models.args import FLAVOURS, model_args, replace
-from hola_titan.models.model import GatedDeltaMixer, HolaTitanLM, ModelCache, num_params
+from hola_titan.models.model import GatedDeltaMixer, HolaTitanLM, ModelCache, build_model, num_params
 from helpers import tiny_model as shared_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -279,6 +279,37 @@ def test_teacher_forced_decoding_reproduces_parallel_logits(flavour, schedule):
             start += length
         assert start == tok.shape[1] and cache.seen == start
     assert_close_scaled(torch.cat(outs, dim=1), expected, TOL, f"{flavour} {schedule} logits")
+
+
+@pytest.mark.parametrize("flavour", RECURRENT)
+def test_the_paper_s_state_read_decodes_as_it_trains(flavour):
+    """``state_read_scale = "one"`` reaches every path a model takes: the parallel forward, prefill and the single
+    decoding step (hola_titan/kernels/hola_step.py) agree, and the function differs from the D^-1/2 model's."""
+    model = shared_tiny_model(flavour, vocab_size=VOCAB, state_read_scale="one")
+    default = shared_tiny_model(flavour, vocab_size=VOCAB)
+    tok = tokens(2, 23)
+    with torch.no_grad():
+        expected = model(tok)
+        cache, outs, start = ModelCache(), [], 0
+        for length in SCHEDULES["prefill_then_tokens"]:
+            outs.append(model(tok[:, start:start + length], cache=cache))
+            start += length
+        assert (expected - default(tok)).abs().max() > 1e-3 * expected.abs().max()
+    assert_close_scaled(torch.cat(outs, dim=1), expected, TOL, f"{flavour} logits")
+
+
+def test_the_gate_starts_at_its_init_and_the_paths_record_says_so():
+    model = build_model(model_args("hola", "debug", vocab_size=VOCAB, gate_init=-7.5, state_read_scale="one"),
+                        device="cpu")
+    for block in model.layers.values():
+        assert torch.equal(block.attn.gate, torch.full_like(block.attn.gate, -7.5))
+    text = model.args.describe_layer()
+    assert "gate init -7.5" in text and "s = 1" in text and "window 8, block 32" in text
+    assert "D^-1/2" in model_args("gdn", "debug", vocab_size=VOCAB).describe_layer()
+    with pytest.raises(ValueError, match="^model.state_read_scale"):
+        model_args("hola", "debug", vocab_size=VOCAB, state_read_scale="two")
+    with pytest.raises(ValueError, match="^model.gate_init"):
+        model_args("hola", "debug", vocab_size=VOCAB, gate_init=float("-inf"))
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from tokenizers.models import WordLevel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from hola_titan.config import ConfigError, parse_config
+from hola_titan.config import ConfigError, parse_config, validate
 from hola_titan.flops import flops_per_token, matmul_params, mean_visible_keys
 from hola_titan.models.args import model_args, replace
 from hola_titan.models.model import build_model
@@ -367,6 +368,62 @@ def test_the_paths_line_says_which_layer_backward_runs(monkeypatch, backend, fla
                            model_args=model_args(flavour, "340M", vocab_size=8), dims=SimpleNamespace(cp=cp))
     assert fake.model_args.head_dim == 256
     assert Trainer._layer_backward(fake) == expected
+
+
+# Per group: (members: "rest" every parameter but those named, "decay_params" A_log and dt_bias, "cache" the cache's
+# gammas, sink and gate; weight decay on; peak-rate multiplier).
+@pytest.mark.parametrize("argv,groups", [
+    ([], [({"rest"}, True, 1.0), ({"decay_params"}, False, 1.0)]),
+    (["--optimizer.decay_cache_scalars", "false"], [({"rest"}, True, 1.0), ({"decay_params", "cache"}, False, 1.0)]),
+    (["--optimizer.cache_lr_multiplier", "3"],
+     [({"rest"}, True, 1.0), ({"decay_params"}, False, 1.0), ({"cache"}, True, 3.0)]),
+    (["--optimizer.decay_cache_scalars", "false", "--optimizer.cache_lr_multiplier", "0.5"],
+     [({"rest"}, True, 1.0), ({"decay_params"}, False, 1.0), ({"cache"}, False, 0.5)]),
+])
+def test_the_cache_parameters_decay_and_learn_as_set(argv, groups):
+    """``optimizer.decay_cache_scalars`` moves the cache's gammas, sink and gate into the group that never decays;
+    ``optimizer.cache_lr_multiplier`` gives them a group at their own peak rate, which the schedule scales and a
+    restored optimizer keeps (found by its parameters). The default keeps the two groups of earlier checkpoints."""
+    from hola_titan.optim import apply_settings, build_optimizer
+
+    config = parse_config(["--optimizer.weight_decay", "0.1", "--optimizer.lr", "2e-3", *argv])
+    model = build_model(model_args("hola", "debug", vocab_size=97), device="cpu")
+    names = {id(p): n for n, p in model.named_parameters()}
+    kinds = {"cache": {n for n in names.values() if n.rsplit(".", 1)[-1] in ("gamma_q", "gamma_k", "sink", "gate")},
+             "decay_params": {n for n in names.values() if n.endswith(("A_log", "dt_bias"))}}
+    assert model.cache_parameter_names() == kinds["cache"] and len(kinds["cache"]) == 4 * model.args.n_layers
+    named = set().union(*(kinds[k] for members, _, _ in groups for k in members if k != "rest"))
+    kinds["rest"] = set(names.values()) - named
+    adamw, scheduler = build_optimizer(model, optimizer=config.optimizer, lr_scheduler=config.lr_scheduler,
+                                       steps=50, device_type="cpu")
+    assert len(adamw.param_groups) == len(groups)
+    for group, (members, decays, multiplier) in zip(adamw.param_groups, groups):
+        assert {names[id(p)] for p in group["params"]} == set().union(*(kinds[k] for k in members))
+        assert group["weight_decay"] == (0.1 if decays else 0.0) and group["initial_lr"] == pytest.approx(
+            2e-3 * multiplier)
+    for _ in range(5):
+        adamw.step()
+        scheduler.step()
+    factor = scheduler.lr_lambdas[0](5)
+    assert [g["lr"] for g in adamw.param_groups] == pytest.approx([2e-3 * m * factor for _, _, m in groups])
+    adamw.param_groups.reverse()  # as a restored optimizer may list them
+    apply_settings(adamw, scheduler, model=model, optimizer=config.optimizer, lr_scheduler=config.lr_scheduler,
+                   steps=50)
+    assert [g["lr"] for g in adamw.param_groups] == pytest.approx([2e-3 * m * factor for _, _, m in reversed(groups)])
+
+
+@pytest.mark.parametrize("argv,key", [
+    (["--model.flavour", "gdn", "--model.gate_init", "-6"], "model.gate_init"),
+    (["--model.flavour", "gdn", "--optimizer.decay_cache_scalars", "false"], "optimizer.decay_cache_scalars"),
+    (["--model.flavour", "transformer", "--optimizer.cache_lr_multiplier", "2"], "optimizer.cache_lr_multiplier"),
+    (["--model.flavour", "transformer", "--model.state_read_scale", "one"], "model.state_read_scale"),
+    (["--optimizer.cache_lr_multiplier", "0"], "optimizer.cache_lr_multiplier"),
+    (["--model.state_read_scale", "half"], "model.state_read_scale"),
+    (["--model.gate_init", "nan"], "model.gate_init"),
+])
+def test_the_layer_s_open_choices_refuse_what_does_not_apply(argv, key):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}:"):
+        validate(parse_config(argv), world_size=1)
 
 
 @pytest.mark.parametrize("wrap", [[], ["--activation_checkpoint.mode", "full"]])

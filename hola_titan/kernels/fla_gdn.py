@@ -124,8 +124,10 @@ def fla_backward_allowed(head_dim: int, device: torch.device):
 # Reference state path (pure PyTorch, differentiable): for CPU runs and for the #640 check.
 
 
-def reference_gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, output_final_state=False):
-    """GDN through the fp32 reference: ``(o_state [B,T,H,D] float32, m [B,T,H] float32, final_state or None)``."""
+def reference_gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, output_final_state=False,
+                              scale: float | None = None):
+    """GDN through the fp32 reference: ``(o_state [B,T,H,D] float32, m [B,T,H] float32, final_state or None)``;
+    ``scale`` the state read's factor (None: ``D^-1/2``)."""
     bsz, seq_len, h, d = q.shape
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     index, _ = sequence_layout(bsz, seq_len, cu_seqlens, q.device)
@@ -139,7 +141,7 @@ def reference_gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlen
     state0 = torch.zeros(n, h, d, d, dtype=cdt, device=q.device) if initial_state is None else initial_state.to(cdt)
     o_rows, e_rows, final_state = gated_delta_chunked(
         to_rows(l2norm(q_f), index), to_rows(l2norm(k_f), index), to_rows(v_f, index), to_rows(g_f, index),
-        to_rows(beta_f, index), state0, d ** -0.5)
+        to_rows(beta_f, index), state0, d ** -0.5 if scale is None else scale)
     valid = index < bsz * seq_len
     m_rows = e_rows.detach().norm(dim=-1) * to_rows(beta_f, index).detach()
     o = torch.zeros(bsz * seq_len, h, d, dtype=cdt, device=q.device).index_put((index[valid],), o_rows[valid])
@@ -599,7 +601,7 @@ class _GDNFunction:
 
 
 def gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, chunk_indices=None,
-                    output_final_state=False, recompute_norms: bool = False):
+                    output_final_state=False, recompute_norms: bool = False, scale: float | None = None):
     """GDN state path through fla with the score: ``(o_state [B,T,H,D], m [B,T,H] float32, final_state or None)``.
 
     ``q, k`` are pre-l2norm (fla normalises them in its kernel); ``g`` is the log-decay, ``beta`` in (0, 1).
@@ -607,7 +609,7 @@ def gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, ch
     (``Documents.chunk_indices``, :func:`chunk_indices_from_host`); None makes them here, from the device tensor.
     ``recompute_norms``: keep the raw q and k for backward, not their normalised copies (see the module
     docstring); only where they are kept unpadded (a padded head dim makes copies, so it would add a pass and save
-    nothing).
+    nothing). ``scale``: the state read's factor, fla's ``scale`` (None: ``D^-1/2`` of the unpadded head dim).
     """
     if not torch.compiler.is_compiling():
         _require_fla()
@@ -624,8 +626,9 @@ def gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, ch
     if (not torch.compiler.is_compiling() and torch.is_grad_enabled()
             and any(x.requires_grad for x in (q, k, v, g, beta))):
         ensure_backward_checked(dp, q.device, num_heads=q.shape[2], dtype=q.dtype, packed=cu_seqlens is not None)
-    o, m, final_state = _GDNFunction.apply(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, d ** -0.5,
-                                           output_final_state, recompute_norms and dp == d)
+    o, m, final_state = _GDNFunction.apply(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices,
+                                           d ** -0.5 if scale is None else scale, output_final_state,
+                                           recompute_norms and dp == d)
     if dp != d:
         o = o[..., :d]
         if final_state is not None:

@@ -18,7 +18,8 @@ from hola_titan.kernels.hola_reference import compute_dtype, l2norm, rms_norm
 
 def naive_hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int = 64, block: int = 256,
                          evict: str = "score", cu_seqlens=None, initial_state=None, output_final_state=False,
-                         initial_cache: HolaCache | None = None, output_final_cache=False):
+                         initial_cache: HolaCache | None = None, output_final_cache=False,
+                         scale: float | None = None):
     """Same contract as ``hola_attention``; see the module docstring."""
     in_dtype = q.dtype
     cdt = compute_dtype(in_dtype)
@@ -28,7 +29,7 @@ def naive_hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, wind
     else:
         cu = [int(x) for x in cu_seqlens.tolist()]
         spans = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
-    scale = d ** -0.5
+    scale = d ** -0.5 if scale is None else scale
     out = {}
     finals, caches = [], []
     for n, (b, start, end) in enumerate(spans):

@@ -221,12 +221,13 @@ def cache_read(q_rows, kc_rows, v_rows, row_valid, cache_kc, cache_v, cache_vali
 def hola_attention_reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int,
                              evict: str, cu_seqlens, initial_state, output_final_state: bool,
                              initial_cache: HolaCache | None, output_final_cache: bool,
-                             selected: torch.Tensor | None = None):
+                             selected: torch.Tensor | None = None, scale: float | None = None):
     """The reference backend. Arguments are validated by ``hola_titan.ops.hola_attention``.
 
     ``selected`` (tests only, no ``initial_cache``): the persistent cache every block reads, as ``[NB, H, W]``
     flat token indices (``-1`` empty) in the block table of ``hola_titan.kernels.hola_triton_select``, replacing
-    the reference's own selection for the read (not for the final cache).
+    the reference's own selection for the read (not for the final cache). ``scale``: the state read's factor
+    (None: ``D^-1/2``).
     """
     # The reference computes in float32 (float64 for float64 inputs) whatever autocast region it is called
     # from (a bf16 training step with backend="reference"): autocast would run its matmuls in bf16.
@@ -234,11 +235,11 @@ def hola_attention_reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, 
         return _reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
                           cu_seqlens=cu_seqlens, initial_state=initial_state,
                           output_final_state=output_final_state, initial_cache=initial_cache,
-                          output_final_cache=output_final_cache, selected=selected)
+                          output_final_cache=output_final_cache, selected=selected, scale=scale)
 
 
 def _reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, cu_seqlens, initial_state,
-               output_final_state, initial_cache, output_final_cache, selected):
+               output_final_state, initial_cache, output_final_cache, selected, scale):
     in_dtype = q.dtype
     cdt = compute_dtype(in_dtype)
     bsz, seq_len, h, d = q.shape
@@ -255,7 +256,7 @@ def _reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block,
               else initial_state.to(cdt))
     o_rows, e_rows, final_state = gated_delta_chunked(
         to_rows(l2norm(q_f), index), to_rows(l2norm(k_f), index), to_rows(v_f, index),
-        to_rows(g_f, index), to_rows(beta_f, index), state0, d ** -0.5)
+        to_rows(g_f, index), to_rows(beta_f, index), state0, d ** -0.5 if scale is None else scale)
     # Rows back to tokens: token t sits at row n_t, offset i_t.
     valid = index < bsz * seq_len
     row_pos = torch.nonzero(valid.reshape(-1)).squeeze(1)  # ordered by (n, i)

@@ -36,13 +36,13 @@ def hola_attention_sdpa(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, windo
                         cu_seqlens=None, initial_state=None, output_final_state: bool = False,
                         output_final_cache: bool = False, selected: torch.Tensor | None = None,
                         return_aux: bool = False, state_impl: str = "auto",
-                        chunk_indices: torch.Tensor | None = None, block_table=None):
+                        chunk_indices: torch.Tensor | None = None, block_table=None, scale: float | None = None):
     """The SDPA backend; same arguments and results as ``hola_attention_triton``."""
     bsz, seq_len, h, d = q.shape
     dtype, device = q.dtype, q.device
     o_state, m, final_state = state_path(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                          output_final_state=output_final_state, impl=state_impl,
-                                         chunk_indices=chunk_indices)
+                                         chunk_indices=chunk_indices, scale=scale)
     aux = {"m": m}
     if evict == "none":
         return (o_state, final_state, None, aux) if return_aux else (o_state, final_state, None)

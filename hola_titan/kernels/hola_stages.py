@@ -15,25 +15,25 @@ from hola_titan.kernels.hola_triton_select import BlockTable, keys_to_index
 
 
 def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_state, impl: str = "auto",
-               chunk_indices=None, recompute_norms: bool = False):
+               chunk_indices=None, recompute_norms: bool = False, scale: float | None = None):
     """fla on CUDA, the fp32 reference elsewhere: ``(o_state in q.dtype, m [B, T, H] float32, final_state)``.
 
     ``impl="reference"`` forces the reference (tests of the cache path alone on a GPU). ``chunk_indices``: fla's,
     made once per batch (``Documents.chunk_indices``), or None. ``recompute_norms``: the caller keeps these very
     ``q`` and ``k`` for its own backward, so fla's op keeps them too instead of normalised copies
-    (:func:`~hola_titan.kernels.fla_gdn.gdn_with_scores`).
+    (:func:`~hola_titan.kernels.fla_gdn.gdn_with_scores`). ``scale``: the state read's factor (None: ``D^-1/2``).
     """
     if impl == "fla" or (impl == "auto" and q.device.type == "cuda"):
         from hola_titan.kernels.fla_gdn import gdn_with_scores
         o_state, m, final_state = gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
                                                   cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
                                                   output_final_state=output_final_state,
-                                                  recompute_norms=recompute_norms)
+                                                  recompute_norms=recompute_norms, scale=scale)
     else:
         from hola_titan.kernels.fla_gdn import reference_gdn_with_scores
         o_state, m, final_state = reference_gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
                                                             cu_seqlens=cu_seqlens,
-                                                            output_final_state=output_final_state)
+                                                            output_final_state=output_final_state, scale=scale)
     return o_state.to(q.dtype), m, final_state
 
 

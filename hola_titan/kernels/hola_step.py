@@ -46,18 +46,19 @@ def applies(args: tuple, *, cu_seqlens, initial_state, initial_cache, evict: str
 
 def decode_step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int, evict: str,
                 initial_state: torch.Tensor, initial_cache: HolaCache | None, output_final_state: bool,
-                output_final_cache: bool):
+                output_final_cache: bool, scale: float):
     """``hola_attention`` for ``[B, 1, H, D]`` inputs continuing from ``initial_state`` (and ``initial_cache``);
-    arguments validated by ``hola_titan.ops.hola_attention``. Returns ``(o, final_state, final_cache)``."""
+    arguments validated (and ``scale``, the state read's factor, resolved) by ``hola_titan.ops.hola_attention``.
+    Returns ``(o, final_state, final_cache)``."""
     # Float32 arithmetic like the reference's, also inside an autocast region.
     with torch.autocast(q.device.type, enabled=False):
         return _step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
                      initial_state=initial_state, initial_cache=initial_cache,
-                     output_final_state=output_final_state, output_final_cache=output_final_cache)
+                     output_final_state=output_final_state, output_final_cache=output_final_cache, scale=scale)
 
 
 def _step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, initial_state, initial_cache,
-          output_final_state, output_final_cache):
+          output_final_state, output_final_cache, scale):
     in_dtype = q.dtype
     cdt = compute_dtype(in_dtype)
     bsz, _, h, d = q.shape
@@ -70,7 +71,7 @@ def _step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evic
     alpha = g1.exp()[..., None]  # [B, H, 1]
     e = v1 - ((kh * alpha)[..., None, :] @ state).squeeze(-2)
     o_state = ((qh * alpha)[..., None, :] @ state).squeeze(-2) + ((qh * kh).sum(-1) * beta1)[..., None] * e
-    o_state = o_state * d ** -0.5
+    o_state = o_state * scale
     final_state = alpha[..., None] * state + (kh * beta1[..., None])[..., :, None] * e[..., None, :]
     final_state = final_state if output_final_state else None
     if evict == "none":

@@ -33,7 +33,8 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
                           selected: torch.Tensor | None = None, return_aux: bool = False, state_impl: str = "auto",
                           overlap_backward: bool = False, save_cache_output: bool = False,
                           chunk_indices: torch.Tensor | None = None,
-                          block_table: BlockTable | None = None, continuation: ContinuationLayout | None = None):
+                          block_table: BlockTable | None = None, continuation: ContinuationLayout | None = None,
+                          scale: float | None = None):
     """The Triton backend (arguments validated by ``hola_titan.ops.hola_attention``); ``chunk_indices`` as in
     :func:`state_path`; ``block_table``: the batch's table for ``block`` (``Documents.block_table``, made once per
     batch), or None to build it here.
@@ -45,7 +46,7 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
     ``save_cache_output``: a fresh call keeps the cache read's output for the backward (``hola::cache_attn``).
     A call with an ``initial_cache`` reads the cache as a prefix of key rows
     (:func:`~hola_titan.kernels.hola_continue.continue_from_cache`), with the batch's ``continuation`` layout
-    when given.
+    when given. ``scale``: the state read's factor (None: ``D^-1/2``).
     Returns ``(o, final_state, final_cache[, aux])``.
     """
     bsz, seq_len, h, d = q.shape
@@ -58,12 +59,12 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
         o, final_state, _, _ = hola_triton_layer.hola_layer(
             q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, initial_state=initial_state,
-            output_final_state=output_final_state)
+            output_final_state=output_final_state, scale=scale)
         return o, final_state, None
     # The cache op of a call without an initial cache saves these same q and k for its backward.
     o_state, m, final_state = state_path(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                          output_final_state=output_final_state, impl=state_impl,
-                                         chunk_indices=chunk_indices,
+                                         chunk_indices=chunk_indices, scale=scale,
                                          recompute_norms=evict != "none" and initial_cache is None)
     aux = {"m": m}
     if evict == "none":

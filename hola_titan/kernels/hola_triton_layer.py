@@ -186,9 +186,10 @@ torch.library.register_autograd("hola::layer_fwd", _backward, setup_context=_set
 
 
 def hola_layer(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int, evict: str,
-               cu_seqlens=None, chunk_indices=None, initial_state=None, output_final_state: bool = False):
+               cu_seqlens=None, chunk_indices=None, initial_state=None, output_final_state: bool = False,
+               scale: float | None = None):
     """``(o, final_state or None, m, sel)``: the layer through :func:`layer_fwd_op` (see the module docstring);
-    ``chunk_indices`` as in :func:`~hola_titan.kernels.fla_gdn.gdn_with_scores`."""
+    ``chunk_indices`` and ``scale`` as in :func:`~hola_titan.kernels.fla_gdn.gdn_with_scores`."""
     d = q.shape[-1]
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int64)
@@ -198,6 +199,6 @@ def hola_layer(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, b
             and any(x.requires_grad for x in (q, k, v, g, beta))):
         ensure_backward_checked(d, q.device, num_heads=q.shape[2], dtype=q.dtype, packed=cu_seqlens is not None)
     o, final_state, m, sel, *_ = layer_fwd_op(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state,
-                                              cu_seqlens, chunk_indices, d ** -0.5, output_final_state, block, window,
-                                              evict)
+                                              cu_seqlens, chunk_indices, d ** -0.5 if scale is None else scale,
+                                              output_final_state, block, window, evict)
     return o, (final_state if output_final_state else None), m, sel

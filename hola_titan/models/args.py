@@ -9,12 +9,16 @@ of repeating numbers.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from hola_titan.models import flavours
 
 FLAVOURS = tuple(flavours.FLAVOURS)
-SIZES = ("debug", "small", "340M", "1.3B", "7B")
+SIZES = ("debug", "small", "46M", "340M", "1.3B", "7B")
+# The state read's factor s in o_state = s S^T qh (recurrent flavours): fla's D^-1/2, or 1 as the paper's Eq. 1 and 3
+# write it (q^T S). Before the output norm, s sets how much the state weighs against the cache read at init.
+STATE_READ_SCALES = ("inv_sqrt_head_dim", "one")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,10 @@ class ModelArgs:
     window: int = 64
     block: int = 256
     use_gate: bool = False
+    # The HOLA layer's choices the paper leaves open (docs/DESIGN.md §1). The dataclass defaults are the forms
+    # every earlier run and export used: a config.json written before a field existed rebuilds that model.
+    state_read_scale: str = "inv_sqrt_head_dim"
+    gate_init: float = -4.0  # the cache gate's logit at init: lambda = sigmoid(gate_init)
     # Transformer++.
     rope_theta: float = 10_000.0
     max_seq_len: int = 2048
@@ -47,6 +55,22 @@ class ModelArgs:
         if evict is None:
             raise ValueError(f"model.flavour: {self.flavour} has no HOLA layer")
         return evict
+
+    @property
+    def state_scale(self) -> float | None:
+        """The ``scale`` argument of ``hola_attention``: None (``D^-1/2``) or 1.0."""
+        return None if self.state_read_scale == "inv_sqrt_head_dim" else 1.0
+
+    def describe_layer(self) -> str:
+        """The recurrent layer's open choices as they run (the run's ``paths`` record and its start-up log)."""
+        read = ("s = D^-1/2 (fla's default)" if self.state_read_scale == "inv_sqrt_head_dim"
+                else "s = 1 (the paper's q^T S)")
+        text = f"state read o_state = s S^T q, {read}"
+        if self.evict != "none":
+            lam = 1.0 / (1.0 + math.exp(-self.gate_init))
+            text += (f"; out = o_norm(o_state + sigmoid(gate) o_cache), gate init {self.gate_init:g} "
+                     f"(lambda {lam:.4g}); cache {self.evict}, window {self.window}, block {self.block}")
+        return text
 
     @property
     def is_recurrent(self) -> bool:
@@ -65,6 +89,8 @@ SIZE_FIELDS = {
                   window=8, block=32),
     # ~30M with the bundled tokenizer: the small-scale comparisons (train_configs/small_*.toml).
     "small": dict(dim=512, n_layers=8, n_heads=2, head_dim=256, mlp_hidden=1536, tie_embeddings=True),
+    # The paper's ablation size (12 layers, d_model 512, heads of 256): 45.6M with the bundled 8192-entry tokenizer.
+    "46M": dict(dim=512, n_layers=12, n_heads=2, head_dim=256, mlp_hidden=1536, tie_embeddings=True),
     "340M": dict(dim=1024, n_layers=24, n_heads=4, head_dim=256, mlp_hidden=2816, tie_embeddings=True),
     "1.3B": dict(dim=2048, n_layers=24, n_heads=8, head_dim=256, mlp_hidden=5632, tie_embeddings=True),
     "7B": dict(dim=4096, n_layers=32, n_heads=16, head_dim=256, mlp_hidden=11008, tie_embeddings=False),
@@ -72,12 +98,14 @@ SIZE_FIELDS = {
 
 
 def model_args(flavour: str, size: str, *, vocab_size: int, window: int | None = None, block: int | None = None,
-               n_layers: int | None = None, max_seq_len: int | None = None) -> ModelArgs:
+               n_layers: int | None = None, max_seq_len: int | None = None, state_read_scale: str | None = None,
+               gate_init: float | None = None) -> ModelArgs:
     """The :class:`ModelArgs` of ``flavour`` at ``size``.
 
     ``vocab_size`` comes from the tokenizer. ``window`` and ``block`` override the HOLA cache size and block
     length (recurrent flavours), ``n_layers`` the depth; ``max_seq_len`` is the training context recorded in exports
     (``max_position_embeddings``): RoPE angles are computed from the positions, so it bounds nothing.
+    ``state_read_scale`` (:data:`STATE_READ_SCALES`) and ``gate_init`` override the HOLA layer's open choices.
     """
     entry = flavours.get(flavour)
     if size not in SIZES:
@@ -101,6 +129,15 @@ def model_args(flavour: str, size: str, *, vocab_size: int, window: int | None =
         fields["n_layers"] = n_layers
     if max_seq_len is not None:
         fields["max_seq_len"] = max_seq_len
+    if state_read_scale is not None:
+        if state_read_scale not in STATE_READ_SCALES:
+            raise ValueError(f"model.state_read_scale: expected one of {', '.join(STATE_READ_SCALES)}, got "
+                             f"{state_read_scale!r}")
+        fields["state_read_scale"] = state_read_scale
+    if gate_init is not None:
+        if not math.isfinite(gate_init):
+            raise ValueError(f"model.gate_init: must be finite, got {gate_init}")
+        fields["gate_init"] = float(gate_init)
     return ModelArgs(flavour=flavour, size=size, vocab_size=vocab_size, **fields)
 
 

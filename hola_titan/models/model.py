@@ -142,6 +142,7 @@ class GatedDeltaMixer(LocalParams, nn.Module):
     """
 
     Cache = RecurrentLayerCache
+    CACHE_PARAMETERS = ("gamma_q", "gamma_k", "sink", "gate")  # the HOLA cache's own, absent with evict "none"
     # Tensor parallelism (applied by hola_titan.parallelisms.tensor_parallel): projections split by heads, the
     # output projection row-wise, and per submodule ("" is the mixer itself) the per-head parameters sharded with
     # their heads or, per channel, replicated.
@@ -159,7 +160,7 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         self.num_heads, self.head_dim = h, d
         # What every call of the op takes, made (and checked) once; context parallelism gets it whole.
         self.settings = HolaSettings(window=args.window, block=args.block, evict=args.evict, backend=backend,
-                                     overlap_backward=overlap_backward,
+                                     overlap_backward=overlap_backward, scale=args.state_scale,
                                      save_cache_output=save_cache_output)  # refused for evict "none" (GDN)
         if kernels not in ("triton", "reference"):
             raise ValueError(f"kernels: expected 'triton' or 'reference' (resolved), got {kernels!r}")
@@ -182,6 +183,7 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         self.g_proj = nn.Linear(dim, h * d, bias=False) if args.use_gate else None
         self.o_norm = RMSNorm(d, args.norm_eps)
         self.o_proj = nn.Linear(h * d, dim, bias=False)
+        self.gate_init = args.gate_init
 
     def init_weights(self, std: float, out_std: float) -> None:
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj):
@@ -200,7 +202,7 @@ class GatedDeltaMixer(LocalParams, nn.Module):
                 self.gamma_q.fill_(1.0)
                 self.gamma_k.fill_(1.0)
                 self.sink.fill_(0.0)
-                self.gate.fill_(-4.0)
+                self.gate.fill_(self.gate_init)
 
     @staticmethod
     def stream(args: ModelArgs, tokens: torch.Tensor, context: BatchContext,
@@ -289,7 +291,7 @@ class GatedDeltaMixer(LocalParams, nn.Module):
                                                                       + self.param("dt_bias").to(gate_dtype))
         cache_params = (None, None, None, None)
         if self.settings.evict != "none":
-            cache_params = tuple(self.param(name) for name in ("gamma_q", "gamma_k", "sink", "gate"))
+            cache_params = tuple(self.param(name) for name in self.CACHE_PARAMETERS)
         if cp is not None:
             return cp.attention(q, k, v, g, beta, *cache_params, documents=documents)[0]
         want_cache = cache is not None and self.settings.evict != "none"
@@ -554,6 +556,13 @@ class HolaTitanLM(nn.Module):
     def no_weight_decay_names(self) -> set[str]:
         """Parameters excluded from weight decay: the GDN decay parameters (as fla does)."""
         return {name for name, _ in self.named_parameters() if name.endswith(("A_log", "dt_bias"))}
+
+    def cache_parameter_names(self) -> set[str]:
+        """The HOLA cache's own parameters (``gamma_q``, ``gamma_k``, ``sink``, ``gate`` of every layer), which the
+        optimizer settings ``decay_cache_scalars`` and ``cache_lr_multiplier`` address."""
+        return {f"{prefix}.{name}" for prefix, module in self.named_modules()
+                if isinstance(module, GatedDeltaMixer) and module.settings.evict != "none"
+                for name in GatedDeltaMixer.CACHE_PARAMETERS}
 
 
 def build_model(args: ModelArgs, *, device: torch.device | str = "meta", backend: str = "auto",
