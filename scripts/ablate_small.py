@@ -1,0 +1,431 @@
+"""Ablations of the HOLA layer's open choices at small scale: many training runs side by side on one GPU, resumable
+across commands, merged into loss-against-tokens plots (one PNG per family) and a table with the seed spread.
+
+Why: HOLA loses to GDN at small scale with the choices this project first made where the paper is silent (the state
+read's scale, the gate's init, the optimizer settings of the cache's parameters, ...). Each variant below changes
+one of them through its config key; the runs share everything else (``train_configs/small_hola_text.toml``: the
+``small`` width, 16 x 1,024 tokens a step, AdamW lr 3e-3, on the offline corpus of ``build_small_corpus.py``).
+
+Usage::
+
+    python scripts/ablate_small.py --plan                                   # the variants, families, estimate
+    python scripts/ablate_small.py --run --work W --out OUT --budget-min 8  # train (or resume) until the budget
+    python scripts/ablate_small.py --merge OUT [OUT ...] --report DIR       # plots, table and JSON
+
+``--run`` starts every selected run that has not reached ``--steps`` (``--variants``, ``--seeds``), each in its own
+process with its run folder under ``--work``; a run resumes from its last checkpoint. Before the budget ends it
+sends SIGTERM, on which the trainer saves a checkpoint and exits, so the next ``--run`` on the same machine (with the
+same ``--work``) goes on where this one stopped. It copies every run's ``metrics.jsonl`` and the end of its log to
+``--out`` with ``status.json`` (steps reached, device, versions, the commands). ``--merge`` reads any number of
+such folders (the last record of a step wins: a resumed run logs the steps after its checkpoint again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = "train_configs/small_hola_text.toml"
+FORMAT = "ablate_small/1"
+TOKENS_PER_STEP = 16 * 1024  # the config's local_batch_size x seq_len
+STEPS, WARMUP_STEPS = 1500, 150
+CHECKPOINT_INTERVAL = 500
+LOG_FREQ = 5
+STOP_GRACE_S = 90.0  # what a stopped run gets to save its checkpoint before it is killed
+# One run's throughput with 14 side by side on an H200 is not measured yet; 6 side by side made 66-92k tokens/s.
+PLAN_TOKENS_PER_S = 45_000
+
+
+@dataclass(frozen=True)
+class Variant:
+    flavour: str
+    families: tuple[str, ...]
+    overrides: tuple[str, ...] = ()
+    about: str = ""
+
+
+VARIANTS = {
+    "gdn": Variant("gdn", ("state_read", "eviction", "span", "cache_scalars"), (), "Gated DeltaNet, no cache"),
+    "hola": Variant("hola", ("state_read",), (), "the first defaults: s = D^-1/2, gate init -4, cache params decayed"),
+    "hola_s1": Variant("hola", ("state_read", "eviction", "span", "cache_scalars"),
+                       ("--model.state_read_scale", "one"), "the state read as the paper writes it: q^T S (s = 1)"),
+    "hola_recency_s1": Variant("hola_recency", ("eviction",), ("--model.state_read_scale", "one"),
+                               "HOLA+recency with s = 1"),
+    "hola_s1_nodecay": Variant("hola", ("cache_scalars",), ("--model.state_read_scale", "one",
+                                                           "--optimizer.decay_cache_scalars", "false"),
+                               "s = 1, no weight decay on gamma_q, gamma_k, sink, gate"),
+    "hola_s1_w0": Variant("hola", ("span",), ("--model.state_read_scale", "one", "--model.window", "0"),
+                          "s = 1, window 0: the causal block and the sink only (no cache entries)"),
+    "hola_s1_c256": Variant("hola", ("span",), ("--model.state_read_scale", "one", "--model.block", "256"),
+                            "s = 1, block 256 (the paper's C) instead of 64"),
+}
+DEFAULT_SEEDS = (0, 1)
+FAMILY_TITLES = {
+    "state_read": "The state read's scale (before the output norm it sets the state's weight against the cache)",
+    "eviction": "Eviction: score (HOLA) against recency, with the paper's state read",
+    "span": "What the cache read spans: window 0 (in-block only), block 64 against 256",
+    "cache_scalars": "Weight decay on the cache's own parameters",
+}
+
+
+def run_name(variant: str, seed: int) -> str:
+    return f"{variant}_s{seed}"
+
+
+def train_command(variant: str, seed: int, *, folder: Path, corpus: Path, steps: int, warmup: int,
+                  extra: list[str]) -> list[str]:
+    v = VARIANTS[variant]
+    return [sys.executable, "-m", "hola_titan.train", "--job.config_file", CONFIG, "--job.dump_folder", str(folder),
+            "--model.flavour", v.flavour, "--training.seed", str(seed), "--training.steps", str(steps),
+            "--lr_scheduler.warmup_steps", str(warmup), "--checkpoint.interval", str(CHECKPOINT_INTERVAL),
+            "--checkpoint.keep_latest_k", "2", "--metrics.log_freq", str(LOG_FREQ), "--validation.freq", "500",
+            "--data.dataset", str(corpus / "train.jsonl.gz"),
+            "--validation.dataset", str(corpus / "validation.jsonl.gz"), *v.overrides, *extra]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill: the steps after the checkpoint are logged again
+            continue
+    return rows
+
+
+def last_step(rows: list[dict]) -> int:
+    return max((r["step"] for r in rows if "loss" in r), default=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --run
+# ---------------------------------------------------------------------------------------------------------------
+
+def run(args) -> int:
+    work, out, corpus = Path(args.work).resolve(), Path(args.out).resolve(), Path(args.corpus).resolve()
+    for name in ("train.jsonl.gz", "validation.jsonl.gz"):
+        if not (corpus / name).is_file():
+            print(f"error: --corpus {corpus}: no {name} (python scripts/build_small_corpus.py DIR --gzip)",
+                  file=sys.stderr)
+            return 2
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget_min * 60.0 - STOP_GRACE_S
+    runs = [(v, s) for v in args.variants for s in args.seeds]
+    children: dict[str, subprocess.Popen] = {}
+    commands, started = {}, time.time()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for variant, seed in runs:
+        name = run_name(variant, seed)
+        folder = work / name
+        if last_step(read_jsonl(folder / "metrics.jsonl")) >= args.steps:
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        commands[name] = train_command(variant, seed, folder=folder, corpus=corpus, steps=args.steps,
+                                       warmup=args.warmup, extra=args.extra)
+        log = open(folder / "train.log", "a", encoding="utf-8")
+        children[name] = subprocess.Popen(commands[name], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+    print(f"{len(children)} run(s) started, {len(runs) - len(children)} already finished", flush=True)
+    stopped = set()
+    while any(p.poll() is None for p in children.values()):
+        if time.monotonic() >= deadline:
+            for name, p in children.items():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)  # the trainer saves a checkpoint, then exits
+                    stopped.add(name)
+            end = time.monotonic() + STOP_GRACE_S - 5
+            while time.monotonic() < end and any(p.poll() is None for p in children.values()):
+                time.sleep(1)
+            for p in children.values():
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            break
+        time.sleep(2)
+    for p in children.values():
+        p.wait()
+    status = {"format": FORMAT, "started": started, "wall_s": time.time() - started, "budget_min": args.budget_min,
+              "steps": args.steps, "warmup_steps": args.warmup, "tokens_per_step": TOKENS_PER_STEP,
+              "config": CONFIG, "device": _device(), "host": platform.node(), "versions": _versions(), "runs": {}}
+    for variant, seed in runs:
+        name = run_name(variant, seed)
+        folder = work / name
+        rows = read_jsonl(folder / "metrics.jsonl")
+        if (folder / "metrics.jsonl").is_file():
+            shutil.copyfile(folder / "metrics.jsonl", out / f"{name}.jsonl")
+        log = folder / "train.log"
+        if log.is_file():
+            (out / f"{name}.log").write_text("\n".join(log.read_text(errors="replace").splitlines()[-40:]) + "\n")
+        p = children.get(name)
+        status["runs"][name] = {"variant": variant, "seed": seed, "flavour": VARIANTS[variant].flavour,
+                                "overrides": list(VARIANTS[variant].overrides), "step": last_step(rows),
+                                "finished": last_step(rows) >= args.steps,
+                                "rc": None if p is None else p.returncode, "stopped": name in stopped,
+                                "command": [str(c).replace(str(work), "<work>").replace(str(REPO), "<repo>")
+                                            for c in commands.get(name, [])]}
+    (out / "status.json").write_text(json.dumps(status, indent=1) + "\n")
+    for name, r in status["runs"].items():
+        print(f"{name:24s} step {r['step']:5d}{'  finished' if r['finished'] else ''}  rc {r['rc']}")
+    failed = [n for n, r in status["runs"].items() if r["rc"] not in (None, 0) and not r["stopped"]]
+    return 1 if failed else 0
+
+
+def _device() -> str:
+    try:
+        import torch
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception as err:  # noqa: BLE001 - recorded, not fatal
+        return f"unknown ({err})"
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+    found = {}
+    for dist in ("torch", "triton", "fla-core"):
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            found[dist] = None
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --merge
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Curve:
+    variant: str
+    seed: int
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    val: dict[int, float] = field(default_factory=dict)
+
+
+def load_curves(folders: list[Path]) -> tuple[dict[str, Curve], list[dict]]:
+    """Every run's training-loss curve and validation losses from the ``--run`` folders (later folders win)."""
+    by_run: dict[str, dict[int, float]] = {}
+    vals: dict[str, dict[int, float]] = {}
+    meta: dict[str, tuple[str, int]] = {}
+    statuses = []
+    for folder in folders:
+        status = json.loads((folder / "status.json").read_text())
+        if status.get("format") != FORMAT:
+            raise SystemExit(f"error: {folder}/status.json is not an {FORMAT} status")
+        statuses.append(status)
+        for name, r in status["runs"].items():
+            meta[name] = (r["variant"], r["seed"])
+            for row in read_jsonl(folder / f"{name}.jsonl"):
+                if "loss" in row:
+                    by_run.setdefault(name, {})[row["step"]] = row["loss"]
+                if "val_loss" in row:
+                    vals.setdefault(name, {})[row["step"]] = row["val_loss"]
+    curves = {}
+    for name, (variant, seed) in meta.items():
+        points = sorted(by_run.get(name, {}).items())
+        curves[name] = Curve(variant, seed, [s for s, _ in points], [v for _, v in points], vals.get(name, {}))
+    return curves, statuses
+
+
+def smooth(steps: list[int], values: list[float], width: int) -> tuple[list[int], list[float]]:
+    """Mean of the logged losses in windows of ``width`` steps (one point per window, at its last step)."""
+    out_s, out_v, bucket, end = [], [], [], width
+    for s, v in zip(steps, values):
+        while s > end:
+            if bucket:
+                out_s.append(end)
+                out_v.append(sum(bucket) / len(bucket))
+            bucket, end = [], end + width
+        bucket.append(v)
+    if bucket:
+        out_s.append(end if steps[-1] == end else steps[-1])
+        out_v.append(sum(bucket) / len(bucket))
+    return out_s, out_v
+
+
+def spread(values: list[float], digits: int = 2) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{sum(values) / len(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
+
+
+def merge(args) -> int:
+    curves, statuses = load_curves([Path(f) for f in args.merge])
+    report = Path(args.report)
+    report.mkdir(parents=True, exist_ok=True)
+    variants = [v for v in VARIANTS if any(c.variant == v for c in curves.values())]
+    width = args.window
+    final_step = max((max(c.steps) for c in curves.values() if c.steps), default=0)
+    rows, summary = [], {}
+    for v in variants:
+        runs = sorted((c for c in curves.values() if c.variant == v), key=lambda c: c.seed)
+        finals = [c.val[max(c.val)] for c in runs if c.val and max(c.val) == final_step]
+        last_window = []
+        for c in runs:
+            tail = [x for s, x in zip(c.steps, c.loss) if s > final_step - 10 * width]
+            if c.steps and max(c.steps) == final_step and tail:
+                last_window.append(sum(tail) / len(tail))
+        summary[v] = {"flavour": VARIANTS[v].flavour, "overrides": list(VARIANTS[v].overrides),
+                      "about": VARIANTS[v].about, "seeds": [c.seed for c in runs],
+                      "steps": [max(c.steps, default=0) for c in runs],
+                      "final_val_loss": finals, "final_val_ppl": [math.exp(x) for x in finals],
+                      "train_loss_last": last_window,
+                      "val_loss_by_step": {str(s): [c.val.get(s) for c in runs]
+                                           for s in sorted({s for c in runs for s in c.val})}}
+        rows.append((v, summary[v]))
+    gdn_ppl = summary.get("gdn", {}).get("final_val_ppl", [])
+    lines = [f"# Small-scale ablations of the HOLA layer ({', '.join(sorted({s['device'] for s in statuses}))})", "",
+             f"`small` width (31M), 16 x 1,024 tokens a step, {final_step} steps "
+             f"({final_step * TOKENS_PER_STEP / 1e6:.1f}M tokens), AdamW lr 3e-3 (cosine to 0.1x, warmup "
+             f"{statuses[0]['warmup_steps']}), weight decay 0.1; `{CONFIG}` with the variant's keys. Cells: mean [min, "
+             "max] over seeds. `vs gdn`: `<` every seed below every GDN seed (better), `>` every seed above, `~` the "
+             "seeds overlap.", "",
+             f"| variant | keys | seeds | val ppl at {final_step} | val loss | train loss, last {10 * width} steps "
+             "| vs gdn |", "|---|---|---|---|---|---|---|"]
+    for v, s in rows:
+        ppl = s["final_val_ppl"]
+        order = "-"
+        if v != "gdn" and ppl and gdn_ppl:
+            order = "<" if max(ppl) < min(gdn_ppl) else ">" if min(ppl) > max(gdn_ppl) else "~"
+        keys = " ".join(s["overrides"]) or "(defaults)"
+        lines.append(f"| {v} | `{keys}` | {len(s['seeds'])} | {spread(ppl)} | {spread(s['final_val_loss'], 4)} | "
+                     f"{spread(s['train_loss_last'], 4)} | {order} |")
+    lines += ["", "Unfinished runs (steps reached): " + (", ".join(
+        f"{v} s{seed}: {step}" for v, s in rows for seed, step in zip(s["seeds"], s["steps"]) if step < final_step)
+        or "none"), ""]
+    plots = plot_families(curves, variants, report, width=width)
+    for family, png in plots.items():
+        lines += [f"## {FAMILY_TITLES.get(family, family)}", "", f"![{family}]({png})", ""]
+    (report / "ablations.md").write_text("\n".join(lines))
+    (report / "ablations.json").write_text(json.dumps({"format": FORMAT, "final_step": final_step,
+                                                       "tokens_per_step": TOKENS_PER_STEP, "variants": summary,
+                                                       "runs": [s["runs"] for s in statuses],
+                                                       "devices": [s["device"] for s in statuses]}, indent=1) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def plot_families(curves: dict[str, Curve], variants: list[str], report: Path, *, width: int) -> dict[str, str]:
+    """One PNG per family: the smoothed training loss against tokens (left) and its difference to GDN's seed mean
+    (right; below zero is better than GDN); thin lines are seeds, thick ones their mean."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def mean_curve(v):
+        runs = [smooth(c.steps, c.loss, width) for c in curves.values() if c.variant == v and c.steps]
+        if not runs:
+            return None, []
+        n = min(len(s) for s, _ in runs)
+        return (runs[0][0][:n], [sum(r[1][i] for r in runs) / len(runs) for i in range(n)]), runs
+
+    base, _ = mean_curve("gdn")
+    written = {}
+    families = sorted({f for v in variants for f in VARIANTS[v].families})
+    for family in families:
+        members = [v for v in variants if family in VARIANTS[v].families]
+        fig, (ax, dax) = plt.subplots(1, 2, figsize=(13, 4.8))
+        for i, v in enumerate(members):
+            color = f"C{i}"
+            mean, runs = mean_curve(v)
+            if mean is None:
+                continue
+            for s, x in runs:
+                ax.plot([t * TOKENS_PER_STEP / 1e6 for t in s], x, color=color, lw=0.6, alpha=0.4)
+            ax.plot([t * TOKENS_PER_STEP / 1e6 for t in mean[0]], mean[1], color=color, lw=1.8, label=v)
+            if base is not None:
+                n = min(len(base[0]), len(mean[0]))
+                dax.plot([t * TOKENS_PER_STEP / 1e6 for t in mean[0][:n]],
+                         [mean[1][j] - base[1][j] for j in range(n)], color=color, lw=1.8, label=v)
+        ax.set_xlabel("tokens (M)")
+        ax.set_ylabel(f"training loss, mean of {width}-step windows")
+        ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
+        ax.legend(fontsize=8)
+        dax.axhline(0.0, color="k", lw=0.6)
+        dax.set_xlabel("tokens (M)")
+        dax.set_ylabel("minus GDN's (seed means), nats")
+        dax.set_ylim(-0.35, 0.2)
+        fig.suptitle(FAMILY_TITLES.get(family, family), fontsize=10)
+        fig.tight_layout()
+        png = f"ablation_{family}.png"
+        fig.savefig(report / png, dpi=110)
+        plt.close(fig)
+        written[family] = png
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --plan
+# ---------------------------------------------------------------------------------------------------------------
+
+def plan(args) -> int:
+    n = len(args.variants) * len(args.seeds)
+    tokens = n * args.steps * TOKENS_PER_STEP
+    print(f"{n} runs ({len(args.variants)} variants x seeds {', '.join(map(str, args.seeds))}), {args.steps} steps "
+          f"of {TOKENS_PER_STEP:,} tokens: {tokens / 1e6:.0f}M tokens; at {PLAN_TOKENS_PER_S:,} tokens/s a run side "
+          f"by side about {args.steps * TOKENS_PER_STEP / PLAN_TOKENS_PER_S / 60:.1f} GPU minutes")
+    for v in args.variants:
+        variant = VARIANTS[v]
+        print(f"  {v:18s} {variant.flavour:13s} {' '.join(variant.overrides) or '(defaults)':60s} "
+              f"families: {', '.join(variant.families)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--plan", action="store_true", help="print the runs and an estimate")
+    mode.add_argument("--run", action="store_true", help="train or resume the runs until --budget-min")
+    mode.add_argument("--merge", nargs="+", metavar="OUT", help="--run output folders to merge")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
+    p.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)))
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--warmup", type=int, default=WARMUP_STEPS)
+    p.add_argument("--work", help="--run: the runs' folders (kept between commands on one machine)")
+    p.add_argument("--out", help="--run: where the metrics, log tails and status.json go")
+    p.add_argument("--corpus", default="data/small_corpus_gz", help="--run: build_small_corpus.py's --gzip output")
+    p.add_argument("--budget-min", type=float, default=8.0, help="--run: stop (saving) before this many minutes")
+    p.add_argument("--report", help="--merge: folder for ablations.md, ablations.json and the PNGs")
+    p.add_argument("--window", type=int, default=25, help="--merge: steps per point of the smoothed curves")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                   help="--run: more trainer overrides for every run (last on the line)")
+    args = p.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        p.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.plan:
+        return plan(args)
+    if args.run:
+        if not args.work or not args.out:
+            p.error("--run needs --work and --out")
+        if args.budget_min * 60.0 <= STOP_GRACE_S + 30:
+            p.error(f"--budget-min: at least {(STOP_GRACE_S + 30) / 60:.1f} (runs need time to save when stopped)")
+        return run(args)
+    if not args.report:
+        p.error("--merge needs --report")
+    return merge(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
