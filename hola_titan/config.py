@@ -131,6 +131,11 @@ class Model:
     at D = 256, D^-1/2 makes the state read 16x smaller than the paper's (docs/DESIGN.md §1, docs/LOG.md)."""
     gate_init: float | None = setting(None, resume="fixed")
     """HOLA flavours: the cache gate's logit at init (lambda = sigmoid(gate)); None: -4, the paper's value."""
+    cache_mix: Literal["before_norm", "after_norm", "per_path_norm"] = setting("before_norm", resume="fixed")
+    """HOLA flavours: where the cache read joins the state read, with o_norm the per-head output RMSNorm and
+    lambda = sigmoid(gate): ``before_norm`` o_norm(o_state + lambda o_cache); ``after_norm`` o_norm(o_state) +
+    lambda o_cache; ``per_path_norm`` o_norm(o_state) + lambda o_norm(o_cache) (one norm weight for both). The last
+    two run the layered backward (the overlapped layer op fuses the sum)."""
     attention_backend: Literal["auto", "reference", "sdpa", "triton"] = setting("auto", resume="applied")
     """Token-mixer implementation: ``auto`` picks the fastest available for flavour and device, ``reference`` is
     pure PyTorch, ``sdpa`` PyTorch scaled-dot-product attention, ``triton`` the Triton kernels."""
@@ -778,7 +783,7 @@ def validate(config: JobConfig, *, world_size: int) -> None:
     try:
         args = model_args(model.flavour, model.size, vocab_size=1, window=model.window, block=model.block,
                           n_layers=model.n_layers, state_read_scale=model.state_read_scale,
-                          gate_init=model.gate_init)
+                          gate_init=model.gate_init, cache_mix=model.cache_mix)
     except ValueError as e:
         key, _, problem = str(e).partition(": ")
         raise ConfigError(key, problem) from None
@@ -819,6 +824,7 @@ def validate(config: JobConfig, *, world_size: int) -> None:
     # is checked once the trainer has resolved it (Trainer).
     has_cache = args.is_recurrent and args.evict != "none"
     for key, changed in (("model.gate_init", model.gate_init is not None),
+                         ("model.cache_mix", model.cache_mix != "before_norm"),
                          ("optimizer.decay_cache_scalars", not config.optimizer.decay_cache_scalars),
                          ("optimizer.cache_lr_multiplier", config.optimizer.cache_lr_multiplier != 1.0)):
         if changed and not has_cache:

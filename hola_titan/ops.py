@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # the Triton backend's module, imported where it runs
     from hola_titan.kernels.hola_continue import ContinuationLayout
 
 EVICT_MODES = ("score", "recency", "none")
+# What ``o`` holds: the sum o_state + sigmoid(gate) o_cache, or both parts side by side in the last dimension
+# ``[..., :D]`` o_state and ``[..., D:]`` sigmoid(gate) o_cache, for a layer that mixes them after its output norm.
+MIXES = ("sum", "parts")
 BACKENDS = ("auto", "reference", "sdpa", "triton")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -40,7 +43,8 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class HolaSettings:
     """What one HOLA (or GDN) layer passes to :func:`hola_attention` on every call: its cache's ``window`` and
     ``block``, the eviction, the backend, the overlapped backward, whether the Triton backend keeps the cache
-    read's output for its backward (``save_cache_output``), and the state read's ``scale``. Made once by the layer,
+    read's output for its backward (``save_cache_output``), the state read's ``scale`` and the ``mix``. Made once by
+    the layer,
     checked then, and handed whole to the op (:meth:`kwargs`) and to context parallelism, so that no caller repeats
     the keywords."""
 
@@ -51,9 +55,14 @@ class HolaSettings:
     overlap_backward: bool = False
     save_cache_output: bool = False
     scale: float | None = None
+    mix: str = "sum"
 
     def __post_init__(self):
         check_scale(self.scale)
+        if self.mix not in MIXES:
+            raise ValueError(f"mix: expected one of {MIXES}, got {self.mix!r}")
+        if self.mix != "sum" and self.evict == "none":
+            raise ValueError("mix: evict 'none' (GDN) has no cache read to keep apart")
         if self.window < 0:
             raise ValueError(f"window: must be >= 0, got {self.window}")
         if self.block <= 0:
@@ -72,7 +81,7 @@ class HolaSettings:
         """The keyword arguments of :func:`hola_attention` these settings give."""
         return dict(window=self.window, block=self.block, evict=self.evict, backend=self.backend,
                     overlap_backward=self.overlap_backward, save_cache_output=self.save_cache_output,
-                    scale=self.scale)
+                    scale=self.scale, mix=self.mix)
 
 
 def check_scale(scale) -> None:
@@ -90,7 +99,7 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                    initial_cache: HolaCache | None = None, output_final_cache: bool = False,
                    backend: str = "auto", overlap_backward: bool = False, save_cache_output: bool = False,
-                   continuation: ContinuationLayout | None = None, scale: float | None = None):
+                   continuation: ContinuationLayout | None = None, scale: float | None = None, mix: str = "sum"):
     """HOLA attention over ``[B, T, H, D]`` inputs.
 
     Args:
@@ -125,15 +134,23 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         scale: the state read's factor ``s`` in ``o_state = s S^T qh`` (a number > 0); None: ``D^-1/2``, fla's
             default. The paper's Eq. 1 and 3 read ``q^T S`` (``scale=1``). It changes only the state read: the
             state, the score and the cache read are the same.
+        mix: ``"sum"``: ``o = o_state + sigmoid(gate) o_cache``; ``"parts"``: ``o`` is ``[B, T, H, 2 D]`` with
+            ``o_state`` in ``[..., :D]`` and ``sigmoid(gate) o_cache`` in ``[..., D:]`` (a layer that mixes after its
+            output norm); ``"parts"`` needs a cache (``evict`` score or recency).
 
     Returns:
         ``(o, final_state)``, or ``(o, final_state, final_cache)`` when ``output_final_cache`` is set;
-        ``o`` is ``[B, T, H, D]`` in the input dtype, before the output norm.
+        ``o`` is ``[B, T, H, D]`` (``[B, T, H, 2 D]`` with ``mix="parts"``) in the input dtype, before the output
+        norm.
     """
     if continuation is not None and initial_cache is None:
         raise ValueError("continuation: a continuation layout needs the initial_cache it was made for")
     check_scale(scale)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if mix not in MIXES:
+        raise ValueError(f"mix: unknown {mix!r}; expected one of {MIXES}")
+    if mix != "sum" and evict == "none":
+        raise ValueError("mix: 'parts' needs a cache read; evict is 'none' (GDN)")
     documents = _validate(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
                           cu_seqlens=cu_seqlens, documents=documents, initial_state=initial_state,
                           initial_cache=initial_cache, output_final_cache=output_final_cache, backend=backend)
@@ -152,14 +169,14 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         o, final_state, final_cache = hola_step.decode_step(
             *args, window=window, block=block, evict=evict, initial_state=initial_state,
             initial_cache=initial_cache, output_final_state=output_final_state,
-            output_final_cache=output_final_cache, scale=scale)
+            output_final_cache=output_final_cache, scale=scale, mix=mix)
         return (o, final_state, final_cache) if output_final_cache else (o, final_state)
     # fla's chunk indices and the block table, made once per batch with its Documents (None: made in the call).
     chunk_indices = documents.chunk_indices if documents is not None else None
     block_table = (documents.block_table(block) if documents is not None and path in ("triton", "sdpa")
                    and evict != "none" and initial_cache is None else None)
     kw = dict(window=window, block=block, evict=evict, cu_seqlens=cu_seqlens, initial_state=initial_state,
-              output_final_state=output_final_state, output_final_cache=output_final_cache, scale=scale)
+              output_final_state=output_final_state, output_final_cache=output_final_cache, scale=scale, mix=mix)
     if path == "reference":
         o, final_state, final_cache = hola_attention_reference(*args, initial_cache=initial_cache, **kw)
     elif path == "triton":

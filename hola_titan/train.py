@@ -444,6 +444,8 @@ class Trainer:
         if not overlap_backward(model):
             why = "model.save_cache_output" if model.overlap_backward is None else "model.overlap_backward false"
             return f", layered backward ({why})"
+        if self.model_args.cache_mix != "before_norm":
+            return f", layered backward (model.cache_mix {self.model_args.cache_mix}: the overlapped op fuses the sum)"
         from hola_titan.kernels.hola_triton_layer import layered_because
         why = layered_because(self.model_args.head_dim, self.device)
         if why is not None:

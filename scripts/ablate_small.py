@@ -56,10 +56,15 @@ class Variant:
 
 
 VARIANTS = {
-    "gdn": Variant("gdn", ("state_read", "eviction", "span", "cache_scalars"), (), "Gated DeltaNet, no cache"),
-    "hola": Variant("hola", ("state_read",), (), "the first defaults: s = D^-1/2, gate init -4, cache params decayed"),
+    "gdn": Variant("gdn", ("state_read", "mixing", "eviction", "span", "cache_scalars"), (),
+                   "Gated DeltaNet, no cache"),
+    "hola": Variant("hola", ("state_read", "mixing"), (), "the first defaults: s = D^-1/2, gate init -4, cache params decayed"),
     "hola_s1": Variant("hola", ("state_read", "eviction", "span", "cache_scalars"),
                        ("--model.state_read_scale", "one"), "the state read as the paper writes it: q^T S (s = 1)"),
+    "hola_after_norm": Variant("hola", ("mixing",), ("--model.cache_mix", "after_norm"),
+                               "s = D^-1/2, the cache read added after the output norm: o_norm(o_state) + l o_cache"),
+    "hola_per_path": Variant("hola", ("mixing",), ("--model.cache_mix", "per_path_norm"),
+                             "s = D^-1/2, one norm per path: o_norm(o_state) + l o_norm(o_cache)"),
     "hola_recency_s1": Variant("hola_recency", ("eviction",), ("--model.state_read_scale", "one"),
                                "HOLA+recency with s = 1"),
     "hola_s1_nodecay": Variant("hola", ("cache_scalars",), ("--model.state_read_scale", "one",
@@ -71,8 +76,12 @@ VARIANTS = {
                             "s = 1, block 256 (the paper's C) instead of 64"),
 }
 DEFAULT_SEEDS = (0, 1)
+# The first screen (16 runs fit one GPU side by side); the others are run by name with --variants.
+FIRST_SCREEN = ("gdn", "hola", "hola_s1", "hola_after_norm", "hola_per_path", "hola_recency_s1", "hola_s1_w0",
+                "hola_s1_c256")
 FAMILY_TITLES = {
     "state_read": "The state read's scale (before the output norm it sets the state's weight against the cache)",
+    "mixing": "Where the cache read joins the state read: before the output norm, after it, one norm per path",
     "eviction": "Eviction: score (HOLA) against recency, with the paper's state read",
     "span": "What the cache read spans: window 0 (in-block only), block 64 against 256",
     "cache_scalars": "Weight decay on the cache's own parameters",
@@ -391,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--plan", action="store_true", help="print the runs and an estimate")
     mode.add_argument("--run", action="store_true", help="train or resume the runs until --budget-min")
     mode.add_argument("--merge", nargs="+", metavar="OUT", help="--run output folders to merge")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(FIRST_SCREEN),
+                   help="comma-separated, from: " + ", ".join(VARIANTS))
     p.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)))
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--warmup", type=int, default=WARMUP_STEPS)

@@ -92,11 +92,14 @@ PACKED_DOCS = {
 
 def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | None, evict: str, window: int,
                        block: int, shard: int, dtype, seed: int = 0, batch: int = 2, dim: int = 8,
-                       backend: str = "reference", before=None, after=None, frozen: tuple[str, ...] = ()) -> dict:
+                       backend: str = "reference", before=None, after=None, frozen: tuple[str, ...] = (),
+                       layer: dict | None = None) -> dict:
     """``backend`` runs the shards (the one-process run is always the reference): "triton" runs the Triton
     kernels in Triton's interpreter (continuing from the caches and states the ranks hand over). ``before`` and
     ``after`` are called before this rank's shard runs and after its backward (before any collective). ``frozen``:
-    inputs that need no gradient here (both sides of every boundary must still exchange the backward message)."""
+    inputs that need no gradient here (both sides of every boundary must still exchange the backward message).
+    ``layer``: more of the layer's settings (``scale``, ``mix``), the same for the shards and the one-process run."""
+    layer = layer or {}
     heads = 2
     size = cp.cp_size
     if layout_kind == "packed":
@@ -119,8 +122,11 @@ def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | Non
     ref = {name: t.clone().requires_grad_() for name, t in x.items() if name != "weight"}
     cu_t = torch.tensor(cu_list, dtype=torch.int64) if cu_list else None
     o_ref, _ = hola_attention(*(ref[n] for n in INPUTS), *cache_args(ref), window=window, block=block, evict=evict,
-                              cu_seqlens=cu_t, backend="reference")
-    (o_ref * x["weight"]).sum().backward()
+                              cu_seqlens=cu_t, backend="reference", **layer)
+    weight = x["weight"]
+    if layer.get("mix") == "parts":  # o holds both reads side by side: weigh them differently
+        weight = torch.cat([weight, 0.5 - weight], dim=-1)
+    (o_ref * weight).sum().backward()
 
     cols = slice(layout.shard_start, layout.shard_start + layout.shard_len)
     local = {name: (t[:, cols] if name in INPUTS else t).clone().requires_grad_(name not in frozen)
@@ -129,11 +135,11 @@ def run_attention_case(cp: ContextParallel, *, layout_kind: str, docs: str | Non
     if before is not None:
         before()
     cp.bytes_received = 0
-    settings = HolaSettings(window=window, block=block, evict=evict, backend=backend)
+    settings = HolaSettings(window=window, block=block, evict=evict, backend=backend, **layer)
     layer = cp_batch.layer("attn", head_dim=dim, settings=settings)
     o, _ = layer.attention(*(local[n] for n in INPUTS), *cache_args(local), cu_seqlens=cu_local)
     received = cp.bytes_received
-    (o * x["weight"][:, cols]).sum().backward()
+    (o * weight[:, cols]).sum().backward()
     if after is not None:
         after()
 
@@ -159,10 +165,11 @@ def tiny_args(flavour: str, vocab: int = 96):
 
 
 def run_model_case(mesh, *, flavour: str, packed: bool, dtype, seed: int = 0, bsz: int = 2, ac: str = "none",
-                   ac_option: str = "1") -> dict:
+                   ac_option: str = "1", changes: dict | None = None) -> dict:
     """``ac``: activation checkpointing of the cp model (``full``, or ``selective`` with ``ac_option``): the
-    re-run forward reads the messages its first run received and sends nothing."""
-    args = tiny_args(flavour)
+    re-run forward reads the messages its first run received and sends nothing. ``changes``: other ModelArgs fields
+    (the layer's open choices)."""
+    args = replace(tiny_args(flavour), **(changes or {}))
     torch.manual_seed(seed)
     model = HolaTitanLM(args, backend="reference")
     model.init_weights()
@@ -263,6 +270,10 @@ def cases(cp: ContextParallel, mesh) -> dict:
         "attn:spanning_recency": att(layout_kind="packed", docs="spanning", evict="recency", window=12,
                                      dtype=f64, **common),
         "attn:packed_gdn": att(layout_kind="packed", docs="spanning", evict="none", window=0, dtype=f64, **common),
+        "attn:spanning_scale1_parts": att(layout_kind="packed", docs="spanning", evict="score", window=3, dtype=f64,
+                                          layer=dict(scale=1.0, mix="parts"), **common),
+        "attn:rows_gdn_scale1": att(layout_kind="rows", docs=None, evict="none", window=0, dtype=f64,
+                                    layer=dict(scale=1.0), **common),
         "attn:packed_window0": att(layout_kind="packed", docs="mixed", evict="score", window=0, dtype=f64, **common),
         "attn:rows_score": att(layout_kind="rows", docs=None, evict="score", window=6, dtype=f64, **common),
         "attn:rows_recency": att(layout_kind="rows", docs=None, evict="recency", window=10, dtype=f64, **common),
@@ -283,6 +294,9 @@ def cases(cp: ContextParallel, mesh) -> dict:
         "attn:rows_score_triton": att(layout_kind="rows", docs=None, evict="score", window=6, dtype=f32, dim=16,
                                       backend="triton", **common),
         "model:hola_packed": lambda: run_model_case(mesh, flavour="hola", packed=True, dtype=f64, bsz=1),
+        "model:hola_packed_scale1_per_path": lambda: run_model_case(
+            mesh, flavour="hola", packed=True, dtype=f64, bsz=1,
+            changes=dict(state_read_scale="one", cache_mix="per_path_norm")),
         "model:hola_packed_rows": lambda: run_model_case(mesh, flavour="hola", packed=True, dtype=f64, bsz=3),
         "model:hola_rows": lambda: run_model_case(mesh, flavour="hola", packed=False, dtype=f64),
         "model:recency_packed": lambda: run_model_case(mesh, flavour="hola_recency", packed=True, dtype=f64, bsz=1),

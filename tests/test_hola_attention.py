@@ -244,6 +244,33 @@ def test_the_state_read_scale_matches_the_oracle_and_scales_only_the_state(case,
         assert (o_ref - o_def * dim ** 0.5).abs().max() > 1e-6, "the cache read must not be scaled with the state"
 
 
+@pytest.mark.parametrize("evict", ["score", "recency"])
+def test_the_parts_are_the_state_read_and_the_gated_cache_read(evict):
+    """``mix="parts"``: ``[..., :D]`` is the state read and ``[..., D:]`` sigmoid(gate) o_cache, whose sum is the
+    ``"sum"`` output; forward and every gradient against the oracle in the same mode; GDN refuses it."""
+    _, batch, seq_len, heads, dim, block, window, cu, with_state, *_ = ORACLE_CASES[6]
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+    x = make_inputs(batch, seq_len, heads, dim, dtype=torch.float64, seed=9, num_states=len(cu) - 1,
+                    requires_grad=True)
+    kw = dict(evict=evict, window=window, block=block, cu_seqlens=cu_seqlens)
+    tol = TOL[torch.float64]
+    o_parts, s_parts, c_parts = run_ref(x, mix="parts", **kw)
+    o_nv, s_nv, c_nv = run_naive(x, mix="parts", **kw)
+    assert o_parts.shape == (*x["q"].shape[:-1], 2 * dim)
+    assert_close_scaled(o_parts, o_nv, tol, "parts")
+    names = grad_names(x, evict)
+    assert_grads_close(grads(weighted_loss(o_parts, s_parts), x, names), grads(weighted_loss(o_nv, s_nv), x, names),
+                       tol)
+    o_sum, _, _ = run_ref(x, **kw)
+    o_state, _, _ = run_ref(x, **{**kw, "evict": "none"})
+    assert_close_scaled(o_parts[..., :dim] + o_parts[..., dim:], o_sum, tol, "the parts add up to the sum")
+    assert_close_scaled(o_parts[..., :dim], o_state, tol, "the first part is the state read")
+    with pytest.raises(ValueError, match="^mix"):
+        run_ref(x, mix="parts", **{**kw, "evict": "none"})
+    with pytest.raises(ValueError, match="^mix"):
+        run_ref(x, mix="product", **kw)
+
+
 # (id, batch, prefix cu or prefix length, continuation cu or length, block, window)
 CONTINUATION_CASES = [
     ("rows_inside_block", 2, 6, 9, 4, 3),

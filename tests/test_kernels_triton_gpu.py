@@ -630,3 +630,26 @@ def test_the_state_read_scale_reaches_fla_and_the_overlapped_layer(monkeypatch):
     default, _ = run(hola_attention_triton, leaves(base, torch.bfloat16), weights, selected=sel,
                      **{**kw, "scale": None})
     assert rel(default["o"], res_t["o"]) > 0.05
+
+
+def test_the_parts_through_the_cache_kernels_add_up_to_the_sum():
+    """``mix="parts"`` on the Triton backend (the cache kernels add their gated read to zeros): the parts against
+    the fp32 reference's parts within 2x SDPA's bf16 error, and their sum against the fused sum."""
+    b, t, h, d = 1, 1500, 4, 256
+    cu = torch.tensor([0, 600, 601, 1500], device=DEVICE)
+    base = make_inputs(b, t, h, d, num_states=3, seed=43, dtype=torch.float32)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    weights = (torch.randn(b, t, h, 2 * d, device=DEVICE, generator=gen),
+               torch.randn(3, h, d, d, device=DEVICE, generator=gen))
+    kw = dict(window=8, block=BLOCK, evict="score", cu_seqlens=cu, mix="parts")
+    res_t, aux = run(hola_attention_triton, leaves(base, torch.bfloat16), weights, return_aux=True, **kw)
+    sel = aux["sel"]
+    res_s, _ = run(hola_attention_sdpa, leaves(base, torch.bfloat16), weights, selected=sel, **kw)
+    res_r, _ = run(reference(base, sel), leaves(base), weights, **kw)
+    for name, ref in res_r.items():
+        e_t, e_s = rel(res_t[name], ref), rel(res_s[name], ref)
+        assert e_t <= 2 * e_s + 1e-6, f"parts, bf16 {name}: triton error {e_t:.2e} > 2 x sdpa error {e_s:.2e}"
+    summed, _ = run(hola_attention_triton, leaves(base, torch.bfloat16), (weights[0][..., :d], weights[1]),
+                    selected=sel, **{**kw, "mix": "sum"})
+    parts = res_t["o"].float()
+    assert rel(parts[..., :d] + parts[..., d:], summed["o"].float()) < 1e-2

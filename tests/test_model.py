@@ -298,6 +298,45 @@ def test_the_paper_s_state_read_decodes_as_it_trains(flavour):
     assert_close_scaled(torch.cat(outs, dim=1), expected, TOL, f"{flavour} logits")
 
 
+@pytest.mark.parametrize("mix", ["after_norm", "per_path_norm"])
+@pytest.mark.parametrize("flavour", ["hola", "hola_recency"])
+def test_each_mixing_point_decodes_as_it_trains_and_is_its_own_function(flavour, mix):
+    """``cache_mix``: the parallel forward, prefill and the decoding step agree; each mixing point is another function
+    than the default's, and every parameter (the gate through the mix) gets a finite, non-zero gradient."""
+    model = shared_tiny_model(flavour, vocab_size=VOCAB, cache_mix=mix)
+    default = shared_tiny_model(flavour, vocab_size=VOCAB)
+    tok = tokens(2, 23)
+    with torch.no_grad():
+        expected = model(tok)
+        cache, outs, start = ModelCache(), [], 0
+        for length in SCHEDULES["chunks_then_tokens"]:
+            outs.append(model(tok[:, start:start + length], cache=cache))
+            start += length
+        assert (expected - default(tok)).abs().max() > 1e-3 * expected.abs().max()
+    assert_close_scaled(torch.cat(outs, dim=1), expected, TOL, f"{flavour} {mix} logits")
+    model.train()
+    F.cross_entropy(model(tok).flatten(0, 1), tok.flatten()).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert all(block.attn.gate.grad.abs().min() > 0 for block in model.layers.values())
+
+
+def test_per_path_norm_is_the_formula():
+    """``per_path_norm`` is o_norm(o_state) + sigmoid(gate) o_norm(o_cache) with one norm weight, computed here
+    from the op's parts by hand."""
+    model = shared_tiny_model("hola", vocab_size=VOCAB, cache_mix="per_path_norm")
+    mixer = model.layers["0"].attn
+    d = mixer.head_dim
+    gen = torch.Generator().manual_seed(3)
+    o_state, o_cache = torch.randn(2, 5, 2, d, generator=gen), torch.randn(2, 5, 2, d, generator=gen)
+    lam = torch.sigmoid(mixer.gate).view(1, 1, -1, 1)
+    with torch.no_grad():
+        mixer.o_norm.weight.copy_(1 + 0.1 * torch.randn(d, generator=gen))
+        got = mixer._mix(torch.cat([o_state, lam * o_cache], dim=-1))
+        want = mixer.o_norm(o_state) + lam * mixer.o_norm(o_cache)
+    assert_close_scaled(got, want, 1e-6, "per_path_norm")
+
+
 def test_the_gate_starts_at_its_init_and_the_paths_record_says_so():
     model = build_model(model_args("hola", "debug", vocab_size=VOCAB, gate_init=-7.5, state_read_scale="one"),
                         device="cpu")
@@ -305,9 +344,14 @@ def test_the_gate_starts_at_its_init_and_the_paths_record_says_so():
         assert torch.equal(block.attn.gate, torch.full_like(block.attn.gate, -7.5))
     text = model.args.describe_layer()
     assert "gate init -7.5" in text and "s = 1" in text and "window 8, block 32" in text
+    assert "o_norm(o_state + l o_cache)" in text
+    assert "o_norm(o_state) + l o_cache" in model_args("hola", "debug", vocab_size=VOCAB,
+                                                        cache_mix="after_norm").describe_layer()
     assert "D^-1/2" in model_args("gdn", "debug", vocab_size=VOCAB).describe_layer()
     with pytest.raises(ValueError, match="^model.state_read_scale"):
         model_args("hola", "debug", vocab_size=VOCAB, state_read_scale="two")
+    with pytest.raises(ValueError, match="^model.cache_mix"):
+        model_args("hola", "debug", vocab_size=VOCAB, cache_mix="inside")
     with pytest.raises(ValueError, match="^model.gate_init"):
         model_args("hola", "debug", vocab_size=VOCAB, gate_init=float("-inf"))
 

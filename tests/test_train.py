@@ -351,6 +351,8 @@ def test_the_run_folder_names_the_paths_that_ran(tmp_path, monkeypatch):
      ", layered backward (model.overlap_backward false)"),
     ("triton", "hola", "cuda", [], True, 1, ", layered backward (head dim 256 is padded for fla on this GPU)"),
     ("triton", "hola", "cpu", [], False, 1, ", layered backward (the overlapped op runs on CUDA only)"),
+    ("triton", "hola", "cuda", ["--model.cache_mix", "after_norm"], False, 1,
+     ", layered backward (model.cache_mix after_norm: the overlapped op fuses the sum)"),
     ("triton", "gdn", "cuda", [], False, 1, ""),  # no cache read: nothing to overlap
     ("reference", "hola", "cuda", [], False, 1, ""),
 ])
@@ -359,13 +361,13 @@ def test_the_paths_line_says_which_layer_backward_runs(monkeypatch, backend, fla
     """``model.overlap_backward`` as resolved for the run, and the cases where the layered form runs instead."""
     from types import SimpleNamespace
 
+    from hola_titan.builder import build_model_args
     from hola_titan.kernels import hola_triton_layer
-    from hola_titan.models.args import model_args
 
     monkeypatch.setattr(hola_triton_layer, "padded_head_dim", lambda d, device: max(d, 512) if padded else d)
     config = parse_config(["--model.flavour", flavour, "--model.size", "340M", *argv])
     fake = SimpleNamespace(attention_backend=backend, config=config, device=torch.device(device),
-                           model_args=model_args(flavour, "340M", vocab_size=8), dims=SimpleNamespace(cp=cp))
+                           model_args=build_model_args(config, 8), dims=SimpleNamespace(cp=cp))
     assert fake.model_args.head_dim == 256
     assert Trainer._layer_backward(fake) == expected
 
@@ -414,6 +416,7 @@ def test_the_cache_parameters_decay_and_learn_as_set(argv, groups):
 
 @pytest.mark.parametrize("argv,key", [
     (["--model.flavour", "gdn", "--model.gate_init", "-6"], "model.gate_init"),
+    (["--model.flavour", "gdn", "--model.cache_mix", "after_norm"], "model.cache_mix"),
     (["--model.flavour", "gdn", "--optimizer.decay_cache_scalars", "false"], "optimizer.decay_cache_scalars"),
     (["--model.flavour", "transformer", "--optimizer.cache_lr_multiplier", "2"], "optimizer.cache_lr_multiplier"),
     (["--model.flavour", "transformer", "--model.state_read_scale", "one"], "model.state_read_scale"),

@@ -13,13 +13,13 @@ import math
 import torch
 
 from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.hola_reference import compute_dtype, l2norm, rms_norm
+from hola_titan.kernels.hola_reference import compute_dtype, l2norm, merge_read, rms_norm
 
 
 def naive_hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int = 64, block: int = 256,
                          evict: str = "score", cu_seqlens=None, initial_state=None, output_final_state=False,
                          initial_cache: HolaCache | None = None, output_final_cache=False,
-                         scale: float | None = None):
+                         scale: float | None = None, mix: str = "sum"):
     """Same contract as ``hola_attention``; see the module docstring."""
     in_dtype = q.dtype
     cdt = compute_dtype(in_dtype)
@@ -70,7 +70,7 @@ def naive_hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, wind
                     logits = keys @ qc[hh] / math.sqrt(d)
                     probs = torch.softmax(torch.cat([logits, sink[hh].to(cdt).view(1)]), dim=0)[:-1]
                     reads.append(probs @ vals)
-                o_t = o_t + torch.sigmoid(gate.to(cdt))[:, None] * torch.stack(reads)
+                o_t = merge_read(o_t, torch.sigmoid(gate.to(cdt))[:, None] * torch.stack(reads), mix)
             seen += 1
             if evict != "none" and seen % block == 0:
                 for hh in range(h):

@@ -62,6 +62,12 @@ def rms_norm_backward(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
     return rstd * (gy - xhat * (gy * xhat).mean(-1, keepdim=True)), dweight
 
 
+def merge_read(o_state: torch.Tensor, gated_cache: torch.Tensor, mix: str) -> torch.Tensor:
+    """``o`` of ``hola_attention`` from the state read and ``sigmoid(gate) o_cache`` (same shapes): their sum
+    (``mix="sum"``) or both side by side in the last dimension (``"parts"``)."""
+    return o_state + gated_cache if mix == "sum" else torch.cat([o_state, gated_cache], dim=-1)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """At least float32; float64 stays float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -221,13 +227,13 @@ def cache_read(q_rows, kc_rows, v_rows, row_valid, cache_kc, cache_v, cache_vali
 def hola_attention_reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int,
                              evict: str, cu_seqlens, initial_state, output_final_state: bool,
                              initial_cache: HolaCache | None, output_final_cache: bool,
-                             selected: torch.Tensor | None = None, scale: float | None = None):
+                             selected: torch.Tensor | None = None, scale: float | None = None, mix: str = "sum"):
     """The reference backend. Arguments are validated by ``hola_titan.ops.hola_attention``.
 
     ``selected`` (tests only, no ``initial_cache``): the persistent cache every block reads, as ``[NB, H, W]``
     flat token indices (``-1`` empty) in the block table of ``hola_titan.kernels.hola_triton_select``, replacing
     the reference's own selection for the read (not for the final cache). ``scale``: the state read's factor
-    (None: ``D^-1/2``).
+    (None: ``D^-1/2``); ``mix`` as in ``hola_attention``.
     """
     # The reference computes in float32 (float64 for float64 inputs) whatever autocast region it is called
     # from (a bf16 training step with backend="reference"): autocast would run its matmuls in bf16.
@@ -235,11 +241,11 @@ def hola_attention_reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, 
         return _reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
                           cu_seqlens=cu_seqlens, initial_state=initial_state,
                           output_final_state=output_final_state, initial_cache=initial_cache,
-                          output_final_cache=output_final_cache, selected=selected, scale=scale)
+                          output_final_cache=output_final_cache, selected=selected, scale=scale, mix=mix)
 
 
 def _reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, cu_seqlens, initial_state,
-               output_final_state, initial_cache, output_final_cache, selected, scale):
+               output_final_state, initial_cache, output_final_cache, selected, scale, mix):
     in_dtype = q.dtype
     cdt = compute_dtype(in_dtype)
     bsz, seq_len, h, d = q.shape
@@ -270,8 +276,8 @@ def _reference(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block,
             q_f, k_f, v_f, m_rows, index, lengths, gamma_q.to(cdt), gamma_k.to(cdt), sink.to(cdt),
             window=window, block=block, evict=evict, initial_cache=initial_cache, in_dtype=in_dtype,
             want_final=output_final_cache, num_tokens=bsz * seq_len, selected=selected)
-        o_tok = o_tok + torch.sigmoid(gate.to(cdt))[None, :, None] * o_cache_tok
-    o = o_tok.view(bsz, seq_len, h, d).to(in_dtype)
+        o_tok = merge_read(o_tok, torch.sigmoid(gate.to(cdt))[None, :, None] * o_cache_tok, mix)
+    o = o_tok.view(bsz, seq_len, h, -1).to(in_dtype)
     return o, (final_state if output_final_state else None), final_cache
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hola_titan.kernels.hola_reference import rms_norm
+from hola_titan.kernels.hola_reference import merge_read, rms_norm
 from hola_titan.kernels.hola_stages import final_cache_from_selection, state_path
 from hola_titan.kernels.hola_triton_select import build_block_table, select_recency, select_topw_torch
 
@@ -36,7 +36,8 @@ def hola_attention_sdpa(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, windo
                         cu_seqlens=None, initial_state=None, output_final_state: bool = False,
                         output_final_cache: bool = False, selected: torch.Tensor | None = None,
                         return_aux: bool = False, state_impl: str = "auto",
-                        chunk_indices: torch.Tensor | None = None, block_table=None, scale: float | None = None):
+                        chunk_indices: torch.Tensor | None = None, block_table=None, scale: float | None = None,
+                        mix: str = "sum"):
     """The SDPA backend; same arguments and results as ``hola_attention_triton``."""
     bsz, seq_len, h, d = q.shape
     dtype, device = q.dtype, q.device
@@ -96,7 +97,7 @@ def hola_attention_sdpa(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, windo
     o_cache = o_blk.transpose(1, 2)[blk_ok]  # [tokens in block order, H, D]
     o_cache = torch.zeros(num_tokens, h, d, dtype=dtype, device=device).index_put((blk_tok[blk_ok],), o_cache)
     lam = torch.sigmoid(gate.float()).to(dtype)
-    o = o_state + lam.view(1, 1, h, 1) * o_cache.view(bsz, seq_len, h, d)
+    o = merge_read(o_state, lam.view(1, 1, h, 1) * o_cache.view(bsz, seq_len, h, d), mix)
     final_cache = None
     if output_final_cache:
         final_keys = None

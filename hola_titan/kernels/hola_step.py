@@ -26,7 +26,7 @@ import math
 import torch
 
 from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.hola_reference import compute_dtype, l2norm, rms_norm, selection_order
+from hola_titan.kernels.hola_reference import compute_dtype, l2norm, merge_read, rms_norm, selection_order
 
 
 def applies(args: tuple, *, cu_seqlens, initial_state, initial_cache, evict: str) -> bool:
@@ -46,19 +46,21 @@ def applies(args: tuple, *, cu_seqlens, initial_state, initial_cache, evict: str
 
 def decode_step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int, evict: str,
                 initial_state: torch.Tensor, initial_cache: HolaCache | None, output_final_state: bool,
-                output_final_cache: bool, scale: float):
+                output_final_cache: bool, scale: float, mix: str = "sum"):
     """``hola_attention`` for ``[B, 1, H, D]`` inputs continuing from ``initial_state`` (and ``initial_cache``);
-    arguments validated (and ``scale``, the state read's factor, resolved) by ``hola_titan.ops.hola_attention``.
+    arguments validated (and ``scale``, the state read's factor, resolved) by ``hola_titan.ops.hola_attention``;
+    ``mix`` as there.
     Returns ``(o, final_state, final_cache)``."""
     # Float32 arithmetic like the reference's, also inside an autocast region.
     with torch.autocast(q.device.type, enabled=False):
         return _step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
                      initial_state=initial_state, initial_cache=initial_cache,
-                     output_final_state=output_final_state, output_final_cache=output_final_cache, scale=scale)
+                     output_final_state=output_final_state, output_final_cache=output_final_cache, scale=scale,
+                     mix=mix)
 
 
 def _step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evict, initial_state, initial_cache,
-          output_final_state, output_final_cache, scale):
+          output_final_state, output_final_cache, scale, mix):
     in_dtype = q.dtype
     cdt = compute_dtype(in_dtype)
     bsz, _, h, d = q.shape
@@ -96,7 +98,7 @@ def _step(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window, block, evic
     sink_logit = sink.to(cdt).view(1, h, 1).expand(bsz, h, 1)
     probs = torch.softmax(torch.cat([logits, sink_logit], dim=-1), dim=-1)[..., :-1]
     o_cache = (probs[:, :, None, :] @ values).squeeze(-2)
-    o = o_state + torch.sigmoid(gate.to(cdt))[None, :, None] * o_cache
+    o = merge_read(o_state, torch.sigmoid(gate.to(cdt))[None, :, None] * o_cache, mix)
     o = o.to(in_dtype)[:, None]
     if not output_final_cache:
         return o, final_state, None

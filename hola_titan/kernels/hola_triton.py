@@ -22,6 +22,7 @@ import torch
 
 from hola_titan.kernels.hola_cache import HolaCache
 from hola_titan.kernels.hola_continue import ContinuationLayout, continue_from_cache
+from hola_titan.kernels.hola_reference import merge_read
 from hola_titan.kernels.hola_stages import final_cache_from_selection, select, state_path
 from hola_titan.kernels.hola_triton_ops import cache_attn_op
 from hola_titan.kernels.hola_triton_select import BlockTable, build_block_table
@@ -34,7 +35,7 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
                           overlap_backward: bool = False, save_cache_output: bool = False,
                           chunk_indices: torch.Tensor | None = None,
                           block_table: BlockTable | None = None, continuation: ContinuationLayout | None = None,
-                          scale: float | None = None):
+                          scale: float | None = None, mix: str = "sum"):
     """The Triton backend (arguments validated by ``hola_titan.ops.hola_attention``); ``chunk_indices`` as in
     :func:`state_path`; ``block_table``: the batch's table for ``block`` (``Documents.block_table``, made once per
     batch), or None to build it here.
@@ -46,14 +47,16 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
     ``save_cache_output``: a fresh call keeps the cache read's output for the backward (``hola::cache_attn``).
     A call with an ``initial_cache`` reads the cache as a prefix of key rows
     (:func:`~hola_titan.kernels.hola_continue.continue_from_cache`), with the batch's ``continuation`` layout
-    when given. ``scale``: the state read's factor (None: ``D^-1/2``).
+    when given. ``scale``: the state read's factor (None: ``D^-1/2``). ``mix`` as in ``hola_attention``: with
+    ``"parts"`` the cache kernels add the gated read to zeros, and the state read is put beside it (the overlapped
+    layer op, which fuses the sum, then does not apply).
     Returns ``(o, final_state, final_cache[, aux])``.
     """
     bsz, seq_len, h, d = q.shape
     if save_cache_output and overlap_backward:
         raise ValueError("save_cache_output: not available with overlap_backward; choose one")
     from hola_titan.kernels import hola_triton_layer
-    if hola_triton_layer.applies(q, overlap_backward=overlap_backward, evict=evict, initial_cache=initial_cache,
+    if mix == "sum" and hola_triton_layer.applies(q, overlap_backward=overlap_backward, evict=evict, initial_cache=initial_cache,
                                  selected=selected, state_impl=state_impl, output_final_cache=output_final_cache,
                                  return_aux=return_aux):
         o, final_state, _, _ = hola_triton_layer.hola_layer(
@@ -69,13 +72,16 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
     aux = {"m": m}
     if evict == "none":
         return (o_state, final_state, None, aux) if return_aux else (o_state, final_state, None)
+    # What the cache kernels add their gated read to (their epilogue): the state read, or zeros to keep it apart.
+    kernel_base = o_state if mix == "sum" else torch.zeros_like(o_state)
     if initial_cache is not None:
         if selected is not None:
             raise ValueError("selected: not supported together with initial_cache")
-        o, final_cache, sel, table = continue_from_cache(q, k, v, o_state, m, gamma_q, gamma_k, sink, gate,
+        o, final_cache, sel, table = continue_from_cache(q, k, v, kernel_base, m, gamma_q, gamma_k, sink, gate,
                                                           cu_seqlens, initial_cache, window=window, block=block,
                                                           evict=evict, output_final_cache=output_final_cache,
                                                           layout=continuation)
+        o = o if mix == "sum" else merge_read(o_state, o, mix)
         aux.update(sel=sel, table=table)
         return (o, final_state, final_cache, aux) if return_aux else (o, final_state, final_cache)
     table = block_table if block_table is not None else build_block_table(bsz, seq_len, cu_seqlens, block, q.device)
@@ -88,8 +94,9 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
     # Kept only when a backward can come (validation, prefill and evaluation run without gradients).
     keep = save_cache_output and torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, o_state, gamma_q, gamma_k, sink, gate))
-    o, *_ = cache_attn_op(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, table.blk_start, table.blk_len,
+    o, *_ = cache_attn_op(q, k, v, kernel_base, gamma_q, gamma_k, sink, gate, sel, table.blk_start, table.blk_len,
                           block, window, keep)
+    o = o if mix == "sum" else merge_read(o_state, o, mix)
     final_cache = None
     if output_final_cache:
         final_cache = final_cache_from_selection(q, k, v, m_flat, sel, final_keys, table, window=window, block=block,

@@ -19,6 +19,10 @@ SIZES = ("debug", "small", "46M", "340M", "1.3B", "7B")
 # The state read's factor s in o_state = s S^T qh (recurrent flavours): fla's D^-1/2, or 1 as the paper's Eq. 1 and 3
 # write it (q^T S). Before the output norm, s sets how much the state weighs against the cache read at init.
 STATE_READ_SCALES = ("inv_sqrt_head_dim", "one")
+# Where a HOLA layer adds its cache read to the state read, with o_norm its per-head output RMSNorm:
+# before_norm o_norm(o_state + l o_cache); after_norm o_norm(o_state) + l o_cache; per_path_norm
+# o_norm(o_state) + l o_norm(o_cache), one norm weight for both (the paper counts no other parameter).
+CACHE_MIXES = ("before_norm", "after_norm", "per_path_norm")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class ModelArgs:
     # every earlier run and export used: a config.json written before a field existed rebuilds that model.
     state_read_scale: str = "inv_sqrt_head_dim"
     gate_init: float = -4.0  # the cache gate's logit at init: lambda = sigmoid(gate_init)
+    cache_mix: str = "before_norm"
     # Transformer++.
     rope_theta: float = 10_000.0
     max_seq_len: int = 2048
@@ -68,7 +73,9 @@ class ModelArgs:
         text = f"state read o_state = s S^T q, {read}"
         if self.evict != "none":
             lam = 1.0 / (1.0 + math.exp(-self.gate_init))
-            text += (f"; out = o_norm(o_state + sigmoid(gate) o_cache), gate init {self.gate_init:g} "
+            out = {"before_norm": "o_norm(o_state + l o_cache)", "after_norm": "o_norm(o_state) + l o_cache",
+                   "per_path_norm": "o_norm(o_state) + l o_norm(o_cache)"}[self.cache_mix]
+            text += (f"; out = {out}, l = sigmoid(gate), gate init {self.gate_init:g} "
                      f"(lambda {lam:.4g}); cache {self.evict}, window {self.window}, block {self.block}")
         return text
 
@@ -99,13 +106,14 @@ SIZE_FIELDS = {
 
 def model_args(flavour: str, size: str, *, vocab_size: int, window: int | None = None, block: int | None = None,
                n_layers: int | None = None, max_seq_len: int | None = None, state_read_scale: str | None = None,
-               gate_init: float | None = None) -> ModelArgs:
+               gate_init: float | None = None, cache_mix: str | None = None) -> ModelArgs:
     """The :class:`ModelArgs` of ``flavour`` at ``size``.
 
     ``vocab_size`` comes from the tokenizer. ``window`` and ``block`` override the HOLA cache size and block
     length (recurrent flavours), ``n_layers`` the depth; ``max_seq_len`` is the training context recorded in exports
     (``max_position_embeddings``): RoPE angles are computed from the positions, so it bounds nothing.
-    ``state_read_scale`` (:data:`STATE_READ_SCALES`) and ``gate_init`` override the HOLA layer's open choices.
+    ``state_read_scale`` (:data:`STATE_READ_SCALES`), ``gate_init`` and ``cache_mix`` (:data:`CACHE_MIXES`)
+    override the HOLA layer's open choices.
     """
     entry = flavours.get(flavour)
     if size not in SIZES:
@@ -138,6 +146,10 @@ def model_args(flavour: str, size: str, *, vocab_size: int, window: int | None =
         if not math.isfinite(gate_init):
             raise ValueError(f"model.gate_init: must be finite, got {gate_init}")
         fields["gate_init"] = float(gate_init)
+    if cache_mix is not None:
+        if cache_mix not in CACHE_MIXES:
+            raise ValueError(f"model.cache_mix: expected one of {', '.join(CACHE_MIXES)}, got {cache_mix!r}")
+        fields["cache_mix"] = cache_mix
     return ModelArgs(flavour=flavour, size=size, vocab_size=vocab_size, **fields)
 
 

@@ -161,6 +161,7 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         # What every call of the op takes, made (and checked) once; context parallelism gets it whole.
         self.settings = HolaSettings(window=args.window, block=args.block, evict=args.evict, backend=backend,
                                      overlap_backward=overlap_backward, scale=args.state_scale,
+                                     mix="sum" if args.cache_mix == "before_norm" else "parts",
                                      save_cache_output=save_cache_output)  # refused for evict "none" (GDN)
         if kernels not in ("triton", "reference"):
             raise ValueError(f"kernels: expected 'triton' or 'reference' (resolved), got {kernels!r}")
@@ -183,7 +184,7 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         self.g_proj = nn.Linear(dim, h * d, bias=False) if args.use_gate else None
         self.o_norm = RMSNorm(d, args.norm_eps)
         self.o_proj = nn.Linear(h * d, dim, bias=False)
-        self.gate_init = args.gate_init
+        self.gate_init, self.cache_mix = args.gate_init, args.cache_mix
 
     def init_weights(self, std: float, out_std: float) -> None:
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj):
@@ -235,11 +236,26 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         o = self._attend(x, q, k, v, documents=context.documents, cp=cp, cache=cache, continuing=continuing)
         if cache is not None:
             cache.conv_q, cache.conv_k, cache.conv_v = tails
-        o = self.o_norm(o)
+        o = self._mix(o)
         bsz, seq_len, _ = x.shape
         if self.g_proj is not None:
             o = o * F.silu(self.g_proj(x).view(bsz, seq_len, -1, self.head_dim))
         return self.o_proj(o.reshape(bsz, seq_len, -1))
+
+    def _mix(self, o: torch.Tensor) -> torch.Tensor:
+        """The output norm and the mixing point (``ModelArgs.cache_mix``): ``o`` is the op's sum, or its parts
+        ``[..., :D]`` o_state and ``[..., D:]`` sigmoid(gate) o_cache (``mix="parts"``)."""
+        if self.settings.mix == "sum":
+            return self.o_norm(o)
+        o_state, gated = o.split(self.head_dim, dim=-1)
+        if self.cache_mix == "after_norm":
+            return self.o_norm(o_state) + gated
+        # per_path_norm: the norm of the read itself, then the gate (a norm after the gate would cancel it). The op
+        # hands the read gated: dividing by the same lambda gives the read back, and the gate's gradient is
+        # lambda' o_norm(o_cache) as the formula says.
+        cdt = torch.promote_types(gated.dtype, torch.float32)
+        lam = torch.sigmoid(self.param("gate").to(cdt)).view(1, 1, -1, 1)
+        return self.o_norm(o_state) + (lam * self.o_norm((gated.to(cdt) / lam).to(gated.dtype))).to(gated.dtype)
 
     def _convolve(self, x, *, positions, cp, cache, continuing: bool):
         """``(q, k, v [B, T, H*D], tails)``: the projections through the short convolutions, and the tails they

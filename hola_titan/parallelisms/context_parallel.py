@@ -520,7 +520,8 @@ class CPLayer:
         want_out = bool(self.chains_out)
         # A fresh call keeps its cache-read output with the setting; a continuing one forms delta over the keys.
         common = dict(window=window, block=block, evict=evict, backend=backend,
-                      save_cache_output=self.settings.save_cache_output, scale=self.settings.scale)
+                      save_cache_output=self.settings.save_cache_output, scale=self.settings.scale,
+                      mix=self.settings.mix)
         cache_params = (gamma_q, gamma_k, sink, gate)
         split = layout.packed and bool(self.chains_in) and num_seqs > 1
         # ``split``: the continuing document alone, as one row, then the documents that start in this shard as a
