@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
-import html
 import json
 import multiprocessing
 import re

@@ -5,29 +5,16 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from hola_titan.config import Data
 from hola_titan.data import build_dataloader, build_validation_dataloader, load_tokenizer
 from hola_titan.data.sources import resolve_source
+from helpers import load_script
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-corpus = _load_script("build_corpus")
+corpus = load_script("build_corpus")
 Document = corpus.Document
 
 
