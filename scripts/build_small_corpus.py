@@ -102,8 +102,12 @@ def unique_ids(docs: Iterable[Document]) -> list[Document]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def fetch_packages(cache: Path, names: Iterable[str]) -> dict[str, Path]:
-    """``apt-get download`` the missing .deb files into ``cache/debs``; extract each to ``cache/extracted/NAME``."""
+def fetch_packages(cache: Path, names: Iterable[str], packages: dict[str, Package] | None = None) -> dict[str, Path]:
+    """``apt-get download`` the missing .deb files into ``cache/debs``; extract each to ``cache/extracted/NAME``.
+
+    ``packages`` (default :data:`PACKAGES`) gives the version each name was checked against.
+    """
+    packages = PACKAGES if packages is None else packages
     debs = cache / "debs"
     debs.mkdir(parents=True, exist_ok=True)
     names = list(names)
@@ -114,9 +118,9 @@ def fetch_packages(cache: Path, names: Iterable[str]) -> dict[str, Path]:
     for name in names:
         deb = sorted(debs.glob(f"{name}_*.deb"))[-1]
         version = deb.name.split("_")[1].replace("%3a", ":")
-        if version != PACKAGES[name].version:
+        if version != packages[name].version:
             print(f"warning: {deb.name} is version {version}; this script was checked against "
-                  f"{PACKAGES[name].version}", file=sys.stderr)
+                  f"{packages[name].version}", file=sys.stderr)
         root = cache / "extracted" / name
         if not (root / ".complete").is_file():
             root.mkdir(parents=True, exist_ok=True)
@@ -177,10 +181,15 @@ def gcide_documents(root: Path) -> list[Document]:
 
 
 def file_documents(files: Iterable[Path], base: Path, *, prefix: str, source: str, suffix: str) -> list[Document]:
-    """One document per file (a documentation page), id ``prefix/<path below base without suffix>``."""
+    """One document per file (a documentation page), id ``prefix/<path below base without suffix>``.
+
+    A file whose name ends in ``.gz`` is read decompressed (``suffix`` then includes the ``.gz``).
+    """
     docs = []
     for path in sorted(files):
-        text = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n").strip()
+        raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+        # Universal newlines, as Path.read_text reads them.
+        text = raw.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n").strip()
         if text:
             name = path.relative_to(base).as_posix().removesuffix(suffix)
             docs.append(Document(id=f"{prefix}/{name}", source=source, text=text))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -38,6 +39,15 @@ def tiny_model(flavour: str, *, vocab_size: int = 97, seed: int = 0, **changes) 
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """``scripts/NAME.py`` imported as module ``NAME`` (registered first: dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_parallel_worker(out: Path, nproc: int, args: list[str], *, timeout: float = 600) -> dict:

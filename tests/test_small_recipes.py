@@ -3,7 +3,6 @@ build_small_corpus.py's splitting."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -15,22 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from helpers import load_script
 from hola_titan.config import parse_config, validate
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "train_configs").glob("small_*.toml"))
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-corpus = _load_script("build_small_corpus")
-replicate = _load_script("replicate_small")
+corpus = load_script("build_small_corpus")
+replicate = load_script("replicate_small")
 
 
 RECIPES = [(task, flavour) for task in ("mqar", "text") for flavour in ("hola", "hola_recency", "gdn")]
@@ -259,7 +251,7 @@ def test_split_by_hash_is_stable_and_matches_bundled_rule():
     assert 10 < len(held) < 80  # about 2 %
     assert len(splits["train"]) + len(held) == len(docs)
     assert held == {d.id for d in docs if corpus.is_validation(d.id)}
-    bundled = _load_script("build_bundled_data")
+    bundled = load_script("build_bundled_data")
     assert all(bundled.is_validation(d.id) == corpus.is_validation(d.id) for d in docs)
 
 
