@@ -264,12 +264,22 @@ def smooth(steps: list[int], values: list[float], width: int) -> tuple[list[int]
     return out_s, out_v
 
 
-def spread(values: list[float], digits: int = 2) -> str:
+def spread(values: list[float], digits: int = 2, signed: bool = False) -> str:
     if not values:
         return "-"
+    f = f"{{:{'+' if signed else ''}.{digits}f}}"
     if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{sum(values) / len(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
+        return f.format(values[0])
+    return f"{f.format(sum(values) / len(values))} [{f.format(min(values))}, {f.format(max(values))}]"
+
+
+def paired(curve: Curve, base: Curve, start: int, stop: int) -> float | None:
+    """Mean of ``curve``'s loss minus ``base``'s over the steps in (start, stop] that both logged: the runs of one seed
+    read the same batches in the same order, so the difference of two losses on one batch is the variants' own
+    difference, without the batch-to-batch spread of the loss (1-2 nats here)."""
+    mine, theirs = dict(zip(curve.steps, curve.loss)), dict(zip(base.steps, base.loss))
+    diffs = [mine[s] - theirs[s] for s in mine if start < s <= stop and s in theirs]
+    return sum(diffs) / len(diffs) if len(diffs) >= max(1, (stop - start) // (2 * LOG_FREQ)) else None
 
 
 def merge(args) -> int:
@@ -277,50 +287,64 @@ def merge(args) -> int:
     report = Path(args.report)
     report.mkdir(parents=True, exist_ok=True)
     variants = [v for v in VARIANTS if any(c.variant == v for c in curves.values())]
-    width = args.window
-    final_step = max((max(c.steps) for c in curves.values() if c.steps), default=0)
-    rows, summary = [], {}
+    by = {(c.variant, c.seed): c for c in curves.values()}
+    seeds = sorted({c.seed for c in curves.values()})
+    span = args.span
+    last = max((max(c.steps) for c in curves.values() if c.steps), default=0)
+    windows = [(a, a + span) for a in range(0, last, span)]
+    summary = {}
     for v in variants:
-        runs = sorted((c for c in curves.values() if c.variant == v), key=lambda c: c.seed)
-        finals = [c.val[max(c.val)] for c in runs if c.val and max(c.val) == final_step]
-        last_window = []
-        for c in runs:
-            tail = [x for s, x in zip(c.steps, c.loss) if s > final_step - 10 * width]
-            if c.steps and max(c.steps) == final_step and tail:
-                last_window.append(sum(tail) / len(tail))
+        runs = [by[(v, s)] for s in seeds if (v, s) in by]
+        cells = []
+        for a, b in windows:
+            diffs = [paired(by[(v, s)], by[("gdn", s)], a, b) for s in seeds if (v, s) in by and ("gdn", s) in by]
+            cells.append([d for d in diffs if d is not None] if all(d is not None for d in diffs) else [])
+        val_steps = sorted({s for c in runs for s in c.val})
         summary[v] = {"flavour": VARIANTS[v].flavour, "overrides": list(VARIANTS[v].overrides),
                       "about": VARIANTS[v].about, "seeds": [c.seed for c in runs],
                       "steps": [max(c.steps, default=0) for c in runs],
-                      "final_val_loss": finals, "final_val_ppl": [math.exp(x) for x in finals],
-                      "train_loss_last": last_window,
-                      "val_loss_by_step": {str(s): [c.val.get(s) for c in runs]
-                                           for s in sorted({s for c in runs for s in c.val})}}
-        rows.append((v, summary[v]))
-    gdn_ppl = summary.get("gdn", {}).get("final_val_ppl", [])
-    lines = [f"# Small-scale ablations of the HOLA layer ({', '.join(sorted({s['device'] for s in statuses}))})", "",
-             f"`small` width (31M), 16 x 1,024 tokens a step, {final_step} steps "
-             f"({final_step * TOKENS_PER_STEP / 1e6:.1f}M tokens), AdamW lr 3e-3 (cosine to 0.1x, warmup "
-             f"{statuses[0]['warmup_steps']}), weight decay 0.1; `{CONFIG}` with the variant's keys. Cells: mean [min, "
-             "max] over seeds. `vs gdn`: `<` every seed below every GDN seed (better), `>` every seed above, `~` the "
-             "seeds overlap.", "",
-             f"| variant | keys | seeds | val ppl at {final_step} | val loss | train loss, last {10 * width} steps "
-             "| vs gdn |", "|---|---|---|---|---|---|---|"]
-    for v, s in rows:
-        ppl = s["final_val_ppl"]
-        order = "-"
-        if v != "gdn" and ppl and gdn_ppl:
-            order = "<" if max(ppl) < min(gdn_ppl) else ">" if min(ppl) > max(gdn_ppl) else "~"
-        keys = " ".join(s["overrides"]) or "(defaults)"
-        lines.append(f"| {v} | `{keys}` | {len(s['seeds'])} | {spread(ppl)} | {spread(s['final_val_loss'], 4)} | "
-                     f"{spread(s['train_loss_last'], 4)} | {order} |")
-    lines += ["", "Unfinished runs (steps reached): " + (", ".join(
-        f"{v} s{seed}: {step}" for v, s in rows for seed, step in zip(s["seeds"], s["steps"]) if step < final_step)
-        or "none"), ""]
-    plots = plot_families(curves, variants, report, width=width)
+                      "paired_train_loss_minus_gdn": {f"{a + 1}-{b}": cell for (a, b), cell in zip(windows, cells)},
+                      "val_loss_by_step": {str(s): [c.val.get(s) for c in runs] for s in val_steps},
+                      "val_loss_minus_gdn_by_step": {
+                          str(s): [c.val[s] - by[("gdn", c.seed)].val[s] for c in runs
+                                   if s in c.val and ("gdn", c.seed) in by and s in by[("gdn", c.seed)].val]
+                          for s in val_steps}}
+    devices = sorted({s["device"] for s in statuses})
+    lines = [f"# Small-scale ablations of the HOLA layer ({', '.join(devices)})", "",
+             f"`small` width (31M), 16 x 1,024 tokens a step (one step: {TOKENS_PER_STEP / 1e6:.3f}M tokens), a "
+             f"{statuses[0]['steps']}-step cosine schedule (AdamW lr 3e-3 to 0.1x, warmup {statuses[0]['warmup_steps']}, "
+             f"weight decay 0.1), `{CONFIG}` with each variant's keys; seeds {', '.join(map(str, seeds))}.",
+             "", "Runs of one seed read the same batches in the same order, so each cell is the variant's training "
+             "loss minus GDN's on the same batches, averaged over the window (mean [min, max] over seeds; negative: "
+             "better than GDN).", "",
+             "| variant | keys | " + " | ".join(f"{a + 1}-{b}" for a, b in windows) + " |",
+             "|---|---|" + "---|" * len(windows)]
+    for v in variants:
+        if v == "gdn":
+            continue
+        s = summary[v]
+        lines.append(f"| {v} | `{' '.join(s['overrides']) or '(defaults)'}` | " + " | ".join(
+            spread(cell, 3, signed=True) for cell in s["paired_train_loss_minus_gdn"].values()) + " |")
+    val_steps = sorted({int(k) for s in summary.values() for k in s["val_loss_by_step"]})
+    if val_steps:
+        lines += ["", "Validation loss (8 batches, drawn by the seed: compare within a seed), and minus GDN's at the "
+                  "same step and seed:", "",
+                  "| variant | " + " | ".join(f"step {s}" for s in val_steps) + " | " +
+                  " | ".join(f"minus GDN, step {s}" for s in val_steps) + " |",
+                  "|---|" + "---|" * (2 * len(val_steps))]
+        for v in variants:
+            s = summary[v]
+            vals = [[x for x in s["val_loss_by_step"].get(str(t), []) if x is not None] for t in val_steps]
+            diffs = [s["val_loss_minus_gdn_by_step"].get(str(t), []) for t in val_steps]
+            lines.append(f"| {v} | " + " | ".join(spread(x, 4) for x in vals) + " | " +
+                         " | ".join("-" if v == "gdn" else spread(d, 4, signed=True) for d in diffs) + " |")
+    lines += ["", "Steps reached: " + ", ".join(f"{v} " + "/".join(map(str, summary[v]["steps"])) for v in variants),
+              ""]
+    plots = plot_families(curves, variants, report, width=args.window)
     for family, png in plots.items():
         lines += [f"## {FAMILY_TITLES.get(family, family)}", "", f"![{family}]({png})", ""]
     (report / "ablations.md").write_text("\n".join(lines))
-    (report / "ablations.json").write_text(json.dumps({"format": FORMAT, "final_step": final_step,
+    (report / "ablations.json").write_text(json.dumps({"format": FORMAT, "last_step": last,
                                                        "tokens_per_step": TOKENS_PER_STEP, "variants": summary,
                                                        "runs": [s["runs"] for s in statuses],
                                                        "devices": [s["device"] for s in statuses]}, indent=1) + "\n")
@@ -329,45 +353,56 @@ def merge(args) -> int:
 
 
 def plot_families(curves: dict[str, Curve], variants: list[str], report: Path, *, width: int) -> dict[str, str]:
-    """One PNG per family: the smoothed training loss against tokens (left) and its difference to GDN's seed mean
-    (right; below zero is better than GDN); thin lines are seeds, thick ones their mean."""
+    """One PNG per family: the smoothed training loss against tokens (left; thin lines are seeds, thick ones their
+    mean) and each seed's loss minus GDN's on the same batches (right; below zero is better than GDN)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def mean_curve(v):
-        runs = [smooth(c.steps, c.loss, width) for c in curves.values() if c.variant == v and c.steps]
-        if not runs:
-            return None, []
-        n = min(len(s) for s, _ in runs)
-        return (runs[0][0][:n], [sum(r[1][i] for r in runs) / len(runs) for i in range(n)]), runs
+    def mtok(steps):
+        return [t * TOKENS_PER_STEP / 1e6 for t in steps]
 
-    base, _ = mean_curve("gdn")
+    by = {(c.variant, c.seed): c for c in curves.values() if c.steps}
     written = {}
-    families = sorted({f for v in variants for f in VARIANTS[v].families})
-    for family in families:
+    for family in sorted({f for v in variants for f in VARIANTS[v].families}):
         members = [v for v in variants if family in VARIANTS[v].families]
+        if len([v for v in members if v != "gdn"]) < 2:
+            continue  # nothing to compare beyond what another family's plot shows
         fig, (ax, dax) = plt.subplots(1, 2, figsize=(13, 4.8))
         for i, v in enumerate(members):
             color = f"C{i}"
-            mean, runs = mean_curve(v)
-            if mean is None:
+            runs = [c for (name, _), c in sorted(by.items()) if name == v]
+            smoothed = [smooth(c.steps, c.loss, width) for c in runs]
+            for s, x in smoothed:
+                ax.plot(mtok(s), x, color=color, lw=0.6, alpha=0.4)
+            if smoothed:
+                n = min(len(s) for s, _ in smoothed)
+                ax.plot(mtok(smoothed[0][0][:n]), [sum(x[j] for _, x in smoothed) / len(smoothed) for j in range(n)],
+                        color=color, lw=1.8, label=v)
+            if v == "gdn":
                 continue
-            for s, x in runs:
-                ax.plot([t * TOKENS_PER_STEP / 1e6 for t in s], x, color=color, lw=0.6, alpha=0.4)
-            ax.plot([t * TOKENS_PER_STEP / 1e6 for t in mean[0]], mean[1], color=color, lw=1.8, label=v)
-            if base is not None:
-                n = min(len(base[0]), len(mean[0]))
-                dax.plot([t * TOKENS_PER_STEP / 1e6 for t in mean[0][:n]],
-                         [mean[1][j] - base[1][j] for j in range(n)], color=color, lw=1.8, label=v)
+            diffs = []
+            for c in runs:
+                base = by.get(("gdn", c.seed))
+                if base is None:
+                    continue
+                points = [(a + width, paired(c, base, a, a + width)) for a in range(0, max(c.steps), width)]
+                points = [(s, d) for s, d in points if d is not None]
+                dax.plot(mtok([s for s, _ in points]), [d for _, d in points], color=color, lw=0.6, alpha=0.5)
+                diffs.append(dict(points))
+            if diffs:
+                common = sorted(set.intersection(*(set(d) for d in diffs)))
+                dax.plot(mtok(common), [sum(d[s] for d in diffs) / len(diffs) for s in common], color=color, lw=1.8,
+                         label=v)
         ax.set_xlabel("tokens (M)")
         ax.set_ylabel(f"training loss, mean of {width}-step windows")
         ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
         ax.legend(fontsize=8)
         dax.axhline(0.0, color="k", lw=0.6)
         dax.set_xlabel("tokens (M)")
-        dax.set_ylabel("minus GDN's (seed means), nats")
-        dax.set_ylim(-0.35, 0.2)
+        dax.set_ylabel(f"minus GDN's, same batches ({width}-step means)")
+        dax.set_ylim(-0.3, 0.2)
+        dax.legend(fontsize=8)
         fig.suptitle(FAMILY_TITLES.get(family, family), fontsize=10)
         fig.tight_layout()
         png = f"ablation_{family}.png"
@@ -410,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", default="data/small_corpus_gz", help="--run: build_small_corpus.py's --gzip output")
     p.add_argument("--budget-min", type=float, default=8.0, help="--run: stop (saving) before this many minutes")
     p.add_argument("--report", help="--merge: folder for ablations.md, ablations.json and the PNGs")
-    p.add_argument("--window", type=int, default=25, help="--merge: steps per point of the smoothed curves")
+    p.add_argument("--window", type=int, default=25, help="--merge: steps per point of the plotted curves")
+    p.add_argument("--span", type=int, default=100, help="--merge: steps per column of the table of differences")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="--run: more trainer overrides for every run (last on the line)")
     args = p.parse_args(argv)

@@ -409,3 +409,18 @@ def test_340M_configs_differ_only_in_flavour():
     hola = load_toml(TRAIN_CONFIGS[0].parent / "hola_340M.toml")
     degrees = resolve_degrees(hola.parallelism, hola.training, world_size=8)
     assert degrees.global_batch_size * hola.training.seq_len == 256 * 2048
+
+
+def test_the_46M_recipes_differ_only_in_the_mixer():
+    """The paper's ablation size for HOLA, HOLA+recency, GDN and Transformer++ (train_configs/<flavour>_46M.toml):
+    the same data, schedule and sizes; only the flavour and where the run is written differ."""
+    from hola_titan.config import flat_items
+
+    items = {}
+    for flavour in ("hola", "hola_recency", "gdn", "transformer"):
+        config = parse_config(["--job.config_file", str(TRAIN_CONFIGS[0].parent / f"{flavour}_46M.toml")])
+        assert config.model.flavour == flavour and config.model.size == "46M"
+        assert config.training.seq_len == 4096 and config.data.dataset == "data/corpus_100m"
+        items[flavour] = {k: v for k, v in flat_items(config).items()
+                          if k not in ("model.flavour", "job.dump_folder", "job.description", "job.config_file")}
+    assert all(other == items["hola"] for other in items.values())

@@ -1,0 +1,89 @@
+"""``scripts/ablate_small.py``: every variant is a valid trainer command, and the merge pairs each run with GDN's run
+of the same seed (the same batches) and reports the differences, from synthetic run folders."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from hola_titan.config import parse_config, validate
+from helpers import load_script
+
+ablate = load_script("ablate_small")
+
+
+@pytest.mark.parametrize("variant", list(ablate.VARIANTS))
+def test_every_variant_is_a_valid_config(variant, tmp_path):
+    command = ablate.train_command(variant, 1, folder=tmp_path / "run", corpus=tmp_path / "corpus", steps=1500,
+                                   warmup=150, extra=[])
+    assert command[1:3] == ["-m", "hola_titan.train"]
+    config = parse_config(command[3:])
+    validate(config, world_size=1)
+    assert config.model.flavour == ablate.VARIANTS[variant].flavour and config.training.seed == 1
+    assert config.training.steps == 1500 and config.checkpoint.enable
+
+
+def _write_run_folder(folder: Path, offsets: dict[str, float], *, steps: int, seeds=(0, 1)) -> None:
+    """Runs whose loss is a shared per-batch curve (the same batches for every variant of a seed) plus the
+    variant's offset, and validation rows every 50 steps."""
+    folder.mkdir(parents=True)
+    runs = {}
+    for variant, offset in offsets.items():
+        for seed in seeds:
+            name = ablate.run_name(variant, seed)
+            rows = []
+            for step in range(ablate.LOG_FREQ, steps + 1, ablate.LOG_FREQ):
+                batch = 3.0 + math.sin(step * 0.7 + seed)  # the batch-to-batch spread the pairing removes
+                rows.append({"step": step, "loss": batch + offset + (0.001 * seed if variant != "gdn" else 0.0)})
+                if step % 50 == 0:
+                    rows.append({"step": step, "val_loss": 3.0 + offset + 0.1 * seed})
+            (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{\"step\": 1")
+            runs[name] = {"variant": variant, "seed": seed, "step": steps}
+    (folder / "status.json").write_text(json.dumps({"format": ablate.FORMAT, "device": "cpu", "steps": steps,
+                                                    "warmup_steps": 10, "runs": runs}))
+
+
+def test_the_merge_reports_the_paired_differences(tmp_path):
+    offsets = {"gdn": 0.0, "hola": -0.05, "hola_s1": 0.02, "hola_after_norm": -0.01}
+    _write_run_folder(tmp_path / "out", offsets, steps=200)
+    assert ablate.main(["--merge", str(tmp_path / "out"), "--report", str(tmp_path / "report"), "--span", "100",
+                        "--window", "20"]) == 0
+    result = json.loads((tmp_path / "report" / "ablations.json").read_text())
+    for variant, offset in offsets.items():
+        if variant == "gdn":
+            continue
+        cells = result["variants"][variant]["paired_train_loss_minus_gdn"]
+        assert set(cells) == {"1-100", "101-200"}
+        for cell in cells.values():  # the per-batch spread cancels; the seeds differ by 0.001
+            assert cell == pytest.approx([offset, offset + 0.001], abs=1e-9)
+        assert result["variants"][variant]["val_loss_minus_gdn_by_step"]["200"] == pytest.approx([offset] * 2)
+    text = (tmp_path / "report" / "ablations.md").read_text()
+    assert "| hola | `(defaults)` | -0.049 [-0.050, -0.049] |" in text
+    assert (tmp_path / "report" / "ablation_state_read.png").is_file()  # gdn, hola, hola_s1
+    assert not (tmp_path / "report" / "ablation_span.png").exists()  # only hola_s1 of its members ran
+
+
+def test_a_later_folder_wins_and_a_foreign_status_is_refused(tmp_path):
+    _write_run_folder(tmp_path / "a", {"gdn": 0.0, "hola": 0.3}, steps=100)
+    _write_run_folder(tmp_path / "b", {"gdn": 0.0, "hola": -0.1}, steps=100)
+    curves, _ = ablate.load_curves([tmp_path / "a", tmp_path / "b"])
+    hola, gdn = curves["hola_s0"], curves["gdn_s0"]
+    assert ablate.paired(hola, gdn, 0, 100) == pytest.approx(-0.1)
+    (tmp_path / "b" / "status.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(SystemExit, match="status"):
+        ablate.load_curves([tmp_path / "b"])
+
+
+def test_the_command_line_refuses_what_it_cannot_run(capsys):
+    with pytest.raises(SystemExit):
+        ablate.main(["--plan", "--variants", "hola,nope"])
+    assert "unknown nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ablate.main(["--run", "--out", "x"])
+    with pytest.raises(SystemExit):
+        ablate.main(["--run", "--work", "w", "--out", "x", "--budget-min", "1"])
+    assert ablate.main(["--plan"]) == 0
+    assert "16 runs" in capsys.readouterr().out
