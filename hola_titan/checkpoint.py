@@ -741,9 +741,36 @@ class Checkpointer:
         shapes = [f"{k} {list(saved[k].size)} vs {list(v.shape)}" for k, v in ours.items()
                   if k in saved and isinstance(saved[k], TensorStorageMetadata) and tuple(saved[k].size) != v.shape]
         if missing or unexpected or shapes:
+            named = self._model_keys_that_differ(path)
+            if named:
+                raise CheckpointMismatchError(
+                    f"checkpoint {path} was written by a run with another model: {named}; set it back, or load a "
+                    "checkpoint of this model (a new run goes in another job.dump_folder)")
             raise CheckpointMismatchError(
                 f"checkpoint {path} does not fit this model (another flavour, size or vocabulary?): missing "
                 f"{missing[:4]}, unexpected {unexpected[:4]}, other shapes {shapes[:4]}")
+
+    def _model_keys_that_differ(self, path: Path) -> str | None:
+        """``model.flavour: 'hola' there, 'gdn' now; ...`` from the config the checkpoint recorded (the model keys
+        that change the weights' names or shapes), or None when it recorded none or they agree."""
+        ours = self.run_info.get("config")
+        if not ours:
+            return None
+        try:
+            theirs = recorded_config(path)
+        except CheckpointError:
+            return None
+        if not theirs:
+            return None
+        from hola_titan.config import config_from_text, flat_items
+        try:
+            old = flat_items(config_from_text(theirs, source=f"the config recorded in {path}"))
+            new = flat_items(config_from_text(ours, source="this run's config"))
+        except ValueError:
+            return None
+        keys = ("model.flavour", "model.size", "model.vocab_size", "model.n_layers")
+        differ = [f"{k}: {old[k]!r} there, {new[k]!r} now" for k in keys if old.get(k) != new.get(k)]
+        return "; ".join(differ) or None
 
     def _load_step(self, step: int, path: Path) -> int | None:
         metadata = read_metadata(path)

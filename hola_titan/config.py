@@ -254,7 +254,7 @@ class Training:
     """Accepted steps before the loss-spike guard starts (the running mean settles first)."""
     device: Literal["auto", "cpu", "cuda"] = setting("auto", resume="applied")
     """``auto``: CUDA when available, else CPU."""
-    loss_chunk_size: int = setting(0, resume="applied")
+    loss_chunk_size: int = setting(0, resume="applied", ge=0)
     """Rows (tokens) per chunk of the chunked output-head cross-entropy, used without tensor parallelism; 0: auto
     (about 256 MiB of float32 logits per chunk)."""
     gc_freq: int = setting(50, resume="applied", ge=0)
@@ -793,6 +793,11 @@ def validate(config: JobConfig, *, world_size: int) -> None:
     seq_len = config.training.seq_len
     if args.is_recurrent and seq_len % args.block:
         raise ConfigError("training.seq_len", f"{seq_len} is not a multiple of block {args.block}")
+    if args.is_recurrent and args.evict != "none" and args.window > seq_len:
+        # A row holds at most seq_len tokens, so a larger cache holds nothing more; it only allocates (a window of
+        # 100,000 grew a debug run's worker to 24 GB before the host killed it, 2026-12-05).
+        raise ConfigError("model.window", f"{args.window} is more than the {seq_len} tokens of a training row "
+                          f"(training.seq_len): the cache could never fill; at most {seq_len}")
     if degrees.cp > 1 and seq_len % degrees.cp:
         raise ConfigError("training.seq_len", f"{seq_len} is not a multiple of context_parallel_degree {degrees.cp}")
     if args.is_recurrent and degrees.cp > 1 and seq_len // degrees.cp < args.conv_size - 1:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
@@ -58,7 +57,8 @@ class Variant:
 VARIANTS = {
     "gdn": Variant("gdn", ("state_read", "mixing", "eviction", "span", "cache_scalars"), (),
                    "Gated DeltaNet, no cache"),
-    "hola": Variant("hola", ("state_read", "mixing"), (), "the first defaults: s = D^-1/2, gate init -4, cache params decayed"),
+    "hola": Variant("hola", ("state_read", "mixing"), (),
+                    "the first defaults: s = D^-1/2, gate init -4, cache params decayed"),
     "hola_s1": Variant("hola", ("state_read", "eviction", "span", "cache_scalars"),
                        ("--model.state_read_scale", "one"), "the state read as the paper writes it: q^T S (s = 1)"),
     "hola_after_norm": Variant("hola", ("mixing",), ("--model.cache_mix", "after_norm"),
@@ -312,8 +312,9 @@ def merge(args) -> int:
     devices = sorted({s["device"] for s in statuses})
     lines = [f"# Small-scale ablations of the HOLA layer ({', '.join(devices)})", "",
              f"`small` width (31M), 16 x 1,024 tokens a step (one step: {TOKENS_PER_STEP / 1e6:.3f}M tokens), a "
-             f"{statuses[0]['steps']}-step cosine schedule (AdamW lr 3e-3 to 0.1x, warmup {statuses[0]['warmup_steps']}, "
-             f"weight decay 0.1), `{CONFIG}` with each variant's keys; seeds {', '.join(map(str, seeds))}.",
+             f"{statuses[0]['steps']}-step cosine schedule (AdamW lr 3e-3 to 0.1x, warmup "
+             f"{statuses[0]['warmup_steps']}, weight decay 0.1), `{CONFIG}` with each variant's keys; seeds "
+             f"{', '.join(map(str, seeds))}.",
              "", "Runs of one seed read the same batches in the same order, so each cell is the variant's training "
              "loss minus GDN's on the same batches, averaged over the window (mean [min, max] over seeds; negative: "
              "better than GDN).", "",

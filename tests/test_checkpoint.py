@@ -130,6 +130,20 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit(one_process, tmp_path,
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("how", ["resume", "initial_load_path"])
+def test_a_checkpoint_of_another_flavour_is_refused_naming_the_key(one_process, tmp_path, how):
+    """A HOLA checkpoint resumed, or loaded, as GDN: one line naming model.flavour (from the config the checkpoint
+    recorded), not the parameter names that differ; nothing is written."""
+    if how == "resume":
+        _copy_step(one_process["dump"], 6, tmp_path)
+        extra = []
+    else:
+        extra = ["--checkpoint.initial_load_path", str(step_folder(one_process["dump"] / "checkpoint", 6))]
+    with pytest.raises(CheckpointMismatchError, match=r"another model: model.flavour: 'hola' there, 'gdn' now"):
+        _train_in_process(tmp_path, "--model.flavour", "gdn", *extra)
+    assert not (tmp_path / "metrics.jsonl").exists() or not _losses(tmp_path)
+
+
 def test_async_save_killed_midway_resumes_from_last_complete(one_process, tmp_path):
     """SIGKILL inside the background save of step 9: steps 3 and 6 survive, the restart resumes from 6."""
     run = [*RUN, "--job.dump_folder", str(tmp_path), "--checkpoint.async_mode", "async", "--checkpoint.interval", "3",
@@ -338,7 +352,7 @@ def test_changed_bytes_are_caught_by_the_checksums(one_process, tmp_path, caplog
 def test_checkpoint_of_another_model_is_a_mismatch_not_a_fallback(one_process, tmp_path):
     _copy_step(one_process["dump"], 6, tmp_path)
     trainer = Trainer(parse_config([*RUN, "--job.dump_folder", str(tmp_path), "--model.flavour", "gdn"]))
-    with pytest.raises(CheckpointMismatchError, match="step-6 does not fit this model"):
+    with pytest.raises(CheckpointMismatchError, match="step-6 was written by a run with another model: model.flavour"):
         trainer.checkpointer.load()
 
 

@@ -423,6 +423,8 @@ def test_the_cache_parameters_decay_and_learn_as_set(argv, groups):
     (["--optimizer.cache_lr_multiplier", "0"], "optimizer.cache_lr_multiplier"),
     (["--model.state_read_scale", "half"], "model.state_read_scale"),
     (["--model.gate_init", "nan"], "model.gate_init"),
+    (["--model.window", "100000"], "model.window"),
+    (["--training.loss_chunk_size", "-5"], "training.loss_chunk_size"),
 ])
 def test_the_layer_s_open_choices_refuse_what_does_not_apply(argv, key):
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)}:"):

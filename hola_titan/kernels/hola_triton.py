@@ -56,9 +56,9 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
     if save_cache_output and overlap_backward:
         raise ValueError("save_cache_output: not available with overlap_backward; choose one")
     from hola_titan.kernels import hola_triton_layer
-    if mix == "sum" and hola_triton_layer.applies(q, overlap_backward=overlap_backward, evict=evict, initial_cache=initial_cache,
-                                 selected=selected, state_impl=state_impl, output_final_cache=output_final_cache,
-                                 return_aux=return_aux):
+    if mix == "sum" and hola_triton_layer.applies(
+            q, overlap_backward=overlap_backward, evict=evict, initial_cache=initial_cache, selected=selected,
+            state_impl=state_impl, output_final_cache=output_final_cache, return_aux=return_aux):
         o, final_state, _, _ = hola_triton_layer.hola_layer(
             q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, initial_state=initial_state,

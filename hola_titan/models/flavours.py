@@ -71,5 +71,6 @@ register(Flavour("hola_recency", _RECURRENT, recurrent=True, evict="recency",
                  description="the same cache filled with the most recent tokens (the paper's control)"))
 register(Flavour("gdn", _RECURRENT, recurrent=True, evict="none", description="Gated DeltaNet, no cache"))
 register(Flavour("transformer", "hola_titan.models.model:Attention", recurrent=False,
-                 heads={"debug": (2, 64), "small": (4, 128), "46M": (4, 128), "340M": (8, 128), "1.3B": (16, 128), "7B": (32, 128)},
+                 heads={"debug": (2, 64), "small": (4, 128), "46M": (4, 128), "340M": (8, 128), "1.3B": (16, 128),
+                        "7B": (32, 128)},
                  description="Transformer++ (RoPE, SwiGLU, RMSNorm, SDPA), heads of 128"))
