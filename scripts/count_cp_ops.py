@@ -52,7 +52,7 @@ def _stub_heavy_parts() -> None:
     import hola_titan.kernels.hola_triton as hola_triton
 
     def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_state, impl="auto", chunk_indices=None,
-                   recompute_norms=False):
+                   recompute_norms=False, scale=None):
         m = (k.float().norm(dim=-1) * beta.float()).detach()
         final = None
         if output_final_state:  # keeps the incoming state in the graph, as the real state path does

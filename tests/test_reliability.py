@@ -113,7 +113,7 @@ def test_a_refused_resume_leaves_the_run_record_as_it_was(tmp_path):
                              "--training.steps", "6", "--model.flavour", "gdn"],
                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "does not fit this model" in result.stderr and "Traceback" not in result.stderr
+    assert "another model: model.flavour" in result.stderr and "Traceback" not in result.stderr
     assert (tmp_path / "config.toml").read_text() == record
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
     export = subprocess.run([sys.executable, "scripts/convert_to_safetensors.py",
