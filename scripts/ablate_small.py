@@ -3,8 +3,11 @@ across commands, merged into loss-against-tokens plots (one PNG per family) and 
 
 Why: HOLA loses to GDN at small scale with the choices this project first made where the paper is silent (the state
 read's scale, the gate's init, the optimizer settings of the cache's parameters, ...). Each variant below changes
-one of them through its config key; the runs share everything else (``train_configs/small_hola_text.toml``: the
-``small`` width, 16 x 1,024 tokens a step, AdamW lr 3e-3, on the offline corpus of ``build_small_corpus.py``).
+one of them through its config key; the runs share everything else, the recipe (``--recipe``): ``small``
+(``train_configs/small_hola_text.toml``: the ``small`` width, 16 x 1,024 tokens a step, AdamW lr 3e-3, on the offline
+corpus of ``build_small_corpus.py``) or ``46M`` (``train_configs/<flavour>_46M.toml``: the paper's ablation size,
+16 x 4,096 tokens a step, on the 120M-token corpus of ``build_corpus.py``; with ``--variants
+gdn,hola,hola_recency,transformer`` it is the comparison of the four flavours).
 
 Usage::
 
@@ -35,12 +38,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = "train_configs/small_hola_text.toml"
 FORMAT = "ablate_small/1"
-TOKENS_PER_STEP = 16 * 1024  # the config's local_batch_size x seq_len
-STEPS, WARMUP_STEPS = 1500, 150
-CHECKPOINT_INTERVAL = 500
 LOG_FREQ = 5
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The shared training setup of one screen; ``config`` takes the variant's flavour."""
+    config: str
+    tokens_per_step: int  # the config's local_batch_size x seq_len
+    steps: int
+    warmup: int
+    checkpoint_interval: int
+    validation_freq: int
+    corpus: str
+    corpus_layout: str  # "gzip_pair": build_small_corpus.py --gzip; "split_folders": build_corpus.py
+    about: str
+
+
+RECIPES = {
+    "small": Recipe("train_configs/small_hola_text.toml", 16 * 1024, 1500, 150, 500, 500, "data/small_corpus_gz",
+                    "gzip_pair", "`small` width (31M), 16 x 1,024 tokens a step, AdamW lr 3e-3 to 0.1x, weight decay "
+                    "0.1"),
+    # The paper's ablation size: the four train_configs/<flavour>_46M.toml differ only in the flavour.
+    "46M": Recipe("train_configs/{flavour}_46M.toml", 16 * 4096, 1600, 100, 200, 200, "data/corpus_100m",
+                  "split_folders", "46M (12 layers, d_model 512, heads of 256), 16 x 4,096 tokens a step, AdamW lr "
+                  "1e-3 to 0.1x, weight decay 0.01, on build_corpus.py's 120M-token corpus"),
+}
 STOP_GRACE_S = 90.0  # what a stopped run gets to save its checkpoint before it is killed
 # One run's throughput with 14 side by side on an H200 is not measured yet; 6 side by side made 66-92k tokens/s.
 PLAN_TOKENS_PER_S = 45_000
@@ -55,9 +79,9 @@ class Variant:
 
 
 VARIANTS = {
-    "gdn": Variant("gdn", ("state_read", "mixing", "eviction", "span", "cache_scalars"), (),
+    "gdn": Variant("gdn", ("state_read", "mixing", "eviction", "span", "cache_scalars", "flavours"), (),
                    "Gated DeltaNet, no cache"),
-    "hola": Variant("hola", ("state_read", "mixing"), (),
+    "hola": Variant("hola", ("state_read", "mixing", "flavours"), (),
                     "the first defaults: s = D^-1/2, gate init -4, cache params decayed"),
     "hola_s1": Variant("hola", ("state_read", "eviction", "span", "cache_scalars"),
                        ("--model.state_read_scale", "one"), "the state read as the paper writes it: q^T S (s = 1)"),
@@ -74,6 +98,8 @@ VARIANTS = {
                           "s = 1, window 0: the causal block and the sink only (no cache entries)"),
     "hola_s1_c256": Variant("hola", ("span",), ("--model.state_read_scale", "one", "--model.block", "256"),
                             "s = 1, block 256 (the paper's C) instead of 64"),
+    "hola_recency": Variant("hola_recency", ("flavours",), (), "HOLA+recency with the defaults"),
+    "transformer": Variant("transformer", ("flavours",), (), "Transformer++ (softmax attention, no recurrence)"),
 }
 DEFAULT_SEEDS = (0, 1)
 # The first screen (16 runs fit one GPU side by side); the others are run by name with --variants.
@@ -85,6 +111,7 @@ FAMILY_TITLES = {
     "eviction": "Eviction: score (HOLA) against recency, with the paper's state read",
     "span": "What the cache read spans: window 0 (in-block only), block 64 against 256",
     "cache_scalars": "Weight decay on the cache's own parameters",
+    "flavours": "The four flavours of one recipe",
 }
 
 
@@ -92,15 +119,23 @@ def run_name(variant: str, seed: int) -> str:
     return f"{variant}_s{seed}"
 
 
-def train_command(variant: str, seed: int, *, folder: Path, corpus: Path, steps: int, warmup: int,
+def corpus_files(recipe: Recipe, corpus: Path) -> tuple[Path, Path]:
+    """The training and validation datasets of ``corpus`` in the recipe's layout."""
+    if recipe.corpus_layout == "gzip_pair":
+        return corpus / "train.jsonl.gz", corpus / "validation.jsonl.gz"
+    return corpus / "train", corpus / "validation"
+
+
+def train_command(variant: str, seed: int, *, recipe: Recipe, folder: Path, corpus: Path, steps: int, warmup: int,
                   extra: list[str]) -> list[str]:
     v = VARIANTS[variant]
-    return [sys.executable, "-m", "hola_titan.train", "--job.config_file", CONFIG, "--job.dump_folder", str(folder),
-            "--model.flavour", v.flavour, "--training.seed", str(seed), "--training.steps", str(steps),
-            "--lr_scheduler.warmup_steps", str(warmup), "--checkpoint.interval", str(CHECKPOINT_INTERVAL),
-            "--checkpoint.keep_latest_k", "2", "--metrics.log_freq", str(LOG_FREQ), "--validation.freq", "500",
-            "--data.dataset", str(corpus / "train.jsonl.gz"),
-            "--validation.dataset", str(corpus / "validation.jsonl.gz"), *v.overrides, *extra]
+    train, validation = corpus_files(recipe, corpus)
+    return [sys.executable, "-m", "hola_titan.train", "--job.config_file", recipe.config.format(flavour=v.flavour),
+            "--job.dump_folder", str(folder), "--model.flavour", v.flavour, "--training.seed", str(seed),
+            "--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(warmup),
+            "--checkpoint.interval", str(recipe.checkpoint_interval), "--checkpoint.keep_latest_k", "2",
+            "--metrics.log_freq", str(LOG_FREQ), "--validation.freq", str(recipe.validation_freq),
+            "--data.dataset", str(train), "--validation.dataset", str(validation), *v.overrides, *extra]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -124,10 +159,13 @@ def last_step(rows: list[dict]) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 def run(args) -> int:
+    recipe = RECIPES[args.recipe]
     work, out, corpus = Path(args.work).resolve(), Path(args.out).resolve(), Path(args.corpus).resolve()
-    for name in ("train.jsonl.gz", "validation.jsonl.gz"):
-        if not (corpus / name).is_file():
-            print(f"error: --corpus {corpus}: no {name} (python scripts/build_small_corpus.py DIR --gzip)",
+    builder = ("scripts/build_small_corpus.py DIR --gzip" if recipe.corpus_layout == "gzip_pair"
+               else "scripts/build_corpus.py DIR")
+    for path in corpus_files(recipe, corpus):
+        if not path.exists():
+            print(f"error: --corpus {corpus}: no {path.name} for --recipe {args.recipe} (python {builder})",
                   file=sys.stderr)
             return 2
     out.mkdir(parents=True, exist_ok=True)
@@ -142,7 +180,7 @@ def run(args) -> int:
         if last_step(read_jsonl(folder / "metrics.jsonl")) >= args.steps:
             continue
         folder.mkdir(parents=True, exist_ok=True)
-        commands[name] = train_command(variant, seed, folder=folder, corpus=corpus, steps=args.steps,
+        commands[name] = train_command(variant, seed, recipe=recipe, folder=folder, corpus=corpus, steps=args.steps,
                                        warmup=args.warmup, extra=args.extra)
         log = open(folder / "train.log", "a", encoding="utf-8")
         children[name] = subprocess.Popen(commands[name], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -166,8 +204,9 @@ def run(args) -> int:
     for p in children.values():
         p.wait()
     status = {"format": FORMAT, "started": started, "wall_s": time.time() - started, "budget_min": args.budget_min,
-              "steps": args.steps, "warmup_steps": args.warmup, "tokens_per_step": TOKENS_PER_STEP,
-              "config": CONFIG, "device": _device(), "host": platform.node(), "versions": _versions(), "runs": {}}
+              "steps": args.steps, "warmup_steps": args.warmup, "tokens_per_step": recipe.tokens_per_step,
+              "recipe": args.recipe, "config": recipe.config, "device": _device(), "host": platform.node(),
+              "versions": _versions(), "runs": {}}
     for variant, seed in runs:
         name = run_name(variant, seed)
         folder = work / name
@@ -284,6 +323,11 @@ def paired(curve: Curve, base: Curve, start: int, stop: int) -> float | None:
 
 def merge(args) -> int:
     curves, statuses = load_curves([Path(f) for f in args.merge])
+    names = sorted({s.get("recipe", "small") for s in statuses})  # the first screens wrote no recipe: small
+    if len(names) != 1:
+        raise SystemExit(f"error: --merge: folders of different recipes ({', '.join(names)}); merge each apart")
+    recipe = RECIPES[names[0]]
+    tokens_per_step = recipe.tokens_per_step
     report = Path(args.report)
     report.mkdir(parents=True, exist_ok=True)
     variants = [v for v in VARIANTS if any(c.variant == v for c in curves.values())]
@@ -310,10 +354,9 @@ def merge(args) -> int:
                                    if s in c.val and ("gdn", c.seed) in by and s in by[("gdn", c.seed)].val]
                           for s in val_steps}}
     devices = sorted({s["device"] for s in statuses})
-    lines = [f"# Small-scale ablations of the HOLA layer ({', '.join(devices)})", "",
-             f"`small` width (31M), 16 x 1,024 tokens a step (one step: {TOKENS_PER_STEP / 1e6:.3f}M tokens), a "
-             f"{statuses[0]['steps']}-step cosine schedule (AdamW lr 3e-3 to 0.1x, warmup "
-             f"{statuses[0]['warmup_steps']}, weight decay 0.1), `{CONFIG}` with each variant's keys; seeds "
+    lines = [f"# Ablations of the HOLA layer, recipe {names[0]} ({', '.join(devices)})", "",
+             f"{recipe.about} (one step: {tokens_per_step / 1e6:.3f}M tokens), a {statuses[0]['steps']}-step cosine "
+             f"schedule, warmup {statuses[0]['warmup_steps']}, `{recipe.config}` with each variant's keys; seeds "
              f"{', '.join(map(str, seeds))}.",
              "", "Runs of one seed read the same batches in the same order, so each cell is the variant's training "
              "loss minus GDN's on the same batches, averaged over the window (mean [min, max] over seeds; negative: "
@@ -341,19 +384,20 @@ def merge(args) -> int:
                          " | ".join("-" if v == "gdn" else spread(d, 4, signed=True) for d in diffs) + " |")
     lines += ["", "Steps reached: " + ", ".join(f"{v} " + "/".join(map(str, summary[v]["steps"])) for v in variants),
               ""]
-    plots = plot_families(curves, variants, report, width=args.window)
+    plots = plot_families(curves, variants, report, width=args.window, tokens_per_step=tokens_per_step)
     for family, png in plots.items():
         lines += [f"## {FAMILY_TITLES.get(family, family)}", "", f"![{family}]({png})", ""]
     (report / "ablations.md").write_text("\n".join(lines))
-    (report / "ablations.json").write_text(json.dumps({"format": FORMAT, "last_step": last,
-                                                       "tokens_per_step": TOKENS_PER_STEP, "variants": summary,
+    (report / "ablations.json").write_text(json.dumps({"format": FORMAT, "recipe": names[0], "last_step": last,
+                                                       "tokens_per_step": tokens_per_step, "variants": summary,
                                                        "runs": [s["runs"] for s in statuses],
                                                        "devices": [s["device"] for s in statuses]}, indent=1) + "\n")
     print("\n".join(lines))
     return 0
 
 
-def plot_families(curves: dict[str, Curve], variants: list[str], report: Path, *, width: int) -> dict[str, str]:
+def plot_families(curves: dict[str, Curve], variants: list[str], report: Path, *, width: int,
+                  tokens_per_step: int) -> dict[str, str]:
     """One PNG per family: the smoothed training loss against tokens (left; thin lines are seeds, thick ones their
     mean) and each seed's loss minus GDN's on the same batches (right; below zero is better than GDN)."""
     import matplotlib
@@ -361,7 +405,7 @@ def plot_families(curves: dict[str, Curve], variants: list[str], report: Path, *
     import matplotlib.pyplot as plt
 
     def mtok(steps):
-        return [t * TOKENS_PER_STEP / 1e6 for t in steps]
+        return [t * tokens_per_step / 1e6 for t in steps]
 
     by = {(c.variant, c.seed): c for c in curves.values() if c.steps}
     written = {}
@@ -418,11 +462,13 @@ def plot_families(curves: dict[str, Curve], variants: list[str], report: Path, *
 # ---------------------------------------------------------------------------------------------------------------
 
 def plan(args) -> int:
+    recipe = RECIPES[args.recipe]
     n = len(args.variants) * len(args.seeds)
-    tokens = n * args.steps * TOKENS_PER_STEP
+    tokens = n * args.steps * recipe.tokens_per_step
+    print(f"recipe {args.recipe}: {recipe.about}")
     print(f"{n} runs ({len(args.variants)} variants x seeds {', '.join(map(str, args.seeds))}), {args.steps} steps "
-          f"of {TOKENS_PER_STEP:,} tokens: {tokens / 1e6:.0f}M tokens; at {PLAN_TOKENS_PER_S:,} tokens/s a run side "
-          f"by side about {args.steps * TOKENS_PER_STEP / PLAN_TOKENS_PER_S / 60:.1f} GPU minutes")
+          f"of {recipe.tokens_per_step:,} tokens: {tokens / 1e6:.0f}M tokens; at {PLAN_TOKENS_PER_S:,} tokens/s a "
+          f"run side by side about {args.steps * recipe.tokens_per_step / PLAN_TOKENS_PER_S / 60:.1f} GPU minutes")
     for v in args.variants:
         variant = VARIANTS[v]
         print(f"  {v:18s} {variant.flavour:13s} {' '.join(variant.overrides) or '(defaults)':60s} "
@@ -439,11 +485,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(FIRST_SCREEN),
                    help="comma-separated, from: " + ", ".join(VARIANTS))
     p.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)))
-    p.add_argument("--steps", type=int, default=STEPS)
-    p.add_argument("--warmup", type=int, default=WARMUP_STEPS)
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="small",
+                   help="the shared setup: small (31M, 16 x 1,024) or 46M (the paper's ablation size, 16 x 4,096)")
+    p.add_argument("--steps", type=int, help="default: the recipe's")
+    p.add_argument("--warmup", type=int, help="default: the recipe's")
     p.add_argument("--work", help="--run: the runs' folders (kept between commands on one machine)")
     p.add_argument("--out", help="--run: where the metrics, log tails and status.json go")
-    p.add_argument("--corpus", default="data/small_corpus_gz", help="--run: build_small_corpus.py's --gzip output")
+    p.add_argument("--corpus", help="--run: the recipe's corpus (default: data/small_corpus_gz, from "
+                   "build_small_corpus.py --gzip, for small; data/corpus_100m, from build_corpus.py, for 46M)")
     p.add_argument("--budget-min", type=float, default=8.0, help="--run: stop (saving) before this many minutes")
     p.add_argument("--report", help="--merge: folder for ablations.md, ablations.json and the PNGs")
     p.add_argument("--window", type=int, default=25, help="--merge: steps per point of the plotted curves")
@@ -459,6 +508,10 @@ def main(argv: list[str] | None = None) -> int:
         args.seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
         p.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    recipe = RECIPES[args.recipe]
+    args.steps = recipe.steps if args.steps is None else args.steps
+    args.warmup = recipe.warmup if args.warmup is None else args.warmup
+    args.corpus = recipe.corpus if args.corpus is None else args.corpus
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     if args.plan:

@@ -15,18 +15,27 @@ from helpers import load_script
 ablate = load_script("ablate_small")
 
 
+@pytest.mark.parametrize("recipe", list(ablate.RECIPES))
 @pytest.mark.parametrize("variant", list(ablate.VARIANTS))
-def test_every_variant_is_a_valid_config(variant, tmp_path):
-    command = ablate.train_command(variant, 1, folder=tmp_path / "run", corpus=tmp_path / "corpus", steps=1500,
-                                   warmup=150, extra=[])
+def test_every_variant_is_a_valid_config(variant, recipe, tmp_path):
+    r = ablate.RECIPES[recipe]
+    command = ablate.train_command(variant, 1, recipe=r, folder=tmp_path / "run", corpus=tmp_path / "corpus",
+                                   steps=r.steps, warmup=r.warmup, extra=[])
     assert command[1:3] == ["-m", "hola_titan.train"]
     config = parse_config(command[3:])
     validate(config, world_size=1)
     assert config.model.flavour == ablate.VARIANTS[variant].flavour and config.training.seed == 1
-    assert config.training.steps == 1500 and config.checkpoint.enable
+    assert config.training.steps == r.steps and config.checkpoint.enable
+    # The recipe's step is what the merge turns into tokens.
+    assert config.training.local_batch_size * config.training.seq_len == r.tokens_per_step
+    train, validation = ablate.corpus_files(r, tmp_path / "corpus")
+    assert config.data.dataset == str(train) and config.validation.dataset == str(validation)
+    if recipe == "46M":
+        assert config.model.size == "46M" and config.lr_scheduler.warmup_steps == 100
 
 
-def _write_run_folder(folder: Path, offsets: dict[str, float], *, steps: int, seeds=(0, 1)) -> None:
+def _write_run_folder(folder: Path, offsets: dict[str, float], *, steps: int, seeds=(0, 1),
+                      recipe: str | None = None) -> None:
     """Runs whose loss is a shared per-batch curve (the same batches for every variant of a seed) plus the
     variant's offset, and validation rows every 50 steps."""
     folder.mkdir(parents=True)
@@ -42,8 +51,10 @@ def _write_run_folder(folder: Path, offsets: dict[str, float], *, steps: int, se
                     rows.append({"step": step, "val_loss": 3.0 + offset + 0.1 * seed})
             (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{\"step\": 1")
             runs[name] = {"variant": variant, "seed": seed, "step": steps}
-    (folder / "status.json").write_text(json.dumps({"format": ablate.FORMAT, "device": "cpu", "steps": steps,
-                                                    "warmup_steps": 10, "runs": runs}))
+    status = {"format": ablate.FORMAT, "device": "cpu", "steps": steps, "warmup_steps": 10, "runs": runs}
+    if recipe is not None:  # the first screens' folders name no recipe (small)
+        status["recipe"] = recipe
+    (folder / "status.json").write_text(json.dumps(status))
 
 
 def test_the_merge_reports_the_paired_differences(tmp_path):
@@ -77,6 +88,26 @@ def test_a_later_folder_wins_and_a_foreign_status_is_refused(tmp_path):
         ablate.load_curves([tmp_path / "b"])
 
 
+def test_the_46M_merge_counts_its_tokens_and_refuses_mixed_recipes(tmp_path):
+    offsets = {"gdn": 0.0, "hola": -0.1, "hola_recency": -0.05, "transformer": 0.02}
+    _write_run_folder(tmp_path / "a", offsets, steps=100, recipe="46M")
+    assert ablate.main(["--merge", str(tmp_path / "a"), "--report", str(tmp_path / "r"), "--span", "50"]) == 0
+    result = json.loads((tmp_path / "r" / "ablations.json").read_text())
+    assert result["recipe"] == "46M" and result["tokens_per_step"] == 16 * 4096
+    assert (tmp_path / "r" / "ablation_flavours.png").is_file()
+    assert "recipe 46M" in (tmp_path / "r" / "ablations.md").read_text()
+    _write_run_folder(tmp_path / "b", offsets, steps=100)
+    with pytest.raises(SystemExit, match="different recipes"):
+        ablate.main(["--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--report", str(tmp_path / "r2")])
+
+
+def test_the_run_names_the_missing_corpus(tmp_path, capsys):
+    (tmp_path / "corpus").mkdir()
+    assert ablate.main(["--run", "--recipe", "46M", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o"),
+                        "--corpus", str(tmp_path / "corpus"), "--budget-min", "3"]) == 2
+    assert "build_corpus.py" in capsys.readouterr().err
+
+
 def test_the_command_line_refuses_what_it_cannot_run(capsys):
     with pytest.raises(SystemExit):
         ablate.main(["--plan", "--variants", "hola,nope"])
@@ -87,3 +118,5 @@ def test_the_command_line_refuses_what_it_cannot_run(capsys):
         ablate.main(["--run", "--work", "w", "--out", "x", "--budget-min", "1"])
     assert ablate.main(["--plan"]) == 0
     assert "16 runs" in capsys.readouterr().out
+    assert ablate.main(["--plan", "--recipe", "46M", "--variants", "gdn,hola", "--seeds", "0"]) == 0
+    assert "1600 steps of 65,536 tokens" in capsys.readouterr().out
