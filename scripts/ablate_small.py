@@ -120,9 +120,18 @@ def run_name(variant: str, seed: int) -> str:
 
 
 def corpus_files(recipe: Recipe, corpus: Path) -> tuple[Path, Path]:
-    """The training and validation datasets of ``corpus`` in the recipe's layout."""
+    """The training and validation datasets of ``corpus`` in the recipe's layout. A corpus of split folders is
+    named by its root: the trainer reads its ``train`` and ``validation`` folders by split, and nothing is held out
+    of the training documents (naming ``corpus/train`` itself would hold every 100th document out, unused)."""
     if recipe.corpus_layout == "gzip_pair":
         return corpus / "train.jsonl.gz", corpus / "validation.jsonl.gz"
+    return corpus, corpus
+
+
+def corpus_needs(recipe: Recipe, corpus: Path) -> tuple[Path, ...]:
+    """What ``--run`` checks before it starts anything."""
+    if recipe.corpus_layout == "gzip_pair":
+        return corpus_files(recipe, corpus)
     return corpus / "train", corpus / "validation"
 
 
@@ -163,7 +172,7 @@ def run(args) -> int:
     work, out, corpus = Path(args.work).resolve(), Path(args.out).resolve(), Path(args.corpus).resolve()
     builder = ("scripts/build_small_corpus.py DIR --gzip" if recipe.corpus_layout == "gzip_pair"
                else "scripts/build_corpus.py DIR")
-    for path in corpus_files(recipe, corpus):
+    for path in corpus_needs(recipe, corpus):
         if not path.exists():
             print(f"error: --corpus {corpus}: no {path.name} for --recipe {args.recipe} (python {builder})",
                   file=sys.stderr)
@@ -409,10 +418,14 @@ def plot_families(curves: dict[str, Curve], variants: list[str], report: Path, *
 
     by = {(c.variant, c.seed): c for c in curves.values() if c.steps}
     written = {}
-    for family in sorted({f for v in variants for f in VARIANTS[v].families}):
-        members = [v for v in variants if family in VARIANTS[v].families]
-        if len([v for v in members if v != "gdn"]) < 2:
-            continue  # nothing to compare beyond what another family's plot shows
+    families = {f: [v for v in variants if f in VARIANTS[v].families] for v in variants for f in VARIANTS[v].families}
+    shown: set[str] = set()
+    # The fullest families first; a family whose one variant another plot already shows adds nothing.
+    for family, members in sorted(families.items(), key=lambda item: (-len(item[1]), item[0])):
+        others = [v for v in members if v != "gdn"]
+        if not others or (len(others) < 2 and set(others) <= shown):
+            continue
+        shown.update(others)
         fig, (ax, dax) = plt.subplots(1, 2, figsize=(13, 4.8))
         for i, v in enumerate(members):
             color = f"C{i}"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hola_titan.config import parse_config, validate
+from hola_titan.data.sources import resolve_source
 from helpers import load_script
 
 ablate = load_script("ablate_small")
@@ -32,6 +33,20 @@ def test_every_variant_is_a_valid_config(variant, recipe, tmp_path):
     assert config.data.dataset == str(train) and config.validation.dataset == str(validation)
     if recipe == "46M":
         assert config.model.size == "46M" and config.lr_scheduler.warmup_steps == 100
+
+
+def test_a_corpus_of_split_folders_is_read_by_split_with_nothing_held_out(tmp_path):
+    corpus = tmp_path / "corpus"
+    for split in ("train", "validation"):
+        (corpus / split).mkdir(parents=True)
+        (corpus / split / "part-00000.jsonl").write_text(json.dumps({"text": split}) + "\n")
+    r = ablate.RECIPES["46M"]
+    config = parse_config(ablate.train_command("hola", 0, recipe=r, folder=tmp_path / "run", corpus=corpus,
+                                               steps=r.steps, warmup=r.warmup, extra=[])[3:])
+    train = resolve_source(config.data.dataset, split="train", holdout_every=config.data.holdout_every)
+    validation = resolve_source(config.validation.dataset, split="validation")
+    assert train.files == (corpus / "train" / "part-00000.jsonl",) and train.holdout is None
+    assert validation.files == (corpus / "validation" / "part-00000.jsonl",)
 
 
 def _write_run_folder(folder: Path, offsets: dict[str, float], *, steps: int, seeds=(0, 1),
