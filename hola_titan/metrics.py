@@ -2,8 +2,10 @@
 
 Only the process that owns the logger writes (rank 0 by default); the numbers it writes are already reduced
 over all ranks by the trainer. ``metrics.jsonl`` rows have at least ``step``, ``loss``, ``grad_norm``, ``lr``,
-``tokens_per_s``, ``mfu`` and ``memory_gib``; validation rows have ``step``, ``val_loss`` and ``val_ppl``. The file is
-strict JSON: a non-finite number is written as ``null``.
+``tokens_per_s``, ``mfu`` and ``memory_gib``; validation rows have ``step``, ``val_loss`` and ``val_ppl``. Every row
+also has ``time`` (Unix seconds when it was written) and ``attempt`` (which process of the run folder wrote it: a
+resume replays the steps after its checkpoint, and :func:`hola_titan.metrics_records.read_metrics` keeps the last
+attempt's row of each step). The file is strict JSON: a non-finite number is written as ``null``.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import math
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
+
+from hola_titan.metrics_records import METRICS_FILE, open_for_append, record_attempt
 
 logger = logging.getLogger("hola_titan")
 
@@ -40,27 +45,38 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    """Writes metric rows to the console, TensorBoard and ``<folder>/metrics.jsonl``."""
+    """Writes metric rows to the console, TensorBoard and ``<folder>/metrics.jsonl``.
 
-    def __init__(self, folder: Path, *, enabled: bool, tensorboard: bool, tb_folder: str):
+    When enabled, it records this process as the folder's next attempt (``hola_titan/metrics_records.py``);
+    ``start_step`` is the step the run starts after (the resumed checkpoint's, 0 from scratch).
+    """
+
+    def __init__(self, folder: Path, *, enabled: bool, tensorboard: bool, tb_folder: str, start_step: int = 0):
         self.enabled = enabled
         self.jsonl = None
         self.writer = None
+        self.attempt: int | None = None
         if not enabled:
             return
         folder.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(folder / "metrics.jsonl", "a", buffering=1)
+        self.attempt = record_attempt(folder, start_step=start_step)
+        self.jsonl = open_for_append(folder / METRICS_FILE)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(folder / tb_folder))
+            # An earlier attempt's events from this attempt's first step on are what this one replays: TensorBoard's
+            # restart marker (purge_step) hides them, so no step shows two points.
+            replaying = self.attempt > 1 or start_step > 0
+            self.writer = SummaryWriter(log_dir=str(folder / tb_folder),
+                                        purge_step=start_step + 1 if replaying else None)
 
     def log(self, row: dict) -> None:
         if not self.enabled:
             return
         step = row["step"]
+        record = {**row, "time": round(time.time(), 3), "attempt": self.attempt}
         # Strict JSON: NaN and inf (which json.dumps would write bare) become null.
-        self.jsonl.write(json.dumps({k: _plain(v) for k, v in row.items()}, allow_nan=False) + "\n")
+        self.jsonl.write(json.dumps({k: _plain(v) for k, v in record.items()}, allow_nan=False) + "\n")
         if self.writer is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
