@@ -855,7 +855,8 @@ class Trainer:
             # Rank 0 records this process as the folder's next attempt (hola_titan/metrics_records.py).
             self.metrics = MetricsLogger(self.dump, enabled=self.rank == 0,
                                          tensorboard=self.config.metrics.enable_tensorboard,
-                                         tb_folder=self.config.metrics.save_tb_folder, start_step=self.state.step)
+                                         tb_folder=self.config.metrics.save_tb_folder, start_step=self.state.step,
+                                         total_steps=self.config.training.steps)
 
     def _train_loop(self, gc_freq: int) -> list[dict]:
         config = self.config

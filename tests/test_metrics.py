@@ -1,19 +1,21 @@
 """Metric records across attempts (issue 50, item 7): ``metrics.jsonl`` rows carry ``time`` and ``attempt``, a
-resume is the run folder's next attempt, readers keep the last attempt's row of each step, and TensorBoard shows one
-point per step after a resume."""
+resume is the run folder's next attempt, readers keep the last attempt's row of each step, TensorBoard shows one
+point per step after a resume, and the console's step line ends with an ETA from recent steps."""
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
 
 import pytest
 
+import hola_titan.metrics as metrics
 from hola_titan.checkpoint import step_folder
 from hola_titan.config import parse_config
-from hola_titan.metrics import MetricsLogger
+from hola_titan.metrics import MetricsLogger, format_duration
 from hola_titan.metrics_records import ATTEMPTS_FILE, latest_records, read_metrics
 from hola_titan.train import Trainer
 
@@ -87,3 +89,22 @@ def test_ablate_small_reads_the_last_attempt_of_each_step(tmp_path):
     ablate = load_script("ablate_small")
     assert [(r["step"], r["loss"]) for r in ablate.read_jsonl(path)] == [(10, 5.0), (20, 4.0), (30, 3.0)]
     assert ablate.read_jsonl(tmp_path / "absent.jsonl") == []
+
+
+def test_the_step_line_ends_with_an_eta_from_recent_steps(tmp_path, monkeypatch, caplog):
+    """The first logged step (compilation) is outside the window; steps of 2 s after it give 2 s x steps left.
+    The line before the ETA is the one it always was."""
+    clock = iter([300.0, 302.0, 304.0, 306.0])
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, tb_folder="tb", total_steps=100)
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        for step in (1, 2, 3):
+            logger.log({"step": step, "loss": 1.0, "lr": 1e-3})
+        logger.log({"step": 100, "loss": 1.0, "lr": 1e-3})
+    logger.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["step      1  loss 1.0000  lr 1.000e-03",
+                     "step      2  loss 1.0000  lr 1.000e-03  eta 3m16s",
+                     "step      3  loss 1.0000  lr 1.000e-03  eta 3m14s",
+                     "step    100  loss 1.0000  lr 1.000e-03"]
+    assert [format_duration(s) for s in (3720, 307, 42.4)] == ["1h02m", "5m07s", "42s"]
