@@ -10,6 +10,9 @@ hola-titan is installed, or without the flag after ``import hola_titan.hf_model`
     model-00001-of-0000N.safetensors  shards, in module order, and
     model.safetensors.index.json      {"metadata": {"total_size": bytes}, "weight_map": {key: shard file}}
     tokenizer.json, tokenizer_config.json, special_tokens_map.json
+                                      a stock PreTrainedTokenizerFast (no tokenizer code); AutoTokenizer still
+                                      takes trust_remote_code=True or the import above: transformers 5 resolves
+                                      config.json's model class before it reads these files
 
 Key names (stable; tests pin them). They are the fully qualified names of :class:`HolaTitanLM` itself, with no
 prefix and no wrapper names (``_checkpoint_wrapped_module.``, ``_orig_mod.``, FSDP), for block index ``i``::

@@ -2,8 +2,14 @@
 
 Only the process that owns the logger writes (rank 0 by default); the numbers it writes are already reduced
 over all ranks by the trainer. ``metrics.jsonl`` rows have at least ``step``, ``loss``, ``grad_norm``, ``lr``,
-``tokens_per_s``, ``mfu`` and ``memory_gib``; validation rows have ``step``, ``val_loss`` and ``val_ppl``. The file is
-strict JSON: a non-finite number is written as ``null``.
+``tokens_per_s``, ``mfu`` and ``memory_gib``; validation rows have ``step``, ``val_loss`` and ``val_ppl``. Every row
+also has ``time`` (Unix seconds when it was written) and ``attempt`` (which process of the run folder wrote it: a
+resume replays the steps after its checkpoint, and :func:`hola_titan.metrics_records.read_metrics` keeps the last
+attempt's row of each step). The file is strict JSON: a non-finite number is written as ``null``.
+
+The console's step line ends with an estimate of the time left, ``eta 1h02m``: the steps left times the mean time of
+a step over the last :data:`ETA_WINDOW` logged intervals of this process. The window starts at this process's first
+logged step, so the first step's compilation (and a resume's start-up) is not in it.
 """
 
 from __future__ import annotations
@@ -14,11 +20,18 @@ import math
 import os
 import resource
 import sys
+import time
+from collections import deque
 from pathlib import Path
 
 import torch
 
+from hola_titan.metrics_records import METRICS_FILE, open_for_append, record_attempt
+
 logger = logging.getLogger("hola_titan")
+
+ETA_WINDOW = 20
+"""Logged intervals whose mean step time the console's ``eta`` uses."""
 
 
 def setup_logging(rank: int) -> None:
@@ -40,39 +53,78 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    """Writes metric rows to the console, TensorBoard and ``<folder>/metrics.jsonl``."""
+    """Writes metric rows to the console, TensorBoard and ``<folder>/metrics.jsonl``.
 
-    def __init__(self, folder: Path, *, enabled: bool, tensorboard: bool, tb_folder: str):
+    When enabled, it records this process as the folder's next attempt (``hola_titan/metrics_records.py``);
+    ``start_step`` is the step the run starts after (the resumed checkpoint's, 0 from scratch) and ``total_steps``
+    the last step (for the console's ``eta``; None: no estimate).
+    """
+
+    def __init__(self, folder: Path, *, enabled: bool, tensorboard: bool, tb_folder: str, start_step: int = 0,
+                 total_steps: int | None = None):
         self.enabled = enabled
         self.jsonl = None
         self.writer = None
+        self.attempt: int | None = None
+        self.total_steps = total_steps
+        self._marks: deque[tuple[int, float]] = deque(maxlen=ETA_WINDOW + 1)  # (step, monotonic time) of train rows
         if not enabled:
             return
         folder.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(folder / "metrics.jsonl", "a", buffering=1)
+        self.attempt = record_attempt(folder, start_step=start_step)
+        self.jsonl = open_for_append(folder / METRICS_FILE)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(folder / tb_folder))
+            # An earlier attempt's events from this attempt's first step on are what this one replays: TensorBoard's
+            # restart marker (purge_step) hides them, so no step shows two points.
+            replaying = self.attempt > 1 or start_step > 0
+            self.writer = SummaryWriter(log_dir=str(folder / tb_folder),
+                                        purge_step=start_step + 1 if replaying else None)
 
     def log(self, row: dict) -> None:
         if not self.enabled:
             return
         step = row["step"]
+        record = {**row, "time": round(time.time(), 3), "attempt": self.attempt}
         # Strict JSON: NaN and inf (which json.dumps would write bare) become null.
-        self.jsonl.write(json.dumps({k: _plain(v) for k, v in row.items()}, allow_nan=False) + "\n")
+        self.jsonl.write(json.dumps({k: _plain(v) for k, v in record.items()}, allow_nan=False) + "\n")
         if self.writer is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
-        logger.info(_format(row))
+        eta = None
+        if "loss" in row:
+            self._marks.append((step, time.monotonic()))
+            eta = self.eta_seconds(step)
+        logger.info(_format(row) + (f"  eta {format_duration(eta)}" if eta is not None else ""))
+
+    def eta_seconds(self, step: int) -> float | None:
+        """The steps left after ``step`` times the mean step time over the logged intervals in the window; None
+        before this process has logged two training rows, at the last step, or without ``total_steps``."""
+        if self.total_steps is None or step >= self.total_steps or len(self._marks) < 2:
+            return None
+        (first_step, first_time), (last_step, last_time) = self._marks[0], self._marks[-1]
+        return (self.total_steps - step) * (last_time - first_time) / (last_step - first_step)
 
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def format_duration(seconds: float) -> str:
+    """``1h02m``, ``5m07s`` or ``42s``."""
+    total = round(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
 
 
 def _plain(value):

@@ -822,7 +822,8 @@ class Trainer:
                 if self.checkpointer is not None else "off")
         about = f" ({config.job.description})" if config.job.description else ""
         lines = [
-            f"run in {self.dump}{about}: {start}, training to step {config.training.steps}",
+            f"run in {self.dump}{about}: {start}, training to step {config.training.steps} (attempt "
+            f"{self.metrics.attempt} in this folder)",
             f"  model: {self.model_args.flavour} {self.model_args.size}, {self.num_params:,} parameters, vocabulary "
             f"{self.model_args.vocab_size} (tokenizer {config.model.tokenizer_path})",
             f"  layout: {self.world_size} process(es) on {self.device.type}: data-parallel {d.dp_replicate} x "
@@ -843,16 +844,19 @@ class Trainer:
         return "\n".join(lines)
 
     def _write_run_record(self) -> None:
-        """The run's record in its folder (rank 0): the resolved ``config.toml`` and ``paths.json``, and the metrics
-        files opened for appending. Only after the checkpoint loaded: a resume that fails leaves the record of the
-        run that wrote the checkpoints, which export and conversion read."""
+        """The run's record in its folder (rank 0): the resolved ``config.toml`` and ``paths.json``, this process's
+        line in ``attempts.jsonl``, and the metrics files opened for appending. Only after the checkpoint loaded: a
+        resume that fails leaves the record of the run that wrote the checkpoints, which export and conversion
+        read."""
         if self.rank == 0:
             write_resolved(self.config, self.dump, resolved=self.paths)
             (self.dump / "paths.json").write_text(json.dumps(self.paths, indent=1) + "\n")
         if self.metrics is None:
+            # Rank 0 records this process as the folder's next attempt (hola_titan/metrics_records.py).
             self.metrics = MetricsLogger(self.dump, enabled=self.rank == 0,
                                          tensorboard=self.config.metrics.enable_tensorboard,
-                                         tb_folder=self.config.metrics.save_tb_folder)
+                                         tb_folder=self.config.metrics.save_tb_folder, start_step=self.state.step,
+                                         total_steps=self.config.training.steps)
 
     def _train_loop(self, gc_freq: int) -> list[dict]:
         config = self.config

@@ -20,12 +20,14 @@ process with its run folder under ``--work``; a run resumes from its last checkp
 sends SIGTERM, on which the trainer saves a checkpoint and exits, so the next ``--run`` on the same machine (with the
 same ``--work``) goes on where this one stopped. It copies every run's ``metrics.jsonl`` and the end of its log to
 ``--out`` with ``status.json`` (steps reached, device, versions, the commands). ``--merge`` reads any number of
-such folders (the last record of a step wins: a resumed run logs the steps after its checkpoint again).
+such folders (a resumed run logs the steps after its checkpoint again: the last attempt's record of a step
+wins).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -148,15 +150,20 @@ def train_command(variant: str, seed: int, *, recipe: Recipe, folder: Path, corp
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """A run's ``metrics.jsonl`` (or its copy) as its history: a resumed run logs the steps after its checkpoint
+    again, and the last attempt's record of each step is kept (hola_titan/metrics_records.py); none when absent."""
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill: the steps after the checkpoint are logged again
-            continue
-    return rows
+    return _metrics_records().read_metrics(path)
+
+
+def _metrics_records():
+    """``hola_titan/metrics_records.py``, read by path: importing ``hola_titan`` imports torch, seconds that --plan
+    and --merge do not need."""
+    spec = importlib.util.spec_from_file_location("_hola_titan_metrics_records", REPO / "hola_titan/metrics_records.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def last_step(rows: list[dict]) -> int:

@@ -266,3 +266,54 @@ with torch.no_grad():
     plain = subprocess.run([sys.executable, "-c", script, "plain"], capture_output=True, text=True, env=env,
                            timeout=300)
     assert plain.returncode == 3, (plain.stdout, plain.stderr[-2000:])
+
+
+def test_an_export_s_tokenizer_loads_without_a_question_or_a_model_type_warning(tmp_path):
+    """In fresh processes, each load an export's docs name asks nothing (``input`` is recorded and answers no) and
+    logs no "model of type `hola_titan` to instantiate a model of type ..." warning: the tokenizer as the stock
+    ``PreTrainedTokenizerFast`` (tokenizer_config.json names it and maps no tokenizer code), by ``AutoTokenizer``
+    after ``import hola_titan.hf_model`` or with ``trust_remote_code=True`` (transformers 5 resolves config.json's
+    model class before it reads the tokenizer's files, and the model class is this folder's code), and the model
+    with ``trust_remote_code=True``, whose config class has config.json's ``model_type``."""
+    import subprocess
+
+    tokenizer = load_tokenizer("bundled")
+    save_pretrained(_tiny("gdn"), tokenizer, tmp_path / "m")
+    tokenizer_config = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast" and "auto_map" not in tokenizer_config
+    script = f"""
+import builtins, json, logging, sys
+asked = []
+builtins.input = lambda *args, **kwargs: asked.append(args) or "n"
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+warnings = []
+handler = logging.Handler()
+handler.emit = lambda record: warnings.append(record.getMessage())
+logging.getLogger("transformers").addHandler(handler)
+folder, mode = {str(tmp_path / "m")!r}, sys.argv[1]
+types = {{}}
+if mode == "stock":
+    tok = PreTrainedTokenizerFast.from_pretrained(folder)
+elif mode == "imported":
+    import hola_titan.hf_model
+    tok = AutoTokenizer.from_pretrained(folder)
+else:
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    types = {{"config": config.model_type, "class": type(config).model_type, "model": model.config.model_type}}
+print(json.dumps({{"asked": len(asked), "warnings": [w for w in warnings if "model of type" in w], "types": types,
+                  "ids": tok("Let there be light", add_special_tokens=True)["input_ids"],
+                  "special": [tok.eos_token_id, tok.pad_token_id]}}))
+"""
+    env = {**__import__("os").environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    for mode in ("stock", "imported", "trusted"):
+        result = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, env=env,
+                                timeout=300)
+        assert result.returncode == 0, (mode, result.stderr[-3000:])
+        seen = json.loads(result.stdout.strip().splitlines()[-1])
+        assert seen["asked"] == 0 and seen["warnings"] == [], (mode, seen)
+        assert seen["ids"] == tokenizer.encode("Let there be light"), mode
+        assert seen["special"] == [tokenizer.eos_id, tokenizer.pad_id], mode
+        if mode == "trusted":
+            assert seen["types"] == {"config": "hola_titan", "class": "hola_titan", "model": "hola_titan"}
