@@ -65,6 +65,9 @@ def _parse_args(argv):
     parser.add_argument("--out", type=Path, default=None,
                         help="file to write (default: the shipped file for this GPU and versions)")
     parser.add_argument("--no-merge", action="store_true", help="replace an existing file instead of merging")
+    parser.add_argument("--check", action="store_true",
+                        help="say which table a run on this node takes (its own, another GPU's of the same "
+                             "architecture, or none) and whether it is current; exit 0 only for its own")
     parser.add_argument("--phases", default="tune,plan",
                         help="tune: autotune what the file lacks; plan: record each combination's compile plan "
                              "(hola_titan/kernels/precompile.py) with the file served")
@@ -294,13 +297,34 @@ def _record_plan(args, folder: Path) -> None:
     print(f"plan {key}: {len(specs)} specialisations in {time.time() - t1:.0f} s", flush=True)
 
 
-def file_meta(before: dict, *, gpu: str, versions: dict, runs: list[dict]) -> dict:
-    """The file's ``meta`` after a run: the GPU, the versions, every run, and the notes the file carried (what a
-    person wrote about how its entries came to be; a merge must not drop them)."""
-    meta = {"gpu": gpu, **versions, "runs": runs}
+def file_meta(before: dict, *, gpu: str, capability: list[int], versions: dict, runs: list[dict]) -> dict:
+    """The file's ``meta`` after a run: the GPU and its compute capability (what lets another GPU of the same
+    architecture take the file: tuned_configs.nearest_shipped), the versions, every run, and the notes the file
+    carried (what a person wrote about how its entries came to be; a merge must not drop them)."""
+    meta = {"gpu": gpu, "capability": list(capability), **versions, "runs": runs}
     if before.get("notes"):
         meta["notes"] = list(before["notes"])
     return meta
+
+
+def check(torch, tuned_configs) -> int:
+    """``--check``: one line saying which table ``model.kernel_configs = auto`` takes on this node's first GPU.
+    Exit 0: this GPU's own file for the installed fla-core and Triton; 1: another GPU's of the same architecture,
+    or none (fla autotunes at run time); 2: no CUDA GPU."""
+    if not torch.cuda.is_available():
+        print("no CUDA GPU on this node: kernel configurations apply to CUDA devices only")
+        return 2
+    located = tuned_configs.locate("auto", "cuda:0")
+    gpu = torch.cuda.get_device_name(0)
+    if located.source == "shipped":
+        print(f"current: {gpu} takes its own table {located.path} ({located.kernels} kernels; {located.why})")
+        return 0
+    if located.source == "nearest_gpu":
+        print(f"not current: {gpu} takes {located.path} ({located.why}); python scripts/tune_kernels.py writes "
+              "its own")
+        return 1
+    print(f"not current: {gpu} autotunes at run time ({located.why})")
+    return 1
 
 
 def main(argv=None) -> int:
@@ -312,10 +336,13 @@ def main(argv=None) -> int:
 
     from hola_titan.kernels import tuned_configs
 
+    if args.check:
+        return check(torch, tuned_configs)
     if not torch.cuda.is_available():
         raise SystemExit("error: tune_kernels.py needs a CUDA GPU (it times kernels on the GPU they will run on)")
     versions = tuned_configs.versions()
     gpu = torch.cuda.get_device_name(0)
+    capability = list(torch.cuda.get_device_capability(0))
     out = args.out or tuned_configs.shipped_file(gpu, versions["fla"], versions["triton"])
     for size in _split(args.sizes):
         if size not in SIZES:
@@ -348,7 +375,7 @@ def main(argv=None) -> int:
         runs = [*earlier_runs, {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command,
             "torch": versions["torch"], "cuda": versions["cuda"], "parts": log}]
-        meta = file_meta(before["meta"], gpu=gpu, versions=versions, runs=runs)
+        meta = file_meta(before["meta"], gpu=gpu, capability=capability, versions=versions, runs=runs)
         record = {"format": tuned_configs.FORMAT, "meta": meta, "kernels": kernels,
                   "plans": {**before.get("plans", {}), **plans}}
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -234,10 +234,75 @@ def test_tune_kernels_counts_a_plan_child_without_a_plan_as_failed(tmp_path):
 def test_tune_kernels_keeps_the_file_notes_when_it_merges():
     """A merged file keeps the notes written into its meta (a re-recording dropped them on 2026-12-03)."""
     meta = _tune_kernels_script().file_meta({"notes": ["plans migrated by hand"], "runs": [{"date": "d"}]},
-                                           gpu="G", versions={"torch": "t"}, runs=[{"date": "d"}, {"date": "e"}])
-    assert meta == {"gpu": "G", "torch": "t", "runs": [{"date": "d"}, {"date": "e"}],
+                                           gpu="G", capability=(9, 0), versions={"torch": "t"},
+                                           runs=[{"date": "d"}, {"date": "e"}])
+    assert meta == {"gpu": "G", "capability": [9, 0], "torch": "t", "runs": [{"date": "d"}, {"date": "e"}],
                     "notes": ["plans migrated by hand"]}
-    assert "notes" not in _tune_kernels_script().file_meta({}, gpu="G", versions={}, runs=[])
+    assert "notes" not in _tune_kernels_script().file_meta({}, gpu="G", capability=[8, 0], versions={}, runs=[])
+
+
+def _fake_gpu(monkeypatch, tmp_path, *, name: str, capability: tuple[int, int], files: dict[str, dict]):
+    """A CUDA device of this name and capability, with ``files`` (file name -> meta) as the shipped tables."""
+    import torch
+
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    for file_name, meta in files.items():
+        data = {"format": tuned_configs.FORMAT, "meta": meta,
+                "kernels": {"k": {"entries": [{"key": [1], "config": {}}], "key_names": ["B"]}}}
+        (folder / file_name).write_text(json.dumps(data))
+    monkeypatch.setattr(tuned_configs, "CONFIG_DIR", folder)
+    monkeypatch.setattr(tuned_configs, "versions",
+                        lambda: {"fla": "0.6.0", "triton": "3.6.0", "torch": "t", "cuda": "c"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+H200_META = {"gpu": "NVIDIA H200", "capability": [9, 0], "fla": "0.6.0", "triton": "3.6.0"}
+
+
+def test_a_gpu_without_a_table_takes_one_of_its_architecture_and_says_so(tmp_path, monkeypatch, capsys):
+    files = {"NVIDIA_H200__fla-0.6.0__triton-3.6.0.json": H200_META,
+             # Another architecture and other versions are never taken, though their names are closer.
+             "NVIDIA_H100_PCIe__fla-0.6.0__triton-3.6.0.json": {**H200_META, "gpu": "NVIDIA H100 PCIe",
+                                                               "capability": [8, 0]},
+             "NVIDIA_H100_80GB_HBM3__fla-0.5.0__triton-3.6.0.json": {**H200_META, "gpu": "NVIDIA H100 80GB HBM3",
+                                                                     "fla": "0.5.0"}}
+    _fake_gpu(monkeypatch, tmp_path, name="NVIDIA H100 80GB HBM3", capability=(9, 0), files=files)
+    located = tuned_configs.locate("auto", "cuda")
+    assert located.source == "nearest_gpu" and located.path.endswith("NVIDIA_H200__fla-0.6.0__triton-3.6.0.json")
+    assert "none shipped for NVIDIA H100 80GB HBM3 (sm_90)" in located.why
+    assert "same architecture (sm_90)" in located.describe() and located.kernels == 1
+    assert _tune_kernels_script().check(__import__("torch"), tuned_configs) == 1
+    assert "not current" in capsys.readouterr().out
+
+
+def test_the_nearest_table_prefers_the_closest_name_and_a_gpu_s_own_wins(tmp_path, monkeypatch, capsys):
+    files = {"NVIDIA_H200__fla-0.6.0__triton-3.6.0.json": H200_META,
+             "NVIDIA_H100_SXM__fla-0.6.0__triton-3.6.0.json": {**H200_META, "gpu": "NVIDIA H100 SXM"},
+             "NVIDIA_H800__fla-0.6.0__triton-3.6.0.json": {**H200_META, "gpu": "NVIDIA H800"}}
+    _fake_gpu(monkeypatch, tmp_path, name="NVIDIA H100 80GB HBM3", capability=(9, 0), files=files)
+    assert tuned_configs.locate("auto", "cuda").path.endswith("NVIDIA_H100_SXM__fla-0.6.0__triton-3.6.0.json")
+    (tmp_path / "configs" / "NVIDIA_H100_80GB_HBM3__fla-0.6.0__triton-3.6.0.json").write_text(
+        (tmp_path / "configs" / "NVIDIA_H200__fla-0.6.0__triton-3.6.0.json").read_text())
+    assert tuned_configs.locate("auto", "cuda").source == "shipped"
+    assert _tune_kernels_script().check(__import__("torch"), tuned_configs) == 0
+    assert capsys.readouterr().out.startswith("current: NVIDIA H100 80GB HBM3 takes its own table")
+
+
+def test_a_gpu_of_another_architecture_autotunes_and_says_why(tmp_path, monkeypatch):
+    _fake_gpu(monkeypatch, tmp_path, name="NVIDIA A100-SXM4-80GB", capability=(8, 0),
+              files={"NVIDIA_H200__fla-0.6.0__triton-3.6.0.json": H200_META})
+    located = tuned_configs.locate("auto", "cuda")
+    assert located.path is None and "nor for another sm_80 GPU" in located.describe()
+
+
+def test_the_shipped_files_name_their_architecture():
+    """nearest_shipped matches on it: a shipped file without it would serve no other GPU."""
+    for path in sorted(tuned_configs.CONFIG_DIR.glob("*.json")):
+        capability = tuned_configs.read_file(path)["meta"].get("capability")
+        assert isinstance(capability, list) and len(capability) == 2, path.name
 
 
 @pytest.mark.parametrize("flavour,packed", [("hola", True), ("hola", False), ("gdn", True)])

@@ -76,6 +76,39 @@ def shipped_file(gpu_name: str, fla: str | None, triton: str | None) -> Path:
     return CONFIG_DIR / f"{sanitize_gpu_name(gpu_name)}__fla-{fla}__triton-{triton}.json"
 
 
+def sm(capability: tuple[int, int] | list[int]) -> str:
+    """``(9, 0)`` -> ``sm_90``."""
+    return f"sm_{capability[0]}{capability[1]}"
+
+
+def nearest_shipped(gpu_name: str, capability: tuple[int, int], fla: str | None,
+                    triton: str | None) -> Path | None:
+    """The shipped file of another GPU of the same architecture (compute capability) and the same fla-core and
+    Triton versions, or None.
+
+    Why it serves: Triton compiles a kernel for the architecture, so a configuration tuned on an H200 is valid
+    and compiles to the same code on an H100 (both sm_90); only which candidate is fastest can differ with the
+    memory system, by a few percent. A table of another architecture is never taken (its tiles may not even
+    fit: shared memory and the MMA instructions differ), nor one of other versions (fla's candidates change).
+    Among several, the GPU whose name shares the longest prefix with this one's wins, then the name's order.
+    """
+    own = sanitize_gpu_name(gpu_name)
+    found = []
+    for path in sorted(CONFIG_DIR.glob(f"*__fla-{fla}__triton-{triton}.json")):
+        if path == shipped_file(gpu_name, fla, triton):
+            continue
+        try:
+            meta = read_file(path).get("meta", {})
+        except ValueError:
+            continue  # a broken shipped file is the tests' concern (test_kernel_configs), not a run's
+        if list(meta.get("capability") or []) != list(capability):
+            continue
+        name = path.name.split("__", 1)[0]
+        prefix = next((i for i, (a, b) in enumerate(zip(own, name)) if a != b), min(len(own), len(name)))
+        found.append((-prefix, name, path))
+    return min(found)[2] if found else None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Finding the autotuners.
 
@@ -235,7 +268,7 @@ class ConfigTable(dict):
 @dataclasses.dataclass
 class Installed:
     """The decision :func:`install` made, for the log and the run folder."""
-    source: str  # "shipped", "file" or "off"
+    source: str  # "shipped", "nearest_gpu" (another GPU's shipped file, same architecture), "file" or "off"
     path: str | None
     why: str
     kernels: int = 0
@@ -294,19 +327,27 @@ def locate(choice: str, device) -> Installed:
         return Installed("off", None, f"no tuned configurations on {device.type}")
     v = versions()
     gpu = torch.cuda.get_device_name(device)
+    nearest_why = ""
     if choice == "auto":
-        path = shipped_file(gpu, v["fla"], v["triton"])
+        path, source = shipped_file(gpu, v["fla"], v["triton"]), "shipped"
         if not path.exists():
-            return Installed("off", None, f"none shipped for {gpu} with fla-core {v['fla']} and Triton "
-                             f"{v['triton']}; scripts/tune_kernels.py writes them")
-        source = "shipped"
+            capability = tuple(torch.cuda.get_device_capability(device))
+            none = (f"none shipped for {gpu} ({sm(capability)}) with fla-core {v['fla']} and Triton "
+                    f"{v['triton']}")
+            path, source = nearest_shipped(gpu, capability, v["fla"], v["triton"]), "nearest_gpu"
+            if path is None:
+                return Installed("off", None, f"{none}, nor for another {sm(capability)} GPU; "
+                                 "scripts/tune_kernels.py writes them")
+            nearest_why = (f"; {none}: this table is another GPU's of the same architecture ({sm(capability)}), "
+                           "whose configurations compile to the same code here; scripts/tune_kernels.py writes "
+                           "this GPU's own")
     else:
         path, source = Path(choice).expanduser(), "file"
         if not path.exists():
             raise FileNotFoundError(f"model.kernel_configs: {path} does not exist")
     data = read_file(path)
     meta = data.get("meta", {})
-    why = f"tuned on {meta.get('gpu')} with fla-core {meta.get('fla')}, Triton {meta.get('triton')}"
+    why = f"tuned on {meta.get('gpu')} with fla-core {meta.get('fla')}, Triton {meta.get('triton')}{nearest_why}"
     if source == "file" and (meta.get("gpu") != gpu or meta.get("fla") != v["fla"]
                              or meta.get("triton") != v["triton"]):
         why += f"; this process: {gpu}, fla-core {v['fla']}, Triton {v['triton']}"
