@@ -362,7 +362,10 @@ class Validation:
     freq: int = setting(500, resume="applied", ge=1)
     """Validate every this many steps."""
     steps: int = setting(20, resume="applied", ge=1)
-    """Batches per validation."""
+    """Global batches per validation: the first ``steps x training.global_batch_size`` rows of the validation data,
+    each global batch read as every rank's gradient-accumulation micro-batches. ``val_loss`` is the mean over their
+    valid targets, so, as training's loss, it does not depend on the layout (local batch, accumulation,
+    data-parallel degree)."""
     dataset: str | None = setting(None, resume="applied")
     """Validation data (same forms as ``data.dataset``); None: the held-out split of the training data."""
 

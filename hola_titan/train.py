@@ -306,6 +306,7 @@ class Trainer:
         # Called with the trainer after the backward pass of every step, before clipping (parity tests read the
         # gradients there).
         self.gradient_probe = None
+        self._validation = None  # the validation loader (built at the first validation; every one reads the same)
 
     # ------------------------------------------------------------------ resuming (hola_titan/resume.py)
 
@@ -677,27 +678,39 @@ class Trainer:
 
     def _validation_loader(self):
         """The held-out documents of the training data, or ``validation.dataset`` read whole: the same batches at
-        every validation."""
+        every validation. Each of the ``validation.steps`` batches is one global batch of the run
+        (``training.global_batch_size`` rows, read as this rank's accumulation micro-batches), so the rows, hence
+        ``val_loss``, do not depend on the layout. Raises ``DataError`` for data smaller than one such batch."""
         from hola_titan.data import build_validation_dataloader
 
         config = self.config
         return build_validation_dataloader(data=config.data, dataset=config.validation.dataset,
                                            tokenizer=self.tokenizer, seq_len=config.training.seq_len,
                                            local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
-                                           dp_world_size=self.dp_size, max_batches=config.validation.steps)
+                                           dp_world_size=self.dp_size, max_batches=config.validation.steps,
+                                           accumulation=self.degrees.grad_accum_steps)
 
     @torch.no_grad()
     def validate(self) -> dict:
+        """The mean loss over every valid target of the ``validation.steps`` global batches of validation data (as
+        training's loss, independent of the layout)."""
+        if self._validation is None:
+            self._validation = self._validation_loader()
         self.model.eval()
-        loader = self._validation_loader()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in loader:
+        micro_batches = 0
+        for batch in self._validation:
             if self.cp is not None:
                 batch = self.cp.shard_batch(batch)
             loss_sum[0] += _full(self.loss_sum(batch)).double()
             loss_sum[1] += float((batch["labels"] != IGNORE_INDEX).sum())
+            micro_batches += 1
         self._all_reduce_sum(loss_sum)
         self.model.train()
+        read, wanted = micro_batches // self.degrees.grad_accum_steps, self.config.validation.steps
+        if read < wanted and self.rank == 0:
+            logger.warning("validation: the validation data ended after %d of the %d global batches of "
+                           "validation.steps; val_loss is over those", read, wanted)
         val_loss = float(loss_sum[0] / loss_sum[1].clamp(min=1))
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
@@ -813,8 +826,8 @@ class Trainer:
         mixer = paths["attention_backend"] if self.model_args.is_recurrent else "PyTorch SDPA"
         data = config.data
         val = ("off" if not config.validation.enable else
-               f"{config.validation.dataset or data.dataset} ({config.validation.steps} batches every "
-               f"{config.validation.freq} steps)")
+               f"{config.validation.dataset or data.dataset} ({config.validation.steps} global batches of "
+               f"{d.global_batch_size} rows every {config.validation.freq} steps)")
         tag = getattr(self.dataloader, "holdout", "none")  # local data without split folders only
         holdout = f", every {tag.split('/')[1]}th document held out for validation" if tag != "none" else ""
         start = f"resuming after step {resumed}" if resumed is not None else "step 0"
