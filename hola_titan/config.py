@@ -365,7 +365,8 @@ class Validation:
     """Global batches per validation: the first ``steps x training.global_batch_size`` rows of the validation data,
     each global batch read as every rank's gradient-accumulation micro-batches. ``val_loss`` is the mean over their
     valid targets, so, as training's loss, it does not depend on the layout (local batch, accumulation,
-    data-parallel degree)."""
+    data-parallel degree). At most what the validation data holds: refused before the first step otherwise
+    (streamed data, whose length is unknown, is checked for one global batch)."""
     dataset: str | None = setting(None, resume="applied")
     """Validation data (same forms as ``data.dataset``); None: the held-out split of the training data."""
 

@@ -306,7 +306,7 @@ class Trainer:
         # Called with the trainer after the backward pass of every step, before clipping (parity tests read the
         # gradients there).
         self.gradient_probe = None
-        self._validation = None  # the validation loader (built at the first validation; every one reads the same)
+        self._validation = None  # the validation loader, built and checked by train() before the first step
 
     # ------------------------------------------------------------------ resuming (hola_titan/resume.py)
 
@@ -690,12 +690,27 @@ class Trainer:
                                            dp_world_size=self.dp_size, max_batches=config.validation.steps,
                                            accumulation=self.degrees.grad_accum_steps)
 
+    def _checked_validation_loader(self):
+        """:meth:`_validation_loader`, refused in one line when the validation data holds fewer than
+        ``validation.steps`` global batches (counted for data held in memory; streamed data is checked for one
+        batch when the loader is built, and a validation says when it ends sooner). Called before the first step:
+        found at the first validation, the same mistake cost every step since the last checkpoint."""
+        config = self.config
+        loader = self._validation_loader()
+        held = len(loader) // self.degrees.grad_accum_steps
+        if held < config.validation.steps:
+            raise ConfigError("validation.steps", f"{config.validation.steps} global batches of "
+                              f"{self.degrees.global_batch_size} rows x {config.training.seq_len} tokens, but the "
+                              f"validation data ({config.validation.dataset or config.data.dataset}) holds {held}; "
+                              f"at most {held}")
+        return loader
+
     @torch.no_grad()
     def validate(self) -> dict:
         """The mean loss over every valid target of the ``validation.steps`` global batches of validation data (as
         training's loss, independent of the layout)."""
         if self._validation is None:
-            self._validation = self._validation_loader()
+            self._validation = self._checked_validation_loader()
         self.model.eval()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)
         micro_batches = 0
@@ -709,7 +724,7 @@ class Trainer:
         self.model.train()
         read, wanted = micro_batches // self.degrees.grad_accum_steps, self.config.validation.steps
         if read < wanted and self.rank == 0:
-            logger.warning("validation: the validation data ended after %d of the %d global batches of "
+            logger.warning("validation: the streamed validation data ended after %d of the %d global batches of "
                            "validation.steps; val_loss is over those", read, wanted)
         val_loss = float(loss_sum[0] / loss_sum[1].clamp(min=1))
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
@@ -729,6 +744,9 @@ class Trainer:
                     self._apply_resume_changes()
                     self._watch_steps = self.WATCHED_STEPS
                 self._restore_guard_state()
+            # Before the first step (and after a resume settled the global batch): validation data that cannot
+            # serve validation.steps is refused now, not after the steps up to the first validation.
+            self._validation = self._checked_validation_loader() if config.validation.enable else None
             self.paths["weights"] = self._weights_record()
             self._write_run_record()
             if self.rank == 0:
@@ -915,16 +933,23 @@ class Trainer:
                     rows.append(row)
                     self.metrics.log(row)
                     window_start, window_tokens = time.perf_counter(), 0
-                if validating:
-                    row = {"step": step, **self.validate()}
-                    rows.append(row)
-                    self.metrics.log(row)
                 if saving:
                     self._store_guard_state()
                 if self.checkpointer is not None:
                     # A step the loop saves was resolved above; retention keeps the last healthy one (_healthy).
                     healthy = self._healthy(pending.result()) if saving else True
                     self.checkpointer.maybe_save(step, final=final, healthy=healthy)
+                if validating:
+                    # After the step's checkpoint: a validation that fails (its data, the device) must not cost the
+                    # steps since the last one. A background save is finished before the error ends the run.
+                    try:
+                        row = {"step": step, **self.validate()}
+                    except Exception as err:
+                        if self.checkpointer is not None and not isinstance(err, InterruptedTwice):
+                            self.checkpointer.finish()
+                        raise
+                    rows.append(row)
+                    self.metrics.log(row)
                 prof.step()
                 stop = None if final else self._stop_requested()
                 if stop is not None:

@@ -379,6 +379,53 @@ def test_validation_never_reads_the_training_documents(tmp_path):
     assert val.holdout == "validation/10" and trainer.dataloader.holdout == "train/10"
 
 
+def _small_holdout(tmp_path: Path) -> list[str]:
+    """A file whose held-out tenth (25 short documents, a few hundred tokens) is smaller than one global batch of 8
+    rows x 128 tokens."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i} of a few words"}) + "\n" for i in range(250)))
+    return ["--data.dataset", str(path), "--data.holdout_every", "10", "--validation.enable", "true",
+            "--training.seq_len", "128", "--training.local_batch_size", "8"]
+
+
+def test_validation_data_smaller_than_a_global_batch_is_refused_before_the_first_step(tmp_path):
+    """It was found at the first validation (validation.freq steps in, before that step's checkpoint)."""
+    from hola_titan.data.sources import DataError
+
+    trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path), *_small_holdout(tmp_path),
+                                    "--training.steps", "3", "--validation.freq", "1000"]))
+    with pytest.raises(DataError, match=r"has \d+ tokens, fewer than one global batch of 8 rows x 128 tokens"):
+        trainer.train()
+    assert trainer.state.step == 0 and not (tmp_path / "metrics.jsonl").exists()
+    # More global batches than the validation data holds: refused at start too, naming the key.
+    trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "two"), "--training.steps", "3",
+                                    "--validation.enable", "true", "--validation.steps", "100000"]))
+    with pytest.raises(ConfigError, match=r"^validation.steps: 100000 global batches of 2 rows x 64 tokens, but the "
+                                          r"validation data \(bundled\) holds \d+; at most \d+$"):
+        trainer.train()
+    assert trainer.state.step == 0
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_validation_that_fails_keeps_the_checkpoint_of_its_step(tmp_path, monkeypatch, mode):
+    """validation.freq = checkpoint.interval: a validation that raises at step 4 costs no step, since that step's
+    checkpoint is written (and, saved in the background, complete) before the error ends the run."""
+    from hola_titan.data.sources import DataError
+
+    def fail(self):
+        raise DataError("validation data: unreadable (simulated)")
+
+    trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "6",
+                                    "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.async_mode",
+                                    mode, "--validation.enable", "true", "--validation.freq", "4",
+                                    "--validation.steps", "1"]))
+    monkeypatch.setattr(Trainer, "validate", fail)
+    with pytest.raises(DataError, match="simulated"):
+        trainer.train()
+    assert list_checkpoints(tmp_path / "checkpoint") == [4]
+    assert not list((tmp_path / "checkpoint").glob("*.tmp"))
+
+
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemWriter
 
