@@ -46,9 +46,9 @@ from hola_titan.builder import model_args_of
 from hola_titan.checkpoint import CheckpointError, Checkpointer
 from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
-from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, overlap_backward, parse_config,
-                               resolve_degrees, schedule_warning, to_toml, triton_cache_read_settings, validate,
-                               write_resolved)
+from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, check_memory, overlap_backward,
+                               parse_config, resolve_degrees, schedule_warning, to_toml, triton_cache_read_settings,
+                               validate, write_resolved)
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
 from hola_titan.kernels import seqlens
 from hola_titan.kernels.seqlens import Documents
@@ -170,6 +170,9 @@ class Trainer:
         self.device = resolve_device(config.training.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        # Before the run folder is made and anything allocated: a model or batch the rank cannot hold stops here.
+        self.model_args, self.tokenizer = model_args_of(config)
+        self._check_memory()
         if self.world_size > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.dims = ParallelDims(dp_replicate=self.degrees.dp_replicate, dp_shard=self.degrees.dp_shard,
@@ -189,7 +192,6 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-        self.model_args, self.tokenizer = model_args_of(config)
         from hola_titan.ops import resolve_kernels
         try:
             self.kernels = resolve_kernels(config.model.kernels, self.device)
@@ -355,6 +357,21 @@ class Trainer:
                                          steps=config.training.steps)
         if schedule_change:
             logger.info("resume: %s", schedule_change)
+
+    def _check_memory(self) -> None:
+        """:func:`~hola_titan.config.check_memory` against this rank's device and its share of the host's memory
+        (the node's processes share it), before any weight or batch is allocated: a size typed with a few zeros
+        too many used to grow a worker until the host killed it."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host_what = f"this host's {host / 2**30:,.0f} GiB of memory shared by {local} process(es)"
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            device_bytes, device_what = props.total_memory, f"this GPU ({props.name})"
+        else:
+            device_bytes, device_what = host // local, host_what
+        check_memory(self.config, self.model_args, self.degrees, device_bytes=device_bytes, device_what=device_what,
+                     host_bytes=host // local, host_what=host_what)
 
     def _resolve_attention_backend(self) -> tuple[str, str]:
         """The token mixer's backend, decided once for this model and device (``hola_titan.ops.explain_backend``);

@@ -256,6 +256,9 @@ def test_optimizer_settings_apply_at_build_and_over_restored_ones_by_parameter()
     (["--training.bogus", "1"], "training.bogus"),
     (["--parallelism.tensor_parallel_degree", "4"], "parallelism"),
     (["--training.seq_len", "100"], "training.seq_len"),
+    # More than any host holds: refused before the run folder or any weight exists (it grew until killed).
+    (["--model.n_layers", "100000000"], "model.n_layers"),
+    (["--training.local_batch_size", "100000000"], "training.local_batch_size"),
 ])
 def test_config_errors_exit_with_one_line(tmp_path, argv, key):
     result = subprocess.run([sys.executable, "-m", "hola_titan.train", "--job.config_file", DEBUG,
