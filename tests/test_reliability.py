@@ -466,6 +466,73 @@ def test_run_train_sh_ends_a_one_line_error_with_exit_2_and_no_torchrun_report(t
     assert "ChildFailedError" not in output and "Traceback" not in output, output[-3000:]
 
 
+def test_a_hub_dataset_neither_reachable_nor_cached_is_one_line_in_the_preflight(tmp_path, monkeypatch, capsys):
+    """--data.dataset cerebras/SlimPajama-627B on a node without network: half a minute of retries, then a 70-line
+    traceback (exit 1). Now the preflight says in one line, at once, that it is neither reachable nor cached and
+    how to download it; the hub is asked once (mocked here: the test needs no network and makes no request)."""
+    import datasets.config
+    import huggingface_hub
+    from datasets.naming import camelcase_to_snakecase
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from hola_titan.data.sources import DataError, hub_documents, resolve_source
+    from hola_titan.preflight import main as preflight_main
+
+    name = "cerebras/SlimPajama-627B"
+    argv = ["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path / "run"), "--data.dataset", name]
+    # HF_HUB_OFFLINE=1 and an empty cache, as a user would launch it.
+    begin = time.time()
+    env = {k: v for k, v in _env().items() if k not in ("HF_DATASETS_CACHE", "HF_DATASETS_OFFLINE")}
+    result = subprocess.run([sys.executable, "-m", "hola_titan.preflight", *argv], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env=env | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: data.dataset: {name!r} is not in the datasets cache {tmp_path / 'hf'}")
+    for part in ("HF_HUB_OFFLINE is set", f"datasets.load_dataset({name!r})", "HF_DATASETS_CACHE",
+                 f"hf download --repo-type dataset {name}"):
+        assert part in line, line
+    assert time.time() - begin < 30
+    # Without HF_HUB_OFFLINE: one request of the hub, which does not answer.
+    calls = []
+
+    def unreachable(self, repo_id, **kwargs):
+        calls.append((repo_id, kwargs.get("timeout")))
+        raise ConnectionError("simulated: [Errno -2] Name or service not known")
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    assert preflight_main(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert (f"error: data.dataset: {name!r} is not reachable on the Hugging Face hub from this node (ConnectionError: "
+            f"simulated: [Errno -2] Name or service not known) and not in the datasets cache {tmp_path / 'cache'}; "
+            "on a machine with network") in line
+    assert calls == [(name, 10.0)]
+    # In datasets' cache (as load_dataset leaves it), it is read from there: a warning, and the launch goes on.
+    owner, _, short = name.partition("/")
+    (tmp_path / "cache" / f"{owner}___{camelcase_to_snakecase(short)}" / "default" / "0.0.0" / "abc").mkdir(
+        parents=True)
+    assert preflight_main(argv) == 0
+    assert "will be read from the datasets cache" in capsys.readouterr().err
+    # A name the hub does not know.
+    def not_found(self, repo_id, **kwargs):
+        error = RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # its constructor wants an HTTP response
+        Exception.__init__(error, "404 Client Error")
+        raise error
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", not_found)
+    assert preflight_main([*argv[:-1], "cerebras/SlimPajamas"]) == 2
+    assert "the Hugging Face hub has no dataset 'cerebras/SlimPajamas'" in capsys.readouterr().err
+    # A worker started without the preflight: datasets' own error, once its retries are spent, is one line too.
+    def no_hub(*args, **kwargs):
+        raise ConnectionError(f"Couldn't reach {name!r} on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    with pytest.raises(DataError, match=r"Couldn't reach .* on the Hub \(LocalEntryNotFoundError\), and it is not in "
+                                        r"the datasets cache; on a machine with network"):
+        next(hub_documents(resolve_source(name, split="train"), streaming=True))
+
+
 RESUME = [*FAST, "--checkpoint.enable", "--checkpoint.interval", "4", "--lr_scheduler.warmup_steps", "2",
           "--optimizer.lr", "1e-3"]
 
