@@ -602,6 +602,11 @@ class Checkpointer:
         self._wait_pending()
         self._barrier()
 
+    def finish(self) -> None:
+        """Wait for a background save and finalise it on this rank alone (no barrier: for a rank on its way out on
+        an error, which the other ranks may not share)."""
+        self._wait_pending()
+
     # ------------------------------------------------------------------ loading
 
     def load(self, *, resume: bool = True) -> int | None:

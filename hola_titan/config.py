@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, NamedTuple, Sequence, Union, get_args, get_origin, get_type_hints
 
 from hola_titan.models import flavours
-from hola_titan.models.args import model_args
+from hola_titan.models.args import ModelArgs, model_args
 
 # The registry's flavours (hola_titan/models/flavours.py) are the config's choices.
 FlavourName = Literal[tuple(flavours.FLAVOURS)]
@@ -255,8 +255,8 @@ class Training:
     device: Literal["auto", "cpu", "cuda"] = setting("auto", resume="applied")
     """``auto``: CUDA when available, else CPU."""
     loss_chunk_size: int = setting(0, resume="applied", ge=0)
-    """Rows (tokens) per chunk of the chunked output-head cross-entropy, used without tensor parallelism; 0: auto
-    (about 256 MiB of float32 logits per chunk)."""
+    """Rows (tokens) per chunk of the chunked output-head cross-entropy, used without tensor parallelism (refused
+    with it); 0: auto (about 256 MiB of float32 logits per chunk). At most the tokens of a rank's micro-batch."""
     gc_freq: int = setting(50, resume="applied", ge=0)
     """Collect Python garbage (generation 1) every this many steps, with automatic collection off while training:
     an automatic collection pauses one rank at a random step and every rank waits for it at the next collective
@@ -362,7 +362,11 @@ class Validation:
     freq: int = setting(500, resume="applied", ge=1)
     """Validate every this many steps."""
     steps: int = setting(20, resume="applied", ge=1)
-    """Batches per validation."""
+    """Global batches per validation: the first ``steps x training.global_batch_size`` rows of the validation data,
+    each global batch read as every rank's gradient-accumulation micro-batches. ``val_loss`` is the mean over their
+    valid targets, so, as training's loss, it does not depend on the layout (local batch, accumulation,
+    data-parallel degree). At most what the validation data holds: refused before the first step otherwise
+    (streamed data, whose length is unknown, is checked for one global batch)."""
     dataset: str | None = setting(None, resume="applied")
     """Validation data (same forms as ``data.dataset``); None: the held-out split of the training data."""
 
@@ -383,10 +387,11 @@ class Data:
     varlen: bool = setting(True, resume="fixed")
     """Pack documents into rows with document boundaries (no attention or state across documents); false:
     plain concatenation, every row one causal sequence."""
-    holdout_every: int = setting(100, resume="fixed", ge=0)
+    holdout_every: int = setting(100, resume="fixed", ge=2, also=0)
     """Local data without ``train``/``validation`` sub-folders (one file, a glob, a plain folder): every N-th
-    document in reading order is held out for validation and never trained on. 0: no hold-out (validation on
-    such data is then refused: it would read training documents). Bundled and hub data have their own splits."""
+    document in reading order is held out for validation and never trained on (at least 2: 1 would hold out every
+    document). 0: no hold-out (validation on such data is then refused: it would read training documents). Bundled
+    and hub data have their own splits."""
     allow_changed_data: bool = setting(False, resume="launch")
     """Resume even when the training data differs from what the checkpoint's run read (its fingerprint: per file
     the size and the bytes at both ends; hub data by name), with a warning. False: such a resume is refused in one
@@ -772,6 +777,59 @@ def overlap_backward(model: Model) -> bool:
     return (not model.save_cache_output) if model.overlap_backward is None else model.overlap_backward
 
 
+STATE_BYTES_PER_PARAMETER = 16
+"""Float32 weight and gradient and AdamW's two float32 moments: what training keeps per parameter at the least."""
+
+
+def check_memory(config: JobConfig, args: ModelArgs, degrees: ParallelDegrees, *, device_bytes: int,
+                 device_what: str, host_bytes: int, host_what: str) -> None:
+    """Refuse, naming the key that sizes it, a run whose rank cannot hold what training needs at the least
+    (a floor, not an estimate: a run refused here could not have run; one that passes may still run out of memory):
+
+    - the training state, :data:`STATE_BYTES_PER_PARAMETER` bytes a weight of the matmuls (``flops.matmul_params``,
+      fewer than the model's parameters), over the FSDP shards and the tensor-parallel degree; on the host with
+      ``parallelism.fsdp_cpu_offload``. Named ``model.n_layers`` when set, else ``model.size``.
+    - the activations the backward needs: every block's input, even when activation checkpointing recomputes the
+      rest (``local_batch_size x seq_len`` tokens of ``dim`` values per block, over the context- and
+      tensor-parallel degrees; 2 bytes a value with bfloat16 compute, else 4). Named
+      ``training.local_batch_size`` (``training.seq_len`` at one row).
+
+    ``device_bytes`` / ``host_bytes``: the memory one rank may use of its device and of the host (its share of the
+    host's memory when the node's processes share it); ``device_what`` / ``host_what`` say what they are. On a CPU
+    both are the host's. Raises :class:`ConfigError`.
+    """
+    from hola_titan.flops import matmul_params
+
+    gib = 2 ** 30
+    training = config.training
+    params = matmul_params(args)
+    state = STATE_BYTES_PER_PARAMETER * params / (degrees.dp_shard * degrees.tp)
+    value_bytes = 2 if training.mixed_precision_param == "bfloat16" else 4
+    activations = (training.local_batch_size * training.seq_len * args.dim * args.n_layers * value_bytes
+                   / (degrees.cp * degrees.tp))
+    offload = config.parallelism.fsdp_cpu_offload
+    state_bytes, state_what = (host_bytes, host_what) if offload else (device_bytes, device_what)
+    if state > state_bytes:
+        key = "model.n_layers" if config.model.n_layers is not None else "model.size"
+        raise ConfigError(key, f"{args.flavour} {args.size} with {args.n_layers} blocks has at least {params:,} "
+                          "parameters, whose float32 weights, gradients and AdamW moments "
+                          f"({STATE_BYTES_PER_PARAMETER} bytes each) over data_parallel_shard_degree "
+                          f"{degrees.dp_shard} x tensor_parallel_degree "
+                          f"{degrees.tp} need at least {state / gib:,.1f} GiB per rank, more than the "
+                          f"{state_bytes / gib:,.1f} GiB of {state_what}; shard it over more ranks, or train a "
+                          "smaller model")
+    room = device_bytes - (0 if offload else state)
+    if activations > room:
+        key = "training.local_batch_size" if training.local_batch_size > 1 else "training.seq_len"
+        over = f" over context {degrees.cp} x tensor {degrees.tp}" if degrees.cp * degrees.tp > 1 else ""
+        raise ConfigError(key, f"{training.local_batch_size} rows x {training.seq_len} tokens "
+                          f"(training.local_batch_size x training.seq_len) keep at least {activations / gib:,.1f} GiB "
+                          f"of block inputs per rank for the backward ({args.n_layers} blocks x {args.dim} values x "
+                          f"{value_bytes} bytes a token{over}), more than the {room / gib:,.1f} GiB that "
+                          f"{device_what} has left beside the training state; lower training.local_batch_size "
+                          "(training.global_batch_size keeps the batch by accumulation) or training.seq_len")
+
+
 def validate(config: JobConfig, *, world_size: int) -> None:
     """Checks across fields that must pass before any model is built. Raises :class:`ConfigError`.
 
@@ -791,6 +849,10 @@ def validate(config: JobConfig, *, world_size: int) -> None:
         raise ConfigError("parallelism.tensor_parallel_degree",
                           f"{degrees.tp} does not divide the {args.n_heads} heads of {model.flavour} {model.size}")
     seq_len = config.training.seq_len
+    if args.is_recurrent and args.block > seq_len:
+        # Blocks are aligned to row starts: a longer one is never complete (and seq_len could not be its multiple).
+        raise ConfigError("model.block", f"{args.block} is more than the {seq_len} tokens of a training row "
+                          f"(training.seq_len); at most {seq_len}")
     if args.is_recurrent and seq_len % args.block:
         raise ConfigError("training.seq_len", f"{seq_len} is not a multiple of block {args.block}")
     if args.is_recurrent and args.evict != "none" and args.window > seq_len:
@@ -805,6 +867,16 @@ def validate(config: JobConfig, *, world_size: int) -> None:
         # previous shard alone.
         raise ConfigError("training.seq_len", f"{seq_len} over context_parallel_degree {degrees.cp} leaves shards of "
                           f"{seq_len // degrees.cp} tokens, fewer than conv_size - 1 = {args.conv_size - 1}")
+    chunk = config.training.loss_chunk_size
+    if chunk and degrees.tp > 1:
+        raise ConfigError("training.loss_chunk_size", f"{chunk} has no effect with tensor_parallel_degree "
+                          f"{degrees.tp} (the logits are sharded over the vocabulary instead); leave it 0")
+    micro_tokens = config.training.local_batch_size * seq_len // degrees.cp
+    if chunk > micro_tokens:
+        cp = f" / context_parallel_degree {degrees.cp}" if degrees.cp > 1 else ""
+        raise ConfigError("training.loss_chunk_size", f"{chunk} is more than the {micro_tokens} tokens of a rank's "
+                          f"micro-batch (training.local_batch_size x training.seq_len{cp}), all of which one chunk "
+                          f"already holds; at most {micro_tokens} (0 chooses)")
     if not args.is_recurrent and degrees.cp > 1:
         if config.data.varlen:
             raise ConfigError("data.varlen", "must be false for transformer with context_parallel_degree > 1")

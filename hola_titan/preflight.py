@@ -4,7 +4,8 @@ value ...]``.
 ``run_train.sh`` runs it once, in one process, with ``WORLD_SIZE`` set to the processes the launch will start, so
 that a mistake ends in one line and exit status 2 instead of a worker's error inside torchrun's failure report.
 It checks what can be checked without building the model: the config and its cross-field rules at that world
-size, the parallel degrees, the tokenizer, the training (and validation) data source, that
+size, the parallel degrees, the tokenizer, the training (and validation) data source (a Hugging Face hub dataset:
+that the hub answers for it or ``datasets``' cache holds it, asked once, without retries), that
 ``checkpoint.initial_load_path`` names a checkpoint when it will be loaded, and that no other run holds the run
 folder. A dry run (``--dry-run``) needs only the config.
 """
@@ -28,7 +29,7 @@ def preflight(argv: list[str], *, folder_check: bool = True) -> None:
     if config.dry_run:
         return
     from hola_titan.data import load_tokenizer
-    from hola_titan.data.sources import resolve_source
+    from hola_titan.data.sources import check_hub_source, resolve_source
     from hola_titan.data.synthetic import is_synthetic
     from hola_titan.runfolder import RunFolderError, RunFolderLock
 
@@ -46,12 +47,24 @@ def preflight(argv: list[str], *, folder_check: bool = True) -> None:
             except CheckpointError as err:
                 raise ConfigError("checkpoint.initial_load_path", str(err)) from None
     data = config.data
+    sources = []
     if not is_synthetic(data.dataset):
-        resolve_source(data.dataset, split=data.split, text_field=data.text_field, dataset_config=data.dataset_config,
-                       holdout_every=data.holdout_every)
+        sources.append(("data.dataset", resolve_source(data.dataset, split=data.split, text_field=data.text_field,
+                                                       dataset_config=data.dataset_config,
+                                                       holdout_every=data.holdout_every)))
         if config.validation.enable and config.validation.dataset in (None, data.dataset):
             resolve_source(data.dataset, split="validation", text_field=data.text_field,
                            dataset_config=data.dataset_config, holdout_every=data.holdout_every)
+    other = config.validation.dataset
+    if config.validation.enable and other not in (None, data.dataset) and not is_synthetic(other):
+        sources.append(("validation.dataset", resolve_source(other, split="validation", text_field=data.text_field,
+                                                             dataset_config=data.dataset_config)))
+    # A hub name on a node without network: said here in one line, not after every worker's half minute of retries.
+    for key, source in sources:
+        if source.kind == "hub":
+            note = check_hub_source(source, key=key)
+            if note:
+                print(f"warning: {note}", file=sys.stderr)
     if folder_check:
         try:
             RunFolderLock(config.job.dump_folder).probe()

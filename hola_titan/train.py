@@ -46,9 +46,9 @@ from hola_titan.builder import model_args_of
 from hola_titan.checkpoint import CheckpointError, Checkpointer
 from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
-from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, overlap_backward, parse_config,
-                               resolve_degrees, schedule_warning, to_toml, triton_cache_read_settings, validate,
-                               write_resolved)
+from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, check_memory, overlap_backward,
+                               parse_config, resolve_degrees, schedule_warning, to_toml, triton_cache_read_settings,
+                               validate, write_resolved)
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
 from hola_titan.kernels import seqlens
 from hola_titan.kernels.seqlens import Documents
@@ -170,6 +170,9 @@ class Trainer:
         self.device = resolve_device(config.training.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        # Before the run folder is made and anything allocated: a model or batch the rank cannot hold stops here.
+        self.model_args, self.tokenizer = model_args_of(config)
+        self._check_memory()
         if self.world_size > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.dims = ParallelDims(dp_replicate=self.degrees.dp_replicate, dp_shard=self.degrees.dp_shard,
@@ -189,7 +192,6 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-        self.model_args, self.tokenizer = model_args_of(config)
         from hola_titan.ops import resolve_kernels
         try:
             self.kernels = resolve_kernels(config.model.kernels, self.device)
@@ -306,6 +308,7 @@ class Trainer:
         # Called with the trainer after the backward pass of every step, before clipping (parity tests read the
         # gradients there).
         self.gradient_probe = None
+        self._validation = None  # the validation loader, built and checked by train() before the first step
 
     # ------------------------------------------------------------------ resuming (hola_titan/resume.py)
 
@@ -354,6 +357,21 @@ class Trainer:
                                          steps=config.training.steps)
         if schedule_change:
             logger.info("resume: %s", schedule_change)
+
+    def _check_memory(self) -> None:
+        """:func:`~hola_titan.config.check_memory` against this rank's device and its share of the host's memory
+        (the node's processes share it), before any weight or batch is allocated: a size typed with a few zeros
+        too many used to grow a worker until the host killed it."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host_what = f"this host's {host / 2**30:,.0f} GiB of memory shared by {local} process(es)"
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            device_bytes, device_what = props.total_memory, f"this GPU ({props.name})"
+        else:
+            device_bytes, device_what = host // local, host_what
+        check_memory(self.config, self.model_args, self.degrees, device_bytes=device_bytes, device_what=device_what,
+                     host_bytes=host // local, host_what=host_what)
 
     def _resolve_attention_backend(self) -> tuple[str, str]:
         """The token mixer's backend, decided once for this model and device (``hola_titan.ops.explain_backend``);
@@ -677,27 +695,54 @@ class Trainer:
 
     def _validation_loader(self):
         """The held-out documents of the training data, or ``validation.dataset`` read whole: the same batches at
-        every validation."""
+        every validation. Each of the ``validation.steps`` batches is one global batch of the run
+        (``training.global_batch_size`` rows, read as this rank's accumulation micro-batches), so the rows, hence
+        ``val_loss``, do not depend on the layout. Raises ``DataError`` for data smaller than one such batch."""
         from hola_titan.data import build_validation_dataloader
 
         config = self.config
         return build_validation_dataloader(data=config.data, dataset=config.validation.dataset,
                                            tokenizer=self.tokenizer, seq_len=config.training.seq_len,
                                            local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
-                                           dp_world_size=self.dp_size, max_batches=config.validation.steps)
+                                           dp_world_size=self.dp_size, max_batches=config.validation.steps,
+                                           accumulation=self.degrees.grad_accum_steps)
+
+    def _checked_validation_loader(self):
+        """:meth:`_validation_loader`, refused in one line when the validation data holds fewer than
+        ``validation.steps`` global batches (counted for data held in memory; streamed data is checked for one
+        batch when the loader is built, and a validation says when it ends sooner). Called before the first step:
+        found at the first validation, the same mistake cost every step since the last checkpoint."""
+        config = self.config
+        loader = self._validation_loader()
+        held = len(loader) // self.degrees.grad_accum_steps
+        if held < config.validation.steps:
+            raise ConfigError("validation.steps", f"{config.validation.steps} global batches of "
+                              f"{self.degrees.global_batch_size} rows x {config.training.seq_len} tokens, but the "
+                              f"validation data ({config.validation.dataset or config.data.dataset}) holds {held}; "
+                              f"at most {held}")
+        return loader
 
     @torch.no_grad()
     def validate(self) -> dict:
+        """The mean loss over every valid target of the ``validation.steps`` global batches of validation data (as
+        training's loss, independent of the layout)."""
+        if self._validation is None:
+            self._validation = self._checked_validation_loader()
         self.model.eval()
-        loader = self._validation_loader()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in loader:
+        micro_batches = 0
+        for batch in self._validation:
             if self.cp is not None:
                 batch = self.cp.shard_batch(batch)
             loss_sum[0] += _full(self.loss_sum(batch)).double()
             loss_sum[1] += float((batch["labels"] != IGNORE_INDEX).sum())
+            micro_batches += 1
         self._all_reduce_sum(loss_sum)
         self.model.train()
+        read, wanted = micro_batches // self.degrees.grad_accum_steps, self.config.validation.steps
+        if read < wanted and self.rank == 0:
+            logger.warning("validation: the streamed validation data ended after %d of the %d global batches of "
+                           "validation.steps; val_loss is over those", read, wanted)
         val_loss = float(loss_sum[0] / loss_sum[1].clamp(min=1))
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
@@ -716,6 +761,9 @@ class Trainer:
                     self._apply_resume_changes()
                     self._watch_steps = self.WATCHED_STEPS
                 self._restore_guard_state()
+            # Before the first step (and after a resume settled the global batch): validation data that cannot
+            # serve validation.steps is refused now, not after the steps up to the first validation.
+            self._validation = self._checked_validation_loader() if config.validation.enable else None
             self.paths["weights"] = self._weights_record()
             self._write_run_record()
             if self.rank == 0:
@@ -813,8 +861,8 @@ class Trainer:
         mixer = paths["attention_backend"] if self.model_args.is_recurrent else "PyTorch SDPA"
         data = config.data
         val = ("off" if not config.validation.enable else
-               f"{config.validation.dataset or data.dataset} ({config.validation.steps} batches every "
-               f"{config.validation.freq} steps)")
+               f"{config.validation.dataset or data.dataset} ({config.validation.steps} global batches of "
+               f"{d.global_batch_size} rows every {config.validation.freq} steps)")
         tag = getattr(self.dataloader, "holdout", "none")  # local data without split folders only
         holdout = f", every {tag.split('/')[1]}th document held out for validation" if tag != "none" else ""
         start = f"resuming after step {resumed}" if resumed is not None else "step 0"
@@ -906,16 +954,23 @@ class Trainer:
                     rows.append(row)
                     self.metrics.log(row)
                     window_start, window_tokens = time.perf_counter(), 0
-                if validating:
-                    row = {"step": step, **self.validate()}
-                    rows.append(row)
-                    self.metrics.log(row)
                 if saving:
                     self._store_guard_state()
                 if self.checkpointer is not None:
                     # A step the loop saves was resolved above; retention keeps the last healthy one (_healthy).
                     healthy = self._healthy(pending.result()) if saving else True
                     self.checkpointer.maybe_save(step, final=final, healthy=healthy)
+                if validating:
+                    # After the step's checkpoint: a validation that fails (its data, the device) must not cost the
+                    # steps since the last one. A background save is finished before the error ends the run.
+                    try:
+                        row = {"step": step, **self.validate()}
+                    except Exception as err:
+                        if self.checkpointer is not None and not isinstance(err, InterruptedTwice):
+                            self.checkpointer.finish()
+                        raise
+                    rows.append(row)
+                    self.metrics.log(row)
                 prof.step()
                 stop = None if final else self._stop_requested()
                 if stop is not None:

@@ -317,6 +317,56 @@ def test_n_layers_overrides_the_depth_of_a_size():
         parse_config(["--model.n_layers", "0"])
 
 
+@pytest.mark.parametrize("argv, world_size, key, match", [
+    # A block longer than a row was refused as a seq_len mistake ("not a multiple of block 4096").
+    (["--model.block", "4096", "--training.seq_len", "2048"], 1, "model.block", "at most 2048"),
+    (["--training.loss_chunk_size", "16385"], 1, "training.loss_chunk_size", "at most 16384"),  # 8 rows x 2048
+    (["--training.loss_chunk_size", "4097", "--parallelism.context_parallel_degree", "4"], 4,
+     "training.loss_chunk_size", "/ context_parallel_degree 4), all of which one chunk already holds; at most 4096"),
+    (["--training.loss_chunk_size", "64", "--parallelism.tensor_parallel_degree", "2"], 2, "training.loss_chunk_size",
+     "no effect with tensor_parallel_degree 2"),
+])
+def test_size_keys_are_bounded_by_the_run_s_other_keys(argv, world_size, key, match):
+    _invalid(key, argv, world_size=world_size, match=match)
+    _raises("data.holdout_every", ["--data.holdout_every", "1"], match="must be >= 2 or 0")  # 1 holds out everything
+
+
+def test_a_rank_that_cannot_hold_the_training_state_or_the_block_inputs_is_refused_naming_the_key():
+    """check_memory's floors: 16 bytes a matmul weight over the FSDP and tensor shards, and every block's input of a
+    micro-batch; the recipes at their 8-GPU layout fit an 80 GiB GPU."""
+    from hola_titan.builder import build_model_args
+    from hola_titan.config import check_memory
+
+    gib = 2 ** 30
+
+    def check(argv: list[str], *, world_size: int = 1, device_gib: float = 80, host_gib: float = 1024) -> None:
+        config = parse_config(argv)
+        validate(config, world_size=world_size)
+        degrees = resolve_degrees(config.parallelism, config.training, world_size=world_size)
+        check_memory(config, build_model_args(config, config.model.vocab_size or 32000), degrees,
+                     device_bytes=int(device_gib * gib), device_what="an 80 GiB GPU",
+                     host_bytes=int(host_gib * gib), host_what="the host")
+
+    seven_b = ["--model.size", "7B", "--training.local_batch_size", "4", "--training.mixed_precision_param",
+               "bfloat16"]
+    with pytest.raises(ConfigError, match=r"^model.size: hola 7B with 32 blocks has at least 6,611,271,680 "
+                                          r"parameters, .* need at least 98.5 GiB per rank, more than the 80.0 GiB of "
+                                          r"an 80 GiB GPU; shard it over more ranks"):
+        check(seven_b)
+    check([*seven_b, "--parallelism.fsdp_cpu_offload"])  # the state in the host's memory
+    check(seven_b, world_size=8)  # 8 FSDP shards
+    with pytest.raises(ConfigError, match=r"^model.n_layers: hola debug with 100000000 blocks"):
+        check(["--model.n_layers", "100000000"])
+    with pytest.raises(ConfigError, match=r"^training.local_batch_size: 1000000 rows x 2048 tokens .* keep at least "
+                                          r"1,953.1 GiB of block inputs per rank for the backward \(2 blocks x 128 "
+                                          r"values x 4 bytes"):
+        check(["--training.local_batch_size", "1000000", "--training.mixed_precision_param", "float32"])
+    with pytest.raises(ConfigError, match=r"^training.seq_len: 1 rows x 1073741824 tokens"):
+        check(["--training.local_batch_size", "1", "--training.seq_len", str(2 ** 30)])
+    for path in TRAIN_CONFIGS:
+        check(["--job.config_file", str(path)], world_size=8)
+
+
 def test_validate_accepts_cross_field_layouts():
     validate(parse_config(["--model.flavour", "transformer", "--parallelism.context_parallel_degree", "2",
                            "--data.varlen", "false", "--training.seq_len", "256"]), world_size=2)

@@ -395,6 +395,29 @@ def test_streamed_hub_data_matches_in_memory_and_resumes(fake_hub, corpus, token
     assert_same_batches(list(val), list(val))
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_validation_reads_whole_global_batches_at_any_layout(corpus, tokenizer, request, streamed):
+    """A validation batch is a global batch (ranks x local batch x accumulation rows): 4 rows read as 1 x 4, as
+    1 x 2 with 2 accumulation steps, or by 2 ranks x 1 with 2, are the same rows, and data that ends inside a global
+    batch ends the validation at the last whole one, in memory and streamed alike."""
+    _, path = corpus
+    if streamed:
+        request.getfixturevalue("fake_hub")
+    data = _data("someone/corpus", text_field="content") if streamed else _data(path)
+
+    def rows(ranks: int, local: int, accumulation: int) -> torch.Tensor:
+        loaders = [build_validation_dataloader(data=data, split="train", tokenizer=tokenizer, seq_len=SEQ_LEN,
+                                               local_batch_size=local, dp_rank=r, dp_world_size=ranks,
+                                               max_batches=1000, accumulation=accumulation) for r in range(ranks)]
+        per_rank = [[b["input_ids"] for b in loader] for loader in loaders]
+        return torch.cat([torch.cat(batches) for batches in zip(*per_rank, strict=True)])  # global row order
+
+    whole = rows(1, 4, 1)
+    assert len(whole) % 4 == 0 and len(whole) > 8
+    assert torch.equal(rows(1, 2, 2), whole) and torch.equal(rows(2, 1, 2), whole)
+    assert len(rows(1, 2, 1)) >= len(whole)  # global batches of 2 rows: at most one more row pair
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Local files and errors
 # ---------------------------------------------------------------------------------------------------------------

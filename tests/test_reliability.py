@@ -379,6 +379,53 @@ def test_validation_never_reads_the_training_documents(tmp_path):
     assert val.holdout == "validation/10" and trainer.dataloader.holdout == "train/10"
 
 
+def _small_holdout(tmp_path: Path) -> list[str]:
+    """A file whose held-out tenth (25 short documents, a few hundred tokens) is smaller than one global batch of 8
+    rows x 128 tokens."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i} of a few words"}) + "\n" for i in range(250)))
+    return ["--data.dataset", str(path), "--data.holdout_every", "10", "--validation.enable", "true",
+            "--training.seq_len", "128", "--training.local_batch_size", "8"]
+
+
+def test_validation_data_smaller_than_a_global_batch_is_refused_before_the_first_step(tmp_path):
+    """It was found at the first validation (validation.freq steps in, before that step's checkpoint)."""
+    from hola_titan.data.sources import DataError
+
+    trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path), *_small_holdout(tmp_path),
+                                    "--training.steps", "3", "--validation.freq", "1000"]))
+    with pytest.raises(DataError, match=r"has \d+ tokens, fewer than one global batch of 8 rows x 128 tokens"):
+        trainer.train()
+    assert trainer.state.step == 0 and not (tmp_path / "metrics.jsonl").exists()
+    # More global batches than the validation data holds: refused at start too, naming the key.
+    trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "two"), "--training.steps", "3",
+                                    "--validation.enable", "true", "--validation.steps", "100000"]))
+    with pytest.raises(ConfigError, match=r"^validation.steps: 100000 global batches of 2 rows x 64 tokens, but the "
+                                          r"validation data \(bundled\) holds \d+; at most \d+$"):
+        trainer.train()
+    assert trainer.state.step == 0
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_validation_that_fails_keeps_the_checkpoint_of_its_step(tmp_path, monkeypatch, mode):
+    """validation.freq = checkpoint.interval: a validation that raises at step 4 costs no step, since that step's
+    checkpoint is written (and, saved in the background, complete) before the error ends the run."""
+    from hola_titan.data.sources import DataError
+
+    def fail(self):
+        raise DataError("validation data: unreadable (simulated)")
+
+    trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "6",
+                                    "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.async_mode",
+                                    mode, "--validation.enable", "true", "--validation.freq", "4",
+                                    "--validation.steps", "1"]))
+    monkeypatch.setattr(Trainer, "validate", fail)
+    with pytest.raises(DataError, match="simulated"):
+        trainer.train()
+    assert list_checkpoints(tmp_path / "checkpoint") == [4]
+    assert not list((tmp_path / "checkpoint").glob("*.tmp"))
+
+
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -417,6 +464,73 @@ def test_run_train_sh_ends_a_one_line_error_with_exit_2_and_no_torchrun_report(t
     errors = [line for line in output.splitlines() if "error:" in line]
     assert len(errors) == 1 and expected in errors[0], output[-3000:]
     assert "ChildFailedError" not in output and "Traceback" not in output, output[-3000:]
+
+
+def test_a_hub_dataset_neither_reachable_nor_cached_is_one_line_in_the_preflight(tmp_path, monkeypatch, capsys):
+    """--data.dataset cerebras/SlimPajama-627B on a node without network: half a minute of retries, then a 70-line
+    traceback (exit 1). Now the preflight says in one line, at once, that it is neither reachable nor cached and
+    how to download it; the hub is asked once (mocked here: the test needs no network and makes no request)."""
+    import datasets.config
+    import huggingface_hub
+    from datasets.naming import camelcase_to_snakecase
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from hola_titan.data.sources import DataError, hub_documents, resolve_source
+    from hola_titan.preflight import main as preflight_main
+
+    name = "cerebras/SlimPajama-627B"
+    argv = ["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path / "run"), "--data.dataset", name]
+    # HF_HUB_OFFLINE=1 and an empty cache, as a user would launch it.
+    begin = time.time()
+    env = {k: v for k, v in _env().items() if k not in ("HF_DATASETS_CACHE", "HF_DATASETS_OFFLINE")}
+    result = subprocess.run([sys.executable, "-m", "hola_titan.preflight", *argv], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env=env | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: data.dataset: {name!r} is not in the datasets cache {tmp_path / 'hf'}")
+    for part in ("HF_HUB_OFFLINE is set", f"datasets.load_dataset({name!r})", "HF_DATASETS_CACHE",
+                 f"hf download --repo-type dataset {name}"):
+        assert part in line, line
+    assert time.time() - begin < 30
+    # Without HF_HUB_OFFLINE: one request of the hub, which does not answer.
+    calls = []
+
+    def unreachable(self, repo_id, **kwargs):
+        calls.append((repo_id, kwargs.get("timeout")))
+        raise ConnectionError("simulated: [Errno -2] Name or service not known")
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    assert preflight_main(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert (f"error: data.dataset: {name!r} is not reachable on the Hugging Face hub from this node (ConnectionError: "
+            f"simulated: [Errno -2] Name or service not known) and not in the datasets cache {tmp_path / 'cache'}; "
+            "on a machine with network") in line
+    assert calls == [(name, 10.0)]
+    # In datasets' cache (as load_dataset leaves it), it is read from there: a warning, and the launch goes on.
+    owner, _, short = name.partition("/")
+    (tmp_path / "cache" / f"{owner}___{camelcase_to_snakecase(short)}" / "default" / "0.0.0" / "abc").mkdir(
+        parents=True)
+    assert preflight_main(argv) == 0
+    assert "will be read from the datasets cache" in capsys.readouterr().err
+    # A name the hub does not know.
+    def not_found(self, repo_id, **kwargs):
+        error = RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # its constructor wants an HTTP response
+        Exception.__init__(error, "404 Client Error")
+        raise error
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", not_found)
+    assert preflight_main([*argv[:-1], "cerebras/SlimPajamas"]) == 2
+    assert "the Hugging Face hub has no dataset 'cerebras/SlimPajamas'" in capsys.readouterr().err
+    # A worker started without the preflight: datasets' own error, once its retries are spent, is one line too.
+    def no_hub(*args, **kwargs):
+        raise ConnectionError(f"Couldn't reach {name!r} on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    with pytest.raises(DataError, match=r"Couldn't reach .* on the Hub \(LocalEntryNotFoundError\), and it is not in "
+                                        r"the datasets cache; on a machine with network"):
+        next(hub_documents(resolve_source(name, split="train"), streaming=True))
 
 
 RESUME = [*FAST, "--checkpoint.enable", "--checkpoint.interval", "4", "--lr_scheduler.warmup_steps", "2",

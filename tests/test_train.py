@@ -138,6 +138,21 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     assert la == pytest.approx(lb, rel=1e-5, abs=1e-5)
 
 
+def test_validation_loss_does_not_depend_on_the_layout(tmp_path):
+    """validation.steps counts global batches: local batch 4 and local batch 2 with 2 accumulation steps (one global
+    batch of 4 rows) validate the same rows of the same weights, hence the same val_loss (it was over 4 rows
+    against 2)."""
+    base = ["--job.config_file", DEBUG, "--validation.enable", "true", "--validation.steps", "2",
+            "--training.seq_len", "64", "--training.global_batch_size", "4", "--metrics.enable_tensorboard", "false"]
+    losses, trainers = {}, {}
+    for local in (4, 2):
+        trainers[local] = Trainer(parse_config([*base, "--job.dump_folder", str(tmp_path / str(local)),
+                                                "--training.local_batch_size", str(local)]))
+        losses[local] = trainers[local].validate()["val_loss"]
+    assert losses[2] == pytest.approx(losses[4], rel=1e-6)
+    assert [len(trainers[local]._validation) for local in (4, 2)] == [2, 4]  # micro-batches: 2 x 1, 2 x 2
+
+
 def _write_tokenizer(folder: Path, vocab_size: int) -> Path:
     vocab = {"<|endoftext|>": 0, **{f"t{i}": i for i in range(1, vocab_size)}}
     tok = HFTokenizer(WordLevel(vocab, unk_token="t1"))
@@ -241,6 +256,9 @@ def test_optimizer_settings_apply_at_build_and_over_restored_ones_by_parameter()
     (["--training.bogus", "1"], "training.bogus"),
     (["--parallelism.tensor_parallel_degree", "4"], "parallelism"),
     (["--training.seq_len", "100"], "training.seq_len"),
+    # More than any host holds: refused before the run folder or any weight exists (it grew until killed).
+    (["--model.n_layers", "100000000"], "model.n_layers"),
+    (["--training.local_batch_size", "100000000"], "training.local_batch_size"),
 ])
 def test_config_errors_exit_with_one_line(tmp_path, argv, key):
     result = subprocess.run([sys.executable, "-m", "hola_titan.train", "--job.config_file", DEBUG,

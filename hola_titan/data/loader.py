@@ -69,13 +69,19 @@ class PackedDataLoader(RowLoader):
         seed: recorded in the state (it decides the document order of shuffled data).
         num_batches: None: endless and stateful (training); an int: every iteration yields the same first
             ``num_batches`` batches (validation).
+        accumulation: with ``num_batches``, the local batches that make one validation batch (the run's
+            gradient-accumulation steps): iteration stops only at a whole one of them.
         holdout: the source's hold-out (``Source.holdout_tag``), recorded and checked on resume.
     """
 
     def __init__(self, stream: TokenStream, *, seq_len: int, local_batch_size: int, dp_rank: int,
                  dp_world_size: int, eos_id: int, varlen: bool, seed: int, num_batches: int | None = None,
-                 holdout: str = "none", fingerprint: dict | None = None, allow_changed_data: bool = False) -> None:
+                 accumulation: int = 1, holdout: str = "none", fingerprint: dict | None = None,
+                 allow_changed_data: bool = False) -> None:
+        if accumulation < 1 or (num_batches is not None and num_batches % accumulation):
+            raise ValueError(f"accumulation must be >= 1 and divide num_batches {num_batches}, got {accumulation}")
         self.stream = stream
+        self.accumulation = accumulation
         self.holdout = holdout
         self.fingerprint = fingerprint
         self.allow_changed_data = allow_changed_data
@@ -104,8 +110,11 @@ class PackedDataLoader(RowLoader):
             if isinstance(self.stream, StreamingTokenStream):
                 self.stream.restore(0, {"epoch": 0, "doc": 0, "offset": 0})
             for index in range(self.num_batches):
-                # Stop on every rank at the first global batch that does not fit (streamed data may be shorter).
-                if not self.stream.available((index + 1) * self.global_batch_rows * self.seq_len + 1):
+                # Stop on every rank at the first validation batch (``accumulation`` global batches of the loader)
+                # that does not fit (streamed data may be shorter): what is read then does not depend on the layout.
+                end = index + self.accumulation
+                if index % self.accumulation == 0 and not self.stream.available(
+                        end * self.global_batch_rows * self.seq_len + 1):
                     return
                 yield self._batch_at(index * self.global_batch_rows)
             return
@@ -301,7 +310,7 @@ def build_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: int, local_ba
 
 def build_validation_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
                                 dp_rank: int = 0, dp_world_size: int = 1, dataset: str | None = None,
-                                split: str = "validation", max_batches: int | None = None,
+                                split: str = "validation", max_batches: int | None = None, accumulation: int = 1,
                                 txt_documents: TxtDocuments = "paragraph") -> PackedDataLoader | MqarLoader:
     """Loader over fixed held-out rows: the first epoch of ``split`` in stored order, the same every iteration.
 
@@ -309,12 +318,17 @@ def build_validation_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: in
     ``data.dataset``, of which local data without split folders gives the documents ``data.holdout_every`` holds
     out. ``data.split`` and ``data.allow_changed_data`` concern the training loader and are not read here.
 
-    It yields ``min(max_batches, full global batches in one epoch)`` batches (``max_batches`` is required for
-    streamed hub data, whose length is unknown); every rank yields the same number. Other arguments as in
-    :func:`build_dataloader`.
+    A validation batch is one global batch of the run, ``dp_world_size x local_batch_size x accumulation`` rows
+    (``accumulation``: the run's gradient-accumulation steps), handed out as ``accumulation`` local batches in a
+    row. Validation batch ``i`` is global rows ``[i*R, (i+1)*R)`` whatever the layout, so the rows read, hence the
+    loss, depend on the global batch alone, as training's do. It yields ``min(max_batches, whole validation
+    batches in one epoch)`` of them, ``len()`` counting local batches (``max_batches`` is required for streamed
+    hub data, whose length is unknown; it may end sooner); every rank yields the same number. Other arguments as
+    in :func:`build_dataloader`.
 
     Raises:
-        ValueError: the split is too small for one global batch, or ``max_batches`` is missing for streamed data.
+        DataError: the split holds fewer rows than one validation batch (streamed data is read that far to know).
+        ValueError: ``max_batches`` is missing for streamed data.
     """
     # The hold-out belongs to the training data: a separate dataset has none of it.
     holdout_every = data.holdout_every if dataset in (None, data.dataset) else None
@@ -323,29 +337,42 @@ def build_validation_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: in
                 dp_world_size=dp_world_size)
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"max_batches must be >= 1 or None, got {max_batches}")
+    if accumulation < 1:
+        raise ValueError(f"accumulation must be >= 1, got {accumulation}")
     if is_synthetic(dataset):
+        # Rows are drawn by their global index: the first max_batches validation batches are layout-independent.
         return build_synthetic_dataloader(dataset, vocab_size=tokenizer.vocab_size, seq_len=seq_len,
                                           local_batch_size=local_batch_size, dp_rank=dp_rank,
-                                          dp_world_size=dp_world_size, seed=0, split=split, num_batches=max_batches,
+                                          dp_world_size=dp_world_size, seed=0, split=split,
+                                          num_batches=None if max_batches is None else max_batches * accumulation,
                                           validation=True)
     source = resolve_source(dataset, split=split, text_field=data.text_field, dataset_config=data.dataset_config,
                             txt_documents=txt_documents, holdout_every=holdout_every)
     stream = _build_stream(source, tokenizer, streaming=data.streaming, shuffle=False, seed=0, epochs=1)
-    global_rows = dp_world_size * local_batch_size
+    batch_rows = dp_world_size * local_batch_size * accumulation
+
+    def too_small(holds: str) -> DataError:
+        return DataError(f"validation data {dataset!r} split {split!r} ({source.holdout_tag} hold-out) {holds}, "
+                         f"fewer than one global batch of {batch_rows} rows x {seq_len} tokens; lower "
+                         "data.holdout_every, or use validation.dataset")
+
     if isinstance(stream, InMemoryTokenStream):
         # Row j needs stream positions up to j*T + T, inside the single epoch.
         available_rows = (stream.epoch_len - 1) // seq_len
-        num_batches = available_rows // global_rows
+        num_batches = available_rows // batch_rows
         if num_batches == 0:
-            raise DataError(f"validation data {dataset!r} split {split!r} ({source.holdout_tag} hold-out) has "
-                            f"{stream.epoch_len} tokens, fewer than one global batch of {global_rows} rows x {seq_len} "
-                            "tokens; lower data.holdout_every, or use validation.dataset")
+            raise too_small(f"has {stream.epoch_len} tokens")
         if max_batches is not None:
             num_batches = min(num_batches, max_batches)
     elif max_batches is None:
         raise ValueError(f"validation on streamed data {dataset!r} needs max_batches")
     else:
+        # Its length is unknown: read as far as one validation batch now, so that a split too small for one is
+        # found when the loader is built (before training), not at the first validation.
+        if not stream.available(batch_rows * seq_len + 1):
+            raise too_small("ends sooner (streamed)")
         num_batches = max_batches
     return PackedDataLoader(stream, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
                             dp_world_size=dp_world_size, eos_id=tokenizer.eos_id, varlen=data.varlen, seed=0,
-                            num_batches=num_batches, holdout=source.holdout_tag)
+                            num_batches=num_batches * accumulation, accumulation=accumulation,
+                            holdout=source.holdout_tag)

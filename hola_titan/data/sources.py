@@ -311,14 +311,89 @@ def _all_documents(source: Source) -> Iterator[str]:
             yield from _json_documents(path, source.text_field)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Hub datasets on a node without network
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _hub_fetch_hint(source: Source) -> str:
+    """How to make a hub dataset readable on a node without network (the end of a one-line error)."""
+    name = source.dataset
+    call = f"datasets.load_dataset({name!r}" + (f", {source.dataset_config!r}" if source.dataset_config else "") + ")"
+    return (f"on a machine with network either run `python -c \"import datasets; {call}\"` with HF_DATASETS_CACHE "
+            "(or HF_HOME) on storage this node reads, then point it there here too and set HF_HUB_OFFLINE=1, or "
+            f"`hf download --repo-type dataset {name} --local-dir DIR` (huggingface-cli download with an older "
+            "huggingface_hub) and give DIR's .jsonl/.parquet files as a local dataset")
+
+
+def hub_cache_folders(source: Source) -> list[Path]:
+    """The folders of ``datasets``' cache that hold the hub dataset ``source`` (its configuration when one is
+    named): where ``datasets.load_dataset`` reads it when the hub cannot be reached, as ``datasets`` lays them out
+    (``HF_DATASETS_CACHE/<owner>___<name in snake case>/<config>/<version>/<hash>``)."""
+    import datasets.config
+    from datasets.naming import camelcase_to_snakecase
+
+    owner, _, name = source.dataset.partition("/")
+    root = Path(datasets.config.HF_DATASETS_CACHE) / f"{owner}___{camelcase_to_snakecase(name)}"
+    return sorted(p for p in root.glob(f"{source.dataset_config or '*'}/*/*") if p.is_dir())
+
+
+def check_hub_source(source: Source, *, key: str, timeout: float = 10.0) -> str | None:
+    """Whether the hub dataset ``source`` can be read on this node, found out at once: the hub is asked once,
+    without ``datasets``' retries (half a minute, then a long traceback, on a node without network), and
+    ``datasets``' cache is looked at. Returns None when the hub answers for the dataset, and a note when the hub
+    cannot be reached but the cache holds the dataset (``datasets`` falls back to it, after its retries unless
+    ``HF_HUB_OFFLINE`` is set). With ``HF_HUB_OFFLINE`` only the cache is looked at.
+
+    Raises:
+        DataError: one line starting with ``key``: no such dataset on the hub, or neither reachable nor cached,
+            with how to download it for this node; or the datasets package is missing.
+    """
+    if source.kind != "hub":
+        raise ValueError(f"{source.dataset!r} is not a hub dataset")
+    try:
+        import datasets.config
+        import huggingface_hub
+        from huggingface_hub.errors import RepositoryNotFoundError
+    except ImportError:
+        raise DataError(f"{key}: {source.dataset!r} is read as a Hugging Face hub name, which needs the datasets "
+                        "package (a local path must exist, or start with / or ./)") from None
+    name, cache = source.dataset, datasets.config.HF_DATASETS_CACHE
+    what = f"{name!r}" + (f" (configuration {source.dataset_config!r})" if source.dataset_config else "")
+    cached = hub_cache_folders(source)
+    if datasets.config.HF_HUB_OFFLINE:
+        if cached:
+            return None
+        raise DataError(f"{key}: {what} is not in the datasets cache {cache}, and HF_HUB_OFFLINE is set (the hub is "
+                        f"not asked); {_hub_fetch_hint(source)}")
+    try:
+        huggingface_hub.HfApi().dataset_info(name, timeout=timeout)
+    except RepositoryNotFoundError:
+        raise DataError(f"{key}: the Hugging Face hub has no dataset {name!r} that this node may read (a typo? a "
+                        "private or gated one needs `hf auth login` or HF_TOKEN)") from None
+    except Exception as error:  # noqa: BLE001 - whatever kept the hub from answering (DNS, proxy, timeout, 5xx)
+        why = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+        if cached:
+            return (f"{key}: the Hugging Face hub is not reachable from this node ({why}); {what} will be read from "
+                    f"the datasets cache {cached[-1]} (set HF_HUB_OFFLINE=1 to skip datasets' retries of the hub)")
+        raise DataError(f"{key}: {what} is not reachable on the Hugging Face hub from this node ({why}) and not in "
+                        f"the datasets cache {cache}; {_hub_fetch_hint(source)}") from None
+    return None
+
+
 def hub_documents(source: Source, *, streaming: bool, skip: int = 0) -> Iterator[str]:
-    """Documents of a hub dataset in its stored order, starting after the first ``skip`` documents."""
+    """Documents of a hub dataset in its stored order, starting after the first ``skip`` documents. A dataset that
+    can be neither reached nor read from the cache raises :class:`DataError` (one line, how to download it)."""
     try:
         import datasets
     except ImportError as error:
         raise ImportError(f"dataset {source.dataset!r} is read as a Hugging Face hub name, which needs the "
                           "datasets package (a local path must exist, or start with / or ./)") from error
-    data = datasets.load_dataset(source.dataset, source.dataset_config, split=source.split, streaming=streaming)
+    try:
+        data = datasets.load_dataset(source.dataset, source.dataset_config, split=source.split, streaming=streaming)
+    except ConnectionError as error:  # datasets' "Couldn't reach ... on the Hub", once its retries are spent
+        raise DataError(f"dataset {source.dataset!r}: {' '.join(str(error).split())[:200]}, and it is not in the "
+                        f"datasets cache; {_hub_fetch_hint(source)}") from None
     columns = getattr(data, "column_names", None)
     if columns is not None and source.text_field not in columns:
         raise DataError(f"dataset {source.dataset!r}: no text field {source.text_field!r} "
