@@ -148,6 +148,13 @@ def fast_path_check(chosen: str, why: str, *, device_type: str, backend: str, re
             "than the Triton kernels. Set model.require_fast_path = true to refuse such a start")
 
 
+def token_cache_folder(config: JobConfig) -> Path | None:
+    """Where the loaders keep tokenised data for the node's next process (``data.token_cache``), or None."""
+    if not config.data.token_cache or not config.job.cache_folder:
+        return None
+    return Path(config.job.cache_folder).expanduser() / "tokens"
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -280,7 +287,8 @@ class Trainer:
         self.dp_rank, self.dp_size = mesh_rank_and_size(self.mesh, "dp")
         self.dataloader = build_dataloader(data=config.data, tokenizer=self.tokenizer, seq_len=config.training.seq_len,
                                            local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
-                                           dp_world_size=self.dp_size, seed=config.training.seed)
+                                           dp_world_size=self.dp_size, seed=config.training.seed,
+                                           token_cache=token_cache_folder(config))
         self.state = TrainState()
         self._restore_guard_state()
         self.flops = flops_per_token(self.model_args, config.training.seq_len)
@@ -705,7 +713,8 @@ class Trainer:
                                            tokenizer=self.tokenizer, seq_len=config.training.seq_len,
                                            local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
                                            dp_world_size=self.dp_size, max_batches=config.validation.steps,
-                                           accumulation=self.degrees.grad_accum_steps)
+                                           accumulation=self.degrees.grad_accum_steps,
+                                           token_cache=token_cache_folder(config))
 
     def _checked_validation_loader(self):
         """:meth:`_validation_loader`, refused in one line when the validation data holds fewer than

@@ -516,3 +516,70 @@ def test_bundled_corpus_splits_and_lengths(tokenizer):
                                       max_batches=5)
     assert len(val) == 5
     assert_same_batches(list(val), list(val))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The token cache on disk (data.token_cache)
+
+
+def _fresh_process(monkeypatch) -> None:
+    """What a new process starts with: no tokenised data held in memory."""
+    from hola_titan.data import loader as loader_module
+    monkeypatch.setattr(loader_module, "_TOKEN_CACHE", type(loader_module._TOKEN_CACHE)())
+
+
+def test_a_second_process_reads_the_tokens_from_the_cache_and_gets_the_same_batches(tmp_path, tokenizer, monkeypatch,
+                                                                                  caplog):
+    path = write_jsonl(tmp_path / "docs.jsonl", make_documents(60))
+    cache = tmp_path / "tokens"
+    kwargs = dict(data=_data(str(path)), tokenizer=tokenizer, seq_len=SEQ_LEN, local_batch_size=3, seed=5)
+    _fresh_process(monkeypatch)
+    first = take(build_dataloader(**kwargs, token_cache=cache), 12)
+    assert len(list(cache.glob("*.npz"))) == 1
+    _fresh_process(monkeypatch)
+    with caplog.at_level("INFO", logger="hola_titan"):
+        again = take(build_dataloader(**kwargs, token_cache=cache), 12)
+    assert "read from the token cache" in caplog.text
+    for a, b in zip(first, again, strict=True):
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+    _fresh_process(monkeypatch)
+    plain = take(build_dataloader(**kwargs), 12)  # no cache: tokenised here, the same rows
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(first, plain, strict=True))
+
+
+def test_changed_data_is_tokenised_again_and_a_broken_cache_file_is_named_and_replaced(tmp_path, tokenizer,
+                                                                                   monkeypatch, caplog):
+    path = write_jsonl(tmp_path / "docs.jsonl", make_documents(40))
+    cache = tmp_path / "tokens"
+    data = _data("bundled")  # the file is a separate validation dataset, read whole
+
+    def rows() -> torch.Tensor:
+        _fresh_process(monkeypatch)
+        loader = build_validation_dataloader(data=data, dataset=str(path), tokenizer=tokenizer, seq_len=SEQ_LEN,
+                                             local_batch_size=2, token_cache=cache)
+        return torch.cat([batch["input_ids"] for batch in loader])
+
+    before = rows()
+    write_jsonl(path, make_documents(40, seed=1))  # other documents: the files' size or time differ
+    changed = rows()
+    assert not torch.equal(before[: len(changed)], changed[: len(before)])
+    assert len(list(cache.glob("*.npz"))) == 2
+    newest = max(cache.glob("*.npz"), key=lambda f: f.stat().st_mtime_ns)
+    newest.write_bytes(newest.read_bytes()[:100])  # a file cut short
+    with caplog.at_level("WARNING", logger="hola_titan"):
+        assert torch.equal(rows(), changed)
+    assert "cannot be read" in caplog.text and newest.name in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="hola_titan"):
+        assert torch.equal(rows(), changed)
+    assert "read from the token cache" in caplog.text  # the broken file was replaced
+
+
+def test_the_trainer_s_token_cache_follows_its_two_keys():
+    from hola_titan.config import parse_config
+    from hola_titan.train import token_cache_folder
+
+    assert token_cache_folder(parse_config(["--job.cache_folder", "/c"])) == Path("/c/tokens")
+    assert token_cache_folder(parse_config(["--job.cache_folder", "/c", "--data.token_cache", "false"])) is None
+    assert token_cache_folder(parse_config(["--job.cache_folder", ""])) is None

@@ -29,9 +29,14 @@ held-out data in stored order and yield the same batches every time they are ite
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import logging
+import os
+import time
+import zipfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -235,8 +240,57 @@ def _check_args(*, tokenizer: Tokenizer, seq_len: int, local_batch_size: int, dp
         raise ValueError(f"dp_rank must be in [0, {dp_world_size}), got {dp_rank}")
 
 
-def _tokenized(source: Source, tokenizer: Tokenizer, *, streaming: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Tokenise a finite source once per process (cached by files, fields and tokenizer)."""
+_DISK_FORMAT = "hola_titan.tokens/1"
+
+
+def _disk_cache_file(token_cache: Path, key: tuple[Any, ...]) -> Path:
+    digest = hashlib.sha256(repr((_DISK_FORMAT, key)).encode()).hexdigest()[:32]
+    return token_cache / f"{digest}.npz"
+
+
+def _read_disk_cache(path: Path, label: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The cached ``(tokens, offsets)``, or None when there is none; a file that cannot be read (a process killed
+    while another wrote it cannot leave one: writes are renamed into place) is named in a warning and replaced."""
+    if not path.is_file():
+        return None
+    begin = time.perf_counter()
+    try:
+        with np.load(path) as data:
+            if str(data["format"]) != _DISK_FORMAT:
+                raise ValueError(f"format {data['format']}")
+            tokens, offsets = data["tokens"].astype(np.int32), data["offsets"].astype(np.int64)
+        if offsets[0] != 0 or offsets[-1] != len(tokens):
+            raise ValueError("offsets do not span the tokens")
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as err:
+        logger.warning("token cache %s for %s cannot be read (%s): tokenising again", path, label, err)
+        return None
+    logger.info("tokens of %s read from the token cache %s: %s documents, %s tokens in %.1f s", label, path,
+                f"{len(offsets) - 1:,}", f"{len(tokens):,}", time.perf_counter() - begin)
+    return tokens, offsets
+
+
+def _write_disk_cache(path: Path, tokens: np.ndarray, offsets: np.ndarray, label: str) -> None:
+    """Write atomically (a temporary file renamed into place), so readers see a whole file or none; ranks or runs
+    that tokenised the same data at once write the same bytes. A cache that cannot be written costs the next
+    process the tokenising again, not this run: a warning."""
+    stored = tokens.astype(np.uint16) if len(tokens) == 0 or int(tokens.max()) < 1 << 16 else tokens
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(tmp, format=np.array(_DISK_FORMAT), tokens=stored, offsets=offsets)
+        os.replace(tmp, path)
+    except OSError as err:
+        logger.warning("token cache %s for %s not written (%s): the next process tokenises again", path, label,
+                       err)
+        tmp.unlink(missing_ok=True)
+        return
+    logger.info("tokens of %s written to the token cache %s (%.0f MB)", label, path, path.stat().st_size / 1e6)
+
+
+def _tokenized(source: Source, tokenizer: Tokenizer, *, streaming: bool,
+               token_cache: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenise a finite source once per process (cached by files, fields and tokenizer), and once per node for
+    bundled and local data when ``token_cache`` names a folder (``data.token_cache``)."""
     if source.kind == "hub":
         key: tuple[Any, ...] = (source.kind, source.dataset, source.dataset_config, source.split,
                                 source.text_field)
@@ -247,7 +301,15 @@ def _tokenized(source: Source, tokenizer: Tokenizer, *, streaming: bool) -> tupl
     key = (*key, tokenizer.fingerprint)
     if key not in _TOKEN_CACHE:
         label = source.dataset if source.kind != "local" or len(source.files) != 1 else str(source.files[0])
-        _TOKEN_CACHE[key] = tokenize_documents(documents, tokenizer, label=f"{label} ({source.split})")
+        label = f"{label} ({source.split})"
+        # Hub data is left to datasets' own cache: its name does not pin a revision, so a key could go stale.
+        disk = _disk_cache_file(token_cache, key) if token_cache is not None and source.kind != "hub" else None
+        found = _read_disk_cache(disk, label) if disk is not None else None
+        if found is None:
+            found = tokenize_documents(documents, tokenizer, label=label)
+            if disk is not None:
+                _write_disk_cache(disk, *found, label)
+        _TOKEN_CACHE[key] = found
         if len(_TOKEN_CACHE) > _TOKEN_CACHE_SIZE:
             _TOKEN_CACHE.popitem(last=False)
     _TOKEN_CACHE.move_to_end(key)
@@ -255,13 +317,13 @@ def _tokenized(source: Source, tokenizer: Tokenizer, *, streaming: bool) -> tupl
 
 
 def _build_stream(source: Source, tokenizer: Tokenizer, *, streaming: bool | None, shuffle: bool, seed: int,
-                  epochs: int | None) -> TokenStream:
+                  epochs: int | None, token_cache: Path | None) -> TokenStream:
     stream_hub = source.kind == "hub" and (streaming is None or streaming)
     if stream_hub:
         def open_documents(skip: int) -> Iterator[str]:
             return hub_documents(source, streaming=True, skip=skip)
         return StreamingTokenStream(open_documents, tokenizer, epochs=epochs)
-    tokens, offsets = _tokenized(source, tokenizer, streaming=False)
+    tokens, offsets = _tokenized(source, tokenizer, streaming=False, token_cache=token_cache)
     if len(offsets) < 2 or offsets[-1] == 0:
         files = ", ".join(str(f) for f in source.files[:3]) + (" ..." if len(source.files) > 3 else "")
         raise DataError(f"data.dataset: {source.dataset!r} split {source.split!r} ({files}) has no document with at "
@@ -271,7 +333,8 @@ def _build_stream(source: Source, tokenizer: Tokenizer, *, streaming: bool | Non
 
 def build_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: int, local_batch_size: int, dp_rank: int = 0,
                      dp_world_size: int = 1, seed: int = 0, shuffle: bool = True,
-                     txt_documents: TxtDocuments = "paragraph") -> PackedDataLoader | MqarLoader:
+                     txt_documents: TxtDocuments = "paragraph",
+                     token_cache: Path | None = None) -> PackedDataLoader | MqarLoader:
     """Endless, resumable training loader for one data-parallel rank (module docstring).
 
     Args:
@@ -291,6 +354,8 @@ def build_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: int, local_ba
         seed: document order of each epoch when ``shuffle``.
         shuffle: reshuffle the documents of finite data every epoch; streamed hub data is always read in order.
         txt_documents: ``.txt`` files: ``paragraph`` (blank-line separated blocks) or ``file``.
+        token_cache: a folder that keeps the tokenised documents of bundled and local data for the next process
+            (``data.token_cache``; the trainer passes ``job.cache_folder``/``tokens``); None: tokenise here.
     """
     _check_args(tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
                 dp_world_size=dp_world_size)
@@ -301,7 +366,8 @@ def build_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: int, local_ba
     source = resolve_source(data.dataset, split=data.split, text_field=data.text_field,
                             dataset_config=data.dataset_config, txt_documents=txt_documents,
                             holdout_every=data.holdout_every)
-    stream = _build_stream(source, tokenizer, streaming=data.streaming, shuffle=shuffle, seed=seed, epochs=None)
+    stream = _build_stream(source, tokenizer, streaming=data.streaming, shuffle=shuffle, seed=seed, epochs=None,
+                           token_cache=token_cache)
     return PackedDataLoader(stream, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
                             dp_world_size=dp_world_size, eos_id=tokenizer.eos_id, varlen=data.varlen, seed=seed,
                             holdout=source.holdout_tag, fingerprint=source_fingerprint(source),
@@ -311,7 +377,8 @@ def build_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: int, local_ba
 def build_validation_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
                                 dp_rank: int = 0, dp_world_size: int = 1, dataset: str | None = None,
                                 split: str = "validation", max_batches: int | None = None, accumulation: int = 1,
-                                txt_documents: TxtDocuments = "paragraph") -> PackedDataLoader | MqarLoader:
+                                txt_documents: TxtDocuments = "paragraph",
+                                token_cache: Path | None = None) -> PackedDataLoader | MqarLoader:
     """Loader over fixed held-out rows: the first epoch of ``split`` in stored order, the same every iteration.
 
     ``dataset``: a separate validation dataset (``validation.dataset``), read whole; None (or ``data.dataset``):
@@ -348,7 +415,8 @@ def build_validation_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: in
                                           validation=True)
     source = resolve_source(dataset, split=split, text_field=data.text_field, dataset_config=data.dataset_config,
                             txt_documents=txt_documents, holdout_every=holdout_every)
-    stream = _build_stream(source, tokenizer, streaming=data.streaming, shuffle=False, seed=0, epochs=1)
+    stream = _build_stream(source, tokenizer, streaming=data.streaming, shuffle=False, seed=0, epochs=1,
+                           token_cache=token_cache)
     batch_rows = dp_world_size * local_batch_size * accumulation
 
     def too_small(holds: str) -> DataError:
