@@ -9,7 +9,8 @@
 # Arguments are passed on as config overrides (--section.key value) or flags (--dry-run).
 # Before torchrun starts, the launch is checked in one process (hola_titan.preflight): a mistake ends there in one
 # line with exit status 2. SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) to this script (or to the whole job) makes the workers
-# save a checkpoint at the next step boundary and exit 0; a second Ctrl-C stops them at once.
+# save a checkpoint at the next step boundary and exit 0; a second Ctrl-C stops them at once. kill -9 of this script
+# alone ends torchrun with it, and the workers then stop the same way (save, exit, run folder free).
 #
 # Multi-node example (2 nodes x 8 GPUs), on node 0 and node 1 respectively:
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 CONFIG_FILE=train_configs/hola_1.3B.toml ./run_train.sh
@@ -76,7 +77,9 @@ filtering=$!
 # SIGTERM (a scheduler's warning before a kill), SIGUSR1 and SIGINT (Ctrl-C) go to the workers, which save a
 # checkpoint at the next step boundary and exit cleanly. torchrun itself ignores the three (it would otherwise stop the workers at once and end
 # with a traceback), whether the signal is sent to this script or to every process of the job.
-( trap '' TERM USR1 INT; exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${rdzv[@]}" \
+# hola_titan.launch has the kernel kill torchrun when this script ends, even by kill -9 (no trap sees that); the
+# workers, orphaned then, stop as on SIGTERM and free the run folder.
+( trap '' TERM USR1 INT; exec "$PYTHON" -m hola_titan.launch "$$" --nproc_per_node "$NGPU" "${rdzv[@]}" \
     --max-restarts "$MAX_RESTARTS" --signals-to-handle SIGHUP,SIGQUIT --local-ranks-filter "$LOG_RANK" \
     --role rank --tee 3 -m hola_titan.train --job.config_file "$CONFIG_FILE" "${overrides[@]}" ) 2> "$work/stderr" &
 launcher=$!

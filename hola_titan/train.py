@@ -64,7 +64,7 @@ from hola_titan.parallelisms.init import init_like_one_process
 from hola_titan.parallelisms.parallelize import parallelize_model
 from hola_titan.profiling import step_profiler
 from hola_titan.resume import plan_resume
-from hola_titan.runfolder import RunFolderError, RunFolderLock, die_with_parent
+from hola_titan.runfolder import RunFolderError, RunFolderLock, watch_parent
 
 logger = logging.getLogger("hola_titan")
 
@@ -962,6 +962,24 @@ def _remember_stop_signals() -> None:
         signal.signal(sig, handler)
 
 
+# How long a worker whose torchrun has ended may take to save and exit before it ends at once (a save that waits
+# for a rank that is gone would otherwise hold the run folder for ever).
+ORPHAN_GRACE_S = 300.0
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """torchrun (process ``parent``) has ended, e.g. killed with ``run_train.sh`` (``kill -9``, which no trap sees):
+    stop as on SIGTERM, the current step's checkpoint written at its boundary, and end with SIGKILL if still alive
+    after ``ORPHAN_GRACE_S``. Runs in :func:`watch_parent`'s thread."""
+    logger.warning("torchrun (process %d) has ended: stopping as on SIGTERM, saving at the next step boundary "
+                   "(this process ends at once if still running in %.0f s)", parent, ORPHAN_GRACE_S)
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler of the moment: before, during or after the training loop
+    time.sleep(ORPHAN_GRACE_S)
+    _one_line_error(f"torchrun (process {parent}) ended {ORPHAN_GRACE_S:.0f} s ago and this worker has not "
+                    "finished its save: ending it (the checkpoints written before are intact)")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A batch tensor on ``device`` without waiting for the device (host tensors go through pinned memory)."""
     if tensor.device == device or tensor.device.type != "cpu":
@@ -1012,9 +1030,10 @@ def _one_line_error(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", 0))
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        die_with_parent()  # torchrun's workers run in their own sessions: end with the launcher, not after it
     _remember_stop_signals()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun's workers run in sessions of their own: one whose torchrun is gone stops, not trains on.
+        watch_parent(_stop_when_orphaned)
     setup_logging(rank)
     try:
         config = parse_config(argv)
