@@ -71,8 +71,9 @@ filter() {
   done
   if [ ! -s "$HOLA_TITAN_ERROR_FILE" ] && [ ${#held[@]} -gt 0 ]; then printf '%s\n' "${held[@]}"; fi
 }
-# The filter outlives a signal to the whole job (it must print the workers' last lines).
-( trap '' TERM USR1 INT; filter ) < "$work/stderr" >&2 &
+# The filter outlives a signal to the whole job (it must print the workers' last lines). After a kill -9 of this
+# script it is the last one left, and removes the work folder.
+( trap '' TERM USR1 INT; filter; kill -0 "$$" 2>/dev/null || rm -rf "$work" ) < "$work/stderr" >&2 &
 filtering=$!
 # SIGTERM (a scheduler's warning before a kill), SIGUSR1 and SIGINT (Ctrl-C) go to the workers, which save a
 # checkpoint at the next step boundary and exit cleanly. torchrun itself ignores the three (it would otherwise stop the workers at once and end

@@ -110,7 +110,9 @@ def test_kill_9_of_run_train_sh_alone_ends_the_run_and_frees_its_folder(tmp_path
     """``kill -9`` of the ``run_train.sh`` process alone (issue 50, item 6; not its process group, which the test
     above kills): torchrun ends with it, and its worker, orphaned, stops as on SIGTERM (the step's checkpoint
     written) instead of training on with the run folder's lock. Without the fix torchrun and the worker outlive it."""
-    env = _env() | {"NGPU": "1", "CONFIG_FILE": DEBUG, "PYTHON": sys.executable}
+    scratch = tmp_path / "tmp"  # run_train.sh's work folder goes here
+    scratch.mkdir()
+    env = _env() | {"NGPU": "1", "CONFIG_FILE": DEBUG, "PYTHON": sys.executable, "TMPDIR": str(scratch)}
     run = [*LONG[2:], "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "100000",
            "--job.dump_folder", str(tmp_path)]
     launcher = subprocess.Popen([str(ROOT / "run_train.sh"), *run], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
@@ -131,6 +133,7 @@ def test_kill_9_of_run_train_sh_alone_ends_the_run_and_frees_its_folder(tmp_path
         assert not left, f"processes of the run outlived run_train.sh by 20 s: {left}"
         assert _lock_free(tmp_path)
         assert list_checkpoints(tmp_path / "checkpoint"), "the orphaned worker stopped without its checkpoint"
+        assert not [p.name for p in scratch.iterdir() if p.name.startswith("run_train.")]
     finally:
         for pid in [launcher.pid, *tree]:
             if _alive(pid):
