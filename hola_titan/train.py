@@ -54,6 +54,7 @@ from hola_titan.kernels import seqlens
 from hola_titan.kernels.seqlens import Documents
 from hola_titan.kernels.fla_gdn import prepare_backward
 from hola_titan.loss import chunked_linear_cross_entropy
+from hola_titan.memory import batch_line, describe, estimate_memory
 from hola_titan.metrics import MetricsLogger, peak_memory_gib, setup_logging
 from hola_titan.models.context import BatchContext
 from hola_titan.models.model import HolaTitanLM, build_model, num_params
@@ -993,7 +994,8 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def dry_run(config: JobConfig) -> None:
-    """Print the resolved config, parameter count and training FLOPs per token; allocate no weights."""
+    """Print the resolved config, parameter count, training FLOPs per token, the batch and its accumulation, and a
+    per-device memory estimate (:mod:`hola_titan.memory`); allocate no weights."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     validate(config, world_size=world_size)
     args, tokenizer = model_args_of(config, tokenizer_optional=True)
@@ -1009,6 +1011,9 @@ def dry_run(config: JobConfig) -> None:
     print(f"model: {args.flavour} {args.size}, {num_params(model):,} parameters, vocab {args.vocab_size}")
     parts = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in flops.items() if k != "total")
     print(f"training FLOPs per token: {flops['total'] / 1e9:.3f} GFLOP ({parts}) at seq_len {config.training.seq_len}")
+    degrees = resolve_degrees(config.parallelism, config.training, world_size=world_size)
+    print(batch_line(config, degrees))
+    print("\n".join(describe(estimate_memory(args, config, degrees, model), config)))
 
 
 def _one_line_error(message: str) -> int:
