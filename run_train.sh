@@ -15,6 +15,7 @@
 # Multi-node example (2 nodes x 8 GPUs), on node 0 and node 1 respectively:
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 CONFIG_FILE=train_configs/hola_1.3B.toml ./run_train.sh
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 CONFIG_FILE=train_configs/hola_1.3B.toml ./run_train.sh
+# On Slurm: scripts/slurm/train.sbatch (one of these per node through srun, requeued on preemption).
 set -euo pipefail
 cd "$(dirname "$0")"
 CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
