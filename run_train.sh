@@ -9,11 +9,13 @@
 # Arguments are passed on as config overrides (--section.key value) or flags (--dry-run).
 # Before torchrun starts, the launch is checked in one process (hola_titan.preflight): a mistake ends there in one
 # line with exit status 2. SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) to this script (or to the whole job) makes the workers
-# save a checkpoint at the next step boundary and exit 0; a second Ctrl-C stops them at once.
+# save a checkpoint at the next step boundary and exit 0; a second Ctrl-C stops them at once. kill -9 of this script
+# alone ends torchrun with it, and the workers then stop the same way (save, exit, run folder free).
 #
 # Multi-node example (2 nodes x 8 GPUs), on node 0 and node 1 respectively:
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 CONFIG_FILE=train_configs/hola_1.3B.toml ./run_train.sh
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 CONFIG_FILE=train_configs/hola_1.3B.toml ./run_train.sh
+# On Slurm: scripts/slurm/train.sbatch (one of these per node through srun, requeued on preemption).
 set -euo pipefail
 cd "$(dirname "$0")"
 CONFIG_FILE=${CONFIG_FILE:-./train_configs/debug_model.toml}
@@ -70,13 +72,16 @@ filter() {
   done
   if [ ! -s "$HOLA_TITAN_ERROR_FILE" ] && [ ${#held[@]} -gt 0 ]; then printf '%s\n' "${held[@]}"; fi
 }
-# The filter outlives a signal to the whole job (it must print the workers' last lines).
-( trap '' TERM USR1 INT; filter ) < "$work/stderr" >&2 &
+# The filter outlives a signal to the whole job (it must print the workers' last lines). After a kill -9 of this
+# script it is the last one left, and removes the work folder.
+( trap '' TERM USR1 INT; filter; kill -0 "$$" 2>/dev/null || rm -rf "$work" ) < "$work/stderr" >&2 &
 filtering=$!
 # SIGTERM (a scheduler's warning before a kill), SIGUSR1 and SIGINT (Ctrl-C) go to the workers, which save a
 # checkpoint at the next step boundary and exit cleanly. torchrun itself ignores the three (it would otherwise stop the workers at once and end
 # with a traceback), whether the signal is sent to this script or to every process of the job.
-( trap '' TERM USR1 INT; exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPU" "${rdzv[@]}" \
+# hola_titan.launch has the kernel kill torchrun when this script ends, even by kill -9 (no trap sees that); the
+# workers, orphaned then, stop as on SIGTERM and free the run folder.
+( trap '' TERM USR1 INT; exec "$PYTHON" -m hola_titan.launch "$$" --nproc_per_node "$NGPU" "${rdzv[@]}" \
     --max-restarts "$MAX_RESTARTS" --signals-to-handle SIGHUP,SIGQUIT --local-ranks-filter "$LOG_RANK" \
     --role rank --tee 3 -m hola_titan.train --job.config_file "$CONFIG_FILE" "${overrides[@]}" ) 2> "$work/stderr" &
 launcher=$!

@@ -1,5 +1,5 @@
-"""One writer per run folder: an exclusive lock on ``<job.dump_folder>/.lock``, and workers that die with their
-launcher.
+"""One writer per run folder: an exclusive lock on ``<job.dump_folder>/.lock``, and workers that stop when their
+launcher is gone.
 
 Two trainers writing one dump folder interleave ``metrics.jsonl`` and race each other's checkpoint saves. The
 process that writes the folder (rank 0) holds an exclusive ``flock`` on ``<dump_folder>/.lock`` for as long as its
@@ -12,16 +12,17 @@ Inside one process the lock is shared (a notebook or a test that builds a second
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import errno
 import fcntl
 import json
 import logging
 import os
-import signal
 import socket
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger("hola_titan")
@@ -162,22 +163,20 @@ def _read(text: str) -> dict:
         return {}
 
 
-def die_with_parent() -> None:
-    """Ask the kernel (Linux) to SIGKILL this process when its parent ends.
+def watch_parent(on_orphaned: Callable[[int], None], *, interval: float = 0.5) -> threading.Thread:
+    """Call ``on_orphaned(parent)`` from a daemon thread once this process's parent (as at this call) has ended.
 
-    torchrun starts its workers in their own sessions, so ``kill -9`` of ``run_train.sh``'s process group would
-    leave a worker training on, still holding the run folder; a relaunch then meets it. Called by the trainer's
-    entry point when torchrun launched it. No-op where ``prctl`` is unavailable.
-    """
-    if not sys.platform.startswith("linux"):
-        return
+    torchrun starts its workers in their own sessions, so a worker whose torchrun is gone (killed with
+    ``run_train.sh``, or on its own) would train on, holding the run folder. Polling ``os.getppid()`` rather than
+    ``PR_SET_PDEATHSIG``: the kernel sends that signal when the *thread* that started the child ends, which need not
+    be torchrun's end, and a thread here can also bound how long the orphan lives (the trainer's handler)."""
     parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent ended before the request took effect
-        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(interval)
+        on_orphaned(parent)
+
+    thread = threading.Thread(target=watch, name="watch_parent", daemon=True)
+    thread.start()
+    return thread

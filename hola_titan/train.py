@@ -54,6 +54,7 @@ from hola_titan.kernels import seqlens
 from hola_titan.kernels.seqlens import Documents
 from hola_titan.kernels.fla_gdn import prepare_backward
 from hola_titan.loss import chunked_linear_cross_entropy
+from hola_titan.memory import batch_line, describe, estimate_memory
 from hola_titan.metrics import MetricsLogger, peak_memory_gib, setup_logging
 from hola_titan.models.context import BatchContext
 from hola_titan.models.model import HolaTitanLM, build_model, num_params
@@ -64,7 +65,7 @@ from hola_titan.parallelisms.init import init_like_one_process
 from hola_titan.parallelisms.parallelize import parallelize_model
 from hola_titan.profiling import step_profiler
 from hola_titan.resume import plan_resume
-from hola_titan.runfolder import RunFolderError, RunFolderLock, die_with_parent
+from hola_titan.runfolder import RunFolderError, RunFolderLock, watch_parent
 
 logger = logging.getLogger("hola_titan")
 
@@ -1030,6 +1031,24 @@ def _remember_stop_signals() -> None:
         signal.signal(sig, handler)
 
 
+# How long a worker whose torchrun has ended may take to save and exit before it ends at once (a save that waits
+# for a rank that is gone would otherwise hold the run folder for ever).
+ORPHAN_GRACE_S = 300.0
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """torchrun (process ``parent``) has ended, e.g. killed with ``run_train.sh`` (``kill -9``, which no trap sees):
+    stop as on SIGTERM, the current step's checkpoint written at its boundary, and end with SIGKILL if still alive
+    after ``ORPHAN_GRACE_S``. Runs in :func:`watch_parent`'s thread."""
+    logger.warning("torchrun (process %d) has ended: stopping as on SIGTERM, saving at the next step boundary "
+                   "(this process ends at once if still running in %.0f s)", parent, ORPHAN_GRACE_S)
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler of the moment: before, during or after the training loop
+    time.sleep(ORPHAN_GRACE_S)
+    _one_line_error(f"torchrun (process {parent}) ended {ORPHAN_GRACE_S:.0f} s ago and this worker has not "
+                    "finished its save: ending it (the checkpoints written before are intact)")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A batch tensor on ``device`` without waiting for the device (host tensors go through pinned memory)."""
     if tensor.device == device or tensor.device.type != "cpu":
@@ -1043,7 +1062,8 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def dry_run(config: JobConfig) -> None:
-    """Print the resolved config, parameter count and training FLOPs per token; allocate no weights."""
+    """Print the resolved config, parameter count, training FLOPs per token, the batch and its accumulation, and a
+    per-device memory estimate (:mod:`hola_titan.memory`); allocate no weights."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     validate(config, world_size=world_size)
     args, tokenizer = model_args_of(config, tokenizer_optional=True)
@@ -1059,6 +1079,9 @@ def dry_run(config: JobConfig) -> None:
     print(f"model: {args.flavour} {args.size}, {num_params(model):,} parameters, vocab {args.vocab_size}")
     parts = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in flops.items() if k != "total")
     print(f"training FLOPs per token: {flops['total'] / 1e9:.3f} GFLOP ({parts}) at seq_len {config.training.seq_len}")
+    degrees = resolve_degrees(config.parallelism, config.training, world_size=world_size)
+    print(batch_line(config, degrees))
+    print("\n".join(describe(estimate_memory(args, config, degrees, model), config)))
 
 
 def _one_line_error(message: str) -> int:
@@ -1080,9 +1103,10 @@ def _one_line_error(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", 0))
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        die_with_parent()  # torchrun's workers run in their own sessions: end with the launcher, not after it
     _remember_stop_signals()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun's workers run in sessions of their own: one whose torchrun is gone stops, not trains on.
+        watch_parent(_stop_when_orphaned)
     setup_logging(rank)
     try:
         config = parse_config(argv)

@@ -98,6 +98,48 @@ def test_the_worker_ends_with_run_train_sh(tmp_path):
             os.kill(worker, signal.SIGKILL)
 
 
+def _descendants(pid: int) -> list[int]:
+    tree, todo = [], [pid]
+    while todo:
+        todo = [c for p in todo for c in _children(p)]
+        tree += todo
+    return tree
+
+
+def test_kill_9_of_run_train_sh_alone_ends_the_run_and_frees_its_folder(tmp_path):
+    """``kill -9`` of the ``run_train.sh`` process alone (issue 50, item 6; not its process group, which the test
+    above kills): torchrun ends with it, and its worker, orphaned, stops as on SIGTERM (the step's checkpoint
+    written) instead of training on with the run folder's lock. Without the fix torchrun and the worker outlive it."""
+    scratch = tmp_path / "tmp"  # run_train.sh's work folder goes here
+    scratch.mkdir()
+    env = _env() | {"NGPU": "1", "CONFIG_FILE": DEBUG, "PYTHON": sys.executable, "TMPDIR": str(scratch)}
+    run = [*LONG[2:], "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "100000",
+           "--job.dump_folder", str(tmp_path)]
+    launcher = subprocess.Popen([str(ROOT / "run_train.sh"), *run], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    tree = []
+    try:
+        _rows_when(tmp_path, 2)
+        tree = _descendants(launcher.pid)
+        worker = _lock_holder(tmp_path)
+        assert worker in tree and len(tree) >= 3, tree  # the output filter, torchrun and its worker
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        deadline = time.time() + 20
+        while any(_alive(pid) for pid in tree) and time.time() < deadline:
+            time.sleep(0.2)
+        left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
+                for pid in tree if _alive(pid)}
+        assert not left, f"processes of the run outlived run_train.sh by 20 s: {left}"
+        assert _lock_free(tmp_path)
+        assert list_checkpoints(tmp_path / "checkpoint"), "the orphaned worker stopped without its checkpoint"
+        assert not [p.name for p in scratch.iterdir() if p.name.startswith("run_train.")]
+    finally:
+        for pid in [launcher.pid, *tree]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 SHORT = ["--job.config_file", DEBUG, "--training.seq_len", "64", "--training.local_batch_size", "2",
          "--validation.enable", "false", "--metrics.enable_tensorboard", "false", "--model.attention_backend", "sdpa",
          "--checkpoint.enable", "--checkpoint.interval", "3"]

@@ -175,6 +175,63 @@ def test_dry_run_340M(tmp_path, capsys, flavour, expected):
         assert abs(expected - 341.6e6) / 341.6e6 < 0.005
 
 
+def test_dry_run_prints_the_accumulation_and_a_memory_estimate(capsys):
+    """Issue 50, item 11: the batch with its accumulation and a per-device memory estimate, said to be one."""
+    code = main(["--job.config_file", DEBUG, "--dry-run", "--training.local_batch_size", "4",
+                 "--training.global_batch_size", "16", "--training.device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert ("batch: micro-batch 4 row(s) x 256 tokens per data-parallel rank (training.local_batch_size) x 1 "
+            "data-parallel rank(s) = 4 rows; 4 accumulation step(s); global batch 16 rows = 4,096 tokens") in out
+    assert "memory estimate per process (CPU) (an estimate from the model's shapes, not a measurement" in out
+    for part in ("  state: parameters ", "  activations: ", "activation_checkpoint.mode none (other modes: full ",
+                 "  total: "):
+        assert part in out, out[-2000:]
+
+
+def _estimate(*extra: str, world_size: int = 1):
+    from hola_titan.config import resolve_degrees
+    from hola_titan.memory import estimate_memory
+
+    config = parse_config(["--job.config_file", str(ROOT / "train_configs" / "hola_340M.toml"), *extra])
+    args = model_args("hola", "340M", vocab_size=32000)
+    degrees = resolve_degrees(config.parallelism, config.training, world_size=world_size)
+    return estimate_memory(args, config, degrees, build_model(args, device="meta"))
+
+
+def test_the_memory_estimate_scales_with_the_layout_and_the_micro_batch():
+    one, two, four = (_estimate(world_size=n) for n in (1, 2, 4))
+    assert two.state_shards == 2 and four.state_shards == 4
+    for part in ("params", "grads", "optimizer"):  # doubling the FSDP degree halves the sharded state
+        assert getattr(two, part) == pytest.approx(getattr(one, part) / 2)
+        assert getattr(four, part) == pytest.approx(getattr(two, part) / 2)
+    assert one.optimizer == pytest.approx(2 * one.params)  # AdamW's two float32 moments
+    assert two.activations == one.activations  # a data-parallel rank's micro-batch is the same
+    double = _estimate("--training.local_batch_size", "32")
+    for mode in ("none", "full"):  # activations grow with the micro-batch, in every checkpointing mode
+        assert double.activations[mode] == pytest.approx(2 * one.activations[mode])
+    assert one.activations["full"] < one.activations["none"] / 4
+    selective = _estimate("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+                          "2").activations
+    assert one.activations["full"] < selective["selective 2"] < one.activations["none"]
+    # Context parallelism splits every row's tokens; the state is sharded over it too (FSDP over dp_shard x cp).
+    cp = _estimate("--parallelism.context_parallel_degree", "2", world_size=2)
+    assert cp.activations["none"] == pytest.approx(one.activations["none"] / 2) and cp.state_shards == 2
+    offload = _estimate("--parallelism.fsdp_cpu_offload", "true", world_size=2)
+    assert offload.state == 0 and offload.total < two.total
+    # float32 compute: no bf16 weight copies, and every saved tensor but the float32 norms' inputs doubles.
+    fp32 = _estimate("--training.mixed_precision_param", "float32")
+    assert fp32.compute_weights == 0
+    assert one.activations["none"] < fp32.activations["none"] < 2 * one.activations["none"]
+
+
+def test_the_memory_estimate_is_near_the_measured_peak():
+    """The calibration point (hola_titan/memory.py): HOLA 340M, 16 x 2048 tokens, one H200, bf16 compute, no
+    checkpointing, measured peak 38.18 GiB (docs/training.md). Guards the formula against silent drift."""
+    estimate = _estimate("--training.global_batch_size", "16")
+    assert estimate.total / 2**30 == pytest.approx(38.18, rel=0.05)
+
+
 def test_flop_formula_matches_counted_matmuls():
     """The dense and attention parts of the formula against a FLOP count of one forward of tiny models."""
     seq_len = 48
