@@ -19,7 +19,10 @@ Usage::
 process with its run folder under ``--work``; a run resumes from its last checkpoint. Before the budget ends it
 sends SIGTERM, on which the trainer saves a checkpoint and exits, so the next ``--run`` on the same machine (with the
 same ``--work``) goes on where this one stopped. It copies every run's ``metrics.jsonl`` and the end of its log to
-``--out`` with ``status.json`` (steps reached, device, versions, the commands). ``--merge`` reads any number of
+``--out`` with ``status.json`` (steps reached, device, versions, the commands). With ``--evaluate ppl,niah`` each run that
+reaches ``--steps`` is exported and evaluated as soon as its training ends (perplexity on the corpus's validation
+and held-out splits, S-NIAH-1/2 at 1-4x the training length), results under ``--out/eval_*``; the merge tables
+the perplexities against GDN's of the same seed. ``--merge`` reads any number of
 such folders (a resumed run logs the steps after its checkpoint again: the last attempt's record of a step
 wins).
 """
@@ -48,6 +51,7 @@ LOG_FREQ = 5
 class Recipe:
     """The shared training setup of one screen; ``config`` takes the variant's flavour."""
     config: str
+    seq_len: int  # the config's training.seq_len
     tokens_per_step: int  # the config's local_batch_size x seq_len
     steps: int
     warmup: int
@@ -59,11 +63,11 @@ class Recipe:
 
 
 RECIPES = {
-    "small": Recipe("train_configs/small_hola_text.toml", 16 * 1024, 1500, 150, 500, 500, "data/small_corpus_gz",
+    "small": Recipe("train_configs/small_hola_text.toml", 1024, 16 * 1024, 1500, 150, 500, 500, "data/small_corpus_gz",
                     "gzip_pair", "`small` width (31M), 16 x 1,024 tokens a step, AdamW lr 3e-3 to 0.1x, weight decay "
                     "0.1"),
     # The paper's ablation size: the four train_configs/<flavour>_46M.toml differ only in the flavour.
-    "46M": Recipe("train_configs/{flavour}_46M.toml", 16 * 4096, 1600, 100, 200, 200, "data/corpus_100m",
+    "46M": Recipe("train_configs/{flavour}_46M.toml", 4096, 16 * 4096, 1600, 100, 200, 200, "data/corpus_100m",
                   "split_folders", "46M (12 layers, d_model 512, heads of 256), 16 x 4,096 tokens a step, AdamW lr "
                   "1e-3 to 0.1x, weight decay 0.01, on build_corpus.py's 120M-token corpus"),
 }
@@ -128,6 +132,40 @@ def corpus_files(recipe: Recipe, corpus: Path) -> tuple[Path, Path]:
     if recipe.corpus_layout == "gzip_pair":
         return corpus / "train.jsonl.gz", corpus / "validation.jsonl.gz"
     return corpus, corpus
+
+
+EVALS = ("ppl", "niah")
+NIAH_TASKS = "s_niah_1,s_niah_2"
+NIAH_LENGTH_FACTORS = (1, 2, 4)  # x training.seq_len
+
+
+def eval_splits(recipe: Recipe, corpus: Path) -> dict[str, Path]:
+    """The corpus's held-out texts that ``--evaluate ppl`` scores: the validation split, and the held-out sources
+    (whole sources never trained on, the Wikitext-like split of build_corpus.py) where the corpus has them."""
+    if recipe.corpus_layout == "gzip_pair":
+        return {"validation": corpus / "validation.jsonl.gz"}
+    return {split: corpus / split for split in ("validation", "heldout") if (corpus / split).exists()}
+
+
+def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out: Path, steps: int,
+                  seq_len: int, evals: list[str]) -> list[tuple[list[str], Path]]:
+    """What ``--evaluate`` still has to run for a finished run: ``(command, file it writes)`` in order, those whose
+    file exists left out (a later ``--run`` picks up what a budget cut short). The export folder is named after
+    the run, which the evaluations take as their label."""
+    export = folder / name
+    todo = [([sys.executable, "scripts/convert_to_safetensors.py", str(folder / "checkpoint" / f"step-{steps}"),
+              str(export)], export / "model.safetensors")]
+    evaluate = [sys.executable, "-m", "hola_titan.eval"]
+    if "ppl" in evals:
+        for split, data in eval_splits(recipe, corpus).items():
+            todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out",
+                          str(out / f"eval_{split}"), "--no-progress"], out / f"eval_{split}" / f"ppl_{name}.json"))
+    if "niah" in evals:
+        lengths = ",".join(str(f * seq_len) for f in NIAH_LENGTH_FACTORS)
+        todo.append(([*evaluate, "niah", "--checkpoint", str(export), "--out", str(out / "eval_niah"),
+                      "--no-progress", "--tasks", NIAH_TASKS, "--lengths", lengths, "--samples", "4"],
+                     out / "eval_niah" / f"niah_{name}.json"))
+    return [(command, target) for command, target in todo if not target.exists()]
 
 
 def corpus_needs(recipe: Recipe, corpus: Path) -> tuple[Path, ...]:
@@ -202,22 +240,72 @@ def run(args) -> int:
         children[name] = subprocess.Popen(commands[name], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True)
     print(f"{len(children)} run(s) started, {len(runs) - len(children)} already finished", flush=True)
+    # --evaluate: each finished run's export and evaluations, one command at a time per run, started as soon as
+    # its training ends (beside the runs still training) and cut at the end of the budget.
+    end_of_budget = time.monotonic() + args.budget_min * 60.0 - 5.0
+    pending: dict[str, list[tuple[list[str], Path]]] = {}
+    evaluating: dict[str, subprocess.Popen] = {}
+    eval_log: dict[str, list[dict]] = {}
+
+    def queue_evaluations(name: str) -> None:
+        if args.evaluate and name not in pending and \
+                last_step(read_jsonl(work / name / "metrics.jsonl")) >= args.steps:
+            pending[name] = eval_commands(name, recipe=recipe, folder=work / name, corpus=corpus, out=out,
+                                          steps=args.steps, seq_len=recipe.seq_len,
+                                          evals=args.evaluate)
+
+    def step_evaluations() -> None:
+        for name, todo in pending.items():
+            p = evaluating.get(name)
+            if p is not None and p.poll() is None:
+                continue
+            if p is not None:
+                eval_log[name][-1]["rc"] = p.returncode
+                del evaluating[name]
+                if p.returncode != 0:
+                    todo.clear()  # the next command needs this one's output; the log says which failed
+                    continue
+            if todo and time.monotonic() < end_of_budget - 30:
+                command, _ = todo.pop(0)
+                log = open(work / name / "eval.log", "a", encoding="utf-8")
+                evaluating[name] = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                    start_new_session=True)
+                eval_log.setdefault(name, []).append({"command": command[1:4], "rc": None})
+
+    for variant, seed in runs:
+        if run_name(variant, seed) not in children:
+            queue_evaluations(run_name(variant, seed))
     stopped = set()
-    while any(p.poll() is None for p in children.values()):
-        if time.monotonic() >= deadline:
+    while True:
+        for name, p in children.items():
+            if p.poll() == 0:
+                queue_evaluations(name)
+        step_evaluations()
+        training = any(p.poll() is None for p in children.values())
+        if training and time.monotonic() >= deadline:
             for name, p in children.items():
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)  # the trainer saves a checkpoint, then exits
                     stopped.add(name)
             end = time.monotonic() + STOP_GRACE_S - 5
             while time.monotonic() < end and any(p.poll() is None for p in children.values()):
+                step_evaluations()
                 time.sleep(1)
             for p in children.values():
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
+            continue
+        left = bool(evaluating) or any(pending.values())
+        if not training and not left:
             break
+        if time.monotonic() >= end_of_budget or (not training and not evaluating
+                                                  and time.monotonic() >= end_of_budget - 30):
+            break  # what is left is evaluated by the next --run
         time.sleep(2)
-    for p in children.values():
+    for p in evaluating.values():
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)  # cut by the budget: the next --run evaluates it again
+    for p in [*children.values(), *evaluating.values()]:
         p.wait()
     status = {"format": FORMAT, "started": started, "wall_s": time.time() - started, "budget_min": args.budget_min,
               "steps": args.steps, "warmup_steps": args.warmup, "tokens_per_step": recipe.tokens_per_step,
@@ -237,6 +325,7 @@ def run(args) -> int:
                                 "overrides": list(VARIANTS[variant].overrides), "step": last_step(rows),
                                 "finished": last_step(rows) >= args.steps,
                                 "rc": None if p is None else p.returncode, "stopped": name in stopped,
+                                "evaluations": eval_log.get(name, []),
                                 "command": [str(c).replace(str(work), "<work>").replace(str(REPO), "<repo>")
                                             for c in commands.get(name, [])]}
     (out / "status.json").write_text(json.dumps(status, indent=1) + "\n")
@@ -301,6 +390,18 @@ def load_curves(folders: list[Path]) -> tuple[dict[str, Curve], list[dict]]:
         points = sorted(by_run.get(name, {}).items())
         curves[name] = Curve(variant, seed, [s for s, _ in points], [v for _, v in points], vals.get(name, {}))
     return curves, statuses
+
+
+def load_evaluations(folders: list[Path]) -> dict[str, dict[str, dict]]:
+    """``--evaluate ppl`` results: split -> run name -> {perplexity, loss, tokens} (later folders win)."""
+    found: dict[str, dict[str, dict]] = {}
+    for folder in folders:
+        for path in sorted(folder.glob("eval_*/ppl_*.json")):
+            result = json.loads(path.read_text())
+            split = path.parent.name.removeprefix("eval_")
+            name = path.stem.removeprefix("ppl_")
+            found.setdefault(split, {})[name] = {k: result["summary"][k] for k in ("perplexity", "loss", "tokens")}
+    return found
 
 
 def smooth(steps: list[int], values: list[float], width: int) -> tuple[list[int], list[float]]:
@@ -369,6 +470,11 @@ def merge(args) -> int:
                           str(s): [c.val[s] - by[("gdn", c.seed)].val[s] for c in runs
                                    if s in c.val and ("gdn", c.seed) in by and s in by[("gdn", c.seed)].val]
                           for s in val_steps}}
+    evals = load_evaluations([Path(f) for f in args.merge])
+    for v in variants:
+        runs = [by[(v, s)] for s in seeds if (v, s) in by]
+        summary[v]["evaluations"] = {
+            split: {str(c.seed): results.get(run_name(v, c.seed)) for c in runs} for split, results in evals.items()}
     devices = sorted({s["device"] for s in statuses})
     lines = [f"# Ablations of the HOLA layer, recipe {names[0]} ({', '.join(devices)})", "",
              f"{recipe.about} (one step: {tokens_per_step / 1e6:.3f}M tokens), a {statuses[0]['steps']}-step cosine "
@@ -398,6 +504,17 @@ def merge(args) -> int:
             diffs = [s["val_loss_minus_gdn_by_step"].get(str(t), []) for t in val_steps]
             lines.append(f"| {v} | " + " | ".join(spread(x, 4) for x in vals) + " | " +
                          " | ".join("-" if v == "gdn" else spread(d, 4, signed=True) for d in diffs) + " |")
+    for split, results in sorted(evals.items()):
+        lines += ["", f"Perplexity on the corpus's `{split}` split after training (`hola_titan.eval ppl`; "
+                  "minus GDN's of the same seed, in percent):", "",
+                  "| variant | perplexity | minus GDN |", "|---|---|---|"]
+        for v in variants:
+            mine = {c.seed: results.get(run_name(v, c.seed)) for c in curves.values() if c.variant == v}
+            ppl = [r["perplexity"] for r in mine.values() if r]
+            rel = [100.0 * (r["perplexity"] / results[run_name("gdn", seed)]["perplexity"] - 1.0)
+                   for seed, r in mine.items() if r and run_name("gdn", seed) in results]
+            lines.append(f"| {v} | {spread(ppl, 2)} | "
+                         f"{spread(rel, 1, signed=True) + '%' if rel and v != 'gdn' else '-'} |")
     lines += ["", "Steps reached: " + ", ".join(f"{v} " + "/".join(map(str, summary[v]["steps"])) for v in variants),
               ""]
     plots = plot_families(curves, variants, report, width=args.window, tokens_per_step=tokens_per_step)
@@ -514,6 +631,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", help="--run: the recipe's corpus (default: data/small_corpus_gz, from "
                    "build_small_corpus.py --gzip, for small; data/corpus_100m, from build_corpus.py, for 46M)")
     p.add_argument("--budget-min", type=float, default=8.0, help="--run: stop (saving) before this many minutes")
+    p.add_argument("--evaluate", default="",
+                   help="--run: comma-separated, from: " + ", ".join(EVALS) + "; each finished run is exported and "
+                   "evaluated (ppl on the corpus's validation and held-out splits; S-NIAH-1/2 at 1-4x the training "
+                   "length) as soon as its training ends, results under --out/eval_*")
     p.add_argument("--report", help="--merge: folder for ablations.md, ablations.json and the PNGs")
     p.add_argument("--window", type=int, default=25, help="--merge: steps per point of the plotted curves")
     p.add_argument("--span", type=int, default=100, help="--merge: steps per column of the table of differences")
@@ -528,6 +649,10 @@ def main(argv: list[str] | None = None) -> int:
         args.seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
         p.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    args.evaluate = [e for e in args.evaluate.split(",") if e]
+    unknown = [e for e in args.evaluate if e not in EVALS]
+    if unknown:
+        p.error(f"--evaluate: unknown {', '.join(unknown)}; choose from {', '.join(EVALS)}")
     recipe = RECIPES[args.recipe]
     args.steps = recipe.steps if args.steps is None else args.steps
     args.warmup = recipe.warmup if args.warmup is None else args.warmup

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ def test_every_variant_is_a_valid_config(variant, recipe, tmp_path):
     assert config.training.steps == r.steps and config.checkpoint.enable
     # The recipe's step is what the merge turns into tokens.
     assert config.training.local_batch_size * config.training.seq_len == r.tokens_per_step
+    assert config.training.seq_len == r.seq_len
     train, validation = ablate.corpus_files(r, tmp_path / "corpus")
     assert config.data.dataset == str(train) and config.validation.dataset == str(validation)
     if recipe == "46M":
@@ -135,3 +138,69 @@ def test_the_command_line_refuses_what_it_cannot_run(capsys):
     assert "16 runs" in capsys.readouterr().out
     assert ablate.main(["--plan", "--recipe", "46M", "--variants", "gdn,hola", "--seeds", "0"]) == 0
     assert "1600 steps of 65,536 tokens" in capsys.readouterr().out
+
+
+def test_the_evaluations_of_a_finished_run_are_listed_and_what_exists_is_left_out(tmp_path):
+    corpus = tmp_path / "corpus"
+    for split in ("train", "validation", "heldout"):
+        (corpus / split).mkdir(parents=True)
+    r = ablate.RECIPES["46M"]
+    out, folder = tmp_path / "out", tmp_path / "work" / "hola_s0"
+    todo = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=out, steps=r.steps,
+                                seq_len=r.seq_len, evals=["ppl", "niah"])
+    targets = [t for _, t in todo]
+    assert targets == [folder / "hola_s0" / "model.safetensors", out / "eval_validation" / "ppl_hola_s0.json",
+                       out / "eval_heldout" / "ppl_hola_s0.json", out / "eval_niah" / "niah_hola_s0.json"]
+    assert todo[0][0][1:3] == ["scripts/convert_to_safetensors.py", str(folder / "checkpoint" / "step-1600")]
+    assert "4096,8192,16384" in todo[-1][0]
+    (out / "eval_validation").mkdir(parents=True)
+    (out / "eval_validation" / "ppl_hola_s0.json").write_text("{}")
+    left = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=out, steps=r.steps,
+                                seq_len=r.seq_len, evals=["ppl"])
+    assert [t.parent.name for _, t in left] == ["hola_s0", "eval_heldout"]
+
+
+def test_run_trains_then_evaluates_each_finished_run_and_the_merge_tables_the_perplexities(tmp_path, monkeypatch):
+    """The --run loop with stand-ins: a 'trainer' that logs its last step and 'evaluations' that write their
+    files; the GDN stand-in's export fails, so its evaluations do not run."""
+    corpus = tmp_path / "corpus"
+    for split in ("train", "validation", "heldout"):
+        (corpus / split).mkdir(parents=True)
+
+    def train_command(variant, seed, *, folder, steps, **_):
+        code = (f"import json, pathlib; pathlib.Path({str(folder / 'metrics.jsonl')!r}).write_text("
+                f"json.dumps({{'step': {steps}, 'loss': 1.0}}) + '\\n')")
+        return [sys.executable, "-c", code]
+
+    def eval_commands(name, *, out, **_):
+        todo = []
+        for split, ppl in (("validation", 10.0), ("heldout", 20.0)):
+            target = out / f"eval_{split}" / f"ppl_{name}.json"
+            ppl = ppl * (0.9 if name.startswith("hola") else 1.0)
+            code = (f"import json, pathlib; p = pathlib.Path({str(target)!r}); p.parent.mkdir(exist_ok=True); "
+                    f"p.write_text(json.dumps({{'summary': {{'perplexity': {ppl}, 'loss': 1.0, 'tokens': 5}}}}))")
+            todo.append(([sys.executable, "-c", code], target))
+        export = [sys.executable, "-c", "raise SystemExit(3)" if name.startswith("gdn") else "pass"]
+        return [(export, out / "never"), *todo]
+
+    monkeypatch.setattr(ablate, "train_command", train_command)
+    monkeypatch.setattr(ablate, "eval_commands", eval_commands)
+    args = ["--run", "--recipe", "46M", "--variants", "gdn,hola", "--seeds", "0", "--work", str(tmp_path / "w"),
+            "--out", str(tmp_path / "o"), "--corpus", str(corpus), "--budget-min", "2.5", "--evaluate", "ppl"]
+    start = time.monotonic()
+    assert ablate.main(args) == 0
+    assert time.monotonic() - start < 60  # ends when the work is done, not at the end of the budget
+    status = json.loads((tmp_path / "o" / "status.json").read_text())
+    assert [e["rc"] for e in status["runs"]["hola_s0"]["evaluations"]] == [0, 0, 0]
+    assert [e["rc"] for e in status["runs"]["gdn_s0"]["evaluations"]] == [3]
+    assert not (tmp_path / "o" / "eval_validation" / "ppl_gdn_s0.json").exists()
+    # GDN's results from another folder (a later --run): the merge pairs them by seed.
+    (tmp_path / "o2" / "eval_heldout").mkdir(parents=True)
+    (tmp_path / "o2" / "eval_heldout" / "ppl_gdn_s0.json").write_text(
+        json.dumps({"summary": {"perplexity": 20.0, "loss": 1.0, "tokens": 5}}))
+    (tmp_path / "o2" / "status.json").write_text(json.dumps({**status, "runs": {}}))
+    assert ablate.main(["--merge", str(tmp_path / "o"), str(tmp_path / "o2"), "--report", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "ablations.md").read_text()
+    assert "`heldout` split" in text and "| hola | 18.00 | -10.0% |" in text
+    result = json.loads((tmp_path / "r" / "ablations.json").read_text())
+    assert result["variants"]["hola"]["evaluations"]["validation"]["0"]["perplexity"] == 9.0
