@@ -19,10 +19,10 @@ Usage::
 process with its run folder under ``--work``; a run resumes from its last checkpoint. Before the budget ends it
 sends SIGTERM, on which the trainer saves a checkpoint and exits, so the next ``--run`` on the same machine (with the
 same ``--work``) goes on where this one stopped. It copies every run's ``metrics.jsonl`` and the end of its log to
-``--out`` with ``status.json`` (steps reached, device, versions, the commands). With ``--evaluate ppl,niah`` each run that
-reaches ``--steps`` is exported and evaluated as soon as its training ends (perplexity on the corpus's validation
-and held-out splits, S-NIAH-1/2 at 1-4x the training length), results under ``--out/eval_*``; the merge tables
-the perplexities against GDN's of the same seed. ``--merge`` reads any number of
+``--out`` with ``status.json`` (steps reached, device, versions, the commands). With ``--evaluate ppl,niah``
+each run that reaches ``--steps`` is exported and evaluated as soon as its training ends (perplexity on the
+corpus's validation and held-out splits, S-NIAH-1/2 at 1-4x the training length), results under
+``--out/eval_*``; the merge tables the perplexities against GDN's of the same seed. ``--merge`` reads any number of
 such folders (a resumed run logs the steps after its checkpoint again: the last attempt's record of a step
 wins).
 """
@@ -85,9 +85,9 @@ class Variant:
 
 
 VARIANTS = {
-    "gdn": Variant("gdn", ("state_read", "mixing", "eviction", "span", "cache_scalars", "flavours"), (),
+    "gdn": Variant("gdn", ("state_read", "mixing", "eviction", "span", "cache_scalars", "flavours", "gate"), (),
                    "Gated DeltaNet, no cache"),
-    "hola": Variant("hola", ("state_read", "mixing", "flavours"), (),
+    "hola": Variant("hola", ("state_read", "mixing", "flavours", "gate"), (),
                     "the first defaults: s = D^-1/2, gate init -4, cache params decayed"),
     "hola_s1": Variant("hola", ("state_read", "eviction", "span", "cache_scalars"),
                        ("--model.state_read_scale", "one"), "the state read as the paper writes it: q^T S (s = 1)"),
@@ -104,6 +104,14 @@ VARIANTS = {
                           "s = 1, window 0: the causal block and the sink only (no cache entries)"),
     "hola_s1_c256": Variant("hola", ("span",), ("--model.state_read_scale", "one", "--model.block", "256"),
                             "s = 1, block 256 (the paper's C) instead of 64"),
+    "hola_gate_m2": Variant("hola", ("gate",), ("--model.gate_init", "-2"),
+                            "gate init -2 (lambda 0.12 at init against 0.018): the cache read weighted more from the "
+                            "start"),
+    "hola_gate_m6": Variant("hola", ("gate",), ("--model.gate_init", "-6"),
+                            "gate init -6 (lambda 0.0025): nearer GDN at init"),
+    "hola_cache_lr10": Variant("hola", ("gate",), ("--optimizer.cache_lr_multiplier", "10"),
+                               "the cache's own scalars (gamma_q, gamma_k, sink, gate) at 10x the learning rate, so "
+                               "the gate can move more than about one logit in a run"),
     "hola_recency": Variant("hola_recency", ("flavours",), (), "HOLA+recency with the defaults"),
     "transformer": Variant("transformer", ("flavours",), (), "Transformer++ (softmax attention, no recurrence)"),
 }
@@ -118,6 +126,7 @@ FAMILY_TITLES = {
     "span": "What the cache read spans: window 0 (in-block only), block 64 against 256",
     "cache_scalars": "Weight decay on the cache's own parameters",
     "flavours": "The four flavours of one recipe",
+    "gate": "The gate: its init, and the learning rate of the cache's own scalars",
 }
 
 
