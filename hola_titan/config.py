@@ -104,8 +104,9 @@ class Job:
     """Free text shown in logs."""
     cache_folder: str = setting("~/.cache/hola_titan", resume="launch")
     """Per-node cache shared by runs: the verdict of fla's #640 gradient check per GPU, head dim and versions, so
-    that a second process does not repeat it, and the tokenised data (``data.token_cache``). Empty: keep nothing
-    (every process runs the check and tokenises)."""
+    that a second process does not repeat it, the tokenised data (``data.token_cache``), and the kernel
+    configurations fla autotuned where no shipped table served them (``model.kernel_configs = auto``). Empty:
+    keep nothing (every process runs the check, tokenises and autotunes)."""
 
 
 @dataclass

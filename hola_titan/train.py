@@ -411,9 +411,41 @@ class Trainer:
         if not uses_fla:
             return Installed("off", None, "no fla kernels in this run")
         try:
-            return locate(self.config.model.kernel_configs, self.device)
+            return locate(self.config.model.kernel_configs, self.device, node_cache=self._node_cache())
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError("model.kernel_configs", str(err).removeprefix("model.kernel_configs: ")) from None
+
+    def _node_cache(self) -> Path | None:
+        """``job.cache_folder`` (expanded), or None when it is empty."""
+        folder = self.config.job.cache_folder
+        return Path(folder).expanduser() if folder else None
+
+    def _keep_autotuned(self) -> None:
+        """After the first step: what fla's autotuners tuned in this process (keys no shipped table served) is kept
+        for the node's next processes (``job.cache_folder``), once per node (its first local rank). Only with
+        ``model.kernel_configs = auto``: ``off`` asks for autotuning and a path names the one file to use."""
+        from hola_titan.kernels import tuned_configs
+
+        folder = self._node_cache()
+        if (folder is None or self.config.model.kernel_configs != "auto" or self.device.type != "cuda"
+                or self.device.index not in (None, 0) or self.attention_backend == "reference"
+                or not self.model_args.is_recurrent):
+            return
+        kernels = tuned_configs.tuned_entries()
+        if not kernels:
+            return
+        v = tuned_configs.versions()
+        gpu = torch.cuda.get_device_name(self.device)
+        path = tuned_configs.node_tuned_file(folder, gpu, v["fla"], v["triton"])
+        try:
+            added = tuned_configs.keep_node_tuned(path, kernels, gpu=gpu, versions=v)
+        except OSError as err:
+            logger.warning("kernel configurations autotuned here not kept in %s (%s): the next process on this "
+                           "node autotunes them again", path, err)
+            return
+        if added:
+            logger.info("kernel configurations: %d entries autotuned here kept in %s for the next processes on "
+                        "this node", added, path)
 
     def _install_kernel_configs(self, located):
         """fla's launch configurations, installed before any fla kernel launches (and before the model is built)."""
@@ -955,6 +987,7 @@ class Trainer:
                            "memory_gib": peak_memory_gib(self.device), "tokens_seen": self.state.tokens_seen}
                     if not rows:  # the first row of this run says what ran (as paths.json and config.toml do)
                         row["paths"] = self.paths
+                        self._keep_autotuned()
                         if self.kernel_configs.path is not None:
                             # Known only now: which kernel launches the shipped configurations served.
                             row["kernel_configs"] = self.kernel_configs.record()

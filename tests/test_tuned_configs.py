@@ -323,3 +323,45 @@ def test_tune_kernels_shard_calls_continue_with_gradients(flavour, packed):
     assert sum("incoming state" in line for line in ran) == (4 if packed else 2)
     assert sum("fresh, final state out" in line for line in ran) == (2 if packed else 1)
     assert any("3 packed documents" in line for line in ran) == packed
+
+
+def _kernels(name: str, *keys: int) -> dict:
+    return {name: {"key_names": ["B"], "entries": [{"key": [k], "config": {"num_warps": k}} for k in keys]}}
+
+
+def test_what_a_node_autotuned_is_kept_merged_and_served_to_its_next_processes(tmp_path, monkeypatch):
+    _fake_gpu(monkeypatch, tmp_path, name="NVIDIA B200", capability=(10, 0),
+              files={"NVIDIA_H200__fla-0.6.0__triton-3.6.0.json": H200_META})
+    node = tmp_path / "node"
+    assert tuned_configs.locate("auto", "cuda", node_cache=node).path is None  # nothing shipped, nothing kept yet
+    path = tuned_configs.node_tuned_file(node, "NVIDIA B200", "0.6.0", "3.6.0")
+    v = tuned_configs.versions()
+    assert tuned_configs.keep_node_tuned(path, _kernels("k", 1, 2), gpu="NVIDIA B200", versions=v) == 2
+    # A second process tuned key 2 again (another choice: the kept one wins) and key 3 anew.
+    assert tuned_configs.keep_node_tuned(path, {**_kernels("k", 2, 3), **_kernels("j", 5)}, gpu="NVIDIA B200",
+                                         versions=v) == 2
+    kept = tuned_configs.read_file(path)["kernels"]
+    assert [e["key"] for e in kept["k"]["entries"]] == [[1], [2], [3]] and kept["j"]["entries"][0]["key"] == [5]
+    assert tuned_configs.keep_node_tuned(path, _kernels("k", 1), gpu="NVIDIA B200", versions=v) == 0
+    located = tuned_configs.locate("auto", "cuda", node_cache=node)
+    assert located.source == "node_tuned" and located.path == str(path) and located.kernels == 2
+    assert "autotuned by earlier processes on this node" in located.describe()
+    # Another fla-core version reads another file: this one is never served to it.
+    monkeypatch.setattr(tuned_configs, "versions", lambda: {"fla": "0.7.0", "triton": "3.6.0"})
+    assert tuned_configs.locate("auto", "cuda", node_cache=node).path is None
+
+
+def test_a_node_s_entries_are_served_beside_a_shipped_table_which_wins_a_key_both_hold(tmp_path, monkeypatch):
+    _fake_gpu(monkeypatch, tmp_path, name="NVIDIA H100 80GB HBM3", capability=(9, 0),
+              files={"NVIDIA_H200__fla-0.6.0__triton-3.6.0.json": H200_META})
+    node = tmp_path / "node"
+    path = tuned_configs.node_tuned_file(node, "NVIDIA H100 80GB HBM3", "0.6.0", "3.6.0")
+    tuned_configs.keep_node_tuned(path, {**_kernels("k", 1, 7), **_kernels("j", 5)}, gpu="g",
+                                  versions=tuned_configs.versions())
+    located = tuned_configs.locate("auto", "cuda", node_cache=node)
+    assert located.source == "nearest_gpu" and located.node_path == str(path)
+    kernels = located.data["kernels"]
+    assert set(kernels) == {"k", "j"}
+    assert [e["config"] for e in kernels["k"]["entries"]] == [{}, {"num_warps": 7}]  # the shipped key 1 wins
+    assert "3 entries autotuned by earlier processes on this node" in located.why
+    assert tuned_configs.locate("auto", "cuda").node_path is None  # no node cache named: the shipped table alone

@@ -277,6 +277,8 @@ class Installed:
     plans: dict = dataclasses.field(default_factory=dict, repr=False)
     # The file as read, between locate() and install() (install() drops it).
     data: dict | None = dataclasses.field(default=None, repr=False)
+    # Configurations autotuned by earlier processes on this node (node_tuned_file), served beside the file's.
+    node_path: str | None = None
 
     def describe(self) -> str:
         if self.path is None:
@@ -310,13 +312,46 @@ def read_file(path: Path) -> dict:
     return data
 
 
-def locate(choice: str, device) -> Installed:
+def node_tuned_file(folder: Path, gpu_name: str, fla: str | None, triton: str | None) -> Path:
+    """Where a node keeps what its processes autotuned (``job.cache_folder``/``kernel_configs``): one file per GPU
+    model and fla-core and Triton versions, so a table of other versions is never read."""
+    return Path(folder) / "kernel_configs" / shipped_file(gpu_name, fla, triton).name
+
+
+def keep_node_tuned(path: Path, kernels: dict[str, dict], *, gpu: str, versions: dict) -> int:
+    """Add ``kernels`` (what :func:`tuned_entries` returns) to the node's file at ``path``: the file's entries win a
+    key tuned twice; written to a temporary sibling and renamed, so a reader sees a whole file, and processes that
+    write at once lose at most each other's additions, not the file. Returns the entries added."""
+    before = {}
+    if path.exists():
+        try:
+            before = read_file(path)["kernels"]
+        except ValueError:
+            before = {}  # a broken file is replaced by what this process tuned
+    merged = merge([before, kernels])
+    added = sum(len(k["entries"]) for k in merged.values()) - sum(len(k["entries"]) for k in before.values())
+    if added == 0:
+        return 0
+    record = {"format": FORMAT, "kernels": merged,
+              "meta": {"gpu": gpu, "fla": versions.get("fla"), "triton": versions.get("triton"),
+                       "torch": versions.get("torch"), "source": "autotuned at run time on this node"}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{threading.get_native_id()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return added
+
+
+def locate(choice: str, device, *, node_cache: Path | None = None) -> Installed:
     """Which configurations file ``choice`` names for ``device`` (read and checked), without importing fla or
     changing anything: the decision :func:`install` then applies. The file's plans are known from here on, so a
     run can start compiling them (hola_titan/kernels/precompile.py) while fla imports.
 
     ``choice``: ``auto`` (the shipped file for this GPU and these fla and Triton versions, when there is one),
     ``off`` (autotune as fla does), or the path of a file written by ``scripts/tune_kernels.py``.
+    ``node_cache``: with ``auto``, a folder (``job.cache_folder``) whose :func:`node_tuned_file` holds what earlier
+    processes on this node autotuned; its entries are served beside the shipped ones (which win a key both hold),
+    or alone where nothing is shipped, so only the first process on a node pays for what no table covers.
     """
     import torch
 
@@ -335,9 +370,14 @@ def locate(choice: str, device) -> Installed:
             none = (f"none shipped for {gpu} ({sm(capability)}) with fla-core {v['fla']} and Triton "
                     f"{v['triton']}")
             path, source = nearest_shipped(gpu, capability, v["fla"], v["triton"]), "nearest_gpu"
-            if path is None:
+            node = _node_tuned(node_cache, gpu, v)
+            if path is None and node is None:
                 return Installed("off", None, f"{none}, nor for another {sm(capability)} GPU; "
                                  "scripts/tune_kernels.py writes them")
+            if path is None:
+                node_path, node_data = node
+                return Installed("node_tuned", str(node_path), f"{none}: autotuned by earlier processes on this "
+                                 "node", kernels=len(node_data["kernels"]), data=node_data)
             nearest_why = (f"; {none}: this table is another GPU's of the same architecture ({sm(capability)}), "
                            "whose configurations compile to the same code here; scripts/tune_kernels.py writes "
                            "this GPU's own")
@@ -351,8 +391,30 @@ def locate(choice: str, device) -> Installed:
     if source == "file" and (meta.get("gpu") != gpu or meta.get("fla") != v["fla"]
                              or meta.get("triton") != v["triton"]):
         why += f"; this process: {gpu}, fla-core {v['fla']}, Triton {v['triton']}"
+    node = _node_tuned(node_cache, gpu, v) if choice == "auto" else None
+    node_path = None
+    if node is not None:
+        node_path, node_data = node
+        extra = sum(len(k["entries"]) for k in node_data["kernels"].values())
+        data = {**data, "kernels": merge([data["kernels"], node_data["kernels"]])}
+        why += f"; with {extra} entries autotuned by earlier processes on this node ({node_path})"
+        node_path = str(node_path)
     return Installed(source, str(path), why, kernels=len(data["kernels"]), plans=data.get("plans", {}),
-                     data=data)
+                     data=data, node_path=node_path)
+
+
+def _node_tuned(folder: Path | None, gpu: str, v: dict) -> tuple[Path, dict] | None:
+    """This node's autotuned configurations for this GPU and these versions, if any; an unreadable file counts as
+    none (the next process that autotunes writes it again)."""
+    if folder is None:
+        return None
+    path = node_tuned_file(folder, gpu, v["fla"], v["triton"])
+    if not path.exists():
+        return None
+    try:
+        return path, read_file(path)
+    except ValueError:
+        return None
 
 
 def install(choice: str | Installed, device) -> Installed:
@@ -367,7 +429,10 @@ def install(choice: str | Installed, device) -> Installed:
     path = Path(located.path)
     data = located.data if located.data is not None else read_file(path)
     import_fla_kernels()
-    _active.append(hashlib.sha256(path.read_bytes()).hexdigest()[:12])
+    digest = hashlib.sha256(path.read_bytes())
+    if located.node_path is not None and located.node_path != located.path:
+        digest.update(Path(located.node_path).read_bytes())
+    _active.append(digest.hexdigest()[:12])
     served = _installed_served.setdefault(str(path), Served())
     lock = threading.Lock()
     for name, tuner in find_autotuners().items():
