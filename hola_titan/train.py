@@ -149,11 +149,15 @@ def fast_path_check(chosen: str, why: str, *, device_type: str, backend: str, re
             "than the Triton kernels. Set model.require_fast_path = true to refuse such a start")
 
 
+def node_cache_folder(config: JobConfig) -> Path | None:
+    """``job.cache_folder`` expanded, or None when it is empty (keep nothing between processes)."""
+    return Path(config.job.cache_folder).expanduser() if config.job.cache_folder else None
+
+
 def token_cache_folder(config: JobConfig) -> Path | None:
     """Where the loaders keep tokenised data for the node's next process (``data.token_cache``), or None."""
-    if not config.data.token_cache or not config.job.cache_folder:
-        return None
-    return Path(config.job.cache_folder).expanduser() / "tokens"
+    folder = node_cache_folder(config)
+    return folder / "tokens" if folder is not None and config.data.token_cache else None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -411,14 +415,9 @@ class Trainer:
         if not uses_fla:
             return Installed("off", None, "no fla kernels in this run")
         try:
-            return locate(self.config.model.kernel_configs, self.device, node_cache=self._node_cache())
+            return locate(self.config.model.kernel_configs, self.device, node_cache=node_cache_folder(self.config))
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError("model.kernel_configs", str(err).removeprefix("model.kernel_configs: ")) from None
-
-    def _node_cache(self) -> Path | None:
-        """``job.cache_folder`` (expanded), or None when it is empty."""
-        folder = self.config.job.cache_folder
-        return Path(folder).expanduser() if folder else None
 
     def _keep_autotuned(self) -> None:
         """After the first step: what fla's autotuners tuned in this process (keys no shipped table served) is kept
@@ -426,7 +425,7 @@ class Trainer:
         ``model.kernel_configs = auto``: ``off`` asks for autotuning and a path names the one file to use."""
         from hola_titan.kernels import tuned_configs
 
-        folder = self._node_cache()
+        folder = node_cache_folder(self.config)
         if (folder is None or self.config.model.kernel_configs != "auto" or self.device.type != "cuda"
                 or self.device.index not in (None, 0) or self.attention_backend == "reference"
                 or not self.model_args.is_recurrent):
