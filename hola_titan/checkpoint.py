@@ -331,8 +331,12 @@ def is_model_only(metadata: Metadata) -> bool:
 
 
 def _is_safetensors_folder(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(
-        (path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
+    """An export folder: weights beside config.json, or an export whose weight file is gone (its load then says
+    which file is missing, instead of calling the folder no checkpoint)."""
+    from hola_titan.export import is_export
+
+    return (path / "config.json").is_file() and (any(
+        (path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")) or is_export(path))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -834,9 +838,13 @@ class Checkpointer:
         """Weights only, from a DCP folder (full or model-only) or a safetensors export folder; step stays 0."""
         begin = time.perf_counter()
         if _is_safetensors_folder(path):
-            from hola_titan.export import check_keys, read_safetensors
+            from hola_titan.export import ExportCorruptError, check_keys, read_safetensors, verify_export
 
-            full = read_safetensors(path)
+            try:
+                verify_export(path)  # an export's manifest (sha256); none: a warning, as load_pretrained gives
+                full = read_safetensors(path)
+            except ExportCorruptError as error:
+                raise CheckpointCorruptError(f"export {path}: {error}") from None
             check_keys(set(get_model_state_dict(self.model)), set(full), source=str(path))
             set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=True))
         else:
@@ -888,24 +896,39 @@ def save_model_only(state_dict: dict[str, torch.Tensor], path: str | os.PathLike
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    with _single_process_quiet():
-        dcp.save({"model": state_dict, "info": {"format": FORMAT_VERSION, "world_size": 1}},
-                 storage_writer=FileSystemWriter(str(tmp)), no_dist=True)
-    write_manifest(tmp)
+    write_model_only(state_dict, tmp)
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)
     return path
 
 
-def load_model_state(path: str | os.PathLike[str], model: nn.Module, *, progress: bool = False) -> None:
+def write_model_only(state_dict: dict[str, torch.Tensor], folder: str | os.PathLike[str]) -> None:
+    """The files of a model-only checkpoint (DCP files, then ``manifest.json``) in the existing empty ``folder``,
+    in place: the caller renames the folder into place when this returns (:func:`save_model_only`,
+    ``scripts/import_safetensors.py``)."""
+    with _single_process_quiet():
+        dcp.save({"model": state_dict, "info": {"format": FORMAT_VERSION, "world_size": 1}},
+                 storage_writer=FileSystemWriter(str(folder)), no_dist=True)
+    write_manifest(folder)
+
+
+def load_model_state(path: str | os.PathLike[str], model: nn.Module, *, progress: bool = False,
+                     allow_unverified: bool = False) -> None:
     """Load the ``model.*`` weights of any checkpoint folder into a plain (unsharded) model, in one process.
 
-    Loads layer by layer (a tqdm bar with ``progress``) so peak memory stays one model.
+    The folder's files are checked against its manifest first (:func:`verify_manifest`, raising
+    :class:`CheckpointCorruptError` naming the file); a folder without one is refused as training refuses it, unless
+    ``allow_unverified`` (then a warning). Loads layer by layer (a tqdm bar with ``progress``) so peak memory stays
+    one model.
     """
     path = Path(path)
     metadata = read_metadata(path)
     if verify_manifest(path) is None:
+        if not allow_unverified:
+            raise CheckpointCorruptError(f"checkpoint {path}: no {MANIFEST}, so its bytes cannot be verified (written "
+                                         "before checksums existed, or the manifest was removed); pass "
+                                         "--allow-unverified to convert it anyway")
         logger.warning("checkpoint: %s has no %s (written before checksums existed): its bytes are not verified",
                        path, MANIFEST)
     saved = {key[len("model."):] for key in metadata.state_dict_metadata if key.startswith("model.")}

@@ -13,6 +13,20 @@ hola-titan is installed, or without the flag after ``import hola_titan.hf_model`
                                       a stock PreTrainedTokenizerFast (no tokenizer code); AutoTokenizer still
                                       takes trust_remote_code=True or the import above: transformers 5 resolves
                                       config.json's model class before it reads these files
+    manifest.json                     {"format": "hola_titan export", "hash": "sha256", "files": {name: {"size",
+                                      "sha256"}}}: every file above, written last
+
+Writing is all or nothing (:mod:`hola_titan.staging`): the files go into a hidden sibling folder that is renamed
+into place when complete, so a full disk or a killed process leaves an earlier export in ``folder`` as it was. An
+existing ``folder`` is replaced only when it is empty or an export (its ``config.json`` says ``hola_titan``, or it
+holds an export manifest); anything else (a run folder, say) is refused by name. Files a user added to an export
+(a README, say) are carried into the new one.
+
+Reading verifies (:func:`verify_export`): :func:`load_pretrained`, ``HolaTitanForCausalLM.from_pretrained`` on a
+local folder and ``checkpoint.initial_load_path`` check every file the manifest lists, its size and sha256, and
+refuse a folder where one differs, naming the file. A folder without a manifest (exported before manifests existed,
+or copied without it) loads with a one-line warning that its bytes cannot be verified. Files not in the manifest
+(a README) are not checked.
 
 Key names (stable; tests pin them). They are the fully qualified names of :class:`HolaTitanLM` itself, with no
 prefix and no wrapper names (``_checkpoint_wrapped_module.``, ``_orig_mod.``, FSDP), for block index ``i``::
@@ -46,8 +60,11 @@ A tied output head is ``tok_embeddings.weight`` and is stored once. ``config.jso
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +75,10 @@ from hola_titan.data.tokenizer import Tokenizer, load_tokenizer
 from hola_titan.fqn import strip_wrappers
 from hola_titan.models.args import ModelArgs
 from hola_titan.models.model import HolaTitanLM
+# FolderWriteError is what the writers below raise; callers import it from here.
+from hola_titan.staging import FolderWriteError, _umask, check_destination, staged_folder  # noqa: F401
+
+logger = logging.getLogger("hola_titan")
 
 FORMAT_VERSION = 1
 """Version of the folder layout and key names above; :func:`load_pretrained` refuses newer versions."""
@@ -66,6 +87,10 @@ ARCHITECTURE = "HolaTitanForCausalLM"
 SAFETENSORS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 REMOTE_CODE_FILE = "modeling_hola_titan.py"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = "hola_titan export"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_SHARD_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 # transformers' standard switch for a model type it does not know: config.json names the classes by
 # "module.Class", the module being a file of the folder (trust_remote_code=True runs it).
 AUTO_MAP = {"AutoConfig": "modeling_hola_titan.HolaTitanConfig",
@@ -172,21 +197,115 @@ def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[s
     return shards
 
 
+class ExportCorruptError(ValueError):
+    """An export folder whose files are not what its manifest (or the safetensors format) says; names the file."""
+
+
+def is_export(folder: Path) -> bool:
+    """Whether ``folder`` holds an export this module wrote (its ``config.json`` says ``hola_titan``, or it has an
+    export manifest): the only non-empty folders a re-export may replace."""
+    for name, key, value in (("config.json", "model_type", MODEL_TYPE), (MANIFEST_FILE, "format", MANIFEST_FORMAT)):
+        try:
+            if json.loads((folder / name).read_text(encoding="utf-8")).get(key) == value:
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
+def _written_by_export(name: str) -> bool:
+    """Names an export writes; a re-export replaces them (an old shard layout included) and carries the rest."""
+    return (name in ("config.json", REMOTE_CODE_FILE, INDEX_FILE, MANIFEST_FILE, *TOKENIZER_FILES)
+            or _SHARD_RE.match(name) is not None)
+
+
+def check_export_destination(folder: str | os.PathLike[str]) -> None:
+    """Raise :class:`~hola_titan.staging.FolderWriteError` when ``folder`` exists and may not be replaced by an
+    export (neither empty nor an export); callers check before the slow part (loading a checkpoint)."""
+    check_destination(Path(folder), replaceable=is_export, what="safetensors export")
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_export_manifest(folder: str | os.PathLike[str]) -> Path:
+    """Write ``<folder>/manifest.json``: size and sha256 of every file in ``folder`` (module docstring)."""
+    folder = Path(folder)
+    files = {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
+             for f in sorted(folder.iterdir()) if f.is_file() and f.name != MANIFEST_FILE}
+    record = {"format": MANIFEST_FORMAT, "hash": "sha256", "files": files}
+    (folder / MANIFEST_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    return folder / MANIFEST_FILE
+
+
+def verify_export(folder: str | os.PathLike[str]) -> dict | None:
+    """Check every file ``manifest.json`` lists: present, its size, its sha256.
+
+    Returns ``{"files", "bytes"}`` when all match; None, with a one-line warning, for a folder without a manifest.
+    Raises :class:`ExportCorruptError` naming the first file that is missing, of another size or whose checksum
+    differs, or an unreadable manifest.
+    """
+    folder = Path(folder)
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        if not (folder / "config.json").is_file():
+            return None  # not an export at all: the caller's reading of config.json says so
+        logger.warning("export: %s has no %s (exported before exports carried checksums, or copied without it): its "
+                       "bytes cannot be verified; export it again to add one", folder, MANIFEST_FILE)
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if manifest.get("format") != MANIFEST_FORMAT or manifest.get("hash") != "sha256":
+            raise ValueError(f"not an export manifest (format {manifest.get('format')!r}, hash "
+                             f"{manifest.get('hash')!r})")
+        files = {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in manifest["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ExportCorruptError(f"{path}: unreadable ({error})") from None
+    total = 0
+    for name, (size, digest) in files.items():
+        file = folder / name
+        try:
+            found = file.stat().st_size
+            if found != size:
+                raise ExportCorruptError(f"{file}: {found} bytes, {MANIFEST_FILE} says {size} (truncated or "
+                                         "overwritten since the export)")
+            if _sha256(file) != digest:
+                raise ExportCorruptError(f"{file}: does not match its sha256 in {MANIFEST_FILE} (its bytes changed "
+                                         "since the export)")
+        except FileNotFoundError:
+            raise ExportCorruptError(f"{file}: missing (listed in {MANIFEST_FILE})") from None
+        except OSError as error:
+            raise ExportCorruptError(f"{file}: cannot be read ({error.strerror})") from None
+        total += size
+    return {"files": len(files), "bytes": total}
+
+
 def write_safetensors(state: dict[str, torch.Tensor], folder: str | os.PathLike[str], *,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False) -> list[Path]:
-    """Write ``state`` as ``model.safetensors``, or as shards plus ``model.safetensors.index.json``.
+    """Write ``state`` as ``model.safetensors``, or as shards plus ``model.safetensors.index.json``, with
+    ``manifest.json``, as a folder of its own, all or nothing (module docstring; an earlier export in ``folder`` is
+    replaced whole, so no stale shard is left behind). Returns the written weight files.
 
-    Model files of an earlier export in ``folder`` are removed first, so no stale shard is left behind.
-    Returns the written weight files.
+    Raises:
+        FolderWriteError: ``folder`` holds something else, or writing failed (a full disk, a file-size limit).
     """
-    from safetensors.torch import save_file
-
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes: must be > 0, got {max_shard_bytes}")
     out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
-        stale.unlink(missing_ok=True)
+    with staged_folder(out, replaceable=is_export, what="safetensors export",
+                       carry=lambda name: not _written_by_export(name)) as tmp:
+        names = _write_weights(state, tmp, max_shard_bytes=max_shard_bytes, progress=progress)
+        write_export_manifest(tmp)
+    return [out / name for name in names]
+
+
+def _write_weights(state: dict[str, torch.Tensor], out: Path, *, max_shard_bytes: int,
+                   progress: bool) -> list[str]:
+    """The weight files of ``state`` in the (new, empty) folder ``out``; returns their names."""
+    from safetensors.torch import save_file
+
     shards = _shards(state, max_shard_bytes)
     names = ([SAFETENSORS_FILE] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -197,35 +316,23 @@ def write_safetensors(state: dict[str, torch.Tensor], folder: str | os.PathLike[
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing safetensors")
     weight_map = {}
-    for name, shard in zip(names, shards):
-        # "format": "pt" is what transformers expects of PyTorch safetensors files.
-        save_file({k: v.contiguous() for k, v in shard.items()}, str(out / name), metadata={"format": "pt"})
-        # safetensors creates its files with mode 0600 whatever the umask; give them the mode open() gives the
-        # other files of the folder (0666 less the umask), so whoever can read config.json can read the weights.
-        os.chmod(out / name, 0o666 & ~_umask())
-        weight_map.update({key: name for key in shard})
+    try:
+        for name, shard in zip(names, shards):
+            # "format": "pt" is what transformers expects of PyTorch safetensors files.
+            save_file({k: v.contiguous() for k, v in shard.items()}, str(out / name), metadata={"format": "pt"})
+            # safetensors creates its files with mode 0600 whatever the umask; give them the mode open() gives the
+            # other files of the folder (0666 less the umask), so whoever can read config.json can read the weights.
+            os.chmod(out / name, 0o666 & ~_umask())
+            weight_map.update({key: name for key in shard})
+            if bar is not None:
+                bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
+    finally:
         if bar is not None:
-            bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
-    if bar is not None:
-        bar.close()
+            bar.close()  # also on a failed write: the error line then starts a line of its own
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    return [out / name for name in names]
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it where Linux shows it (os.umask can only set it)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    return names
 
 
 def save_pretrained(model: nn.Module, tokenizer: Tokenizer | None, folder: str | os.PathLike[str], *,
@@ -237,13 +344,17 @@ def save_pretrained(model: nn.Module, tokenizer: Tokenizer | None, folder: str |
         model: the model; its ``args`` go into ``config.json``. With FSDP every rank must call this (the shards
             are gathered); only rank 0 writes.
         tokenizer: written beside the weights (None: weights and config only).
-        folder: output folder, created if needed.
+        folder: output folder, created if needed; an earlier export there is replaced only once the new one is
+            complete, and a folder that is not an export is refused (module docstring).
         dtype: cast floating-point weights to this dtype (``torch.bfloat16`` or ``"bfloat16"``); None keeps them.
         max_shard_bytes: largest weight file; above it the weights are sharded with an index.
         progress: show a tqdm progress bar while writing.
 
     Returns:
         The folder.
+
+    Raises:
+        FolderWriteError: ``folder`` holds something else, or writing failed; ``folder`` is as it was.
     """
     import torch.distributed as dist
 
@@ -256,12 +367,17 @@ def save_pretrained(model: nn.Module, tokenizer: Tokenizer | None, folder: str |
         state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
     stored = next((v.dtype for v in state.values() if v.is_floating_point()), torch.float32)
     out = Path(folder)
-    write_safetensors(state, out, max_shard_bytes=max_shard_bytes, progress=progress)
-    config = config_dict(args, tokenizer, dtype=stored)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    (out / REMOTE_CODE_FILE).write_text(_REMOTE_CODE, encoding="utf-8")
-    if tokenizer is not None:
-        tokenizer.save(out)
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes: must be > 0, got {max_shard_bytes}")
+    with staged_folder(out, replaceable=is_export, what="safetensors export",
+                       carry=lambda name: not _written_by_export(name)) as tmp:
+        _write_weights(state, tmp, max_shard_bytes=max_shard_bytes, progress=progress)
+        config = config_dict(args, tokenizer, dtype=stored)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        (tmp / REMOTE_CODE_FILE).write_text(_REMOTE_CODE, encoding="utf-8")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        write_export_manifest(tmp)  # last: it covers every file above
     return out
 
 
@@ -270,18 +386,29 @@ def read_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (not an exported hola_titan folder)")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:  # invalid UTF-8 or JSON
+        raise ExportCorruptError(f"{path}: not a JSON file ({error})") from None
+    if not isinstance(config, dict):
+        raise ExportCorruptError(f"{path}: holds a {type(config).__name__}, not a JSON object")
+    return config
 
 
 def read_safetensors(folder: str | os.PathLike[str], *, device: torch.device | str = "cpu",
                      progress: bool = False) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
+    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``; the bytes
+    are not verified here (:func:`verify_export` does that). A file that is not whole safetensors raises
+    :class:`ExportCorruptError` naming it."""
     from safetensors.torch import load_file
 
     out = Path(folder)
     if (out / INDEX_FILE).is_file():
-        weight_map = json.loads((out / INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
-        files = list(dict.fromkeys(weight_map.values()))
+        try:
+            weight_map = json.loads((out / INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
+            files = list(dict.fromkeys(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ExportCorruptError(f"{out / INDEX_FILE}: unreadable ({type(error).__name__}: {error})") from None
     elif (out / SAFETENSORS_FILE).is_file():
         files, weight_map = [SAFETENSORS_FILE], None
     else:
@@ -292,7 +419,14 @@ def read_safetensors(folder: str | os.PathLike[str], *, device: torch.device | s
         files = tqdm(files, desc="reading safetensors", unit="file")
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        part = load_file(str(out / name), device=str(device))
+        try:
+            part = load_file(str(out / name), device=str(device))
+        except FileNotFoundError:
+            raise ExportCorruptError(f"{out / name}: missing (listed in {INDEX_FILE})") from None
+        except OSError as error:
+            raise ExportCorruptError(f"{out / name}: cannot be read ({error.strerror})") from None
+        except Exception as error:  # noqa: BLE001  (safetensors' SafetensorError: a truncated or damaged file)
+            raise ExportCorruptError(f"{out / name}: not a readable safetensors file ({error})") from None
         if weight_map is not None:
             wrong = [k for k in part if weight_map.get(k) != name]
             if wrong:
@@ -325,9 +459,11 @@ def load_pretrained(folder: str | os.PathLike[str], *, device: torch.device | st
         backend: the token-mixer implementation (``HolaTitanLM(backend=...)``).
 
     Raises:
-        FileNotFoundError: no config or weights. ValueError: a config or weight-name mismatch, naming the keys.
+        FileNotFoundError: no config or weights. ExportCorruptError: a file differs from the manifest or is not
+        readable, naming it. ValueError: a config or weight-name mismatch, naming the keys.
     """
     target = resolve_dtype(dtype)
+    verify_export(folder)
     args = args_from_config(read_config(folder), source=f"{folder}/config.json")
     state = read_safetensors(folder, device=device)
     with torch.device("meta"):

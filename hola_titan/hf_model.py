@@ -60,7 +60,7 @@ with _quiet_torchao():  # transformers resolves these names lazily: the import o
 
 from hola_titan.data.packing import IGNORE_INDEX  # noqa: E402 - after transformers' quiet import
 from hola_titan.decoding import DECODE_MODES, StaticDecoder, flatten_layer, resolve_mode  # noqa: E402
-from hola_titan.export import FORMAT_VERSION, MODEL_TYPE  # noqa: E402
+from hola_titan.export import FORMAT_VERSION, MODEL_TYPE, verify_export  # noqa: E402
 from hola_titan.models.args import ModelArgs, model_args  # noqa: E402
 from hola_titan.models.model import HolaTitanLM, ModelCache, RecurrentLayerCache  # noqa: E402
 
@@ -184,6 +184,23 @@ class HolaTitanForCausalLM(PreTrainedModel, GenerationMixin):
         self._decoder_key: tuple | None = None
         self._logged: set[str] = set()
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' ``from_pretrained``, after checking a local folder's files against its ``manifest.json``
+        (:func:`hola_titan.export.verify_export`): transformers reads a truncated or changed weight file without a
+        word when its header still parses. ``AutoModelForCausalLM.from_pretrained`` ends here too. A hub id is
+        passed on as it is.
+
+        Raises:
+            hola_titan.export.ExportCorruptError: a file differs from the manifest, naming it.
+        """
+        import os
+
+        folder = pretrained_model_name_or_path
+        if isinstance(folder, (str, os.PathLike)) and os.path.isdir(folder):
+            verify_export(os.path.join(folder, kwargs.get("subfolder") or ""))
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

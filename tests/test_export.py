@@ -21,7 +21,8 @@ import hola_titan.hf_model  # noqa: F401  (registers the transformers classes)
 from hola_titan.checkpoint import step_folder
 from hola_titan.config import parse_config
 from hola_titan.data import load_tokenizer
-from hola_titan.export import INDEX_FILE, SAFETENSORS_FILE, load_pretrained, read_safetensors, save_pretrained
+from hola_titan.export import (INDEX_FILE, SAFETENSORS_FILE, load_pretrained, read_safetensors, save_pretrained,
+                               write_export_manifest)
 from hola_titan.models.args import model_args, replace
 from hola_titan.models.model import ModelCache, build_model
 from hola_titan.train import Trainer
@@ -171,6 +172,7 @@ def test_load_rejects_weights_of_another_model(tmp_path):
     save_pretrained(_tiny("gdn"), None, tmp_path / "gdn")
     config = json.loads((tmp_path / "gdn" / "config.json").read_text())
     (tmp_path / "gdn" / "config.json").write_text(json.dumps(config | {"flavour": "hola"}))
+    write_export_manifest(tmp_path / "gdn")  # checksums that agree: the names, not the bytes, are what is wrong
     with pytest.raises(ValueError, match=r"missing \['layers.0.attn.gamma_k'"):
         load_pretrained(tmp_path / "gdn")
     with pytest.raises(FileNotFoundError, match="config.json"):
