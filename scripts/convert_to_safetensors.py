@@ -16,6 +16,12 @@ process without any process group (whatever number of FSDP ranks saved it), and
 ``--max-shard-bytes``) and the tokenizer files. ``--dtype`` defaults to the run's ``checkpoint.export_dtype``.
 The output loads with ``hola_titan.export.load_pretrained`` and, after ``import hola_titan.hf_model``, with
 ``transformers.AutoModelForCausalLM.from_pretrained``.
+
+The checkpoint's files are checked against its ``manifest.json`` before anything is read; one that differs is
+refused naming the file, and one without a manifest (written before checksums existed) is refused unless
+``--allow-unverified``, as training refuses it unless ``checkpoint.allow_unverified``. OUT is written whole or not
+at all (a hidden sibling renamed into place): an earlier export there is replaced only once the new one is
+complete, and an OUT that holds anything but an export (a run folder, say) is refused before the checkpoint is read.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 from hola_titan.checkpoint import CheckpointError, load_model_state, recorded_config, resolve_checkpoint
 from hola_titan.config import ConfigError, JobConfig, config_from_text, flat_items, load_toml
 from hola_titan.data import load_tokenizer
-from hola_titan.export import DEFAULT_MAX_SHARD_BYTES, save_pretrained
+from hola_titan.export import DEFAULT_MAX_SHARD_BYTES, check_export_destination, save_pretrained
 from hola_titan.models.model import HolaTitanLM
 from hola_titan.builder import build_model_args
 
@@ -76,12 +82,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="weight dtype (default: checkpoint.export_dtype of the run)")
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
                         help="largest safetensors file; above it the weights are sharded with an index")
+    parser.add_argument("--allow-unverified", action="store_true",
+                        help="convert a checkpoint that has no manifest.json (its bytes cannot be verified)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        check_export_destination(args.out)
         step, how = resolve_checkpoint(args.checkpoint)
         if how is not None:
             print(f"converting {step}: {how}")
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.device("meta"):
             model = HolaTitanLM(model_args)
         model.to_empty(device="cpu")
-        load_model_state(step, model, progress=True)
+        load_model_state(step, model, progress=True, allow_unverified=args.allow_unverified)
         dtype = args.dtype or config.checkpoint.export_dtype
         save_pretrained(model, tokenizer, args.out, dtype=dtype, max_shard_bytes=args.max_shard_bytes, progress=True)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
