@@ -396,14 +396,15 @@ class Data:
     and hub data have their own splits."""
     token_cache: bool = setting(True, resume="launch")
     """Keep the tokenised documents of bundled and local data under ``job.cache_folder``/``tokens`` (keyed by
-    the files' paths, sizes and modification times, the split, hold-out and tokenizer), so the next process on
+    the files' paths, sizes and content hashes, the split, hold-out and tokenizer), so the next process on
     the node (a resume, another run, another rank) reads them in about a second instead of tokenising again
     (a 120M-token corpus: 85 s on 16 cores). About 2 bytes a token (4 above 65,536 entries). False, or an empty
     ``job.cache_folder``: tokenise in every process."""
     allow_changed_data: bool = setting(False, resume="launch")
     """Resume even when the training data differs from what the checkpoint's run read (its fingerprint: per file
-    the size and the bytes at both ends; hub data by name), with a warning. False: such a resume is refused in one
-    line naming the files, since it would continue at a row of another document stream."""
+    the size and the sha256 of its content, kept per node in ``job.cache_folder``/``data_hashes``; hub data by
+    name), with a warning. False: such a resume is refused in one line naming the files, since it would continue
+    at a row of another document stream."""
 
 
 @dataclass

@@ -160,6 +160,13 @@ def token_cache_folder(config: JobConfig) -> Path | None:
     return folder / "tokens" if folder is not None and config.data.token_cache else None
 
 
+def data_hash_folder(config: JobConfig) -> Path | None:
+    """Where the loaders keep the content hashes of the data files for the node's next process (the data's
+    fingerprint: :mod:`hola_titan.data.fingerprint`), or None."""
+    folder = node_cache_folder(config)
+    return folder / "data_hashes" if folder is not None else None
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -293,7 +300,8 @@ class Trainer:
         self.dataloader = build_dataloader(data=config.data, tokenizer=self.tokenizer, seq_len=config.training.seq_len,
                                            local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
                                            dp_world_size=self.dp_size, seed=config.training.seed,
-                                           token_cache=token_cache_folder(config))
+                                           token_cache=token_cache_folder(config),
+                                           hash_cache=data_hash_folder(config))
         self.state = TrainState()
         self._restore_guard_state()
         self.flops = flops_per_token(self.model_args, config.training.seq_len)
@@ -746,7 +754,8 @@ class Trainer:
                                            local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
                                            dp_world_size=self.dp_size, max_batches=config.validation.steps,
                                            accumulation=self.degrees.grad_accum_steps,
-                                           token_cache=token_cache_folder(config))
+                                           token_cache=token_cache_folder(config),
+                                           hash_cache=data_hash_folder(config))
 
     def _checked_validation_loader(self):
         """:meth:`_validation_loader`, refused in one line when the validation data holds fewer than

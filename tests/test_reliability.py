@@ -837,7 +837,7 @@ def test_a_resume_on_changed_data_is_refused_naming_the_file(tmp_path, caplog):
     os.utime(data, ns=(stamp + 10**9, stamp + 10**9))  # touched, same bytes: resumes, and says so
     with caplog.at_level(logging.INFO, logger="hola_titan"):
         Trainer(parse_config([*longer[:-1], "3"])).train()
-    assert "have new modification times but the same size" in caplog.text
+    assert "have new modification times but the same content" in caplog.text
     write("other")  # replaced at the same path
     with pytest.raises(CheckpointMismatchError, match=f"data.dataset: {re.escape(str(data))} changed since the "
                                                       f"checkpoint's run read it .*data.allow_changed_data"):
@@ -894,6 +894,56 @@ def test_retention_keeps_the_newest_healthy_checkpoint(tmp_path):
     folder = tmp_path / "checkpoint"
     assert list_checkpoints(folder) == [8, 9]
     assert recorded_healthy(folder / "step-8") and not recorded_healthy(folder / "step-9")
+
+
+def test_a_data_file_edited_in_its_middle_is_refused_on_resume_and_tokenised_again(tmp_path):
+    """One byte changed in the middle of a file larger than 2 MiB, its size and modification time put back: the
+    bytes at both ends, all the fingerprint once held, are the same, and the run trained on other tokens."""
+    from hola_titan.checkpoint import CheckpointMismatchError
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"entry {i}: " + "lorem ipsum " * 200}) + "\n" for i in range(900)))
+    assert data.stat().st_size > 2 << 20
+    cache = tmp_path / "cache"
+    run = [*FAST, "--job.dump_folder", str(tmp_path / "run"), "--job.cache_folder", str(cache), "--data.dataset",
+           str(data), "--data.holdout_every", "0", "--checkpoint.enable", "--checkpoint.interval", "2",
+           "--training.steps", "2"]
+    first = Trainer(parse_config(run))
+    first.train()
+    before = data.stat()
+    raw = bytearray(data.read_bytes())
+    middle = raw.index(b"lorem", len(raw) // 2)
+    raw[middle:middle + 5] = b"LOREM"
+    data.write_bytes(raw)
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (data.stat().st_size, data.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with pytest.raises(CheckpointMismatchError, match=f"data.dataset: {re.escape(str(data))} changed since the "
+                                                      f"checkpoint's run read it \\({re.escape(str(data))}: other "
+                                                      "content at the same size"):
+        Trainer(parse_config([*run[:-1], "4"])).train()
+    # The refused start tokenised the edited file anew (its content hash is in the token cache's key).
+    assert len(list((cache / "tokens").glob("*.npz"))) == 2 and len(list((cache / "data_hashes").iterdir())) == 2
+
+
+def test_a_checkpoint_with_the_earlier_data_fingerprint_resumes_with_one_warning(tmp_path, caplog):
+    from hola_titan.config import Data
+    from hola_titan.data import build_dataloader, load_tokenizer
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    kwargs = dict(data=Data(dataset=str(data), holdout_every=0), tokenizer=load_tokenizer("bundled"), seq_len=32,
+                  local_batch_size=2)
+    loader = build_dataloader(**kwargs)
+    next(iter(loader))
+    state = loader.state_dict()
+    old = json.loads(state["fingerprint"])
+    for entry in old["files"]:  # what checkpoints held before content hashes
+        del entry["sha256"]
+    state["fingerprint"] = json.dumps(old)
+    with caplog.at_level(logging.WARNING, logger="hola_titan"):
+        build_dataloader(**kwargs).load_state_dict(state)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(lines) == 1 and "could not be compared by content" in lines[0] and str(data) in lines[0], lines
 
 
 def test_a_step_folder_without_metadata_is_named_and_skipped(tmp_path, caplog):
