@@ -574,11 +574,22 @@ def check_fields(config: JobConfig) -> None:
 def _read_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            raw = f.read()
     except FileNotFoundError:
         raise ConfigError("job.config_file", f"no such file {path!r}") from None
     except IsADirectoryError:
         raise ConfigError("job.config_file", f"{path!r} is a folder, not a TOML file") from None
+    except OSError as e:
+        raise ConfigError("job.config_file", f"{path!r} cannot be read ({e.strerror})") from None
+    try:
+        # Decoded here rather than by tomllib, whose UnicodeDecodeError names neither the file nor the line.
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError("job.config_file", f"{path!r} line {line} (byte offset {e.start}): byte "
+                          f"0x{raw[e.start]:02x} is not valid UTF-8; TOML files are UTF-8 (save it as UTF-8)") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("job.config_file", f"cannot parse TOML file {path!r}: {e}") from None
 

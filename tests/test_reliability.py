@@ -946,6 +946,100 @@ def test_a_checkpoint_with_the_earlier_data_fingerprint_resumes_with_one_warning
     assert len(lines) == 1 and "could not be compared by content" in lines[0] and str(data) in lines[0], lines
 
 
+def _without_root_s_permission_override() -> list[str]:
+    """A command prefix under which permission bits stop this user: none for another user; for root, ``setpriv``
+    without the capabilities that let root write anywhere (skipped where it cannot drop them)."""
+    if os.geteuid() != 0:
+        return []
+    caps = "-dac_override,-dac_read_search"
+    prefix = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
+    try:
+        dropped = subprocess.run([*prefix, "true"], capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        dropped = False
+    if not dropped:
+        pytest.skip("root writes into a read-only folder, and setpriv cannot drop that capability here")
+    return prefix
+
+
+def _listing(folder: Path) -> list[tuple[str, int]]:
+    """Every path below ``folder`` (links not followed) with its mode: what a refused start must leave as it was."""
+    return sorted((str(p.relative_to(folder)), p.lstat().st_mode) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("case", ["symlink_loop", "name_too_long", "read_only_checkpoints", "toml_not_utf8"])
+def test_a_bad_folder_or_config_file_is_one_line_at_start_with_exit_2_and_nothing_made(tmp_path, case):
+    """Each stopped with a traceback (a loop, a long name, invalid UTF-8) or only at the first save (read-only)."""
+    run = tmp_path / "run"
+    args = [*FAST, "--job.cache_folder", "", "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval",
+            "1"]
+    launchers, prefix = ["train"], []
+    if case == "symlink_loop":
+        (tmp_path / "a").symlink_to(tmp_path / "b")
+        (tmp_path / "b").symlink_to(tmp_path / "a")
+        run = tmp_path / "a" / "run"
+        expected = f"job.dump_folder: {run}: {tmp_path / 'a'} is a symbolic link loop"
+    elif case == "name_too_long":
+        run = tmp_path / ("r" * 300)
+        expected = f"job.dump_folder: {run}: the name rrrr"
+    elif case == "read_only_checkpoints":
+        prefix = _without_root_s_permission_override()
+        (run / "checkpoint").mkdir(parents=True)
+        (run / "checkpoint").chmod(0o555)
+        expected = f"checkpoint.folder: {run / 'checkpoint'}: cannot write files there (Permission denied)"
+        launchers = ["train", "run_train.sh"]
+    else:
+        config = tmp_path / "latin1.toml"
+        config.write_bytes(Path(DEBUG).read_bytes() + b'\n[job]\ndescription = "caf\xe9"\n')
+        args = [*args, "--job.config_file", str(config)]
+        line = config.read_bytes().count(b"\n")
+        expected = f"job.config_file: '{config}' line {line} (byte offset "
+        launchers = ["run_train.sh"]
+    before = _listing(tmp_path)
+    for launcher in launchers:
+        if launcher == "train":
+            command = [sys.executable, "-m", "hola_titan.train", *args, "--job.dump_folder", str(run)]
+            env = _env()
+        else:  # the launcher's one-process check, before torchrun (its arguments, without --job.config_file)
+            command = [str(ROOT / "run_train.sh"), *args[2:], "--job.dump_folder", str(run)]
+            env = _env() | {"NGPU": "1", "CONFIG_FILE": DEBUG, "PYTHON": sys.executable}
+        result = subprocess.run([*prefix, *command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], (launcher, result.stderr[-3000:])
+        assert "Traceback" not in result.stderr and "torchrun" not in result.stderr
+    assert _listing(tmp_path) == before
+
+
+def test_a_file_size_limit_is_named_and_not_reported_as_a_full_disk(tmp_path, monkeypatch, capsys):
+    import resource
+
+    from hola_titan.checkpoint import CheckpointError
+    from hola_titan.metrics import MetricsLogger
+    from hola_titan.train import main
+
+    trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "2",
+                                    "--checkpoint.enable", "--checkpoint.interval", "2"]))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # the debug model's checkpoint is larger
+    try:
+        with pytest.raises(CheckpointError) as caught:
+            trainer.train()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    message = str(caught.value)
+    assert "a file reached the file size limit of 1.0 MiB (1,048,576 bytes" in message, message
+    assert "no space" not in message and "free" not in message
+    assert list((tmp_path / "run" / "checkpoint").iterdir()) == []
+
+    def too_large(self, row):
+        raise OSError(27, "File too large", str(tmp_path / "metrics.jsonl"))
+
+    monkeypatch.setattr(MetricsLogger, "log", too_large)
+    assert main([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: writing {tmp_path / 'metrics.jsonl'} failed: a file reached " in err and "no space" not in err
+
+
 def test_a_step_folder_without_metadata_is_named_and_skipped(tmp_path, caplog):
     run = [*FAST, "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.interval", "2"]
     Trainer(parse_config([*run, "--training.steps", "4"])).train()
