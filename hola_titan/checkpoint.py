@@ -81,12 +81,14 @@ that kills its process mid-save; production code carries no fault injection.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import pickle
 import random
 import re
+import resource
 import shutil
 import time
 import warnings
@@ -139,6 +141,15 @@ class CheckpointMismatchError(CheckpointError):
 def step_folder(folder: str | os.PathLike[str], step: int) -> Path:
     """``<folder>/step-<step>``."""
     return Path(folder) / f"{STEP_PREFIX}{step}"
+
+
+def file_size_limit() -> str:
+    """The limit a write failing with ``EFBIG`` ran into, in words: the process's ``RLIMIT_FSIZE`` (``ulimit -f``)
+    when one is set, else the largest file the file system takes."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return "the largest file size the file system takes"
+    return f"the file size limit of {limit / 2**20:,.1f} MiB ({limit:,} bytes; RLIMIT_FSIZE, ulimit -f)"
 
 
 def list_checkpoints(folder: str | os.PathLike[str]) -> list[int]:
@@ -523,20 +534,34 @@ class Checkpointer:
     @contextmanager
     def _write_errors(self, tmp: Path):
         """A failed write (a full disk above all: DCP then reports only "unexpected pos ...") becomes one
-        :class:`CheckpointError` naming the folder, the free space and the fix; the partial folder is removed and
-        the earlier checkpoints stay as they were."""
+        :class:`CheckpointError` naming the folder, the cause and the fix (for a full disk the free space, for the
+        file size limit that limit); the partial folder is removed and the earlier checkpoints stay as they
+        were."""
         try:
             yield
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException; torch.save raises many types
             free = shutil.disk_usage(self.folder if self.folder.exists() else self.folder.parent).free
-            cause, seen = error, [str(error)]
+            cause, seen, errnos = error, [str(error)], {getattr(error, "errno", None)}
             while cause.__cause__ is not None or cause.__context__ is not None:
                 cause = cause.__cause__ or cause.__context__
                 seen.append(str(cause))
-            full = free < (64 << 20) or any("No space" in text or "unexpected pos" in text for text in seen)
+                errnos.add(getattr(cause, "errno", None))
+            short_write = any("unexpected pos" in text for text in seen)
+            limited = resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+            # A file that reaches the file size limit fails as a short write too, and DCP drops the errno (EFBIG):
+            # with a limit set and room on the disk, that limit is what stopped it.
+            too_large = (errno.EFBIG in errnos or any("File too large" in text for text in seen)
+                         or (short_write and limited and free >= (64 << 20)))
+            full = not too_large and (free < (64 << 20) or short_write or errno.ENOSPC in errnos
+                                      or any("No space" in text for text in seen))
             shutil.rmtree(tmp, ignore_errors=True)
+            if too_large:
+                raise CheckpointError(
+                    f"checkpoint: writing {tmp} failed (a file reached {file_size_limit()}); raise the limit "
+                    f"(ulimit -f unlimited) or write checkpoints to a file system that takes larger files; the "
+                    f"earlier checkpoints in {self.folder} are intact") from error
             what = "no space left on the device" if full else f"{type(error).__name__}: {str(error)[:200]}"
             raise CheckpointError(
                 f"checkpoint: writing {tmp} failed ({what}; {free / 2**30:.2f} GiB free there); free space or set "

@@ -6,8 +6,10 @@ that a mistake ends in one line and exit status 2 instead of a worker's error in
 It checks what can be checked without building the model: the config and its cross-field rules at that world
 size, the parallel degrees, the tokenizer, the training (and validation) data source (a Hugging Face hub dataset:
 that the hub answers for it or ``datasets``' cache holds it, asked once, without retries), that
-``checkpoint.initial_load_path`` names a checkpoint when it will be loaded, and that no other run holds the run
-folder. A dry run (``--dry-run``) needs only the config.
+``checkpoint.initial_load_path`` names a checkpoint when it will be loaded, that the run folder and the checkpoint
+folder can be folders (no file in the way, no symbolic link loop, no name too long) and checkpoints can be written
+(a read-only folder is found here, not at the first save), and that no other run holds the run folder. A dry run
+(``--dry-run``) needs only the config.
 """
 
 from __future__ import annotations
@@ -31,8 +33,19 @@ def preflight(argv: list[str], *, folder_check: bool = True) -> None:
     from hola_titan.data import load_tokenizer
     from hola_titan.data.sources import check_hub_source, resolve_source
     from hola_titan.data.synthetic import is_synthetic
-    from hola_titan.runfolder import RunFolderError, RunFolderLock
+    from hola_titan.runfolder import RunFolderError, RunFolderLock, check_folder_path, check_writable_folder
 
+    # On every node (each writes its shards of every checkpoint), before anything else reads the folders.
+    checkpoints = os.path.join(config.job.dump_folder, config.checkpoint.folder)
+    try:
+        check_folder_path(config.job.dump_folder, key="job.dump_folder")
+    except RunFolderError as err:
+        raise ConfigError("job.dump_folder", str(err)) from None
+    if config.checkpoint.enable:
+        try:
+            check_writable_folder(checkpoints, key="checkpoint.folder")
+        except RunFolderError as err:
+            raise ConfigError("checkpoint.folder", str(err)) from None
     load_tokenizer(config.model.tokenizer_path)
     ckpt = config.checkpoint
     if ckpt.initial_load_path:

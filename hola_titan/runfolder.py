@@ -19,7 +19,9 @@ import json
 import logging
 import os
 import socket
+import stat
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -43,11 +45,71 @@ class FolderUnusableError(RunFolderError):
 
 
 def _check_is_folder(folder: Path, key: str) -> None:
+    """Raise :class:`FolderUnusableError` naming the path and the cause when ``folder`` (config key ``key``) cannot
+    be a folder: a file in its place or in its parents' place, a symbolic link loop or a dangling link on its way,
+    a name longer than the file system takes. Reads only: called before anything is made."""
     for path in (folder, *folder.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise FolderUnusableError(f"{folder}: {path} is a file, not a folder; choose another {key}")
-            return
+        try:
+            mode = os.stat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            if os.path.islink(path):
+                raise FolderUnusableError(f"{folder}: {path} is a symbolic link to {os.readlink(path)}, which does "
+                                          f"not exist; create its target or choose another {key}") from None
+            continue  # made by the run, unless a parent is a file (found further up)
+        except OSError as error:
+            raise FolderUnusableError(_path_problem(folder, error, key)) from None
+        if not stat.S_ISDIR(mode):
+            raise FolderUnusableError(f"{folder}: {path} is a file, not a folder; choose another {key}")
+        return
+
+
+def _path_problem(folder: Path, error: OSError, key: str) -> str:
+    """The one line for a path that the file system refuses to look up (``os.stat`` of it failed with ``error``)."""
+    if error.errno == errno.ELOOP:
+        # The first prefix that cannot be looked up is the link that loops (or leads into a loop).
+        looping = next((path for path in (*reversed(folder.parents), folder) if _loops(path)), folder)
+        return f"{folder}: {looping} is a symbolic link loop ({error.strerror}); choose another {key}"
+    if error.errno == errno.ENAMETOOLONG:
+        existing = next((path for path in folder.parents if os.path.isdir(path)), Path("/"))
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+        long = [part for part in folder.parts if len(os.fsencode(part)) > name_max]
+        what = (f"the name {long[0][:40]}... is {len(os.fsencode(long[0]))} bytes, more than the {name_max} the file "
+                f"system at {existing} takes" if long else
+                f"the path is {len(os.fsencode(str(folder)))} bytes, longer than the system takes")
+        return f"{folder}: {what} ({error.strerror}); choose a shorter {key}"
+    return f"{folder}: {error.filename or folder} cannot be looked up ({error.strerror}); choose another {key}"
+
+
+def _loops(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as error:
+        return error.errno == errno.ELOOP
+    return False
+
+
+def check_folder_path(folder: str | os.PathLike[str], *, key: str) -> None:
+    """Raise :class:`FolderUnusableError` naming the path and the cause when ``folder`` (config key ``key``) cannot
+    be a folder (a file in the way, a symbolic link loop, a dangling link, a name too long); makes nothing."""
+    _check_is_folder(Path(folder), key)
+
+
+def check_writable_folder(folder: str | os.PathLike[str], *, key: str) -> None:
+    """Raise :class:`FolderUnusableError` naming ``folder`` (config key ``key``) and the cause when files cannot be
+    made in it (read-only file system, permissions), or, where it does not exist yet, in the nearest folder above
+    it that does (where it will be made). Checked by making and removing one empty file, which also catches what
+    permission bits do not say (a read-only mount, an ACL); the run's first save would otherwise find it."""
+    folder = Path(folder)
+    _check_is_folder(folder, key)
+    existing = next(path for path in (folder, *folder.parents) if os.path.isdir(path))
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".write_check.", dir=existing)
+    except OSError as error:
+        where = "" if existing == folder else f" (it would be made in {existing}, which cannot be written)"
+        raise FolderUnusableError(f"{folder}: cannot write files there{where} ({error.strerror}); fix its "
+                                  f"permissions or choose another {key}") from None
+    os.close(handle)
+    os.unlink(probe)
 
 
 class _Held:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hola_titan.builder import model_args_of
-from hola_titan.checkpoint import CheckpointError, Checkpointer
+from hola_titan.checkpoint import CheckpointError, Checkpointer, file_size_limit
 from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
 from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, check_memory, overlap_backward,
@@ -65,7 +65,8 @@ from hola_titan.parallelisms.init import init_like_one_process
 from hola_titan.parallelisms.parallelize import parallelize_model
 from hola_titan.profiling import step_profiler
 from hola_titan.resume import plan_resume
-from hola_titan.runfolder import RunFolderError, RunFolderLock, watch_parent
+from hola_titan.runfolder import (RunFolderError, RunFolderLock, check_folder_path, check_writable_folder,
+                                  watch_parent)
 
 logger = logging.getLogger("hola_titan")
 
@@ -160,6 +161,13 @@ def token_cache_folder(config: JobConfig) -> Path | None:
     return folder / "tokens" if folder is not None and config.data.token_cache else None
 
 
+def data_hash_folder(config: JobConfig) -> Path | None:
+    """Where the loaders keep the content hashes of the data files for the node's next process (the data's
+    fingerprint: :mod:`hola_titan.data.fingerprint`), or None."""
+    folder = node_cache_folder(config)
+    return folder / "data_hashes" if folder is not None else None
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -198,6 +206,7 @@ class Trainer:
                         config.model.flavour, config.model.size, self.dump, self.world_size)
         # One writer per run folder: rank 0 writes it (config, metrics, checkpoint renames) and holds its lock.
         self._folder_locks: list[RunFolderLock] = []
+        self._check_folders()
         self._lock_folders()
         if config.training.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -293,7 +302,8 @@ class Trainer:
         self.dataloader = build_dataloader(data=config.data, tokenizer=self.tokenizer, seq_len=config.training.seq_len,
                                            local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
                                            dp_world_size=self.dp_size, seed=config.training.seed,
-                                           token_cache=token_cache_folder(config))
+                                           token_cache=token_cache_folder(config),
+                                           hash_cache=data_hash_folder(config))
         self.state = TrainState()
         self._restore_guard_state()
         self.flops = flops_per_token(self.model_args, config.training.seq_len)
@@ -324,6 +334,21 @@ class Trainer:
         self._validation = None  # the validation loader, built and checked by train() before the first step
 
     # ------------------------------------------------------------------ resuming (hola_titan/resume.py)
+
+    def _check_folders(self) -> None:
+        """Every rank, before anything is made: the run folder and the checkpoint folder can be folders (no link
+        loop, no name longer than the file system takes, no file in the way), and checkpoints can be written
+        where they will go, which the first save would otherwise find out, a whole interval later."""
+        folders = [("job.dump_folder", self.dump)]
+        if self.config.checkpoint.enable:
+            folders.append(("checkpoint.folder", self.dump / self.config.checkpoint.folder))
+        for key, folder in folders:
+            try:
+                check_folder_path(folder, key=key)
+                if key == "checkpoint.folder":
+                    check_writable_folder(folder, key=key)
+            except RunFolderError as err:
+                raise ConfigError(key, str(err)) from None
 
     def _lock_folders(self) -> None:
         """Rank 0 takes the run folder's lock and, when checkpoints go to a folder outside it (an absolute
@@ -746,7 +771,8 @@ class Trainer:
                                            local_batch_size=config.training.local_batch_size, dp_rank=self.dp_rank,
                                            dp_world_size=self.dp_size, max_batches=config.validation.steps,
                                            accumulation=self.degrees.grad_accum_steps,
-                                           token_cache=token_cache_folder(config))
+                                           token_cache=token_cache_folder(config),
+                                           hash_cache=data_hash_folder(config))
 
     def _checked_validation_loader(self):
         """:meth:`_validation_loader`, refused in one line when the validation data holds fewer than
@@ -1157,10 +1183,15 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         return _one_line_error(str(err))
     except OSError as err:
+        where = err.filename or "the run folder"
+        if err.errno == errno.EFBIG:
+            return _one_line_error(f"writing {where} failed: a file reached {file_size_limit()}; raise the limit "
+                                   "(ulimit -f unlimited) or set job.dump_folder elsewhere (the checkpoints written so "
+                                   "far are intact)")
         if err.errno != errno.ENOSPC:
             raise
-        return _one_line_error(f"no space left on the device writing {err.filename or 'the run folder'}: free space "
-                               "or set job.dump_folder elsewhere (the checkpoints written so far are intact)")
+        return _one_line_error(f"no space left on the device writing {where}: free space or set job.dump_folder "
+                               "elsewhere (the checkpoints written so far are intact)")
     finally:
         end_process_group(barrier=False)  # after an error: no barrier, a failed rank may be gone
     return 0

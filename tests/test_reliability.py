@@ -837,7 +837,7 @@ def test_a_resume_on_changed_data_is_refused_naming_the_file(tmp_path, caplog):
     os.utime(data, ns=(stamp + 10**9, stamp + 10**9))  # touched, same bytes: resumes, and says so
     with caplog.at_level(logging.INFO, logger="hola_titan"):
         Trainer(parse_config([*longer[:-1], "3"])).train()
-    assert "have new modification times but the same size" in caplog.text
+    assert "have new modification times but the same content" in caplog.text
     write("other")  # replaced at the same path
     with pytest.raises(CheckpointMismatchError, match=f"data.dataset: {re.escape(str(data))} changed since the "
                                                       f"checkpoint's run read it .*data.allow_changed_data"):
@@ -894,6 +894,150 @@ def test_retention_keeps_the_newest_healthy_checkpoint(tmp_path):
     folder = tmp_path / "checkpoint"
     assert list_checkpoints(folder) == [8, 9]
     assert recorded_healthy(folder / "step-8") and not recorded_healthy(folder / "step-9")
+
+
+def test_a_data_file_edited_in_its_middle_is_refused_on_resume_and_tokenised_again(tmp_path):
+    """One byte changed in the middle of a file larger than 2 MiB, its size and modification time put back: the
+    bytes at both ends, all the fingerprint once held, are the same, and the run trained on other tokens."""
+    from hola_titan.checkpoint import CheckpointMismatchError
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"entry {i}: " + "lorem ipsum " * 200}) + "\n" for i in range(900)))
+    assert data.stat().st_size > 2 << 20
+    cache = tmp_path / "cache"
+    run = [*FAST, "--job.dump_folder", str(tmp_path / "run"), "--job.cache_folder", str(cache), "--data.dataset",
+           str(data), "--data.holdout_every", "0", "--checkpoint.enable", "--checkpoint.interval", "2",
+           "--training.steps", "2"]
+    first = Trainer(parse_config(run))
+    first.train()
+    before = data.stat()
+    raw = bytearray(data.read_bytes())
+    middle = raw.index(b"lorem", len(raw) // 2)
+    raw[middle:middle + 5] = b"LOREM"
+    data.write_bytes(raw)
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (data.stat().st_size, data.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with pytest.raises(CheckpointMismatchError, match=f"data.dataset: {re.escape(str(data))} changed since the "
+                                                      f"checkpoint's run read it \\({re.escape(str(data))}: other "
+                                                      "content at the same size"):
+        Trainer(parse_config([*run[:-1], "4"])).train()
+    # The refused start tokenised the edited file anew (its content hash is in the token cache's key).
+    assert len(list((cache / "tokens").glob("*.npz"))) == 2 and len(list((cache / "data_hashes").iterdir())) == 2
+
+
+def test_a_checkpoint_with_the_earlier_data_fingerprint_resumes_with_one_warning(tmp_path, caplog):
+    from hola_titan.config import Data
+    from hola_titan.data import build_dataloader, load_tokenizer
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    kwargs = dict(data=Data(dataset=str(data), holdout_every=0), tokenizer=load_tokenizer("bundled"), seq_len=32,
+                  local_batch_size=2)
+    loader = build_dataloader(**kwargs)
+    next(iter(loader))
+    state = loader.state_dict()
+    old = json.loads(state["fingerprint"])
+    for entry in old["files"]:  # what checkpoints held before content hashes
+        del entry["sha256"]
+    state["fingerprint"] = json.dumps(old)
+    with caplog.at_level(logging.WARNING, logger="hola_titan"):
+        build_dataloader(**kwargs).load_state_dict(state)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(lines) == 1 and "could not be compared by content" in lines[0] and str(data) in lines[0], lines
+
+
+def _without_root_s_permission_override() -> list[str]:
+    """A command prefix under which permission bits stop this user: none for another user; for root, ``setpriv``
+    without the capabilities that let root write anywhere (skipped where it cannot drop them)."""
+    if os.geteuid() != 0:
+        return []
+    caps = "-dac_override,-dac_read_search"
+    prefix = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
+    try:
+        dropped = subprocess.run([*prefix, "true"], capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        dropped = False
+    if not dropped:
+        pytest.skip("root writes into a read-only folder, and setpriv cannot drop that capability here")
+    return prefix
+
+
+def _listing(folder: Path) -> list[tuple[str, int]]:
+    """Every path below ``folder`` (links not followed) with its mode: what a refused start must leave as it was."""
+    return sorted((str(p.relative_to(folder)), p.lstat().st_mode) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("case", ["symlink_loop", "name_too_long", "read_only_checkpoints", "toml_not_utf8"])
+def test_a_bad_folder_or_config_file_is_one_line_at_start_with_exit_2_and_nothing_made(tmp_path, case):
+    """Each stopped with a traceback (a loop, a long name, invalid UTF-8) or only at the first save (read-only)."""
+    run = tmp_path / "run"
+    args = [*FAST, "--job.cache_folder", "", "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval",
+            "1"]
+    launchers, prefix = ["train"], []
+    if case == "symlink_loop":
+        (tmp_path / "a").symlink_to(tmp_path / "b")
+        (tmp_path / "b").symlink_to(tmp_path / "a")
+        run = tmp_path / "a" / "run"
+        expected = f"job.dump_folder: {run}: {tmp_path / 'a'} is a symbolic link loop"
+    elif case == "name_too_long":
+        run = tmp_path / ("r" * 300)
+        expected = f"job.dump_folder: {run}: the name rrrr"
+    elif case == "read_only_checkpoints":
+        prefix = _without_root_s_permission_override()
+        (run / "checkpoint").mkdir(parents=True)
+        (run / "checkpoint").chmod(0o555)
+        expected = f"checkpoint.folder: {run / 'checkpoint'}: cannot write files there (Permission denied)"
+        launchers = ["train", "run_train.sh"]
+    else:
+        config = tmp_path / "latin1.toml"
+        config.write_bytes(Path(DEBUG).read_bytes() + b'\n[job]\ndescription = "caf\xe9"\n')
+        args = [*args, "--job.config_file", str(config)]
+        line = config.read_bytes().count(b"\n")
+        expected = f"job.config_file: '{config}' line {line} (byte offset "
+        launchers = ["run_train.sh"]
+    before = _listing(tmp_path)
+    for launcher in launchers:
+        if launcher == "train":
+            command = [sys.executable, "-m", "hola_titan.train", *args, "--job.dump_folder", str(run)]
+            env = _env()
+        else:  # the launcher's one-process check, before torchrun (its arguments, without --job.config_file)
+            command = [str(ROOT / "run_train.sh"), *args[2:], "--job.dump_folder", str(run)]
+            env = _env() | {"NGPU": "1", "CONFIG_FILE": DEBUG, "PYTHON": sys.executable}
+        result = subprocess.run([*prefix, *command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], (launcher, result.stderr[-3000:])
+        assert "Traceback" not in result.stderr and "torchrun" not in result.stderr
+    assert _listing(tmp_path) == before
+
+
+def test_a_file_size_limit_is_named_and_not_reported_as_a_full_disk(tmp_path, monkeypatch, capsys):
+    import resource
+
+    from hola_titan.checkpoint import CheckpointError
+    from hola_titan.metrics import MetricsLogger
+    from hola_titan.train import main
+
+    trainer = Trainer(parse_config([*FAST, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "2",
+                                    "--checkpoint.enable", "--checkpoint.interval", "2"]))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # the debug model's checkpoint is larger
+    try:
+        with pytest.raises(CheckpointError) as caught:
+            trainer.train()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    message = str(caught.value)
+    assert "a file reached the file size limit of 1.0 MiB (1,048,576 bytes" in message, message
+    assert "no space" not in message and "free" not in message
+    assert list((tmp_path / "run" / "checkpoint").iterdir()) == []
+
+    def too_large(self, row):
+        raise OSError(27, "File too large", str(tmp_path / "metrics.jsonl"))
+
+    monkeypatch.setattr(MetricsLogger, "log", too_large)
+    assert main([*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: writing {tmp_path / 'metrics.jsonl'} failed: a file reached " in err and "no space" not in err
 
 
 def test_a_step_folder_without_metadata_is_named_and_skipped(tmp_path, caplog):

@@ -43,8 +43,8 @@ import numpy as np
 
 from hola_titan.config import Data
 from hola_titan.data.packing import Batch, RowLoader, pack_rows
-from hola_titan.data.sources import (DataError, Source, TxtDocuments, fingerprint_changes, hub_documents,
-                                     read_documents, resolve_source, source_fingerprint)
+from hola_titan.data.fingerprint import fingerprint_changes, source_fingerprint
+from hola_titan.data.sources import DataError, Source, TxtDocuments, hub_documents, read_documents, resolve_source
 from hola_titan.data.synthetic import MqarLoader, build_synthetic_dataloader, is_synthetic
 from hola_titan.data.token_stream import InMemoryTokenStream, StreamingTokenStream, tokenize_documents
 from hola_titan.data.tokenizer import Tokenizer
@@ -185,7 +185,7 @@ class PackedDataLoader(RowLoader):
                 logger.warning("data: the checkpoint records no fingerprint of its data (an earlier version wrote "
                                "it): whether %s changed since cannot be checked", self.fingerprint.get("dataset"))
             return
-        changes, touched = fingerprint_changes(saved, self.fingerprint)
+        changes, touched, by_ends = fingerprint_changes(saved, self.fingerprint)
         if changes:
             what = "; ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
             if not self.allow_changed_data:
@@ -196,8 +196,13 @@ class PackedDataLoader(RowLoader):
             logger.warning("data: %s changed since the checkpoint's run read it (%s); continuing on the new data "
                            "(data.allow_changed_data)", self.fingerprint.get("dataset"), what)
         elif touched:
-            logger.info("data: %d file(s) of %s have new modification times but the same size and bytes at both "
-                        "ends (copied?), e.g. %s", len(touched), self.fingerprint.get("dataset"), touched[0])
+            logger.info("data: %d file(s) of %s have new modification times but the same content (copied?), "
+                        "e.g. %s", len(touched), self.fingerprint.get("dataset"), touched[0])
+        if by_ends and not changes:
+            logger.warning("data: the checkpoint was written before data fingerprints held content hashes: %d file(s) "
+                           "of %s could not be compared by content, only by size and their first and last MiB, "
+                           "e.g. %s; the next checkpoint records their hashes", len(by_ends),
+                           self.fingerprint.get("dataset"), by_ends[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -287,16 +292,20 @@ def _write_disk_cache(path: Path, tokens: np.ndarray, offsets: np.ndarray, label
     logger.info("tokens of %s written to the token cache %s (%.0f MB)", label, path, path.stat().st_size / 1e6)
 
 
-def _tokenized(source: Source, tokenizer: Tokenizer, *, streaming: bool,
+def _tokenized(source: Source, tokenizer: Tokenizer, *, streaming: bool, fingerprint: dict[str, Any],
                token_cache: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Tokenise a finite source once per process (cached by files, fields and tokenizer), and once per node for
-    bundled and local data when ``token_cache`` names a folder (``data.token_cache``)."""
+    bundled and local data when ``token_cache`` names a folder (``data.token_cache``). ``fingerprint``: the
+    source's (:func:`~hola_titan.data.fingerprint.source_fingerprint`): files are keyed by their content hash, so
+    that a file edited in place is tokenised again whatever its size and modification time."""
     if source.kind == "hub":
         key: tuple[Any, ...] = (source.kind, source.dataset, source.dataset_config, source.split,
                                 source.text_field)
         documents = hub_documents(source, streaming=streaming)
     else:
-        key = source.cache_key()
+        files = tuple((f["path"], f["size"], f["sha256"]) for f in fingerprint["files"])
+        key = (source.kind, source.dataset, source.split, source.text_field, source.dataset_config,
+               source.txt_documents, files, source.holdout_tag)
         documents = read_documents(source)
     key = (*key, tokenizer.fingerprint)
     if key not in _TOKEN_CACHE:
@@ -317,13 +326,14 @@ def _tokenized(source: Source, tokenizer: Tokenizer, *, streaming: bool,
 
 
 def _build_stream(source: Source, tokenizer: Tokenizer, *, streaming: bool | None, shuffle: bool, seed: int,
-                  epochs: int | None, token_cache: Path | None) -> TokenStream:
+                  epochs: int | None, token_cache: Path | None, fingerprint: dict[str, Any]) -> TokenStream:
     stream_hub = source.kind == "hub" and (streaming is None or streaming)
     if stream_hub:
         def open_documents(skip: int) -> Iterator[str]:
             return hub_documents(source, streaming=True, skip=skip)
         return StreamingTokenStream(open_documents, tokenizer, epochs=epochs)
-    tokens, offsets = _tokenized(source, tokenizer, streaming=False, token_cache=token_cache)
+    tokens, offsets = _tokenized(source, tokenizer, streaming=False, fingerprint=fingerprint,
+                                 token_cache=token_cache)
     if len(offsets) < 2 or offsets[-1] == 0:
         files = ", ".join(str(f) for f in source.files[:3]) + (" ..." if len(source.files) > 3 else "")
         raise DataError(f"data.dataset: {source.dataset!r} split {source.split!r} ({files}) has no document with at "
@@ -333,8 +343,8 @@ def _build_stream(source: Source, tokenizer: Tokenizer, *, streaming: bool | Non
 
 def build_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: int, local_batch_size: int, dp_rank: int = 0,
                      dp_world_size: int = 1, seed: int = 0, shuffle: bool = True,
-                     txt_documents: TxtDocuments = "paragraph",
-                     token_cache: Path | None = None) -> PackedDataLoader | MqarLoader:
+                     txt_documents: TxtDocuments = "paragraph", token_cache: Path | None = None,
+                     hash_cache: Path | None = None) -> PackedDataLoader | MqarLoader:
     """Endless, resumable training loader for one data-parallel rank (module docstring).
 
     Args:
@@ -356,6 +366,9 @@ def build_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: int, local_ba
         txt_documents: ``.txt`` files: ``paragraph`` (blank-line separated blocks) or ``file``.
         token_cache: a folder that keeps the tokenised documents of bundled and local data for the next process
             (``data.token_cache``; the trainer passes ``job.cache_folder``/``tokens``); None: tokenise here.
+        hash_cache: a folder that keeps the content hashes of bundled and local data files for the node's next
+            process (:mod:`hola_titan.data.fingerprint`; the trainer passes ``job.cache_folder``/``data_hashes``);
+            None: hash the files in this process.
     """
     _check_args(tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
                 dp_world_size=dp_world_size)
@@ -366,19 +379,20 @@ def build_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: int, local_ba
     source = resolve_source(data.dataset, split=data.split, text_field=data.text_field,
                             dataset_config=data.dataset_config, txt_documents=txt_documents,
                             holdout_every=data.holdout_every)
+    fingerprint = source_fingerprint(source, hash_cache=hash_cache)
     stream = _build_stream(source, tokenizer, streaming=data.streaming, shuffle=shuffle, seed=seed, epochs=None,
-                           token_cache=token_cache)
+                           token_cache=token_cache, fingerprint=fingerprint)
     return PackedDataLoader(stream, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
                             dp_world_size=dp_world_size, eos_id=tokenizer.eos_id, varlen=data.varlen, seed=seed,
-                            holdout=source.holdout_tag, fingerprint=source_fingerprint(source),
+                            holdout=source.holdout_tag, fingerprint=fingerprint,
                             allow_changed_data=data.allow_changed_data)
 
 
 def build_validation_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
                                 dp_rank: int = 0, dp_world_size: int = 1, dataset: str | None = None,
                                 split: str = "validation", max_batches: int | None = None, accumulation: int = 1,
-                                txt_documents: TxtDocuments = "paragraph",
-                                token_cache: Path | None = None) -> PackedDataLoader | MqarLoader:
+                                txt_documents: TxtDocuments = "paragraph", token_cache: Path | None = None,
+                                hash_cache: Path | None = None) -> PackedDataLoader | MqarLoader:
     """Loader over fixed held-out rows: the first epoch of ``split`` in stored order, the same every iteration.
 
     ``dataset``: a separate validation dataset (``validation.dataset``), read whole; None (or ``data.dataset``):
@@ -416,7 +430,7 @@ def build_validation_dataloader(*, data: Data, tokenizer: Tokenizer, seq_len: in
     source = resolve_source(dataset, split=split, text_field=data.text_field, dataset_config=data.dataset_config,
                             txt_documents=txt_documents, holdout_every=holdout_every)
     stream = _build_stream(source, tokenizer, streaming=data.streaming, shuffle=False, seed=0, epochs=1,
-                           token_cache=token_cache)
+                           token_cache=token_cache, fingerprint=source_fingerprint(source, hash_cache=hash_cache))
     batch_rows = dp_world_size * local_batch_size * accumulation
 
     def too_small(holds: str) -> DataError:

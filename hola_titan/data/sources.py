@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import glob
 import gzip
-import hashlib
 import json
 import os
 import re
@@ -76,57 +75,6 @@ class Source:
     def holdout_tag(self) -> str:
         """``"none"`` or e.g. ``"train/100"``: what a resumed loader checks."""
         return "none" if self.holdout is None else f"{self.holdout}/{self.holdout_every}"
-
-    def cache_key(self) -> tuple[Any, ...]:
-        """Identifies the documents this source yields (file sizes and modification times included)."""
-        stats = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in self.files)
-        return (self.kind, self.dataset, self.split, self.text_field, self.dataset_config, self.txt_documents, stats,
-                self.holdout_tag)
-
-
-_FINGERPRINT_BYTES = 1 << 20
-
-
-def _file_fingerprint(path: Path) -> dict[str, Any]:
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        head = handle.read(_FINGERPRINT_BYTES)
-        handle.seek(max(0, size - _FINGERPRINT_BYTES))
-        tail = handle.read(_FINGERPRINT_BYTES)
-    return {"path": str(path), "size": size, "mtime_ns": path.stat().st_mtime_ns,
-            "head": hashlib.sha256(head).hexdigest()[:16], "tail": hashlib.sha256(tail).hexdigest()[:16]}
-
-
-def source_fingerprint(source: Source) -> dict[str, Any]:
-    """What identifies the documents of ``source`` cheaply: per file its size, modification time and a hash of its
-    first and last MiB (bundled and local data); the name, configuration and split of hub data."""
-    if source.kind == "hub":
-        return {"kind": "hub", "dataset": source.dataset, "config": source.dataset_config, "split": source.split}
-    return {"kind": source.kind, "dataset": source.dataset, "split": source.split,
-            "files": [_file_fingerprint(f) for f in source.files]}
-
-
-def fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """``(changes, touched)``: what differs in the documents between two fingerprints (files added, removed,
-    resized or with other bytes), and files whose modification time alone changed (a copy or a ``touch``)."""
-    if saved.get("kind") != now.get("kind") or saved.get("kind") == "hub":
-        def name(fp):
-            return f"{fp.get('dataset')} ({fp.get('kind')}, config {fp.get('config')}, split {fp.get('split')})"
-        return [f"{name(saved)} -> {name(now)}"] if saved != now else [], []
-    before = {f["path"]: f for f in saved.get("files", [])}
-    after = {f["path"]: f for f in now.get("files", [])}
-    changes = [f"{p} is new" for p in after if p not in before]
-    changes += [f"{p} is gone" for p in before if p not in after]
-    touched = []
-    for path in before.keys() & after.keys():
-        a, b = before[path], after[path]
-        if a["size"] != b["size"]:
-            changes.append(f"{path}: {a['size']:,} -> {b['size']:,} bytes")
-        elif (a["head"], a["tail"]) != (b["head"], b["tail"]):
-            changes.append(f"{path}: other content at the same size")
-        elif a["mtime_ns"] != b["mtime_ns"]:
-            touched.append(path)
-    return sorted(changes), sorted(touched)
 
 
 def _looks_local(dataset: str) -> bool:
