@@ -106,6 +106,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from hola_titan.staging import file_size_limit
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -141,15 +142,6 @@ class CheckpointMismatchError(CheckpointError):
 def step_folder(folder: str | os.PathLike[str], step: int) -> Path:
     """``<folder>/step-<step>``."""
     return Path(folder) / f"{STEP_PREFIX}{step}"
-
-
-def file_size_limit() -> str:
-    """The limit a write failing with ``EFBIG`` ran into, in words: the process's ``RLIMIT_FSIZE`` (``ulimit -f``)
-    when one is set, else the largest file the file system takes."""
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if limit == resource.RLIM_INFINITY:
-        return "the largest file size the file system takes"
-    return f"the file size limit of {limit / 2**20:,.1f} MiB ({limit:,} bytes; RLIMIT_FSIZE, ulimit -f)"
 
 
 def list_checkpoints(folder: str | os.PathLike[str]) -> list[int]:

@@ -68,15 +68,21 @@ def describe_write_error(error: BaseException, where: Path) -> str:
             free = f"free space in {probe} unknown"
         return f"no space left on the device ({free})" if code == errno.ENOSPC else f"disk quota exceeded ({free})"
     if code == errno.EFBIG:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-        limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
-        return (f"a file reached the file-size limit (RLIMIT_FSIZE, `ulimit -f`: {limit}), not a full disk; raise "
-                "the limit")
+        return f"a file reached {file_size_limit()}, not a full disk; raise the limit"
     if code is not None:
         return f"{os.strerror(code)}{f' ({filename})' if filename else ''}"
     return f"{type(error).__name__}: {str(error)[:200]}"
+
+
+def file_size_limit() -> str:
+    """The limit a write failing with ``EFBIG`` ran into, in words: the process's ``RLIMIT_FSIZE`` (``ulimit -f``)
+    when one is set, else the largest file the file system takes."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return "the largest file size the file system takes"
+    return f"the file size limit of {limit / 2**20:,.1f} MiB ({limit:,} bytes; RLIMIT_FSIZE, ulimit -f)"
 
 
 def check_destination(dest: Path, *, replaceable: Callable[[Path], bool], what: str,

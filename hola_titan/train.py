@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hola_titan.builder import model_args_of
-from hola_titan.checkpoint import CheckpointError, Checkpointer, file_size_limit
+from hola_titan.checkpoint import CheckpointError, Checkpointer
 from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
 from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, check_memory, overlap_backward,
@@ -65,6 +65,7 @@ from hola_titan.parallelisms.init import init_like_one_process
 from hola_titan.parallelisms.parallelize import parallelize_model
 from hola_titan.profiling import step_profiler
 from hola_titan.resume import plan_resume
+from hola_titan.staging import describe_write_error
 from hola_titan.runfolder import (RunFolderError, RunFolderLock, check_folder_path, check_writable_folder,
                                   watch_parent)
 
@@ -1166,6 +1167,7 @@ def main(argv: list[str] | None = None) -> int:
         # torchrun's workers run in sessions of their own: one whose torchrun is gone stops, not trains on.
         watch_parent(_stop_when_orphaned)
     setup_logging(rank)
+    config = None
     try:
         config = parse_config(argv)
         if config.dry_run:
@@ -1183,15 +1185,11 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         return _one_line_error(str(err))
     except OSError as err:
-        where = err.filename or "the run folder"
-        if err.errno == errno.EFBIG:
-            return _one_line_error(f"writing {where} failed: a file reached {file_size_limit()}; raise the limit "
-                                   "(ulimit -f unlimited) or set job.dump_folder elsewhere (the checkpoints written so "
-                                   "far are intact)")
-        if err.errno != errno.ENOSPC:
+        if err.errno not in (errno.EFBIG, errno.ENOSPC, errno.EDQUOT):
             raise
-        return _one_line_error(f"no space left on the device writing {where}: free space or set job.dump_folder "
-                               "elsewhere (the checkpoints written so far are intact)")
+        where = err.filename or (config.job.dump_folder if config is not None else ".")
+        return _one_line_error(f"writing {where} failed: {describe_write_error(err, Path(where))}; or set "
+                               "job.dump_folder elsewhere (the checkpoints written so far are intact)")
     finally:
         end_process_group(barrier=False)  # after an error: no barrier, a failed rank may be gone
     return 0

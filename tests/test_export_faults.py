@@ -179,7 +179,7 @@ def test_file_size_limit_is_named_and_the_old_output_stays(tool, run, exported, 
     result = subprocess.run(again, capture_output=True, text=True, env=env, timeout=300,
                             preexec_fn=_with_file_size_limit(limit))
     assert result.returncode == 2, result.stderr[-3000:]
-    _one_error(result.stderr, str(out), "file-size limit", f"{limit} bytes", "not a full disk")
+    _one_error(result.stderr, str(out), "file size limit", f"{limit:,} bytes", "not a full disk")
     assert _snapshot(out) == before and _leftovers(tmp_path) == []
 
 
