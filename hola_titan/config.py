@@ -316,7 +316,8 @@ class Checkpoint:
     interval: int = setting(500, resume="applied", ge=1)
     """Save every this many steps (and at the last step)."""
     keep_latest_k: int = setting(0, resume="applied", ge=0)
-    """Keep only the latest k checkpoints; 0 keeps all."""
+    """Keep only the latest k checkpoints that verify; 0 keeps all. Also kept: the one just written, the one the run
+    resumed from and the newest recorded healthy; folders that do not verify are left in place, not counted."""
     async_mode: Literal["disabled", "async"] = setting("disabled", resume="applied")
     """``async`` saves in a background thread while training continues."""
     allow_unverified: bool = setting(False, resume="launch")
