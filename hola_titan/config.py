@@ -329,6 +329,10 @@ class Checkpoint:
     newest complete step) or a safetensors export folder. Loaded whether or not ``enable`` is set; with ``enable``
     only while ``folder`` holds no checkpoint of this run (a resume wins). The log and ``paths.json`` say which
     weights the run started from."""
+    allow_folder_change: bool = setting(False, resume="launch")
+    """Resume with a ``folder`` other than the one the run folder's ``config.toml`` records while that one still
+    holds checkpoints. False: such a start is refused naming both folders (it would start at step 0 beside the
+    run's checkpoints)."""
     load_step: int = setting(-1, resume="launch", ge=-1)
     """Step to resume from; -1: the latest."""
     export_dtype: Literal["float32", "bfloat16"] = setting("float32", resume="applied")

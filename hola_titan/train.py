@@ -198,6 +198,7 @@ class Trainer:
                         config.model.flavour, config.model.size, self.dump, self.world_size)
         # One writer per run folder: rank 0 writes it (config, metrics, checkpoint renames) and holds its lock.
         self._folder_locks: list[RunFolderLock] = []
+        self._check_checkpoint_folder()
         self._lock_folders()
         if config.training.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -329,15 +330,15 @@ class Trainer:
     # ------------------------------------------------------------------ resuming (hola_titan/resume.py)
 
     def _lock_folders(self) -> None:
-        """Rank 0 takes the run folder's lock and, when checkpoints go to a folder outside it (an absolute
-        ``checkpoint.folder``), that folder's too: two runs never write one checkpoint folder."""
+        """Rank 0 takes the run folder's lock and, with checkpointing on, the checkpoint folder's own
+        (``<checkpoint folder>/.lock``), wherever it is: a run whose ``checkpoint.folder`` leads (relatively, through
+        a link, or absolutely) into another live run's checkpoint folder is refused, naming the holder."""
         if self.rank != 0:
             return
         config = self.config
         folders = [("job.dump_folder", self.dump)]
-        checkpoints = self.dump / config.checkpoint.folder
-        if config.checkpoint.enable and self.dump.resolve() not in checkpoints.resolve().parents:
-            folders.append(("checkpoint.folder", checkpoints))
+        if config.checkpoint.enable:
+            folders.append(("checkpoint.folder", self.dump / config.checkpoint.folder))
         for key, folder in folders:
             try:
                 self._folder_locks.append(RunFolderLock(folder, key=key).acquire())
@@ -346,6 +347,33 @@ class Trainer:
                     lock.release()
                 self._folder_locks = []
                 raise ConfigError(key, str(err)) from None
+
+    def _check_checkpoint_folder(self) -> None:
+        """A resume names the checkpoint folder its run wrote: when the folder's record (``config.toml``) says the
+        checkpoints went to another folder that still holds some, the start is refused naming both, unless
+        ``checkpoint.allow_folder_change`` (otherwise the run would start at step 0 beside them)."""
+        from hola_titan.checkpoint import list_checkpoints
+        from hola_titan.config import load_toml
+
+        config = self.config
+        record = self.dump / "config.toml"
+        if not config.checkpoint.enable or not record.is_file():
+            return
+        try:
+            recorded = load_toml(record).checkpoint.folder
+        except (ConfigError, OSError, ValueError):
+            return  # a record that does not read is no evidence of another folder; whoever reads it says why
+        old, new = self.dump / recorded, self.dump / config.checkpoint.folder
+        if old.resolve() == new.resolve() or not list_checkpoints(old):
+            return
+        if config.checkpoint.allow_folder_change:
+            if self.rank == 0:
+                logger.warning("checkpoint.folder: %s now, %s in the run recorded in %s (which holds checkpoints): "
+                               "changed as checkpoint.allow_folder_change allows", new, old, record)
+            return
+        raise ConfigError("checkpoint.folder", f"{new} is not the folder this run wrote its checkpoints to: "
+                          f"{record} records {old}, which holds checkpoints; set checkpoint.folder back to "
+                          f"{recorded!r}, or set checkpoint.allow_folder_change = true to use {new}")
 
     def run_info(self) -> dict:
         """What every checkpoint records of the run that wrote it, for :meth:`check_resume`."""

@@ -7,15 +7,17 @@ wrong number as fine") and fails there.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from hola_titan.checkpoint import HEALTHY, UNHEALTHY, list_checkpoints, recorded_health
-from hola_titan.config import parse_config
+from hola_titan.config import ConfigError, parse_config
 from hola_titan.train import Trainer
 from helpers import load_script
-from test_reliability import FAST
+from test_reliability import FAST, LONG, ROOT, _env, _lock_holder
 
 CKPT = [*FAST, "--checkpoint.enable", "--checkpoint.interval", "2"]
 
@@ -108,3 +110,36 @@ def test_the_last_checkpoint_is_judged_and_a_resume_judges_an_unjudged_one(tmp_p
     Trainer(parse_config([*run, "--training.steps", "5", "--checkpoint.interval", "10"])).train()
     health, why = recorded_health(folder / "step-4")
     assert health == HEALTHY and "at step 5 from its weights" in why, why
+
+
+def test_a_checkpoint_folder_inside_another_live_run_is_refused(tmp_path):
+    """A run whose checkpoint.folder leads relatively, or through a link, into a live run's <dump>/checkpoint is
+    refused at start naming the holder; list_checkpoints ignores the lock file."""
+    first = subprocess.Popen([sys.executable, "-m", "hola_titan.train", *LONG, "--checkpoint.enable",
+                              "--job.dump_folder", str(tmp_path / "a")], cwd=ROOT, env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        pid = _lock_holder(tmp_path / "a" / "checkpoint")
+        (tmp_path / "link").symlink_to(tmp_path / "a")
+        for folder in ("../a/checkpoint", str(tmp_path / "link" / "checkpoint")):
+            with pytest.raises(ConfigError, match=rf"checkpoint.folder: .* is in use by process {pid} on "):
+                Trainer(parse_config([*LONG, "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "b"),
+                                      "--checkpoint.folder", folder]))
+        assert list_checkpoints(tmp_path / "a" / "checkpoint") == []
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+
+
+def test_a_resume_with_another_checkpoint_folder_is_refused_unless_allowed(tmp_path, caplog):
+    run = [*CKPT, "--job.dump_folder", str(tmp_path), "--training.steps", "2"]
+    Trainer(parse_config(run)).train()
+    with pytest.raises(ConfigError, match=r"checkpoint.folder: .*elsewhere is not the folder this run wrote its "
+                                          r"checkpoints to: .*config.toml records .*checkpoint, which holds "
+                                          r"checkpoints; .*checkpoint.allow_folder_change"):
+        Trainer(parse_config([*run, "--checkpoint.folder", "elsewhere"]))
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        trainer = Trainer(parse_config([*run, "--checkpoint.folder", "elsewhere",
+                                        "--checkpoint.allow_folder_change", "true"]))
+    assert "changed as checkpoint.allow_folder_change allows" in caplog.text
+    assert trainer.checkpointer.load() is None
