@@ -26,7 +26,10 @@ A *model-only* checkpoint has only ``model.*`` (and ``info.*``): the seed checkp
 
 Saving (:meth:`Checkpointer.maybe_save`, after every step): every ``checkpoint.interval`` steps and at the last
 step. A save goes to ``step-N.tmp``; only when it is complete (every rank wrote its files and rank 0 wrote
-``.metadata``) rank 0 renames it to ``step-N``, then removes all but the newest ``keep_latest_k`` (0 keeps all).
+``.metadata``) rank 0 renames it to ``step-N``, then removes verified checkpoints beyond the newest ``keep_latest_k``
+(0 keeps all), never the one just written, the one resumed from or the newest recorded healthy; folders that do not
+verify are not counted and are left in place (:meth:`Checkpointer._retain`). Each manifest records the saved model's
+health, ``unjudged`` until the trainer's next loss judges it (:meth:`Checkpointer.record_health`).
 A process killed mid-save therefore leaves at most a ``.tmp`` folder, which is never loaded as it is: at the next
 start a ``.tmp`` whose metadata and data files are all whole (a finished save whose rename was cut short) is
 promoted to ``step-N``, any other is removed.
@@ -241,6 +244,16 @@ def resolve_checkpoint(path: str | os.PathLike[str], *, safetensors: bool = Fals
                           f"pass {forms}")
 
 
+def _signature(folder: Path) -> tuple:
+    """The names, sizes and modification times of the files of ``folder`` (its manifest aside, which a health
+    record rewrites): what a cached verdict on the folder was reached on."""
+    try:
+        return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
+                            if f.is_file() and not f.name.startswith(MANIFEST)))
+    except OSError:
+        return ()
+
+
 def _digest(path: Path) -> str:
     import xxhash
 
@@ -251,26 +264,67 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(folder: str | os.PathLike[str], *, healthy: bool | None = None) -> Path:
-    """Write ``<folder>/manifest.json``: the size and checksum of every file in the folder (atomically), and
-    whether the saved step passed the trainer's health checks (``healthy``; None: not known)."""
+# A checkpoint's health, in its manifest: whether the model it saved is one to keep and export. Known only once a
+# loss has been computed from its weights (the first loss after the save), so a fresh checkpoint is "unjudged".
+HEALTHY, UNHEALTHY, UNJUDGED = "healthy", "unhealthy", "unjudged"
+
+
+def write_manifest(folder: str | os.PathLike[str], *, health: str | None = None, why: str = "") -> Path:
+    """Write ``<folder>/manifest.json``: the size and checksum of every file in the folder (atomically), and the
+    saved model's health (``health``: :data:`HEALTHY`, :data:`UNHEALTHY` or :data:`UNJUDGED`; None: not recorded)
+    with ``why``."""
     folder = Path(folder)
     files = {f.name: {"size": f.stat().st_size, "digest": _digest(f)}
              for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(MANIFEST)}
-    tmp = folder / (MANIFEST + TMP_SUFFIX)
-    record = {"hash": HASH, "files": files, **({} if healthy is None else {"healthy": healthy})}
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, folder / MANIFEST)
+    record = {"hash": HASH, "files": files}
+    if health is not None:
+        record.update(_health_fields(health, why))
+    _write_json_atomically(folder / MANIFEST, record)
     return folder / MANIFEST
 
 
-def recorded_healthy(folder: str | os.PathLike[str]) -> bool:
-    """Whether the step in ``folder`` passed the health checks when it was saved (what its manifest records; a
-    checkpoint that records nothing, written before the checks, counts as healthy)."""
+def _health_fields(health: str, why: str) -> dict:
+    if health not in (HEALTHY, UNHEALTHY, UNJUDGED):
+        raise ValueError(f"health: expected {HEALTHY}, {UNHEALTHY} or {UNJUDGED}, got {health!r}")
+    # "healthy" (a bool) is what manifests recorded before a step could be unjudged; kept for their readers.
+    return {"health": health, "health_why": why, "healthy": health == HEALTHY}
+
+
+def _write_json_atomically(path: Path, record: dict) -> None:
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def record_health(folder: str | os.PathLike[str], health: str, why: str) -> None:
+    """Set the health in ``<folder>/manifest.json`` (temp file + rename: a crash leaves the old record or the new,
+    never a torn one). The checksums are untouched: the manifest does not list itself."""
+    path = Path(folder) / MANIFEST
+    record = json.loads(path.read_text())
+    record.update(_health_fields(health, why))
+    _write_json_atomically(path, record)
+
+
+def recorded_health(folder: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(health, why)`` that the manifest of the checkpoint ``folder`` records. A manifest from before health was
+    recorded, or none at all, counts as :data:`HEALTHY` (nothing was judged then); one from before steps could be
+    unjudged records a bool, judged by the loss of the saved step itself."""
     try:
-        return bool(json.loads((Path(folder) / MANIFEST).read_text()).get("healthy", True))
-    except (OSError, ValueError, AttributeError):
-        return True
+        record = json.loads((Path(folder) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return HEALTHY, "no health recorded"
+    if not isinstance(record, dict):
+        return HEALTHY, "no health recorded"
+    if record.get("health") in (HEALTHY, UNHEALTHY, UNJUDGED):
+        return record["health"], str(record.get("health_why", ""))
+    if "healthy" in record:
+        return (HEALTHY, "") if record["healthy"] else (UNHEALTHY, "its step failed the health checks")
+    return HEALTHY, "no health recorded"
+
+
+def recorded_healthy(folder: str | os.PathLike[str]) -> bool:
+    """Whether the checkpoint in ``folder`` is recorded healthy (:func:`recorded_health`; unjudged is not)."""
+    return recorded_health(folder)[0] == HEALTHY
 
 
 def verify_manifest(folder: str | os.PathLike[str]) -> dict | None:
@@ -409,7 +463,8 @@ def _single_process_quiet():
 class _PendingSave:
     step: int
     future: Future
-    healthy: bool = True
+    health: str = UNJUDGED
+    why: str = ""
 
 
 class Checkpointer:
@@ -463,6 +518,11 @@ class Checkpointer:
         self._async_group = dist.new_group(backend="gloo") if async_mode == "async" and self.distributed else None
         self._pending: _PendingSave | None = None
         self.storage_writer = storage_writer
+        # The step the last load() resumed from (retention keeps it), and rank 0's verdicts on step folders, keyed by
+        # step, with the files' sizes and times they were reached on: each folder is hashed once per process.
+        self.resumed_step: int | None = None
+        self._verdicts: dict[int, tuple[tuple, str | None]] = {}
+        self._reported: set[tuple[int, str]] = set()
 
     # ------------------------------------------------------------------ collective helpers
 
@@ -488,15 +548,19 @@ class Checkpointer:
         """Whether :meth:`maybe_save` writes a checkpoint at ``step``."""
         return final or step % self.interval == 0
 
-    def maybe_save(self, step: int, *, final: bool = False, healthy: bool = True) -> None:
-        """Called after every step: finish a background save that is done, and save when ``step`` is due."""
+    def maybe_save(self, step: int, *, final: bool = False, health: str = UNJUDGED, why: str = "") -> bool:
+        """Called after every step: finish a background save that is done, and save when ``step`` is due (returns
+        whether it saved)."""
         self._poll_pending()
         if self.due(step, final=final):
-            self.save(step, healthy=healthy)
+            self.save(step, health=health, why=why)
+            return True
+        return False
 
-    def save(self, step: int, *, healthy: bool = True) -> Path:
+    def save(self, step: int, *, health: str = UNJUDGED, why: str = "") -> Path:
         """Write the full training state of ``step`` to ``step-<step>`` (sync or async; module docstring).
-        ``healthy``: whether the step passed the trainer's health checks, which retention reads (:meth:`_retain`)."""
+        ``health``: what the manifest records of the saved model (:func:`write_manifest`); the trainer saves
+        :data:`UNJUDGED` and judges the step with the next loss (:meth:`record_health`), which retention reads."""
         self._wait_pending()
         tmp = self.folder / f"{STEP_PREFIX}{step}{TMP_SUFFIX}"
         if self.rank == 0:
@@ -510,7 +574,7 @@ class Checkpointer:
             with _single_process_quiet():
                 future = dcp.async_save(self._save_state(), storage_writer=writer, process_group=self._async_group,
                                         no_dist=not self.distributed)
-            self._pending = _PendingSave(step=step, future=future, healthy=healthy)
+            self._pending = _PendingSave(step=step, future=future, health=health, why=why)
             logger.info("checkpoint: step %d staged in %.2f s; writing in the background to %s", step,
                         time.perf_counter() - begin, tmp)
             return step_folder(self.folder, step)
@@ -518,7 +582,7 @@ class Checkpointer:
             dcp.save(self._save_state(), storage_writer=writer, no_dist=not self.distributed)
         self._barrier()
         with self._write_errors(tmp):
-            self._finalize(step, healthy=healthy)
+            self._finalize(step, health=health, why=why)
         logger.info("checkpoint: saved step %d to %s in %.2f s", step, step_folder(self.folder, step),
                     time.perf_counter() - begin)
         return step_folder(self.folder, step)
@@ -574,17 +638,17 @@ class Checkpointer:
         tmp = self.folder / f"{STEP_PREFIX}{pending.step}{TMP_SUFFIX}"
         with self._write_errors(tmp):
             pending.future.result()
-            self._finalize(pending.step, healthy=pending.healthy)
+            self._finalize(pending.step, health=pending.health, why=pending.why)
         logger.info("checkpoint: background save of step %d complete (waited %.2f s)", pending.step,
                     time.perf_counter() - begin)
 
-    def _finalize(self, step: int, *, healthy: bool = True) -> None:
+    def _finalize(self, step: int, *, health: str = UNJUDGED, why: str = "") -> None:
         """Rank 0: rename ``step-N.tmp`` to ``step-N`` and drop old checkpoints beyond ``keep_latest_k``."""
         if self.rank != 0:
             return
         tmp, final = self.folder / f"{STEP_PREFIX}{step}{TMP_SUFFIX}", step_folder(self.folder, step)
         begin = time.perf_counter()
-        write_manifest(tmp, healthy=healthy)
+        write_manifest(tmp, health=health, why=why)
         logger.info("checkpoint: checksums of step %d written in %.2f s", step, time.perf_counter() - begin)
         if final.exists():
             # Move the old folder aside first, so that a crash here leaves the complete .tmp (promoted at the next
@@ -597,26 +661,85 @@ class Checkpointer:
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        self._retain()
+        self._verdicts[step] = (_signature(final), None)  # its checksums were computed from these files just now
+        self._retain(step)
 
-    def _retain(self) -> None:
-        """Drop checkpoints beyond the newest ``keep_latest_k``, but never the newest one whose step passed the
-        health checks when every newer one failed them: a diverged step is never all that is left."""
+    def record_health(self, step: int, health: str, why: str) -> None:
+        """Rank 0: record the judged health of checkpoint ``step`` in its manifest, or in its background save when
+        that is still being written (its manifest is written when it completes). A step judged before keeps its
+        verdict."""
+        if self.rank != 0:
+            return
+        pending = self._pending
+        if pending is not None and pending.step == step:
+            pending.health, pending.why = health, why
+        else:
+            path = step_folder(self.folder, step)
+            if recorded_health(path)[0] != UNJUDGED:
+                return  # judged already (by the run that wrote it): the first verdict, on the first loss, stands
+            try:
+                record_health(path, health, why)
+            except (OSError, ValueError) as error:
+                # Retention then treats the step as unjudged: never the newest healthy one, never exported by default.
+                logger.warning("checkpoint: the health of %s could not be recorded (%s)", path, error)
+                return
+        log = logger.info if health == HEALTHY else logger.warning
+        log("checkpoint: step %d judged %s: %s", step, health, why)
+
+    def step_problem(self, step: int) -> str | None:
+        """Rank 0: None when ``step-<step>`` verifies against its manifest, else why not (a folder without a
+        manifest verifies only with ``allow_unverified``). Each folder is hashed once per process while its files
+        keep their sizes and times."""
+        path = step_folder(self.folder, step)
+        signature = _signature(path)
+        known = self._verdicts.get(step)
+        if known is not None and known[0] == signature:
+            return known[1]
+        try:
+            read_metadata(path)
+            problem = None if verify_manifest(path) is not None or self.allow_unverified else (
+                f"checkpoint {path}: no {MANIFEST}, so its bytes cannot be verified")
+        except CheckpointCorruptError as error:
+            problem = str(error)
+        self._verdicts[step] = (signature, problem)
+        return problem
+
+    def _retain(self, written: int) -> None:
+        """Drop verified checkpoints beyond the newest ``keep_latest_k`` ones, never ``written`` (just saved), the one
+        this run resumed from, nor the newest one recorded healthy. A step folder that does not verify is not
+        counted among the k and is left where it is, said once: it is evidence, and deleting it is the user's call."""
         if self.keep_latest_k <= 0:
             return
         steps = list_checkpoints(self.folder)
-        drop, keep = steps[:-self.keep_latest_k], steps[-self.keep_latest_k:]
-        if not any(recorded_healthy(step_folder(self.folder, s)) for s in keep):
-            good = [s for s in drop if recorded_healthy(step_folder(self.folder, s))]
-            if good:
-                drop.remove(good[-1])
-                logger.warning("checkpoint: keeping %s beyond keep_latest_k = %d: the newer checkpoints %s did not "
-                               "pass the health checks, and it is the newest that did", step_folder(self.folder,
-                               good[-1]), self.keep_latest_k, keep)
-        for old in drop:
-            shutil.rmtree(step_folder(self.folder, old), ignore_errors=True)
-            logger.info("checkpoint: removed %s (keep_latest_k = %d)", step_folder(self.folder, old),
-                        self.keep_latest_k)
+        verified, broken = [], []
+        for step in reversed(steps):
+            problem = self.step_problem(step)
+            (broken if problem else verified).append((step, problem))
+        verified_steps = [step for step, _ in verified]
+        keep = set(verified_steps[:self.keep_latest_k]) | {written}
+        why = {written: "just written"}
+        if self.resumed_step in verified_steps:
+            keep.add(self.resumed_step)
+            why.setdefault(self.resumed_step, "this run resumed from it")
+        newest_healthy = next((s for s in verified_steps if recorded_healthy(step_folder(self.folder, s))), None)
+        if newest_healthy is not None:
+            keep.add(newest_healthy)
+            why.setdefault(newest_healthy, "the newest recorded healthy")
+        for step, problem in broken:
+            if (step, problem) not in self._reported:
+                self._reported.add((step, problem))
+                logger.warning("checkpoint: %s; not counted among keep_latest_k = %d and left in place for inspection "
+                               "(remove it yourself once inspected)", problem, self.keep_latest_k)
+        newest_k = set(verified_steps[:self.keep_latest_k])
+        for step in sorted(keep - newest_k):
+            logger.info("checkpoint: keeping %s beyond keep_latest_k = %d: %s", step_folder(self.folder, step),
+                        self.keep_latest_k, why[step])
+        for old in verified_steps:
+            if old not in keep:
+                shutil.rmtree(step_folder(self.folder, old), ignore_errors=True)
+                self._verdicts.pop(old, None)
+                logger.info("checkpoint: removed %s (keep_latest_k = %d)", step_folder(self.folder, old),
+                            self.keep_latest_k)
 
     def close(self) -> None:
         """Wait for a background save and finalise it (every rank)."""
@@ -635,7 +758,7 @@ class Checkpointer:
         docstring. ``resume=False`` (``checkpoint.enable`` off): the folder is not looked at, only
         ``initial_load_path`` is loaded. Returns the step resumed from, or None for a start at step 0;
         :attr:`started_from` says which weights the run started from."""
-        plan, self.started_from = None, None
+        plan, self.started_from, self.resumed_step = None, None, None
         if self.rank == 0:
             try:
                 plan = self._plan_load() if resume else self._plan_initial()
@@ -664,6 +787,8 @@ class Checkpointer:
             path = step_folder(self.folder, step)
             if problem is None:
                 problem = self._verify(path)
+                if problem is None and self.rank == 0:
+                    self._verdicts[step] = (_signature(path), None)  # retention need not hash it again
             if problem is None:
                 try:
                     return self._load_step(step, path)
@@ -848,6 +973,7 @@ class Checkpointer:
         if train_state.step != step:
             logger.warning("checkpoint: %s holds step %d", path, train_state.step)
         self.started_from = {"kind": "resumed", "path": str(path), "step": train_state.step}
+        self.resumed_step = step
         return train_state.step
 
     def _load_model_only(self, path: Path, *, what: str, metadata: Metadata | None = None,

@@ -316,7 +316,8 @@ class Checkpoint:
     interval: int = setting(500, resume="applied", ge=1)
     """Save every this many steps (and at the last step)."""
     keep_latest_k: int = setting(0, resume="applied", ge=0)
-    """Keep only the latest k checkpoints; 0 keeps all."""
+    """Keep only the latest k checkpoints that verify; 0 keeps all. Also kept: the one just written, the one the run
+    resumed from and the newest recorded healthy; folders that do not verify are left in place, not counted."""
     async_mode: Literal["disabled", "async"] = setting("disabled", resume="applied")
     """``async`` saves in a background thread while training continues."""
     allow_unverified: bool = setting(False, resume="launch")
@@ -328,6 +329,10 @@ class Checkpoint:
     newest complete step) or a safetensors export folder. Loaded whether or not ``enable`` is set; with ``enable``
     only while ``folder`` holds no checkpoint of this run (a resume wins). The log and ``paths.json`` say which
     weights the run started from."""
+    allow_folder_change: bool = setting(False, resume="launch")
+    """Resume with a ``folder`` other than the one the run folder's ``config.toml`` records while that one still
+    holds checkpoints. False: such a start is refused naming both folders (it would start at step 0 beside the
+    run's checkpoints)."""
     load_step: int = setting(-1, resume="launch", ge=-1)
     """Step to resume from; -1: the latest."""
     export_dtype: Literal["float32", "bfloat16"] = setting("float32", resume="applied")

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hola_titan.builder import model_args_of
-from hola_titan.checkpoint import CheckpointError, Checkpointer
+from hola_titan.checkpoint import HEALTHY, UNHEALTHY, UNJUDGED, CheckpointError, Checkpointer
 from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
 from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, check_memory, overlap_backward,
@@ -208,6 +208,7 @@ class Trainer:
         # One writer per run folder: rank 0 writes it (config, metrics, checkpoint renames) and holds its lock.
         self._folder_locks: list[RunFolderLock] = []
         self._check_folders()
+        self._check_checkpoint_folder()
         self._lock_folders()
         if config.training.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -298,6 +299,9 @@ class Trainer:
         self._pending: PendingStep | None = None
         self._consecutive_skips = 0
         self._watch_steps = 0  # steps left that are held to the checkpoint's running loss mean (after a resume)
+        # The step of the checkpoint whose weights no loss has judged yet (the newest one saved or resumed from): the
+        # next step's loss, the first computed from those weights, judges it (_judge).
+        self._unjudged: int | None = None
         self._resume_changes: dict = {}
         self.dp_rank, self.dp_size = mesh_rank_and_size(self.mesh, "dp")
         self.dataloader = build_dataloader(data=config.data, tokenizer=self.tokenizer, seq_len=config.training.seq_len,
@@ -352,15 +356,15 @@ class Trainer:
                 raise ConfigError(key, str(err)) from None
 
     def _lock_folders(self) -> None:
-        """Rank 0 takes the run folder's lock and, when checkpoints go to a folder outside it (an absolute
-        ``checkpoint.folder``), that folder's too: two runs never write one checkpoint folder."""
+        """Rank 0 takes the run folder's lock and, with checkpointing on, the checkpoint folder's own
+        (``<checkpoint folder>/.lock``), wherever it is: a run whose ``checkpoint.folder`` leads (relatively, through
+        a link, or absolutely) into another live run's checkpoint folder is refused, naming the holder."""
         if self.rank != 0:
             return
         config = self.config
         folders = [("job.dump_folder", self.dump)]
-        checkpoints = self.dump / config.checkpoint.folder
-        if config.checkpoint.enable and self.dump.resolve() not in checkpoints.resolve().parents:
-            folders.append(("checkpoint.folder", checkpoints))
+        if config.checkpoint.enable:
+            folders.append(("checkpoint.folder", self.dump / config.checkpoint.folder))
         for key, folder in folders:
             try:
                 self._folder_locks.append(RunFolderLock(folder, key=key).acquire())
@@ -369,6 +373,33 @@ class Trainer:
                     lock.release()
                 self._folder_locks = []
                 raise ConfigError(key, str(err)) from None
+
+    def _check_checkpoint_folder(self) -> None:
+        """A resume names the checkpoint folder its run wrote: when the folder's record (``config.toml``) says the
+        checkpoints went to another folder that still holds some, the start is refused naming both, unless
+        ``checkpoint.allow_folder_change`` (otherwise the run would start at step 0 beside them)."""
+        from hola_titan.checkpoint import list_checkpoints
+        from hola_titan.config import load_toml
+
+        config = self.config
+        record = self.dump / "config.toml"
+        if not config.checkpoint.enable or not record.is_file():
+            return
+        try:
+            recorded = load_toml(record).checkpoint.folder
+        except (ConfigError, OSError, ValueError):
+            return  # a record that does not read is no evidence of another folder; whoever reads it says why
+        old, new = self.dump / recorded, self.dump / config.checkpoint.folder
+        if old.resolve() == new.resolve() or not list_checkpoints(old):
+            return
+        if config.checkpoint.allow_folder_change:
+            if self.rank == 0:
+                logger.warning("checkpoint.folder: %s now, %s in the run recorded in %s (which holds checkpoints): "
+                               "changed as checkpoint.allow_folder_change allows", new, old, record)
+            return
+        raise ConfigError("checkpoint.folder", f"{new} is not the folder this run wrote its checkpoints to: "
+                          f"{record} records {old}, which holds checkpoints; set checkpoint.folder back to "
+                          f"{recorded!r}, or set checkpoint.allow_folder_change = true to use {new}")
 
     def run_info(self) -> dict:
         """What every checkpoint records of the run that wrote it, for :meth:`check_resume`."""
@@ -661,6 +692,7 @@ class Trainer:
         if pending is None:
             return None
         result = pending.result()
+        self._judge(pending.step, result)  # before a bad loss stops the run: its checkpoint is marked first
         if result["ok"]:
             self._consecutive_skips = 0
             return result
@@ -718,6 +750,56 @@ class Trainer:
         factor = self.config.training.loss_spike_factor
         within = not (factor > 0 and result["loss_ema"] > 0 and result["loss"] > factor * result["loss_ema"])
         return bool(result["finite"]) and not result["spike"] and within
+
+    def _judge(self, step: int, result: dict) -> None:
+        """The loss of ``step`` (``result``) is the first computed from the weights of the checkpoint of step
+        ``step - 1`` when that one is unjudged: record whether it is healthy (:meth:`_healthy`)."""
+        saved = self._unjudged
+        if saved is None or step != saved + 1:
+            return
+        self._unjudged = None
+        if self.checkpointer is None:
+            return
+        factor = self.config.training.loss_spike_factor
+        healthy = self._healthy(result)
+        if not result["finite"]:
+            why = f"loss {result['loss']} / grad norm {result['grad_norm']} at step {step} from its weights"
+        elif factor > 0 and result["loss_ema"] > 0:
+            why = (f"loss {result['loss']:.4g} at step {step} from its weights, "
+                   f"{'within' if healthy else 'more than'} {factor:g} times the running mean "
+                   f"{result['loss_ema']:.4g} (training.loss_spike_factor)")
+        else:
+            why = f"loss {result['loss']:.4g} at step {step} from its weights is finite"
+        self.checkpointer.record_health(saved, HEALTHY if healthy else UNHEALTHY, why)
+
+    @torch.no_grad()
+    def _judge_last_checkpoint(self, data_iter) -> None:
+        """The run's last checkpoint has no next step to judge it: one forward of the next global batch (no update)
+        computes the loss its weights give, which :meth:`_judge` reads as that step's."""
+        micro = [next(data_iter) for _ in range(self.degrees.grad_accum_steps)]
+        if self.cp is not None:
+            micro = [self.cp.shard_batch(b) for b in micro]
+        targets = self._global_targets(micro)
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for batch in micro:
+            loss_total += _full(self.loss_sum(batch)).double()
+        loss_total = self._all_reduce_sum(loss_total.reshape(1)).reshape(())
+        loss = float(loss_total / targets)
+        result = {"loss": loss, "grad_norm": float("nan"), "finite": math.isfinite(loss), "spike": False,
+                  "loss_ema": float(self._loss_ema)}
+        self._judge(self.state.step + 1, result)
+
+    def _weights_health(self) -> tuple[str, str]:
+        """``(UNHEALTHY, why)`` when a weight of the model about to be saved is not finite (on any rank), else
+        ``(UNJUDGED, "")``: the next loss judges it. One read of the device, on save steps only."""
+        tensors = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        finite = torch.stack([torch.isfinite(t).all() for t in tensors if t.numel()]).all()
+        flag = torch.tensor([int(finite)], dtype=torch.int64)
+        if self._control_group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._control_group)
+        if int(flag.item()):
+            return UNJUDGED, ""
+        return UNHEALTHY, "its weights are not all finite"
 
     def _store_guard_state(self) -> None:
         """Copy the spike guard's device state into the checkpointed counters (reads the device: save steps only)."""
@@ -828,6 +910,9 @@ class Trainer:
                 if resumed is not None:
                     self._apply_resume_changes()
                     self._watch_steps = self.WATCHED_STEPS
+                    # The first loss from the resumed weights judges them, when their checkpoint was still unjudged
+                    # (saved at a stop, or by a run that ended before its next step): record_health keeps a verdict.
+                    self._unjudged = self._loader.resumed_step
                 self._restore_guard_state()
             # Before the first step (and after a resume settled the global batch): validation data that cannot
             # serve validation.steps is refused now, not after the steps up to the first validation.
@@ -904,7 +989,9 @@ class Trainer:
             return
         if not saved:
             self._store_guard_state()
-            self.checkpointer.save(step)
+            health, why = self._weights_health()
+            self.checkpointer.save(step, health=health, why=why)
+            self._unjudged = step if health == UNJUDGED else None
         logger.info("%s received: stopped after step %d with its checkpoint in %s; run again to resume", name, step,
                     self.checkpointer.folder)
 
@@ -1026,9 +1113,10 @@ class Trainer:
                 if saving:
                     self._store_guard_state()
                 if self.checkpointer is not None:
-                    # A step the loop saves was resolved above; retention keeps the last healthy one (_healthy).
-                    healthy = self._healthy(pending.result()) if saving else True
-                    self.checkpointer.maybe_save(step, final=final, healthy=healthy)
+                    # Weights that are not finite are unhealthy at once; finite ones wait for the next loss (_judge).
+                    health, why = self._weights_health() if saving else (UNJUDGED, "")
+                    if self.checkpointer.maybe_save(step, final=final, health=health, why=why):
+                        self._unjudged = step if health == UNJUDGED else None
                 if validating:
                     # After the step's checkpoint: a validation that fails (its data, the device) must not cost the
                     # steps since the last one. A background save is finished before the error ends the run.
@@ -1047,6 +1135,8 @@ class Trainer:
                     break
         self.resolve_pending()
         if self.checkpointer is not None:
+            if self._unjudged is not None and self._unjudged == self.state.step == config.training.steps:
+                self._judge_last_checkpoint(data_iter)
             self.checkpointer.close()
         self.metrics.close()
         if self.rank == 0:

@@ -6,7 +6,10 @@ Usage::
     python scripts/convert_to_safetensors.py outputs/run exports/run    # the run's newest complete checkpoint
 
 CHECKPOINT is a step folder (``<dump>/checkpoint/step-N``), a checkpoint folder (``<dump>/checkpoint``) or a run
-folder (``<dump>``); for the last two the newest complete step is converted, and the script says which. The model
+folder (``<dump>``); for the last two the newest step that verifies against its ``manifest.json`` and is recorded
+healthy (the first loss from its weights passed the trainer's checks) is converted, and the script says which and
+why newer ones were passed over. ``--allow-unhealthy`` takes the newest step that verifies whatever its health,
+with a warning; a step folder named alone that is recorded unhealthy is refused without it. The model
 is rebuilt from the config the checkpoint itself records (the run that wrote it; a later run in the same folder
 may have rewritten ``<job.dump_folder>/config.toml``, which is compared and a difference in the model is warned
 about). ``--config`` overrides it; a checkpoint that records none (a seed checkpoint) takes the run folder's
@@ -32,7 +35,9 @@ from pathlib import Path
 
 import torch
 
-from hola_titan.checkpoint import CheckpointError, load_model_state, recorded_config, resolve_checkpoint
+from hola_titan.checkpoint import (HEALTHY, UNHEALTHY, CheckpointCorruptError, CheckpointError, list_checkpoints,
+                                   load_model_state, recorded_config, recorded_health, resolve_checkpoint, step_folder,
+                                   verify_manifest)
 from hola_titan.config import ConfigError, JobConfig, config_from_text, flat_items, load_toml
 from hola_titan.data import load_tokenizer
 from hola_titan.export import DEFAULT_MAX_SHARD_BYTES, check_export_destination, save_pretrained
@@ -71,6 +76,51 @@ def _model_config(step: Path, given: Path | None) -> tuple[JobConfig, str]:
     return config, f"the config recorded in {step}"
 
 
+def choose_step(path: Path, *, allow_unhealthy: bool, allow_unverified: bool = False) -> tuple[Path, str | None]:
+    """The step folder to convert for ``path`` and what to say about the choice (None: nothing to say).
+
+    A step folder is taken as named, refused when recorded unhealthy (unless ``allow_unhealthy``). For a checkpoint
+    or run folder: the newest step that verifies and is recorded healthy, or with ``allow_unhealthy`` the newest that
+    verifies; the steps passed over are named with why. With ``allow_unverified`` the newest step without a manifest
+    (written before manifests) is taken when no newer one verifies, with a warning: neither its bytes nor its health
+    can be checked. Raises :class:`CheckpointError` in one line."""
+    newest, how = resolve_checkpoint(path)
+    if how is None:
+        health, why = recorded_health(newest)
+        if health == UNHEALTHY and not allow_unhealthy:
+            raise CheckpointError(f"{newest} is recorded unhealthy ({why}); convert an earlier step, or pass "
+                                  "--allow-unhealthy to convert it anyway")
+        return newest, None if health == HEALTHY else f"warning: {newest} is recorded {health}" + (
+            f" ({why})" if why else "")
+    folder, passed = newest.parent, []
+    # resolve_checkpoint's words for the folder ("the run folder X"), said of the step chosen here.
+    of = how.split(" checkpoint of ", 1)[1]
+    for step in reversed(list_checkpoints(folder)):
+        candidate = step_folder(folder, step)
+        try:
+            if verify_manifest(candidate) is None:
+                if allow_unverified:
+                    said = "; ".join([f"step {step}, the newest complete checkpoint of {of}", *passed])
+                    return candidate, f"{said}\nwarning: {candidate} has no manifest.json: neither its bytes nor " \
+                        "its health can be checked; converted as --allow-unverified asks"
+                passed.append(f"{candidate.name} passed over: no manifest.json, its bytes cannot be verified")
+                continue
+        except CheckpointCorruptError as error:
+            passed.append(f"{candidate.name} passed over: does not verify ({error})")
+            continue
+        health, why = recorded_health(candidate)
+        if health == HEALTHY:
+            return candidate, "; ".join([f"step {step}, the newest complete checkpoint of {of} that verifies and is "
+                                     "recorded healthy", *passed])
+        if allow_unhealthy:
+            said = "; ".join([f"step {step}, the newest complete checkpoint of {of} that verifies", *passed])
+            return candidate, f"{said}\nwarning: {candidate} is recorded {health} ({why}); converted as " \
+                "--allow-unhealthy asks"
+        passed.append(f"{candidate.name} passed over: {health} ({why})")
+    raise CheckpointError(f"{path} has no checkpoint that verifies and is recorded healthy: {'; '.join(passed)}; "
+                          "pass --allow-unhealthy to convert the newest that verifies")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a step folder <dump>/checkpoint/step-N, a checkpoint folder "
@@ -84,6 +134,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="largest safetensors file; above it the weights are sharded with an index")
     parser.add_argument("--allow-unverified", action="store_true",
                         help="convert a checkpoint that has no manifest.json (its bytes cannot be verified)")
+    parser.add_argument("--allow-unhealthy", action="store_true",
+                        help="convert the newest step that verifies even when it is recorded unhealthy or unjudged "
+                        "(with a warning); also a step folder named alone that is recorded unhealthy")
     return parser.parse_args(argv)
 
 
@@ -91,9 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         check_export_destination(args.out)
-        step, how = resolve_checkpoint(args.checkpoint)
+        step, how = choose_step(args.checkpoint, allow_unhealthy=args.allow_unhealthy,
+                                allow_unverified=args.allow_unverified)
         if how is not None:
-            print(f"converting {step}: {how}")
+            said, _, warning = how.partition("\n")
+            if said.startswith("warning: "):
+                said, warning = "", said
+            if said:
+                print(f"converting {step}: {said}")
+            if warning:
+                print(warning, file=sys.stderr)
         config, config_source = _model_config(step, args.config)
         tokenizer = load_tokenizer(args.tokenizer or config.model.tokenizer_path)
         model_args = build_model_args(config, tokenizer.vocab_size)

@@ -42,12 +42,13 @@ def main() -> int:
     if first_attempt and faults.kill_after_step is not None:
         original = checkpoint.Checkpointer.maybe_save
 
-        def maybe_save(self, step, *, final=False, healthy=True):
-            original(self, step, final=final, healthy=healthy)
+        def maybe_save(self, step, *, final=False, **health):
+            saved = original(self, step, final=final, **health)
             if step == faults.kill_after_step and self.rank == faults.kill_rank:
                 if self._pending is not None:
                     self._wait_pending()
                 _kill(f"killing rank {self.rank} after step {step}")
+            return saved
 
         checkpoint.Checkpointer.maybe_save = maybe_save
     if first_attempt and faults.kill_in_save is not None:
