@@ -1035,13 +1035,14 @@ def save_model_only(state_dict: dict[str, torch.Tensor], path: str | os.PathLike
     of a run.
     """
     path = Path(path)
+    if path.exists() or path.is_symlink():
+        # Never replaced: it may be the start of runs already trained from it, or not ours at all.
+        raise CheckpointError(f"{path} exists; it is left as it is: remove it yourself or choose another folder")
     tmp = path.with_name(path.name + TMP_SUFFIX)
     if tmp.exists():
-        shutil.rmtree(tmp)
+        shutil.rmtree(tmp)  # an earlier save_model_only of this path cut short: the .tmp name is this writer's own
     tmp.mkdir(parents=True)
     write_model_only(state_dict, tmp)
-    if path.exists():
-        shutil.rmtree(path)
     os.replace(tmp, path)
     return path
 
@@ -1103,7 +1104,14 @@ def create_seed_checkpoint(config: Any) -> Path:
     args, _ = model_args_of(config)
     torch.manual_seed(config.training.seed)
     model = build_model(args, device="cpu", backend=config.model.attention_backend)
-    path = step_folder(Path(config.job.dump_folder) / config.checkpoint.folder, 0)
+    folder = Path(config.job.dump_folder) / config.checkpoint.folder
+    held = list_checkpoints(folder)
+    if held:
+        # A seed starts a fresh run: written beside a run's checkpoints it would never be loaded (a resume takes the
+        # newest step), and step-0 of a run that trained from it is never replaced.
+        raise CheckpointError(f"{folder} already holds checkpoints (steps {', '.join(map(str, held))}); a seed "
+                              "checkpoint starts a fresh run: choose another job.dump_folder")
+    path = step_folder(folder, 0)
     save_model_only(model.state_dict(), path)
     logger.info("checkpoint: seed checkpoint written to %s", path)
     return path

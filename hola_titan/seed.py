@@ -2,7 +2,8 @@
 
 Initialises the model of the config exactly as the trainer does (same seed, same values at every layout) and
 saves its weights as ``<dump_folder>/<checkpoint.folder>/step-0`` (model only), so that every layout and every
-restart of a fresh run starts from the same weights. Holds the run folder's lock while it writes.
+restart of a fresh run starts from the same weights. Holds the run folder's lock while it writes; a checkpoint
+folder that already holds checkpoints (a seed's step-0 included) is refused, naming them, and left as it is.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hola_titan.checkpoint import create_seed_checkpoint
+    from hola_titan.checkpoint import CheckpointError, create_seed_checkpoint
     from hola_titan.config import ConfigError, parse_config, write_resolved
     from hola_titan.metrics import setup_logging
     from hola_titan.runfolder import RunFolderError, RunFolderLock
@@ -28,9 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: job.dump_folder: {error}", file=sys.stderr)
         return 2
     try:
+        path = create_seed_checkpoint(config)
+        # The folder's record after the checkpoint: a refused seed leaves the config of the run that is there.
         write_resolved(config, config.job.dump_folder)
-        print(create_seed_checkpoint(config))
-    except (ConfigError, FileNotFoundError) as error:
+        print(path)
+    except (ConfigError, FileNotFoundError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     finally:

@@ -369,13 +369,18 @@ def test_finished_save_whose_rename_was_cut_short_is_promoted(one_process, tmp_p
     assert list_checkpoints(folder) == [6] and not list(folder.glob("*.tmp"))
 
 
-def test_seed_command_writes_step_0_with_its_manifest(tmp_path):
+def test_seed_command_writes_step_0_with_its_manifest(tmp_path, capsys):
     from hola_titan.seed import main as seed_main
 
     assert seed_main(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path)]) == 0
     assert list_checkpoints(tmp_path / "checkpoint") == [0]
     assert (step_folder(tmp_path / "checkpoint", 0) / "manifest.json").is_file()
     assert seed_main(["--job.config_file", DEBUG, "--no.such_key", "1"]) == 2
+    # Never over what is there: a second seed, or a seed into a run's checkpoint folder, is one line, nothing lost.
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.name != ".lock"}  # the lock records its holder
+    assert seed_main(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path)]) == 2
+    assert "already holds checkpoints (steps 0)" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.name != ".lock"} == before
 
 
 def _scripts():
