@@ -109,7 +109,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from hola_titan.staging import file_size_limit
+from hola_titan.staging import file_size_limit, write_text_atomic
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -291,9 +291,7 @@ def _health_fields(health: str, why: str) -> dict:
 
 
 def _write_json_atomically(path: Path, record: dict) -> None:
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(record, indent=1) + "\n")
 
 
 def record_health(folder: str | os.PathLike[str], health: str, why: str) -> None:

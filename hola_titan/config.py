@@ -988,8 +988,9 @@ def write_resolved(config: JobConfig, folder: str | os.PathLike[str], *,
     text = to_toml(config)
     if resolved:
         text += "\n# Resolved at start (not settings):\n" + "".join(f"# {k}: {v}\n" for k, v in resolved.items())
-    path.write_text(text, encoding="utf-8")
-    return path
+    from hola_titan.staging import write_text_atomic
+
+    return write_text_atomic(path, text)  # never torn: a resume and the converter read it
 
 
 def field_docs() -> dict[str, str]:

@@ -65,7 +65,7 @@ from hola_titan.parallelisms.init import init_like_one_process
 from hola_titan.parallelisms.parallelize import parallelize_model
 from hola_titan.profiling import step_profiler
 from hola_titan.resume import plan_resume
-from hola_titan.staging import describe_write_error
+from hola_titan.staging import describe_write_error, write_text_atomic
 from hola_titan.runfolder import (RunFolderError, RunFolderLock, check_folder_path, check_writable_folder,
                                   watch_parent)
 
@@ -1053,7 +1053,7 @@ class Trainer:
         read."""
         if self.rank == 0:
             write_resolved(self.config, self.dump, resolved=self.paths)
-            (self.dump / "paths.json").write_text(json.dumps(self.paths, indent=1) + "\n")
+            write_text_atomic(self.dump / "paths.json", json.dumps(self.paths, indent=1) + "\n")
         if self.metrics is None:
             # Rank 0 records this process as the folder's next attempt (hola_titan/metrics_records.py).
             self.metrics = MetricsLogger(self.dump, enabled=self.rank == 0,

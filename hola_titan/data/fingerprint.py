@@ -16,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from hola_titan.staging import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +68,11 @@ def _read_cached(path: Path, key: tuple[Any, ...]) -> dict[str, str] | None:
 
 def _write_cached(path: Path, key: tuple[Any, ...], hashes: dict[str, str]) -> None:
     """Atomically (renamed into place); a cache that cannot be written costs the next process a hash, not this run."""
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"format": _FORMAT, "key": list(key), **hashes}))
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps({"format": _FORMAT, "key": list(key), **hashes}))
     except OSError as err:
         logger.warning("data hash cache %s not written (%s): the next process hashes %s again", path, err, key[0])
-        tmp.unlink(missing_ok=True)
 
 
 def file_hashes(path: Path, *, hash_cache: Path | None = None) -> dict[str, str]:

@@ -19,12 +19,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot is imported)
 
 from hola_titan.eval.runtime import EvalError  # noqa: E402
+from hola_titan.staging import write_text_atomic  # noqa: E402
 
 
 def write_json(data: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=_plain) + "\n", encoding="utf-8")
-    return path
+    return write_text_atomic(path, json.dumps(data, indent=2, default=_plain) + "\n")
 
 
 def _plain(value):
