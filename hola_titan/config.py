@@ -138,9 +138,12 @@ class Model:
     lambda = sigmoid(gate): ``before_norm`` o_norm(o_state + lambda o_cache); ``after_norm`` o_norm(o_state) +
     lambda o_cache; ``per_path_norm`` o_norm(o_state) + lambda o_norm(o_cache) (one norm weight for both). The last
     two run the layered backward (the overlapped layer op fuses the sum)."""
-    attention_backend: Literal["auto", "reference", "sdpa", "triton"] = setting("auto", resume="applied")
+    attention_backend: Literal["auto", "reference", "sdpa", "triton", "fa4"] = setting("auto", resume="applied")
     """Token-mixer implementation: ``auto`` picks the fastest available for flavour and device, ``reference`` is
-    pure PyTorch, ``sdpa`` PyTorch scaled-dot-product attention, ``triton`` the Triton kernels."""
+    pure PyTorch, ``sdpa`` PyTorch scaled-dot-product attention, ``triton`` the Triton kernels, ``fa4`` the Triton
+    backend's state path and selection with the cache read as one FlashAttention-4 varlen call (an sm_90 GPU with
+    ``pip install 'hola-titan[fa4]'``; refused elsewhere, naming why; never ``auto``'s choice until it is measured
+    faster end to end). The run's ``paths`` line says which ran."""
     overlap_backward: bool | None = setting(None, resume="applied")
     """HOLA layers on the Triton backend (CUDA): run each layer as one op whose backward overlaps the cache
     attention's backward (a side CUDA stream) with fla's GDN backward. Same results bit for bit (20 training steps
@@ -941,7 +944,7 @@ def validate(config: JobConfig, *, world_size: int) -> None:
         raise ConfigError("model.save_cache_output", "not available with model.overlap_backward true; choose one "
                                                      "(left unset, overlap_backward gives way to it)")
     for key, _ in cache_read_settings:
-        if model.attention_backend in ("reference", "sdpa"):
+        if model.attention_backend in ("reference", "sdpa", "fa4"):
             raise ConfigError(key, f"needs the Triton attention backend; model.attention_backend is "
                                    f"{model.attention_backend}")
     if config.profiling.enable and config.profiling.freq <= config.profiling.warmup:

@@ -35,7 +35,7 @@ EVICT_MODES = ("score", "recency", "none")
 # What ``o`` holds: the sum o_state + sigmoid(gate) o_cache, or both parts side by side in the last dimension
 # ``[..., :D]`` o_state and ``[..., D:]`` sigmoid(gate) o_cache, for a layer that mixes them after its output norm.
 MIXES = ("sum", "parts")
-BACKENDS = ("auto", "reference", "sdpa", "triton")
+BACKENDS = ("auto", "reference", "sdpa", "triton", "fa4")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -117,7 +117,9 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         initial_state: ``[N, H, D, D]`` state to start from (N = B without ``cu_seqlens``).
         output_final_state: return the final state ``[N, H, D, D]`` (float32, float64 for float64 inputs).
         initial_cache / output_final_cache: a :class:`HolaCache` to continue from / to return.
-        backend: ``"auto"``, ``"reference"``, ``"sdpa"`` or ``"triton"``. A decoding step (one token per row,
+        backend: ``"auto"``, ``"reference"``, ``"sdpa"``, ``"triton"`` or ``"fa4"`` (the Triton backend's state
+            path and selection, the cache read as one FlashAttention-4 varlen call on sm_90; never ``"auto"``'s
+            choice). A decoding step (one token per row,
             no ``cu_seqlens``, continuing from a state and cache, no gradient wanted) runs the same arithmetic
             as the reference through ``hola_titan/kernels/hola_step.py`` with every backend but ``"reference"``.
         overlap_backward: Triton backend on CUDA: the layer as one op whose backward overlaps the cache
@@ -160,7 +162,7 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     decoding = hola_step.applies(args, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                  initial_cache=initial_cache, evict=evict)
     path, _ = call_path(backend, chosen, q, decoding=decoding, initial_cache=initial_cache)
-    if save_cache_output and path in ("reference", "sdpa"):
+    if save_cache_output and path in ("reference", "sdpa", "fa4"):
         raise ValueError(f"save_cache_output: only the Triton backend keeps the cache read's output; this call "
                          f"takes the {path} path")
     if path == "decode_step":
@@ -173,7 +175,7 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         return (o, final_state, final_cache) if output_final_cache else (o, final_state)
     # fla's chunk indices and the block table, made once per batch with its Documents (None: made in the call).
     chunk_indices = documents.chunk_indices if documents is not None else None
-    block_table = (documents.block_table(block) if documents is not None and path in ("triton", "sdpa")
+    block_table = (documents.block_table(block) if documents is not None and path in ("triton", "sdpa", "fa4")
                    and evict != "none" and initial_cache is None else None)
     kw = dict(window=window, block=block, evict=evict, cu_seqlens=cu_seqlens, initial_state=initial_state,
               output_final_state=output_final_state, output_final_cache=output_final_cache, scale=scale, mix=mix)
@@ -187,6 +189,10 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                                                             continuation=continuation,
                                                             chunk_indices=chunk_indices, block_table=block_table,
                                                             **kw)
+    elif path == "fa4":
+        from hola_titan.kernels.hola_fa4 import hola_attention_fa4
+        o, final_state, final_cache = hola_attention_fa4(*args, chunk_indices=chunk_indices,
+                                                         block_table=block_table, **kw)
     else:
         from hola_titan.kernels.hola_sdpa import hola_attention_sdpa
         o, final_state, final_cache = hola_attention_sdpa(*args, chunk_indices=chunk_indices,

@@ -553,7 +553,11 @@ class Trainer:
     def _layer_backward(self) -> str:
         """How a HOLA layer's backward runs on the Triton backend: overlapped (one op, the cache read's backward on a
         side stream beside fla's) or layered, and why (``model.overlap_backward``, hola_triton_layer.applies)."""
-        if self.attention_backend != "triton" or self.model_args.evict == "none":
+        if self.model_args.evict == "none":
+            return ""
+        if self.attention_backend == "fa4":
+            return ", layered backward (the fa4 read is its own op)"
+        if self.attention_backend != "triton":
             return ""
         model = self.config.model
         if not overlap_backward(model):
@@ -587,6 +591,11 @@ class Trainer:
                     kept_output=config.model.save_cache_output, deterministic=config.training.deterministic) + (
                     "; continuing context-parallel shards run the Triton kernels, delta over the keys"
                     if self.dims.cp > 1 else "")
+            if self.model_args.evict != "none" and self.attention_backend == "fa4":
+                from hola_titan.kernels.hola_fa4 import FA4_VERSION
+                paths["cache_forward"] = paths["cache_backward"] = (
+                    f"FlashAttention-4 {FA4_VERSION} varlen (sm_90, hola_titan/kernels/hola_fa4.py); calls "
+                    "continuing from a cache (context-parallel shards) run the reference")
             paths["short_conv"] = ("triton (fused q|k|v, hola_titan/kernels/short_conv.py) where it applies, else "
                                    "PyTorch" if self.kernels == "triton" else "PyTorch reference")
             paths["kernel_configs"] = self.kernel_configs.describe()

@@ -6,7 +6,9 @@ every fla and HOLA call uses that layout (one set of fla autotuning on a fresh m
 Rows (medians of ``triton.testing.do_bench``, CUDA events):
 - ``gdn_fla``: fla's public ``chunk_gated_delta_rule`` (in-kernel l2norm) alone;
 - ``gdn_adapter``: this project's fla adapter (the same GDN plus the score), i.e. ``evict="none"``;
-- ``hola_triton`` / ``hola_sdpa``: ``hola_attention`` with each backend (window 64, block 256, evict score);
+- ``hola_triton`` / ``hola_sdpa`` / ``hola_fa4``: ``hola_attention`` with each backend (window 64, block 256, evict
+  score; ``fa4`` where ``pip install 'hola-titan[fa4]'`` made FlashAttention-4 importable on an sm_90 GPU, else
+  the row records why not);
 - ``hola_triton_overlap``: the Triton backend with ``overlap_backward=True`` (cache backward on a side stream);
 - ``hola_triton_keep``: the Triton backend with ``save_cache_output=True`` (the backward forms delta from the
   kept cache-read output; its peak memory shows the extra tensor);
@@ -15,7 +17,9 @@ Rows (medians of ``triton.testing.do_bench``, CUDA events):
   ``hola_triton_tall``: forward and backward pinned to the Triton kernels (``FORWARD`` too);
 - ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` with 16 heads x 64;
 - the forward stages of the Triton backend (state path + score, selection, cache attention) and the cache
-  attention backward, to show where the time goes.
+  attention backward, to show where the time goes; with the fa4 backend available, the FlashAttention-4 varlen
+  call alone forward and backward (``stage_fa4_*``, TFLOP/s by the same count) and what the adapter does around it
+  (``stage_fa4_prep_ms``: layout, RMSNorms and the gather of the K/V slots).
 Peak memory is the peak allocated during one forward + backward minus what was allocated before it.
 ``--sweep`` also times the cache-attention kernels under alternative launch configurations (T = 2k); with
 ``--keep-output`` the stage rows and the sweep time the kept-output forward and backward instead. Two
@@ -65,7 +69,7 @@ def parse_args():
     p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--rows", action="store_true", help="B rows of T tokens instead of one packed row")
     p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_triton_overlap,hola_triton_keep,"
-                                      "hola_triton_tbwd,hola_triton_keep_tbwd,hola_triton_tall,hola_sdpa,sdpa_causal",
+                                      "hola_triton_tbwd,hola_triton_keep_tbwd,hola_triton_tall,hola_sdpa,hola_fa4,sdpa_causal",
                    help="comma-separated rows to time (default: all)")
     p.add_argument("--kernel-configs", default="auto", help=CHOICE_HELP)
     p.add_argument("--profile", action="store_true",
@@ -108,6 +112,7 @@ def main():
     device = torch.device("cuda")
     from hola_titan import hola_attention
     from hola_titan.kernels import fla_gdn, hola_triton_attn
+    from hola_titan.kernels.hola_fa4 import fa4_problem
     from hola_titan.kernels.hola_stages import state_path
     from hola_titan.kernels.hola_triton_ops import cache_attn_bwd_op, cache_attn_op, select_topw_op
     from hola_titan.kernels.hola_triton_select import build_block_table
@@ -193,7 +198,7 @@ def main():
                  "hola_triton_keep_tbwd": (triton_kernels(hola("triton", keep=True), bwd_only), x),
                  "hola_triton_tall": (triton_kernels(hola("triton"), (hola_triton_attn.FORWARD,
                                                                        hola_triton_attn.BACKWARD)), x),
-                 "hola_sdpa": (hola("sdpa"), x),
+                 "hola_sdpa": (hola("sdpa"), x), "hola_fa4": (hola("fa4"), x),
                  "sdpa_causal": (sdpa_causal, [qa, ka, va])}
         wanted = set(_names(args.items))
         items = {k: val for k, val in items.items() if k in wanted}
@@ -260,6 +265,11 @@ def main():
             row["stage_cache_bwd_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_ms"] * 1e9)
             if "stage_cache_bwd_triton_ms" in row:
                 row["stage_cache_bwd_triton_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_triton_ms"] * 1e9)
+            fa4_why = fa4_problem(device, head_dim=d, dtype=q.dtype)
+            row["stage_fa4"] = fa4_why or "available"
+            if fa4_why is None:
+                row.update(fa4_stages(q, k, v, gamma_q, gamma_k, sink, sel, table, do, block, window, pairs,
+                                      args.rep_ms))
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
                 # The sweep's launch tables are the Triton kernels': both directions pinned to them.
                 row["sweep"] = sweep(hola_triton_attn, triton_kernels(fwd_fn, (hola_triton_attn.FORWARD,)),
@@ -272,7 +282,7 @@ def main():
                               for name, (fn, grads) in items.items() if name in profiled}
         if "gdn_fla_ms" in row:
             for name in ("hola_triton", "hola_triton_overlap", "hola_triton_keep", "hola_triton_tbwd",
-                         "hola_triton_keep_tbwd", "hola_triton_tall", "hola_sdpa", "gdn_adapter"):
+                         "hola_triton_keep_tbwd", "hola_triton_tall", "hola_sdpa", "hola_fa4", "gdn_adapter"):
                 if name + "_ms" in row:
                     row[name + "_over_gdn"] = row[name + "_ms"] / row["gdn_fla_ms"]
                     row[name + "_mem_over_gdn"] = row[name + "_peak_mib"] / row["gdn_fla_peak_mib"]
@@ -373,6 +383,35 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None, kept=False):
     return out
 
 
+def fa4_stages(q, k, v, gamma_q, gamma_k, sink, sel, table, do, block, window, pairs, rep_ms) -> dict:
+    """The fa4 backend's read in parts: the FlashAttention-4 call forward and backward alone, and what the adapter
+    does around it (layout, RMSNorms, the gathered K/V slots)."""
+    from hola_titan.kernels.hola_fa4 import fa4_varlen_bwd_op, fa4_varlen_op, varlen_layout
+    from hola_titan.kernels.hola_reference import rms_norm
+
+    b, t, h, d = q.shape
+    n = b * t
+    heads = torch.arange(h, device=q.device)
+
+    def prep():
+        lay = varlen_layout(sel, table, num_tokens=n, window=window, block=block)
+        qc = rms_norm(q.float(), gamma_q.float()).to(q.dtype).reshape(n, h, d)
+        kc = torch.cat([rms_norm(k.float(), gamma_k.float()).to(q.dtype).reshape(n, h, d), q.new_zeros(1, h, d)])
+        vs = torch.cat([v.reshape(n, h, d), q.new_zeros(1, h, d)])
+        return lay, qc, kc[lay.key_rows, heads[None, :]], vs[lay.key_rows, heads[None, :]]
+
+    lay, qc, ks, vs = prep()
+    args = (qc, ks, vs, sink.float(), lay.cu_q, lay.cu_k, lay.used_k, lay.max_q, lay.max_k, d ** -0.5)
+    out, lse = fa4_varlen_op(*args)
+    dout = do.reshape(n, h, d)
+    row = {"stage_fa4_prep_ms": bench(prep, None, rep_ms), "stage_fa4_fwd_ms": bench(lambda: fa4_varlen_op(*args),
+                                                                                    None, rep_ms)}
+    row["stage_fa4_bwd_ms"] = bench(lambda: fa4_varlen_bwd_op(dout, qc, ks, vs, out, lse, *args[3:]), None, rep_ms)
+    row["stage_fa4_fwd_tflops"] = 4 * d * pairs / (row["stage_fa4_fwd_ms"] * 1e9)
+    row["stage_fa4_bwd_tflops"] = 10 * d * pairs / (row["stage_fa4_bwd_ms"] * 1e9)
+    return row
+
+
 def cache_pairs(sel, table) -> int:
     """(query, key) pairs the cache read computes: every query of a block reads the block's filled cache slots (per
     head) and the block's tokens up to itself."""
@@ -388,7 +427,7 @@ def print_table(results):
             ("hola_triton_keep_ms", "keep ms"), ("hola_triton_keep_mem_over_gdn", "mem keep/GDN"),
             ("hola_triton_tbwd_ms", "triton bwd ms"), ("hola_triton_keep_tbwd_ms", "keep triton bwd ms"),
             ("hola_triton_tall_ms", "triton fwd+bwd ms"),
-            ("hola_sdpa_ms", "HOLA sdpa ms"),
+            ("hola_sdpa_ms", "HOLA sdpa ms"), ("hola_fa4_ms", "HOLA fa4 ms"), ("hola_fa4_over_gdn", "fa4/GDN"),
             ("sdpa_causal_ms", "SDPA causal ms"),
             ("hola_triton_over_gdn", "triton/GDN"), ("hola_sdpa_over_gdn", "sdpa/GDN"),
             ("hola_triton_over_sdpa_causal", "triton/SDPA"), ("hola_triton_mem_over_gdn", "mem triton/GDN"),
@@ -396,6 +435,8 @@ def print_table(results):
             ("stage_cache_fwd_triton_ms", "cache fwd triton"),
             ("stage_cache_bwd_ms", "cache bwd"), ("stage_cache_bwd_triton_ms", "cache bwd triton"),
             ("stage_cache_fwd_tflops", "fwd TFLOP/s"), ("stage_cache_bwd_tflops", "bwd TFLOP/s"),
+            ("stage_fa4_fwd_tflops", "fa4 fwd TFLOP/s"), ("stage_fa4_bwd_tflops", "fa4 bwd TFLOP/s"),
+            ("stage_fa4_prep_ms", "fa4 prep ms"),
             ("hola_triton_tbwd_over_gdn", "triton bwd/GDN"), ("hola_triton_tall_over_gdn", "triton all/GDN")]
     print(" | ".join(c[1] for c in cols))
     for r in results:

@@ -95,6 +95,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also measure each flavour with a HOLA cache under model.overlap_backward false, the "
                              "layered backward (its rows' flavour reads '<flavour>:layered'; the plain rows run the "
                              "default, the overlapped backward)")
+    parser.add_argument("--fa4", action="store_true",
+                        help="also measure each flavour with a HOLA cache under model.attention_backend fa4, the "
+                             "cache read on FlashAttention-4 (its rows' flavour reads '<flavour>:fa4'; needs "
+                             "pip install 'hola-titan[fa4]' on an sm_90 GPU, else the row records why it did not run)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile whole steps (torch.profiler): kernel time against the step's wall time, "
                              "the top kernels, and ATen calls per step (host-bound work)")
@@ -255,12 +259,14 @@ CACHE_FLAVOURS = ("hola", "hola_recency")  # the flavours with a HOLA cache read
 # it. Both settings act on the Triton backend's cache read, so both need a CUDA device and a cache flavour. The
 # plain rows leave both settings at the trainer's defaults.
 VARIANTS = {"kept": ("keep_output", "model.save_cache_output", "true"),
-            "layered": ("layered_backward", "model.overlap_backward", "false")}
+            "layered": ("layered_backward", "model.overlap_backward", "false"),
+            "fa4": ("fa4", "model.attention_backend", "fa4")}
 
 
 def _flavour_rows(args, device) -> list[str]:
     """The rows' flavour names, each once: ``--flavours`` in order, then with ``--keep-output`` each cache flavour
-    again as ``<flavour>:kept``, with ``--layered-backward`` as ``<flavour>:layered``. A suffix other than these,
+    again as ``<flavour>:kept``, with ``--layered-backward`` as ``<flavour>:layered``, with ``--fa4`` as
+    ``<flavour>:fa4``. A suffix other than these,
     or variant rows that cannot run (no cache flavour, no CUDA device for the Triton backend), stop the script
     before any row is measured."""
     names = list(dict.fromkeys(_split(args.flavours)))

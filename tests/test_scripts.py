@@ -338,9 +338,9 @@ def test_bench_train_flavour_rows_variants_and_refusals():
     spec.loader.exec_module(bench)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
-    def rows(flavours, keep, device=cuda, layered=False):
-        return bench._flavour_rows(SimpleNamespace(flavours=flavours, keep_output=keep, layered_backward=layered),
-                                   device)
+    def rows(flavours, keep, device=cuda, layered=False, fa4=False):
+        return bench._flavour_rows(SimpleNamespace(flavours=flavours, keep_output=keep, layered_backward=layered,
+                                                   fa4=fa4), device)
 
     assert rows("hola,gdn,hola", False, cpu) == ["hola", "gdn"]
     assert rows("hola,gdn,hola_recency", True) == ["hola", "gdn", "hola_recency", "hola:kept", "hola_recency:kept"]
@@ -348,8 +348,9 @@ def test_bench_train_flavour_rows_variants_and_refusals():
     assert rows("hola,gdn", False, layered=True) == ["hola", "gdn", "hola:layered"]
     assert rows("hola,gdn", True, layered=True) == ["hola", "gdn", "hola:kept", "hola:layered"]
     assert rows("hola:layered,gdn", False) == ["hola:layered", "gdn"]
+    assert rows("hola,gdn", False, fa4=True) == ["hola", "gdn", "hola:fa4"]
     for flavours, keep, layered, device, message in [
-            ("hola:foo", False, False, cuda, "the variants are :kept, :layered"),
+            ("hola:foo", False, False, cuda, "the variants are :kept, :layered, :fa4"),
             ("gdn:kept", False, False, cuda, "the variants are"),
             ("gdn:layered", False, False, cuda, "the variants are"),
             ("hola:overlap", False, False, cuda, "the variants are"),

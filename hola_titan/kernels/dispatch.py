@@ -78,7 +78,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
     ``"triton"`` needs a CUDA device and the Triton kernels with fla-core, or a CPU under ``TRITON_INTERPRET=1``
     (tests: the kernels run in Triton's interpreter, with the fp32 reference state path in place of fla);
-    ``"sdpa"`` needs fla-core on CUDA and runs anywhere else with the reference state path. Raises
+    ``"sdpa"`` needs fla-core on CUDA and runs anywhere else with the reference state path; ``"fa4"`` (the cache
+    read on FlashAttention-4, :mod:`hola_titan.kernels.hola_fa4`) needs an sm_90 GPU, fla-core and the pinned
+    flash-attn-4 (``pip install 'hola-titan[fa4]'``), and is never what ``"auto"`` picks. Raises
     ``ValueError`` naming ``backend`` when the requested one cannot run here.
     """
     device = torch.device(device)
@@ -90,6 +92,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return "triton" if on_cuda and gpu_ready else "reference"
     if on_cuda and not gpu_ready:
         raise ValueError(f"backend: {backend!r} on CUDA needs triton and fla-core; use 'reference'")
+    if backend == "fa4":
+        from hola_titan.kernels.hola_fa4 import fa4_problem
+        problem = fa4_problem(device)
+        if problem is not None:
+            raise ValueError(f"backend: 'fa4' cannot run here: {problem}; use 'triton' or 'auto'")
     if backend == "triton" and not on_cuda and not (interpreting() and triton_importable()):
         raise ValueError("backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 with triton installed); "
                          "use 'reference' or 'auto'")
@@ -106,6 +113,12 @@ def explain_backend(backend: str, device: torch.device, *, head_dim: int,
     """
     device = torch.device(device)
     chosen = resolve_backend(backend, device)
+    if chosen == "fa4":
+        from hola_titan.kernels.hola_fa4 import fa4_problem
+        problem = fa4_problem(device, head_dim=head_dim, dtype=dtype)
+        if problem is not None:
+            raise ValueError(f"backend: 'fa4': {problem}; use 'triton'")
+        return chosen, "as set: the cache read on FlashAttention-4 (hola_fa4.py)"
     if chosen in ("triton", "sdpa"):
         if head_dim not in SUPPORTED_HEAD_DIMS or dtype not in SUPPORTED_DTYPES:
             problem = f"head dim {head_dim} / {dtype} is not taken by the kernels (head dims {SUPPORTED_HEAD_DIMS})"
@@ -152,9 +165,9 @@ def resolve_kernels(kernels: str, device: torch.device) -> str:
 
 
 def call_path(backend: str, chosen: str, q: torch.Tensor, *, decoding: bool, initial_cache) -> tuple[str, str]:
-    """``(path, why)`` of one ``hola_attention`` call: ``"decode_step"``, ``"reference"``, ``"triton"`` or
-    ``"sdpa"``. ``chosen`` is :func:`resolve_backend`'s answer for the call's device; ``decoding``: the call is a
-    single decoding step (:func:`hola_titan.kernels.hola_step.applies`)."""
+    """``(path, why)`` of one ``hola_attention`` call: ``"decode_step"``, ``"reference"``, ``"triton"``,
+    ``"sdpa"`` or ``"fa4"``. ``chosen`` is :func:`resolve_backend`'s answer for the call's device; ``decoding``:
+    the call is a single decoding step (:func:`hola_titan.kernels.hola_step.applies`)."""
     if chosen != "reference" and not is_supported(q):
         if backend != "auto":
             check_supported(q, chosen)  # raises, naming what the kernels do not take
@@ -163,6 +176,12 @@ def call_path(backend: str, chosen: str, q: torch.Tensor, *, decoding: bool, ini
         why = "as set" if backend != "auto" else f"auto: {chosen} on {q.device.type}"
     if backend != "reference" and decoding:
         return "decode_step", "one token per row continuing from a state and a cache, no gradient"
-    if chosen == "sdpa" and initial_cache is not None:
-        return "reference", "sdpa starts from an empty cache: a call continuing from a cache runs the reference"
+    if chosen in ("sdpa", "fa4") and initial_cache is not None:
+        return "reference", (f"{chosen} starts from an empty cache: a call continuing from a cache runs the "
+                             "reference")
+    if chosen == "fa4":
+        from hola_titan.kernels.hola_fa4 import fa4_problem
+        problem = fa4_problem(q.device, head_dim=q.shape[-1], dtype=q.dtype)
+        if problem is not None:  # an fa4 model given inputs its kernels do not take: refused, not run elsewhere
+            raise ValueError(f"backend: 'fa4' cannot take these inputs: {problem}")
     return chosen, why

@@ -1,0 +1,172 @@
+"""The ``fa4`` backend on an sm_90 GPU with flash-attn-4 installed (marker ``gpu``; skipped elsewhere, saying why).
+
+- FlashAttention-4's varlen call, as the adapter makes it (``seqused_k`` inside ``cu_seqlens_k`` slots, causal
+  aligned to the bottom right, the sink), against :func:`varlen_attention_torch` in float32 on the same bf16
+  inputs: output, dq, dk, dv and dsink, on the layouts of real block tables (ragged last blocks, length-1
+  documents, blocks with an empty cache);
+- the backend against the reference given the Triton backend's selection, beside the SDPA backend: its bf16
+  relative error at most twice the SDPA backend's, for the output, the final state and every gradient;
+- one compiled graph (the read is a custom op) equal to eager.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels", allow_module_level=True)
+
+from hola_titan.kernels import fla_gdn  # noqa: E402
+from hola_titan.kernels.hola_fa4 import (fa4_problem, hola_attention_fa4, varlen_attention_fa4,  # noqa: E402
+                                         varlen_attention_torch, varlen_layout)
+from hola_titan.kernels.hola_reference import hola_attention_reference  # noqa: E402
+from hola_titan.kernels.hola_sdpa import hola_attention_sdpa  # noqa: E402
+from hola_titan.kernels.hola_triton import hola_attention_triton  # noqa: E402
+from hola_titan.kernels.hola_triton_select import build_block_table  # noqa: E402
+
+DEVICE = torch.device("cuda")
+_PROBLEM = fa4_problem(DEVICE, head_dim=256, dtype=torch.bfloat16)
+if _PROBLEM is not None:
+    pytest.skip(f"the fa4 backend cannot run here: {_PROBLEM}", allow_module_level=True)
+if not fla_gdn.fla_available():
+    pytest.skip(f"needs fla-core=={fla_gdn.FLA_VERSION}", allow_module_level=True)
+
+NAMES = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate", "initial_state")
+BLOCK = 256
+# (seq_len, cu_seqlens, heads, head dim, window)
+CASES = [(4096, [0, 1, 2000, 2001, 4096], 4, 256, 64), (1500, [0, 600, 601, 1500], 4, 256, 8),
+         (700, [0, 700], 2, 128, 64), (500, [0, 500], 4, 256, 0)]
+
+
+def _id(c):
+    return f"T{c[0]}-docs{len(c[1]) - 1}-H{c[2]}-D{c[3]}-W{c[4]}"
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _selection(t, cu, h, window, gen):
+    """A valid-looking selection of a real table: each block's first min(W, earlier tokens) slots filled with
+    distinct earlier tokens of its document, per head."""
+    table = build_block_table(1, t, torch.tensor(cu, device=DEVICE), BLOCK, DEVICE)
+    sel = torch.full((table.num_blocks, h, window), -1, dtype=torch.int32, device=DEVICE)
+    for b in range(table.num_blocks):
+        if int(table.blk_len[b]) == 0:
+            continue
+        start, doc = int(table.blk_start[b]), int(table.blk_doc_start[b])
+        n = min(window, start - doc)
+        for head in range(h):
+            sel[b, head, :n] = doc + torch.randperm(start - doc, generator=gen, device="cpu")[:n].to(DEVICE)
+    return table, sel
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_the_varlen_call_is_the_torch_function(case):
+    t, cu, h, d, window = case
+    gen = torch.Generator().manual_seed(t)
+    table, sel = _selection(t, cu, h, window, gen)
+    lay = varlen_layout(sel, table, num_tokens=t, window=window, block=BLOCK)
+    rows = lay.key_rows.shape[0]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE)
+
+    q, k, v = randn(t, h, d).bfloat16(), randn(rows, h, d).bfloat16(), randn(rows, h, d).bfloat16()
+    k[lay.key_rows[:, 0] == t] = 0  # the zero row where the backend puts it
+    v[lay.key_rows[:, 0] == t] = 0
+    sink = randn(h)
+    w = randn(t, h, d)
+    results = {}
+    for name, fn, dtype in (("fa4", varlen_attention_fa4, torch.bfloat16), ("torch", varlen_attention_torch,
+                                                                           torch.float32)):
+        leaves = [x.detach().to(dtype).clone().requires_grad_() for x in (q, k, v)] + [
+            sink.detach().clone().requires_grad_()]
+        out = fn(*leaves, lay, d ** -0.5)
+        grads = torch.autograd.grad((out.float() * w).sum(), leaves)
+        results[name] = dict(o=out.detach(), dq=grads[0], dk=grads[1], dv=grads[2], dsink=grads[3])
+    for key, ref in results["torch"].items():
+        got = results["fa4"][key]
+        assert not torch.isnan(got).any(), f"{key}: NaN"
+        err = rel(got, ref)
+        print(f"{_id(case)} {key}: rel error {err:.2e}")
+        assert err <= 2e-2, f"{key}: FlashAttention-4's varlen call is {err:.2e} from the torch function"
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=[_id(c) for c in CASES[:3]])
+def test_fa4_backend_against_reference_and_sdpa(case):
+    t, cu, h, d, window = case
+    cu_t = torch.tensor(cu, device=DEVICE)
+    n = len(cu) - 1
+    kw = dict(window=window, block=BLOCK, evict="score", cu_seqlens=cu_t)
+    gen = torch.Generator(device=DEVICE).manual_seed(t + window)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=DEVICE)
+
+    base = dict(q=randn(1, t, h, d), k=randn(1, t, h, d), v=randn(1, t, h, d),
+                g=fla_gdn.hola_decay((1, t, h), DEVICE, generator=gen), beta=torch.sigmoid(randn(1, t, h)),
+                gamma_q=1 + 0.3 * randn(d), gamma_k=1 + 0.3 * randn(d), sink=randn(h), gate=randn(h),
+                initial_state=0.1 * randn(n, h, d, d))
+    weights = (randn(1, t, h, d), randn(n, h, d, d))
+
+    def leaves(dtype=None):
+        return {k: (x.detach().to(dtype) if dtype is not None and k != "initial_state" else x.detach()).clone()
+                .requires_grad_() for k, x in base.items()}
+
+    def run(fn, x, **extra):
+        o, state, *rest = fn(*[x[k] for k in NAMES[:-1]], initial_state=x["initial_state"], output_final_state=True,
+                             **kw, **extra)
+        loss = (o.float() * weights[0]).sum() + (state * weights[1]).sum()
+        grads = torch.autograd.grad(loss, [x[k] for k in NAMES])
+        return {"o": o.detach(), "final_state": state.detach(), **{f"d{k}": g for k, g in zip(NAMES, grads)}}, rest
+
+    _, rest = run(hola_attention_triton, leaves(torch.bfloat16), return_aux=True)
+    sel = rest[1]["sel"]
+    res_f, _ = run(hola_attention_fa4, leaves(torch.bfloat16), selected=sel)
+    res_s, _ = run(hola_attention_sdpa, leaves(torch.bfloat16), selected=sel)
+
+    def reference(*args, **kwargs):
+        return hola_attention_reference(*args, initial_cache=None, output_final_cache=False, selected=sel, **kwargs)
+
+    res_r, _ = run(reference, leaves())
+    for name, ref in res_r.items():
+        assert not torch.isnan(res_f[name]).any(), f"fa4 {name}: NaN"
+        e_f, e_s = rel(res_f[name], ref), rel(res_s[name], ref)
+        print(f"{_id(case)} {name}: fa4 {e_f:.1e} sdpa {e_s:.1e}")
+        assert e_f <= 2 * e_s + 1e-6, f"bf16 {name}: fa4 error {e_f:.2e} > 2 x sdpa error {e_s:.2e}"
+
+
+def test_the_fa4_backend_compiles_as_one_graph_and_matches_eager():
+    """Forward and backward under ``torch.compile(fullgraph=True)`` (aot_eager: the same kernels, so only the
+    decomposed arithmetic around them may round differently)."""
+    t, cu, h, d, window = CASES[1]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    base = [torch.randn(1, t, h, d, generator=gen, device=DEVICE).bfloat16() for _ in range(3)]
+    base += [fla_gdn.hola_decay((1, t, h), DEVICE, generator=gen).bfloat16(),
+             torch.sigmoid(torch.randn(1, t, h, generator=gen, device=DEVICE)).bfloat16(),
+             torch.ones(d, device=DEVICE), torch.ones(d, device=DEVICE), torch.zeros(h, device=DEVICE),
+             torch.full((h,), -1.0, device=DEVICE)]
+    cu_t = torch.tensor(cu, device=DEVICE)
+
+    def fn(*args):
+        o, _, _ = hola_attention_fa4(*args, window=window, block=BLOCK, evict="score", cu_seqlens=cu_t)
+        return o.float().square().mean()
+
+    def grads(f):
+        leaves = [x.detach().clone().requires_grad_() for x in base]
+        loss = f(*leaves)
+        return loss, torch.autograd.grad(loss, leaves)
+
+    loss_e, grads_e = grads(fn)
+    loss_c, grads_c = grads(torch.compile(fn, fullgraph=True, backend="aot_eager"))
+    assert rel(loss_c, loss_e) < 1e-5
+    for i, (a, e) in enumerate(zip(grads_c, grads_e)):
+        assert rel(a, e) < 1e-3, f"gradient {i}: compiled vs eager {rel(a, e):.2e}"
