@@ -202,3 +202,26 @@ def assert_fp32_close(actual: torch.Tensor, reference: torch.Tensor, exact: torc
     bound = 2 * err_ref + FP32_FLOOR_UNITS * U32 * scale
     assert err <= bound, (f"{what}: max abs error {err:.3e} against float64 > {bound:.3e} = 2 x {err_ref:.3e} "
                           f"(float32 PyTorch) + {FP32_FLOOR_UNITS} u x {scale:.3e} (absolute terms or scale)")
+
+
+def hola_inputs(batch: int, seq_len: int, heads: int, dim: int, *, seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Random leaves of a ``hola_attention`` call on the CPU (q, k, v, a decay, beta, the cache path's gammas, sink
+    and gate), drawn from ``seed`` and requiring gradients."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    x = dict(q=randn(batch, seq_len, heads, dim), k=randn(batch, seq_len, heads, dim),
+             v=randn(batch, seq_len, heads, dim),
+             g=-F.softplus(randn(batch, seq_len, heads)) * 0.5, beta=torch.sigmoid(randn(batch, seq_len, heads)),
+             gamma_q=1 + 0.3 * randn(dim), gamma_k=1 + 0.3 * randn(dim), sink=randn(heads), gate=randn(heads))
+    return {n: t.to(dtype).requires_grad_() for n, t in x.items()}
+
+
+def fresh_leaves(x: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Detached copies of ``x`` (in ``dtype`` if given) that require gradients."""
+    return {n: t.detach().to(dtype or t.dtype).clone().requires_grad_() for n, t in x.items()}

@@ -15,9 +15,8 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from helpers import assert_fp32_close, token_abs_terms
+from helpers import assert_fp32_close, fresh_leaves as fresh, hola_inputs as make_inputs, token_abs_terms
 from hola_titan.config import ConfigError, parse_config, validate
 from hola_titan.kernels import hola_fa4
 from hola_titan.kernels.dispatch import call_path, explain_backend, resolve_backend
@@ -40,23 +39,6 @@ CASES = [
 
 def _id(c):
     return f"B{c[0]}-T{c[1]}-{'varlen' if c[2] else 'rows'}-H{c[3]}-D{c[4]}-C{c[5]}-W{c[6]}-{c[7]}"
-
-
-def make_inputs(batch, seq_len, heads, dim, *, seed, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    x = dict(q=randn(batch, seq_len, heads, dim), k=randn(batch, seq_len, heads, dim),
-             v=randn(batch, seq_len, heads, dim),
-             g=-F.softplus(randn(batch, seq_len, heads)) * 0.5, beta=torch.sigmoid(randn(batch, seq_len, heads)),
-             gamma_q=1 + 0.3 * randn(dim), gamma_k=1 + 0.3 * randn(dim), sink=randn(heads), gate=randn(heads))
-    return {n: t.to(dtype).requires_grad_() for n, t in x.items()}
-
-
-def fresh(x, dtype=None):
-    return {n: t.detach().to(dtype or t.dtype).clone().requires_grad_() for n, t in x.items()}
 
 
 def weight_of(o):

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from hola_titan.kernels.hola_reference import merge_read, rms_norm
-from hola_titan.kernels.hola_stages import final_cache_from_selection, state_path
-from hola_titan.kernels.hola_triton_select import BlockTable, build_block_table
+from hola_titan.kernels.hola_stages import final_cache_from_selection, state_and_table
+from hola_titan.kernels.hola_triton_select import BlockTable
 
 FA4_VERSION = "4.0.0b40"
 """The flash-attn-4 release this adapter is written and tested against (its private forward and backward entry
@@ -253,13 +253,12 @@ def hola_attention_fa4(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window
     (:func:`varlen_attention_fa4`; tests give :func:`varlen_attention_torch` to check the layout on a CPU)."""
     bsz, seq_len, h, d = q.shape
     dtype, device = q.dtype, q.device
-    o_state, m, final_state = state_path(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                         output_final_state=output_final_state, impl=state_impl,
-                                         chunk_indices=chunk_indices, scale=scale)
+    o_state, m, final_state, table = state_and_table(
+        q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, output_final_state=output_final_state,
+        impl=state_impl, chunk_indices=chunk_indices, scale=scale, evict=evict, block=block, block_table=block_table)
     aux = {"m": m}
-    if evict == "none":
+    if table is None:  # evict "none": GDN, no cache read
         return (o_state, final_state, None, aux) if return_aux else (o_state, final_state, None)
-    table = block_table if block_table is not None else build_block_table(bsz, seq_len, cu_seqlens, block, device)
     num_tokens = bsz * seq_len
     m_flat = m.reshape(num_tokens, h)
     final_keys = None

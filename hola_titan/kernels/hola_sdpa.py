@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from hola_titan.kernels.hola_reference import merge_read, rms_norm
-from hola_titan.kernels.hola_stages import final_cache_from_selection, state_path
-from hola_titan.kernels.hola_triton_select import build_block_table, select_recency, select_topw_torch
+from hola_titan.kernels.hola_stages import final_cache_from_selection, state_and_table
+from hola_titan.kernels.hola_triton_select import select_recency, select_topw_torch
 
 KEY_ALIGN = 16  # pad the key dimension (W + C + 1) so SDPA's fused kernels take the mask without copies
 
@@ -41,13 +41,12 @@ def hola_attention_sdpa(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, windo
     """The SDPA backend; same arguments and results as ``hola_attention_triton``."""
     bsz, seq_len, h, d = q.shape
     dtype, device = q.dtype, q.device
-    o_state, m, final_state = state_path(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                         output_final_state=output_final_state, impl=state_impl,
-                                         chunk_indices=chunk_indices, scale=scale)
+    o_state, m, final_state, table = state_and_table(
+        q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, output_final_state=output_final_state,
+        impl=state_impl, chunk_indices=chunk_indices, scale=scale, evict=evict, block=block, block_table=block_table)
     aux = {"m": m}
-    if evict == "none":
+    if table is None:  # evict "none": GDN, no cache read
         return (o_state, final_state, None, aux) if return_aux else (o_state, final_state, None)
-    table = block_table if block_table is not None else build_block_table(bsz, seq_len, cu_seqlens, block, device)
     m_flat = m.reshape(bsz * seq_len, h)
     if selected is None:
         sel = _select(m_flat, table, window=window, evict=evict, num_heads=h)

@@ -37,6 +37,21 @@ def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_stat
     return o_state.to(q.dtype), m, final_state
 
 
+def state_and_table(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_state, impl: str, chunk_indices,
+                    scale: float | None, evict: str, block: int, block_table: BlockTable | None):
+    """The first stages of the SDPA and FA4 backends: :func:`state_path`, and the batch's block table (the one given,
+    or built here; None for ``evict="none"``, which reads no cache). ``(o_state, m, final_state, table)``."""
+    o_state, m, final_state = state_path(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                         output_final_state=output_final_state, impl=impl,
+                                         chunk_indices=chunk_indices, scale=scale)
+    if evict == "none":
+        return o_state, m, final_state, None
+    bsz, seq_len = q.shape[:2]
+    table = block_table if block_table is not None else _select.build_block_table(bsz, seq_len, cu_seqlens, block,
+                                                                                  q.device)
+    return o_state, m, final_state, table
+
+
 def select(m: torch.Tensor, table: BlockTable, *, window: int, evict: str, num_heads: int):
     """``(sel [NB, H, W] int32, final top-W keys [N, H, W] or None)`` for ``m`` ``[B * T, H]``."""
     if window == 0:

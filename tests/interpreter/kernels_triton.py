@@ -27,7 +27,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("this suite runs in Triton's interpreter: tests/test_interpreter.py starts it in a process with "
@@ -40,7 +39,7 @@ from hola_titan.kernels.hola_reference import hola_attention_reference  # noqa: 
 from hola_titan.kernels.hola_sdpa import hola_attention_sdpa  # noqa: E402
 from hola_titan.kernels.hola_triton import hola_attention_triton  # noqa: E402
 from hola_titan.ops import resolve_backend  # noqa: E402
-from helpers import Launches as _Launches, assert_fp32_close, token_abs_terms  # noqa: E402
+from helpers import Launches as _Launches, assert_fp32_close, fresh_leaves, hola_inputs, token_abs_terms  # noqa: E402
 
 
 NAMES = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate")
@@ -56,21 +55,8 @@ def _poison_outputs(monkeypatch):
     monkeypatch.setattr(hola_triton_attn, "POISON_OUTPUTS", True)
 
 
-def make_inputs(batch, seq_len, heads, dim, *, seed=0, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    x = dict(q=randn(batch, seq_len, heads, dim), k=randn(batch, seq_len, heads, dim),
-             v=randn(batch, seq_len, heads, dim),
-             g=-F.softplus(randn(batch, seq_len, heads)) * 0.5, beta=torch.sigmoid(randn(batch, seq_len, heads)),
-             gamma_q=1 + 0.3 * randn(dim), gamma_k=1 + 0.3 * randn(dim), sink=randn(heads), gate=randn(heads))
-    return {n: t.to(dtype).requires_grad_() for n, t in x.items()}
-
-
-def fresh(x, dtype=None):
-    return {n: t.detach().to(dtype or t.dtype).clone().requires_grad_() for n, t in x.items()}
+make_inputs = hola_inputs
+fresh = fresh_leaves
 
 
 def output_weight(o, seed=7):
