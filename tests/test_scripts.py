@@ -363,3 +363,21 @@ def test_bench_train_flavour_rows_variants_and_refusals():
         with pytest.raises(SystemExit, match=message):
             rows(flavours, keep, device, layered)
 
+
+def test_predict_layouts_reads_the_committed_measurements(tmp_path):
+    """Every multi-GPU layout of composition_run gets a prediction from the JSON under docs/results/, with the keys
+    a measured row has; at the quoted link the FSDP 2 row hides its collectives (the step model's own arithmetic is
+    tests/test_step_model.py)."""
+    result = _run([sys.executable, "scripts/predict_layouts.py", "--out", str(tmp_path)])
+    rows = {r["layout"]: r for r in json.loads((tmp_path / "predictions.json").read_text())["rows"]}
+    assert {"340M_fsdp2", "340M_hsdp2", "340M_tp2", "340M_T64k_cp2", "1.3B_fsdp4", "1.3B_fsdp2_tp2_cp2",
+            "7B_fsdp8"} <= set(rows)
+    for r in rows.values():
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["one_gpu_tokens_per_s"])
+        assert r["per_gpu_efficiency"] == pytest.approx(r["speedup"] / r["world_size"])
+    assert rows["340M_fsdp2"]["exposed_ms"] < 0.01 * rows["340M_fsdp2"]["step_ms"]
+    # A link 100x slower exposes the reduce-scatters: the same model must then miss the target.
+    _run([sys.executable, "scripts/predict_layouts.py", "--bus-gbps", "2.84", "--out", str(tmp_path / "s")])
+    slow_rows = {r["layout"]: r for r in json.loads((tmp_path / "s" / "predictions.json").read_text())["rows"]}
+    assert slow_rows["340M_fsdp2"]["speedup"] < 1.85 < rows["340M_fsdp2"]["speedup"]
+    assert "| 340M_fsdp2 | 2 |" in result.stdout
