@@ -37,7 +37,8 @@ def pytest_configure(config):
 # scheduler hands out a group of many tests before single tests and single tests in collection order; started
 # first, the long ones no longer end the run on one worker while the other waits (about 45 s of the 2-core
 # machine's 12 minutes, 2026-12-02).
-LONG_FIRST = ("test_interpreter.py", "test_reliability.py", "test_train.py", "test_scripts.py")
+LONG_FIRST = ("test_interpreter.py", "test_composition_layouts.py", "test_reliability.py", "test_train.py",
+              "test_scripts.py")
 
 
 def pytest_collection_modifyitems(config, items):
