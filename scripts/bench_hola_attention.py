@@ -8,7 +8,8 @@ Rows (medians of ``triton.testing.do_bench``, CUDA events):
 - ``gdn_adapter``: this project's fla adapter (the same GDN plus the score), i.e. ``evict="none"``;
 - ``hola_triton`` / ``hola_sdpa`` / ``hola_fa4``: ``hola_attention`` with each backend (window 64, block 256, evict
   score; ``fa4`` where ``pip install 'hola-titan[fa4]'`` made FlashAttention-4 importable on an sm_90 GPU, else
-  the row records why not);
+  the row records why not); ``hola_fa4_split``: the fa4 backend with its split layout (two calls merged by their
+  log-sum-exps, only the cache entries gathered);
 - ``hola_triton_overlap``: the Triton backend with ``overlap_backward=True`` (cache backward on a side stream);
 - ``hola_triton_keep``: the Triton backend with ``save_cache_output=True`` (the backward forms delta from the
   kept cache-read output; its peak memory shows the extra tensor);
@@ -69,7 +70,8 @@ def parse_args():
     p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--rows", action="store_true", help="B rows of T tokens instead of one packed row")
     p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_triton_overlap,hola_triton_keep,"
-                                      "hola_triton_tbwd,hola_triton_keep_tbwd,hola_triton_tall,hola_sdpa,hola_fa4,sdpa_causal",
+                                      "hola_triton_tbwd,hola_triton_keep_tbwd,hola_triton_tall,hola_sdpa,hola_fa4,hola_fa4_split,"
+                                      "sdpa_causal",
                    help="comma-separated rows to time (default: all)")
     p.add_argument("--kernel-configs", default="auto", help=CHOICE_HELP)
     p.add_argument("--profile", action="store_true",
@@ -185,6 +187,15 @@ def main():
                 o.backward(do)
             return fn
 
+        def hola_fa4_split():
+            from hola_titan.kernels.hola_fa4 import hola_attention_fa4
+            table = documents.block_table(block) if documents is not None else None
+            o, _, _ = hola_attention_fa4(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block,
+                                         evict="score", cu_seqlens=cu, block_table=table,
+                                         chunk_indices=documents.chunk_indices if documents is not None else None,
+                                         layout="split")
+            o.backward(do)
+
         qa, ka, va = (torch.randn(docs, 16, t, 64, device=device, dtype=q.dtype, requires_grad=True) for _ in range(3))
         doa = torch.randn_like(qa)
 
@@ -198,7 +209,7 @@ def main():
                  "hola_triton_keep_tbwd": (triton_kernels(hola("triton", keep=True), bwd_only), x),
                  "hola_triton_tall": (triton_kernels(hola("triton"), (hola_triton_attn.FORWARD,
                                                                        hola_triton_attn.BACKWARD)), x),
-                 "hola_sdpa": (hola("sdpa"), x), "hola_fa4": (hola("fa4"), x),
+                 "hola_sdpa": (hola("sdpa"), x), "hola_fa4": (hola("fa4"), x), "hola_fa4_split": (hola_fa4_split, x),
                  "sdpa_causal": (sdpa_causal, [qa, ka, va])}
         wanted = set(_names(args.items))
         items = {k: val for k, val in items.items() if k in wanted}
@@ -282,7 +293,8 @@ def main():
                               for name, (fn, grads) in items.items() if name in profiled}
         if "gdn_fla_ms" in row:
             for name in ("hola_triton", "hola_triton_overlap", "hola_triton_keep", "hola_triton_tbwd",
-                         "hola_triton_keep_tbwd", "hola_triton_tall", "hola_sdpa", "hola_fa4", "gdn_adapter"):
+                         "hola_triton_keep_tbwd", "hola_triton_tall", "hola_sdpa", "hola_fa4", "hola_fa4_split",
+                         "gdn_adapter"):
                 if name + "_ms" in row:
                     row[name + "_over_gdn"] = row[name + "_ms"] / row["gdn_fla_ms"]
                     row[name + "_mem_over_gdn"] = row[name + "_peak_mib"] / row["gdn_fla_peak_mib"]
@@ -401,12 +413,13 @@ def fa4_stages(q, k, v, gamma_q, gamma_k, sink, sel, table, do, block, window, p
         return lay, qc, kc[lay.key_rows, heads[None, :]], vs[lay.key_rows, heads[None, :]]
 
     lay, qc, ks, vs = prep()
-    args = (qc, ks, vs, sink.float(), lay.cu_q, lay.cu_k, lay.used_k, lay.max_q, lay.max_k, d ** -0.5)
+    args = (qc, ks, vs, sink.float(), lay.cu_q, lay.cu_k, lay.used_k, lay.max_q, lay.max_k, d ** -0.5, True)
     out, lse = fa4_varlen_op(*args)
     dout = do.reshape(n, h, d)
     row = {"stage_fa4_prep_ms": bench(prep, None, rep_ms), "stage_fa4_fwd_ms": bench(lambda: fa4_varlen_op(*args),
                                                                                     None, rep_ms)}
-    row["stage_fa4_bwd_ms"] = bench(lambda: fa4_varlen_bwd_op(dout, qc, ks, vs, out, lse, *args[3:]), None, rep_ms)
+    row["stage_fa4_bwd_ms"] = bench(lambda: fa4_varlen_bwd_op(dout, None, qc, ks, vs, out, lse, *args[3:]), None,
+                                    rep_ms)
     row["stage_fa4_fwd_tflops"] = 4 * d * pairs / (row["stage_fa4_fwd_ms"] * 1e9)
     row["stage_fa4_bwd_tflops"] = 10 * d * pairs / (row["stage_fa4_bwd_ms"] * 1e9)
     return row
@@ -428,6 +441,7 @@ def print_table(results):
             ("hola_triton_tbwd_ms", "triton bwd ms"), ("hola_triton_keep_tbwd_ms", "keep triton bwd ms"),
             ("hola_triton_tall_ms", "triton fwd+bwd ms"),
             ("hola_sdpa_ms", "HOLA sdpa ms"), ("hola_fa4_ms", "HOLA fa4 ms"), ("hola_fa4_over_gdn", "fa4/GDN"),
+            ("hola_fa4_split_ms", "fa4 split ms"), ("hola_fa4_split_over_gdn", "fa4 split/GDN"),
             ("sdpa_causal_ms", "SDPA causal ms"),
             ("hola_triton_over_gdn", "triton/GDN"), ("hola_sdpa_over_gdn", "sdpa/GDN"),
             ("hola_triton_over_sdpa_causal", "triton/SDPA"), ("hola_triton_mem_over_gdn", "mem triton/GDN"),

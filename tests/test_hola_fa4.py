@@ -20,7 +20,8 @@ from helpers import assert_fp32_close, fresh_leaves as fresh, hola_inputs as mak
 from hola_titan.config import ConfigError, parse_config, validate
 from hola_titan.kernels import hola_fa4
 from hola_titan.kernels.dispatch import call_path, explain_backend, resolve_backend
-from hola_titan.kernels.hola_fa4 import (VarlenLayout, hola_attention_fa4, varlen_attention_torch, varlen_layout)
+from hola_titan.kernels.hola_fa4 import (LAYOUTS, VarlenLayout, hola_attention_fa4, merge_by_lse, split_layouts,
+                                         varlen_attention_torch, varlen_layout)
 from hola_titan.kernels.hola_reference import hola_attention_reference
 from hola_titan.kernels.hola_triton_select import build_block_table, check_selection
 
@@ -55,14 +56,15 @@ def reference_given(x, sel, **kw):
                                     initial_cache=None, output_final_cache=False, selected=sel, **kw)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
-def test_fa4_backend_matches_the_reference_given_its_selection(case):
+def test_fa4_backend_matches_the_reference_given_its_selection(case, layout):
     """Forward, final state and every gradient, with the varlen attention in PyTorch: the layout is the read."""
     b, t, cu, h, d, block, window, evict = case
     x = make_inputs(b, t, h, d, seed=t + window)
     kw = dict(window=window, block=block, evict=evict, cu_seqlens=torch.tensor(cu) if cu else None)
     o, state, _, aux = hola_attention_fa4(*[x[n] for n in NAMES], output_final_state=True, return_aux=True,
-                                          attend=varlen_attention_torch, **kw)
+                                          attend=varlen_attention_torch, layout=layout, **kw)
     if evict == "score" and window:
         check_selection(aux["m"].reshape(b * t, h), aux["sel"], aux["table"], window)
     grads = grads_of(o, state, x)
@@ -110,22 +112,39 @@ def test_the_layout_reads_exactly_the_visible_set():
             assert torch.equal(rows[:len(cached)], cached.long())  # in the selection's order
             assert torch.equal(rows[len(cached):used], torch.arange(start, start + length))
             assert (rows[used:] == num_tokens).all()
+    # The split layout: the blocks' own rows in place (causal), and the entries alone in W slots (no mask).
+    own, entries = split_layouts(sel, table, num_tokens=num_tokens, window=window, block=block)
+    assert own.key_rows is None and own.causal and torch.equal(own.cu_k, lay.cu_q) and own.used_k is None
+    assert not entries.causal and torch.equal(entries.cu_k, torch.arange(table.num_blocks + 1,
+                                                                         dtype=torch.int32) * window)
+    for b in range(table.num_blocks):
+        for head in range(h):
+            cached = sel[b, head][sel[b, head] >= 0]
+            rows = entries.key_rows[b * window:(b + 1) * window, head]
+            assert int(entries.used_k[b]) == len(cached) and torch.equal(rows[:len(cached)], cached.long())
+            assert (rows[len(cached):] == num_tokens).all()
 
 
 def _loop_attention(q, k, v, sink, lay: VarlenLayout, scale):
-    """The FA4 call's documented semantics, one query at a time (float64)."""
+    """The FA4 call's documented semantics, one query at a time (float64): ``(out, lse [H, total_q])``."""
     out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
     for s in range(lay.cu_q.shape[0] - 1):
         q0, q1 = int(lay.cu_q[s]), int(lay.cu_q[s + 1])
         k0, nk = int(lay.cu_k[s]), int(lay.used_k[s])
         for i in range(q1 - q0):
-            last = i + nk - (q1 - q0)  # causal, aligned to the bottom right
+            last = i + nk - (q1 - q0) if lay.causal else nk - 1  # causal: aligned to the bottom right
             for head in range(q.shape[1]):
                 keys = k[k0:k0 + last + 1, head].double()
                 logits = keys @ q[q0 + i, head].double() * scale
-                p = torch.softmax(torch.cat([logits, sink[head].double().view(1)]), 0)[:-1]
+                if sink is not None:
+                    logits = torch.cat([logits, sink[head].double().view(1)])
+                if logits.numel() == 0:
+                    continue  # sees nothing: zero output, lse -inf
+                lse[head, q0 + i] = torch.logsumexp(logits, 0)
+                p = torch.softmax(logits, 0)[:last + 1]
                 out[q0 + i, head] = p @ v[k0:k0 + last + 1, head].double()
-    return out
+    return out, lse
 
 
 def test_the_torch_varlen_attention_is_the_documented_function():
@@ -140,9 +159,18 @@ def test_the_torch_varlen_attention_is_the_documented_function():
     k = torch.randn(4 * slots, h, d, generator=gen)
     v = torch.randn(4 * slots, h, d, generator=gen)
     sink = torch.randn(h, generator=gen, requires_grad=True)
-    out = varlen_attention_torch(q, k, v, sink, lay, d ** -0.5)
-    assert torch.allclose(out.double(), _loop_attention(q, k, v, sink, lay, d ** -0.5), atol=1e-5)
+    out, lse = varlen_attention_torch(q, k, v, sink, lay, d ** -0.5)
+    out_loop, lse_loop = _loop_attention(q, k, v, sink, lay, d ** -0.5)
+    assert torch.allclose(out.double(), out_loop, atol=1e-5) and torch.allclose(lse.double(), lse_loop, atol=1e-5)
+    # Without the mask and the sink (the split layout's second call), an empty sequence included.
+    plain = VarlenLayout(**{**lay.__dict__, "causal": False})
+    out, lse = varlen_attention_torch(q, k, v, None, plain, d ** -0.5)
+    out_loop, lse_loop = _loop_attention(q, k, v, None, plain, d ** -0.5)
+    assert torch.allclose(out.double(), out_loop, atol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_loop)) and torch.allclose(
+        lse[~torch.isinf(lse)].double(), lse_loop[~torch.isinf(lse_loop)], atol=1e-5)
     # The sink's gradient (what FA4's backward returns as dsink) by central differences.
+    out, _ = varlen_attention_torch(q, k, v, sink, lay, d ** -0.5)
     w = torch.randn(out.shape, generator=gen)
     dsink, = torch.autograd.grad((out * w).sum(), [sink])
     eps = 1e-3
@@ -150,9 +178,32 @@ def test_the_torch_varlen_attention_is_the_documented_function():
         plus, minus = sink.detach().clone(), sink.detach().clone()
         plus[head] += eps
         minus[head] -= eps
-        numeric = ((varlen_attention_torch(q.detach(), k, v, plus, lay, d ** -0.5) * w).sum()
-                   - (varlen_attention_torch(q.detach(), k, v, minus, lay, d ** -0.5) * w).sum()) / (2 * eps)
+        numeric = ((varlen_attention_torch(q.detach(), k, v, plus, lay, d ** -0.5)[0] * w).sum()
+                   - (varlen_attention_torch(q.detach(), k, v, minus, lay, d ** -0.5)[0] * w).sum()) / (2 * eps)
         assert math.isclose(float(dsink[head]), float(numeric), rel_tol=1e-2, abs_tol=1e-3)
+
+
+def test_merging_two_key_sets_by_their_lse_is_the_read_over_both():
+    """The split layout's merge: the softmax over the union (with the sink on one side), a side with no keys
+    weighing nothing."""
+    gen = torch.Generator().manual_seed(5)
+    n, h, d, ka, kb = 6, 2, 8, 5, 3
+    q = torch.randn(n, h, d, generator=gen)
+    keys, vals = torch.randn(ka + kb, h, d, generator=gen), torch.randn(ka + kb, h, d, generator=gen)
+    sink = torch.randn(h, generator=gen)
+
+    def full(kset, vset, with_sink):  # every query sees every key of the set
+        cu = torch.tensor([0, n], dtype=torch.int32)
+        lay = VarlenLayout(key_rows=None, cu_q=cu, cu_k=torch.tensor([0, kset.shape[0]], dtype=torch.int32),
+                           used_k=None, max_q=n, max_k=max(kset.shape[0], 1), causal=False)
+        return varlen_attention_torch(q, kset, vset, sink if with_sink else None, lay, d ** -0.5)
+
+    o_a, lse_a = full(keys[:ka], vals[:ka], True)
+    o_b, lse_b = full(keys[ka:], vals[ka:], False)
+    o_all, _ = full(keys, vals, True)
+    assert torch.allclose(merge_by_lse(o_a, lse_a, o_b, lse_b), o_all, atol=1e-6)
+    empty = torch.full_like(lse_b, float("-inf"))
+    assert torch.allclose(merge_by_lse(o_a, lse_a, torch.zeros_like(o_b), empty), o_a, atol=1e-7)
 
 
 def test_fa4_is_refused_naming_why_wherever_it_cannot_run(monkeypatch):

@@ -1,9 +1,10 @@
 """The ``fa4`` backend on an sm_90 GPU with flash-attn-4 installed (marker ``gpu``; skipped elsewhere, saying why).
 
-- FlashAttention-4's varlen call, as the adapter makes it (``seqused_k`` inside ``cu_seqlens_k`` slots, causal
-  aligned to the bottom right, the sink), against :func:`varlen_attention_torch` in float32 on the same bf16
-  inputs: output, dq, dk, dv and dsink, on the layouts of real block tables (ragged last blocks, length-1
-  documents, blocks with an empty cache);
+- FlashAttention-4's varlen calls, as both layouts make them (``seqused_k`` inside ``cu_seqlens_k`` slots, causal
+  aligned to the bottom right with the sink; the split layout's calls, one in place, one without mask or sink
+  with empty sequences), against :func:`varlen_attention_torch` in float32 on the same bf16 inputs: output, lse,
+  dq, dk, dv and dsink (through the output and the lse), on the layouts of real block tables (ragged last blocks,
+  length-1 documents, blocks with an empty cache);
 - the backend against the reference given the Triton backend's selection, beside the SDPA backend: its bf16
   relative error at most twice the SDPA backend's, for the output, the final state and every gradient;
 - one compiled graph (the read is a custom op) equal to eager.
@@ -23,8 +24,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels", allow_module_level=True)
 
 from hola_titan.kernels import fla_gdn  # noqa: E402
-from hola_titan.kernels.hola_fa4 import (fa4_problem, hola_attention_fa4, varlen_attention_fa4,  # noqa: E402
-                                         varlen_attention_torch, varlen_layout)
+from hola_titan.kernels.hola_fa4 import (LAYOUTS, fa4_problem, hola_attention_fa4,  # noqa: E402
+                                         split_layouts, varlen_attention_fa4, varlen_attention_torch, varlen_layout)
 from hola_titan.kernels.hola_reference import hola_attention_reference  # noqa: E402
 from hola_titan.kernels.hola_sdpa import hola_attention_sdpa  # noqa: E402
 from hola_titan.kernels.hola_triton import hola_attention_triton  # noqa: E402
@@ -69,39 +70,50 @@ def _selection(t, cu, h, window, gen):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
-def test_the_varlen_call_is_the_torch_function(case):
+def test_the_varlen_calls_are_the_torch_function(case):
+    """Each call the two layouts make: the gathered one (causal, sink), and the split one's two (own rows in place,
+    causal, sink; the entries alone, no mask, no sink, empty for a document's first block)."""
     t, cu, h, d, window = case
     gen = torch.Generator().manual_seed(t)
     table, sel = _selection(t, cu, h, window, gen)
-    lay = varlen_layout(sel, table, num_tokens=t, window=window, block=BLOCK)
-    rows = lay.key_rows.shape[0]
+    own, entries = split_layouts(sel, table, num_tokens=t, window=window, block=BLOCK)
+    calls = [("gathered", varlen_layout(sel, table, num_tokens=t, window=window, block=BLOCK), True),
+             ("own", own, True)] + ([("entries", entries, False)] if entries is not None else [])
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(DEVICE)
 
-    q, k, v = randn(t, h, d).bfloat16(), randn(rows, h, d).bfloat16(), randn(rows, h, d).bfloat16()
-    k[lay.key_rows[:, 0] == t] = 0  # the zero row where the backend puts it
-    v[lay.key_rows[:, 0] == t] = 0
-    sink = randn(h)
-    w = randn(t, h, d)
-    results = {}
-    for name, fn, dtype in (("fa4", varlen_attention_fa4, torch.bfloat16), ("torch", varlen_attention_torch,
-                                                                           torch.float32)):
-        leaves = [x.detach().to(dtype).clone().requires_grad_() for x in (q, k, v)] + [
-            sink.detach().clone().requires_grad_()]
-        out = fn(*leaves, lay, d ** -0.5)
-        grads = torch.autograd.grad((out.float() * w).sum(), leaves)
-        results[name] = dict(o=out.detach(), dq=grads[0], dk=grads[1], dv=grads[2], dsink=grads[3])
-    for key, ref in results["torch"].items():
-        got = results["fa4"][key]
-        assert not torch.isnan(got).any(), f"{key}: NaN"
-        err = rel(got, ref)
-        print(f"{_id(case)} {key}: rel error {err:.2e}")
-        assert err <= 2e-2, f"{key}: FlashAttention-4's varlen call is {err:.2e} from the torch function"
+    for what, lay, with_sink in calls:
+        rows = t if lay.key_rows is None else lay.key_rows.shape[0]
+        q, k, v = randn(t, h, d).bfloat16(), randn(rows, h, d).bfloat16(), randn(rows, h, d).bfloat16()
+        sink = randn(h) if with_sink else None
+        w, w_lse = randn(t, h, d), randn(h, t)
+        results = {}
+        for name, fn, dtype in (("fa4", varlen_attention_fa4, torch.bfloat16),
+                                ("torch", varlen_attention_torch, torch.float32)):
+            leaves = [x.detach().to(dtype).clone().requires_grad_() for x in (q, k, v)]
+            leaves += [sink.detach().clone().requires_grad_()] if with_sink else []
+            out, lse = fn(*leaves[:3], leaves[3] if with_sink else None, lay, d ** -0.5)
+            # Rows that see a key (or the sink); the others weigh nothing when merged, whatever the kernel leaves.
+            seen = torch.isfinite(lse)
+            out = torch.where(seen.t()[..., None], out, 0)
+            loss = (out.float() * w).sum() + (torch.where(seen, lse, 0) * w_lse).sum()
+            grads = torch.autograd.grad(loss, leaves)
+            results[name] = dict(o=out.detach(), lse=torch.where(seen, lse, 0).detach(), dq=grads[0], dk=grads[1],
+                                 dv=grads[2], **({"dsink": grads[3]} if with_sink else {}))
+            results[name + "_seen"] = seen
+        assert torch.equal(results["fa4_seen"], results["torch_seen"]), f"{what}: rows that see nothing differ"
+        for key, ref in results["torch"].items():
+            got = results["fa4"][key]
+            assert not torch.isnan(got).any(), f"{what} {key}: NaN"
+            err = rel(got, ref)
+            print(f"{_id(case)} {what} {key}: rel error {err:.2e}")
+            assert err <= 2e-2, f"{what} {key}: FlashAttention-4's varlen call is {err:.2e} from the torch function"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", CASES[:3], ids=[_id(c) for c in CASES[:3]])
-def test_fa4_backend_against_reference_and_sdpa(case):
+def test_fa4_backend_against_reference_and_sdpa(case, layout):
     t, cu, h, d, window = case
     cu_t = torch.tensor(cu, device=DEVICE)
     n = len(cu) - 1
@@ -130,7 +142,7 @@ def test_fa4_backend_against_reference_and_sdpa(case):
 
     _, rest = run(hola_attention_triton, leaves(torch.bfloat16), return_aux=True)
     sel = rest[1]["sel"]
-    res_f, _ = run(hola_attention_fa4, leaves(torch.bfloat16), selected=sel)
+    res_f, _ = run(hola_attention_fa4, leaves(torch.bfloat16), selected=sel, layout=layout)
     res_s, _ = run(hola_attention_sdpa, leaves(torch.bfloat16), selected=sel)
 
     def reference(*args, **kwargs):
@@ -140,11 +152,12 @@ def test_fa4_backend_against_reference_and_sdpa(case):
     for name, ref in res_r.items():
         assert not torch.isnan(res_f[name]).any(), f"fa4 {name}: NaN"
         e_f, e_s = rel(res_f[name], ref), rel(res_s[name], ref)
-        print(f"{_id(case)} {name}: fa4 {e_f:.1e} sdpa {e_s:.1e}")
+        print(f"{_id(case)} {layout} {name}: fa4 {e_f:.1e} sdpa {e_s:.1e}")
         assert e_f <= 2 * e_s + 1e-6, f"bf16 {name}: fa4 error {e_f:.2e} > 2 x sdpa error {e_s:.2e}"
 
 
-def test_the_fa4_backend_compiles_as_one_graph_and_matches_eager():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_fa4_backend_compiles_as_one_graph_and_matches_eager(layout):
     """Forward and backward under ``torch.compile(fullgraph=True)`` (aot_eager: the same kernels, so only the
     decomposed arithmetic around them may round differently)."""
     t, cu, h, d, window = CASES[1]
@@ -157,7 +170,8 @@ def test_the_fa4_backend_compiles_as_one_graph_and_matches_eager():
     cu_t = torch.tensor(cu, device=DEVICE)
 
     def fn(*args):
-        o, _, _ = hola_attention_fa4(*args, window=window, block=BLOCK, evict="score", cu_seqlens=cu_t)
+        o, _, _ = hola_attention_fa4(*args, window=window, block=BLOCK, evict="score", cu_seqlens=cu_t,
+                                     layout=layout)
         return o.float().square().mean()
 
     def grads(f):

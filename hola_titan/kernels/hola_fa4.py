@@ -99,37 +99,50 @@ def fa4_problem(device: torch.device, *, head_dim: int | None = None, dtype: tor
 
 @dataclass
 class VarlenLayout:
-    """Where every query and key slot of the varlen call comes from (all on the inputs' device).
+    """Where every query and key slot of one varlen call comes from (all on the inputs' device).
 
     ``key_rows`` ``[NB * S, H]`` int64: the token row each key slot reads, per head (``num_tokens``, an appended
-    zero row, for slots past a block's keys). ``cu_q`` ``[NB + 1]`` and ``cu_k`` ``[NB + 1]`` int32 offsets,
-    ``used_k`` ``[NB]`` int32 keys per block row; ``max_q = C``, ``max_k = S``.
+    zero row, for slots past a sequence's keys); None when the keys are the token rows themselves, in place.
+    ``cu_q`` and ``cu_k`` ``[NB + 1]`` int32 offsets, ``used_k`` ``[NB]`` int32 keys per sequence (None: all of
+    ``cu_k``'s), ``max_q`` / ``max_k`` their bounds; ``causal``: the mask aligned to the bottom right, else none.
     """
 
-    key_rows: torch.Tensor
+    key_rows: torch.Tensor | None
     cu_q: torch.Tensor
     cu_k: torch.Tensor
-    used_k: torch.Tensor
+    used_k: torch.Tensor | None
     max_q: int
     max_k: int
+    causal: bool = True
+
+
+def _cache_slots(sel: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cached [NB, H, W] int64, n_valid [NB])``: every block's valid entries first, in the selection's order (a
+    stable sort on emptiness), and their number, which is the same for every head (each head picks its top W among
+    the same earlier tokens of the document), so head 0 gives it."""
+    if window == 0:
+        return sel.new_empty(sel.shape[0], sel.shape[1], 0).long(), sel.new_zeros(sel.shape[0]).long()
+    order = (sel < 0).to(torch.int8).argsort(dim=-1, stable=True)
+    cached = sel.gather(-1, order).long()
+    return cached, (cached[:, 0] >= 0).sum(-1)
+
+
+def _block_offsets(table: BlockTable) -> torch.Tensor:
+    """``[NB + 1]`` int32: the running sum of the block lengths, i.e. each block's first token (blocks tile the tokens
+    in order; the table's padding rows, of length 0, add nothing)."""
+    zero = torch.zeros(1, dtype=torch.int32, device=table.blk_len.device)
+    return torch.cat([zero, torch.cumsum(table.blk_len.long(), 0).to(torch.int32)])
 
 
 def varlen_layout(sel: torch.Tensor, table: BlockTable, *, num_tokens: int, window: int, block: int) -> VarlenLayout:
-    """The layout of :class:`VarlenLayout` for the selection ``sel`` ``[NB, H, W]`` (flat token indices, ``-1``
-    empty) and the block ``table``. Tensor operations only: no host synchronisation, traceable."""
+    """One call (``layout="gathered"``): every block a sequence of its own rows as queries and, as keys, its cache
+    entries followed by its own rows, gathered per head into ``S = W + C`` slots. ``sel`` ``[NB, H, W]`` (flat token
+    indices, ``-1`` empty). Tensor operations only: no host synchronisation, traceable."""
     device = sel.device
     nb, h = table.num_blocks, sel.shape[1]
     slots = window + block
     blk_len = table.blk_len.long()
-    # Valid entries first, in the selection's order (a stable sort on emptiness); their number is the same for
-    # every head (each head picks its top W among the same earlier tokens of the document), so head 0 gives it.
-    if window > 0:
-        order = (sel < 0).to(torch.int8).argsort(dim=-1, stable=True)
-        cached = sel.gather(-1, order).long()  # [NB, H, W]
-        n_valid = (cached[:, 0] >= 0).sum(-1)  # [NB]
-    else:
-        cached = sel.new_empty(nb, h, 0).long()
-        n_valid = torch.zeros(nb, dtype=torch.int64, device=device)
+    cached, n_valid = _cache_slots(sel, window)
     pos = torch.arange(slots, device=device)  # [S]
     in_block = pos[None, :] - n_valid[:, None]  # [NB, S]: a slot's row within the block, when >= 0
     own = (in_block >= 0) & (in_block < blk_len[:, None])
@@ -139,29 +152,48 @@ def varlen_layout(sel: torch.Tensor, table: BlockTable, *, num_tokens: int, wind
     if window > 0:  # the first n_valid slots of every block row read its cache entries, per head
         from_cache = (pos[None, :window] < n_valid[:, None])[:, :, None]  # [NB, W, 1]
         rows = torch.cat([torch.where(from_cache, cached.transpose(1, 2), rows[:, :window]), rows[:, window:]], 1)
-    zero = torch.zeros(1, dtype=torch.int32, device=device)
-    cu_q = torch.cat([zero, torch.cumsum(blk_len, 0).to(torch.int32)])
     cu_k = torch.arange(nb + 1, dtype=torch.int32, device=device) * slots
-    used_k = (n_valid + blk_len).to(torch.int32)
-    return VarlenLayout(key_rows=rows.reshape(nb * slots, h), cu_q=cu_q, cu_k=cu_k, used_k=used_k, max_q=block,
-                        max_k=slots)
+    return VarlenLayout(key_rows=rows.reshape(nb * slots, h), cu_q=_block_offsets(table), cu_k=cu_k,
+                        used_k=(n_valid + blk_len).to(torch.int32), max_q=block, max_k=slots)
+
+
+def split_layouts(sel: torch.Tensor, table: BlockTable, *, num_tokens: int, window: int,
+                  block: int) -> tuple[VarlenLayout, VarlenLayout | None]:
+    """Two calls (``layout="split"``), merged by their log-sum-exps: the blocks' own rows, causal, in place (no
+    copy), and the cache entries alone, gathered per head into ``W`` slots per block, no mask (every query of a
+    block sees all of its entries). The second is None without a window."""
+    offsets = _block_offsets(table)
+    own = VarlenLayout(key_rows=None, cu_q=offsets, cu_k=offsets, used_k=None, max_q=block, max_k=block)
+    if window == 0:
+        return own, None
+    nb, h = table.num_blocks, sel.shape[1]
+    cached, n_valid = _cache_slots(sel, window)
+    slot_ok = torch.arange(window, device=sel.device)[None, :] < n_valid[:, None]  # [NB, W]
+    rows = torch.where(slot_ok[:, :, None], cached.transpose(1, 2), torch.full_like(cached.transpose(1, 2),
+                                                                                  num_tokens))
+    cu_k = torch.arange(nb + 1, dtype=torch.int32, device=sel.device) * window
+    return own, VarlenLayout(key_rows=rows.reshape(nb * window, h), cu_q=offsets, cu_k=cu_k,
+                             used_k=n_valid.to(torch.int32), max_q=block, max_k=window, causal=False)
 
 
 # ------------------------------------------------------------------------------------------------ the attention
 
 
-def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, layout: VarlenLayout,
-                           scale: float) -> torch.Tensor:
-    """What the FA4 call computes, in PyTorch (float32 softmax, the result in ``q``'s dtype): sequence ``b`` has
-    the queries ``q[cu_q[b]:cu_q[b+1]]`` and the keys ``k[cu_k[b]:cu_k[b] + used_k[b]]``; query ``i`` sees keys
-    ``j <= i + used_k[b] - len_q[b]`` (causal, aligned to the bottom right), and ``sink[h]`` joins every row's
-    softmax denominator with a zero value. Rows of ``q`` outside every sequence are zero. The oracle the FA4
-    kernels are checked against, and the ``attend`` of CPU tests."""
+def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None,
+                           layout: VarlenLayout, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the FA4 call computes, in PyTorch (float32 softmax, the output in ``q``'s dtype): sequence ``b`` has the
+    queries ``q[cu_q[b]:cu_q[b+1]]`` and the keys ``k[cu_k[b]:cu_k[b] + used_k[b]]``; with ``layout.causal`` query
+    ``i`` sees keys ``j <= i + used_k[b] - len_q[b]`` (aligned to the bottom right), else all of them; ``sink[h]``
+    (if given) joins every row's softmax denominator with a zero value. Returns ``(out [total_q, H, D], lse [H,
+    total_q] float32)``, the log of each row's denominator (``-inf`` for a row that sees nothing and has no sink;
+    its output is zero). Rows of ``q`` outside every sequence are zero. The oracle the FA4 kernels are checked
+    against, and the ``attend`` of CPU tests."""
     total_q, h, d = q.shape
     nseq = layout.cu_q.shape[0] - 1
     device = q.device
     start_q, len_q = layout.cu_q[:-1].long(), (layout.cu_q[1:] - layout.cu_q[:-1]).long()
-    start_k, len_k = layout.cu_k[:-1].long(), layout.used_k.long()
+    start_k = layout.cu_k[:-1].long()
+    len_k = (layout.cu_k[1:] - layout.cu_k[:-1]).long() if layout.used_k is None else layout.used_k.long()
     iq, ik = torch.arange(layout.max_q, device=device), torch.arange(layout.max_k, device=device)
     ok_q = iq[None, :] < len_q[:, None]  # [N, Lq]
     ok_k = ik[None, :] < len_k[:, None]  # [N, Lk]
@@ -169,78 +201,113 @@ def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, si
     rows_k = torch.where(ok_k, start_k[:, None] + ik[None, :], torch.zeros_like(ok_k, dtype=torch.long))
     qs, ks, vs = q[rows_q].float(), k[rows_k].float(), v[rows_k].float()  # [N, L, H, D]
     logits = torch.einsum("nqhd,nkhd->nhqk", qs, ks) * scale
-    shift = (len_k - len_q)[:, None, None]
-    visible = ok_k[:, None, :] & (ik[None, None, :] <= iq[None, :, None] + shift)  # [N, Lq, Lk]
+    visible = ok_k[:, None, :].expand(nseq, layout.max_q, layout.max_k)  # [N, Lq, Lk]
+    if layout.causal:
+        shift = (len_k - len_q)[:, None, None]
+        visible = visible & (ik[None, None, :] <= iq[None, :, None] + shift)
     logits = logits.masked_fill(~visible[:, None], float("-inf"))
-    with_sink = torch.cat([logits, sink.float().view(1, h, 1, 1).expand(nseq, h, layout.max_q, 1)], dim=-1)
-    probs = torch.softmax(with_sink, dim=-1)[..., :-1]
+    if sink is not None:
+        logits = torch.cat([logits, sink.float().view(1, h, 1, 1).expand(nseq, h, layout.max_q, 1)], dim=-1)
+    # A softmax that also takes rows seeing nothing (a block without cache entries in the split layout's second
+    # call): their weights are 0 and their lse -inf, with finite gradients everywhere.
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    e = torch.exp(logits - top)
+    total = e.sum(-1)
+    seen = total > 0
+    total = torch.where(seen, total, torch.ones_like(total))
+    lse = torch.where(seen, torch.log(total) + top[..., 0], torch.full_like(total, float("-inf")))  # [N, H, Lq]
+    probs = (e / total[..., None])[..., :layout.max_k]  # the sink's column carries no value
     out = torch.einsum("nhqk,nkhd->nqhd", probs, vs).to(q.dtype)  # [N, Lq, H, D]
-    flat = torch.zeros(total_q + 1, h, d, dtype=q.dtype, device=device)
-    return flat.index_put((torch.where(ok_q, rows_q, torch.full_like(rows_q, total_q)),), out)[:total_q]
+    dest = torch.where(ok_q, rows_q, torch.full_like(rows_q, total_q))
+    flat = torch.zeros(total_q + 1, h, d, dtype=q.dtype, device=device).index_put((dest,), out)[:total_q]
+    flat_lse = torch.full((total_q + 1, h), float("-inf"), device=device).index_put((dest,), lse.transpose(1, 2))
+    return flat, flat_lse[:total_q].t()
 
 
 @torch.library.custom_op("hola::fa4_varlen", mutates_args=())
-def fa4_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, cu_q: torch.Tensor,
-                  cu_k: torch.Tensor, used_k: torch.Tensor, max_q: int, max_k: int,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [total_q, H, D], lse [H, total_q] float32)`` of FA4's varlen forward (causal, bottom right, with the
-    sink)."""
+def fa4_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None, cu_q: torch.Tensor,
+                  cu_k: torch.Tensor, used_k: torch.Tensor | None, max_q: int, max_k: int, scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [total_q, H, D], lse [H, total_q] float32)`` of FA4's varlen forward."""
     from flash_attn.cute.interface import _flash_attn_fwd
     out, lse, *_ = _flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used_k,
-                                   max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale, causal=True,
+                                   max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale, causal=causal,
                                    learnable_sink=sink, return_lse=True)
     return out, lse
 
 
 @fa4_varlen_op.register_fake
-def _(q, k, v, sink, cu_q, cu_k, used_k, max_q, max_k, scale):
+def _(q, k, v, sink, cu_q, cu_k, used_k, max_q, max_k, scale, causal):
     return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("hola::fa4_varlen_bwd", mutates_args=())
-def fa4_varlen_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, sink: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                      used_k: torch.Tensor, max_q: int, max_k: int,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, dsink)`` of FA4's varlen backward."""
+def fa4_varlen_bwd_op(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None,
+                      cu_q: torch.Tensor, cu_k: torch.Tensor, used_k: torch.Tensor | None, max_q: int, max_k: int,
+                      scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dsink)`` of FA4's varlen backward (``dsink`` empty without a sink); ``dlse``: the gradient of
+    the returned log-sum-exp (the split layout's merge), or None."""
     from flash_attn.cute.interface import _flash_attn_bwd
-    dq, dk, dv, dsink = _flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, True, cu_seqlens_q=cu_q,
-                                        cu_seqlens_k=cu_k, seqused_k=used_k, max_seqlen_q=max_q,
-                                        max_seqlen_k=max_k, learnable_sink=sink)
-    return dq, dk, dv, dsink
+    result = _flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, causal, cu_seqlens_q=cu_q,
+                             cu_seqlens_k=cu_k, seqused_k=used_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                             dlse=None if dlse is None else dlse.contiguous(), learnable_sink=sink)
+    dq, dk, dv = result[:3]
+    return dq, dk, dv, (result[3] if sink is not None else q.new_empty(0))
 
 
 @fa4_varlen_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, sink, cu_q, cu_k, used_k, max_q, max_k, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(sink)
+def _(dout, dlse, q, k, v, out, lse, sink, cu_q, cu_k, used_k, max_q, max_k, scale, causal):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(sink) if sink is not None else q.new_empty(0))
 
 
 def _fa4_setup(ctx, inputs, output):
-    q, k, v, sink, cu_q, cu_k, used_k, max_q, max_k, scale = inputs
+    q, k, v, sink, cu_q, cu_k, used_k, max_q, max_k, scale, causal = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, sink, cu_q, cu_k, used_k, out, lse)
-    ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
+    ctx.max_q, ctx.max_k, ctx.scale, ctx.causal = max_q, max_k, scale, causal
 
 
-def _fa4_backward(ctx, dout, _dlse):
+def _fa4_backward(ctx, dout, dlse):
     q, k, v, sink, cu_q, cu_k, used_k, out, lse = ctx.saved_tensors
-    dq, dk, dv, dsink = fa4_varlen_bwd_op(dout, q, k, v, out, lse, sink, cu_q, cu_k, used_k, ctx.max_q, ctx.max_k,
-                                          ctx.scale)
-    return dq, dk, dv, dsink, None, None, None, None, None, None
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dsink = fa4_varlen_bwd_op(dout, dlse, q, k, v, out, lse, sink, cu_q, cu_k, used_k, ctx.max_q,
+                                          ctx.max_k, ctx.scale, ctx.causal)
+    return dq, dk, dv, (dsink if sink is not None else None), None, None, None, None, None, None, None
 
 
 fa4_varlen_op.register_autograd(_fa4_backward, setup_context=_fa4_setup)
 
 
-def varlen_attention_fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, layout: VarlenLayout,
-                         scale: float) -> torch.Tensor:
+def varlen_attention_fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None,
+                         layout: VarlenLayout, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`varlen_attention_torch`'s function on FlashAttention-4's sm_90 kernels (the sink in float32)."""
-    out, _ = fa4_varlen_op(q.contiguous(), k.contiguous(), v.contiguous(), sink.float().contiguous(), layout.cu_q,
-                           layout.cu_k, layout.used_k, layout.max_q, layout.max_k, float(scale))
-    return out
+    return fa4_varlen_op(q.contiguous(), k.contiguous(), v.contiguous(),
+                         None if sink is None else sink.float().contiguous(), layout.cu_q, layout.cu_k,
+                         layout.used_k, layout.max_q, layout.max_k, float(scale), layout.causal)
+
+
+def merge_by_lse(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """The softmax read over the union of two disjoint key sets, from each set's normalised read ``o`` ``[N, H, D]``
+    and log-sum-exp ``lse`` ``[H, N]`` (float32; ``-inf`` where a set is empty, which then weighs nothing): the
+    reads weighted by their share of the summed denominators. In float32, the result in ``o_a``'s dtype."""
+    a, b = lse_a.t().unsqueeze(-1), lse_b.t().unsqueeze(-1)  # [N, H, 1]
+    top = torch.maximum(a, b)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w_a, w_b = torch.exp(a - top), torch.exp(b - top)
+    return ((o_a.float() * w_a + o_b.float() * w_b) / (w_a + w_b)).to(o_a.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ the backend
+
+LAYOUTS = ("gathered", "split")
+"""How the read is laid out for FA4: ``gathered``, one call over each block's cache entries and own rows copied
+into ``W + C`` slots; ``split``, two calls merged by their log-sum-exps, the own rows in place and only the ``W``
+entries copied. Which is faster end to end is a GPU measurement (``bench_hola_attention.py``: ``hola_fa4`` and
+``hola_fa4_split``)."""
 
 
 def hola_attention_fa4(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int, evict: str,
@@ -248,9 +315,12 @@ def hola_attention_fa4(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window
                        output_final_cache: bool = False, selected: torch.Tensor | None = None,
                        return_aux: bool = False, state_impl: str = "auto", chunk_indices: torch.Tensor | None = None,
                        block_table: BlockTable | None = None, scale: float | None = None, mix: str = "sum",
-                       attend=varlen_attention_fa4):
-    """The FA4 backend; same arguments and results as ``hola_attention_sdpa``. ``attend``: the varlen attention
-    (:func:`varlen_attention_fa4`; tests give :func:`varlen_attention_torch` to check the layout on a CPU)."""
+                       layout: str = "gathered", attend=varlen_attention_fa4):
+    """The FA4 backend; same arguments and results as ``hola_attention_sdpa``. ``layout``: one of :data:`LAYOUTS`.
+    ``attend``: the varlen attention (:func:`varlen_attention_fa4`; tests give :func:`varlen_attention_torch` to
+    check the layouts on a CPU)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: unknown {layout!r}; expected one of {LAYOUTS}")
     bsz, seq_len, h, d = q.shape
     dtype, device = q.dtype, q.device
     o_state, m, final_state, table = state_and_table(
@@ -270,15 +340,29 @@ def hola_attention_fa4(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window
     else:  # CPU tests: the selection in torch (the Triton kernels need a GPU or the interpreter)
         from hola_titan.kernels.hola_sdpa import _select
         sel = _select(m_flat, table, window=window, evict=evict, num_heads=h)
-    layout = varlen_layout(sel, table, num_tokens=num_tokens, window=window, block=block)
     qc = rms_norm(q.float(), gamma_q.float()).to(dtype).reshape(num_tokens, h, d)
     kc = rms_norm(k.float(), gamma_k.float()).to(dtype).reshape(num_tokens, h, d)
+    vr = v.reshape(num_tokens, h, d)
     heads = torch.arange(h, device=device)
 
-    def gathered(x):  # [B*T, H, D] -> [NB*S, H, D]; the appended zero row fills the unused slots
-        return torch.cat([x, x.new_zeros(1, h, d)])[layout.key_rows, heads[None, :]]
+    def gathered(x, rows):  # [B*T, H, D] -> [slots, H, D]; the appended zero row fills the unused slots
+        return torch.cat([x, x.new_zeros(1, h, d)])[rows, heads[None, :]]
 
-    o_cache = attend(qc, gathered(kc), gathered(v.reshape(num_tokens, h, d)), sink, layout, d ** -0.5)
+    if layout == "gathered":
+        lay = varlen_layout(sel, table, num_tokens=num_tokens, window=window, block=block)
+        o_cache, _ = attend(qc, gathered(kc, lay.key_rows), gathered(vr, lay.key_rows), sink, lay, d ** -0.5)
+    else:
+        own, entries = split_layouts(sel, table, num_tokens=num_tokens, window=window, block=block)
+        o_cache, lse_own = attend(qc, kc, vr, sink, own, d ** -0.5)
+        if entries is not None:
+            o_entries, lse_entries = attend(qc, gathered(kc, entries.key_rows), gathered(vr, entries.key_rows), None,
+                                            entries, d ** -0.5)
+            # A block without entries (its document's first) is a sequence with no keys: whatever the kernel leaves
+            # in its rows, they weigh nothing.
+            has = torch.repeat_interleave(entries.used_k > 0, table.blk_len.long(), output_size=num_tokens)
+            o_entries = torch.where(has[:, None, None], o_entries, torch.zeros_like(o_entries))
+            lse_entries = torch.where(has[None, :], lse_entries, torch.full_like(lse_entries, float("-inf")))
+            o_cache = merge_by_lse(o_cache, lse_own, o_entries, lse_entries)
     lam = torch.sigmoid(gate.float()).to(dtype)
     o = merge_read(o_state, lam.view(1, 1, h, 1) * o_cache.view(bsz, seq_len, h, d), mix)
     final_cache = None
@@ -293,4 +377,5 @@ def hola_attention_fa4(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window
     return (o, final_state, final_cache, aux) if return_aux else (o, final_state, final_cache)
 
 
-__all__ = ["hola_attention_fa4", "fa4_problem", "varlen_attention_torch", "varlen_attention_fa4", "varlen_layout"]
+__all__ = ["hola_attention_fa4", "fa4_problem", "merge_by_lse", "split_layouts", "varlen_attention_torch",
+           "varlen_attention_fa4", "varlen_layout"]
