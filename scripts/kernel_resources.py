@@ -17,7 +17,11 @@ so a sweep over tiles is one command::
     python scripts/kernel_resources.py --plan hola/d256/h4/bfloat16/packed --kernel _cache_bwd_dq_gluon_kernel
 
 (At head dim 256 on an H200 the plans list the Gluon cache kernels, which run there; the Triton cache kernels'
-specialisations are in the plans of other head dims.)
+specialisations are in the plans of other head dims: ``--sweep D=256`` on a head-dim-128 plan compiles them at 256.)
+``--arch 80`` compiles for an A100 (sm_80) instead (docs/training.md, "GPUs: what runs where")::
+
+    python scripts/kernel_resources.py --plan hola/d128/h2/bfloat16/packed --kernel _cache_fwd_kernel \\
+        --sweep D=256 BM=64 BN=32 --warps 4 --stages 2 --arch 80
 
 Numbers are for the Triton installed here; the H200 machines run Triton 3.6 (``pip install triton==3.6.0`` in a
 separate environment reproduces them). Timing still needs the GPU (``scripts/bench_hola_attention.py``).
@@ -132,6 +136,12 @@ def variant_spec(spec: dict, function: str, constants: dict, aliases: dict | Non
             "attrs_vals": attrs_vals}
 
 
+def target_name(arch: int) -> str:
+    """What Triton compiles for at compute capability ``arch``: sm_90a (Hopper's architecture-specific features,
+    warpgroup MMA among them) from 90 on, plain sm_80 before."""
+    return f"sm_{arch}" + ("a" if arch >= 90 else "")
+
+
 def compile_resources(spec: dict, *, constants: dict, num_warps: int, num_stages: int, arch: int) -> dict:
     """Compile one specialisation of ``spec`` for ``arch`` and read its resources from ptxas."""
     import triton
@@ -200,7 +210,7 @@ def main(argv=None) -> int:
     header = f"{' '.join(f'{n:>6}' for n in names)} {'warps':>5} {'stages':>6} {'regs':>5} {'stack':>6} {'local':>6} " \
              f"{'smem KiB':>8} {'wgmma':>5} {'mma.sync':>8} {'compile s':>9}"
     print(f"{args.function or args.kernel} from plan {args.plan}" + (f" ({args.kernel}'s)" if args.function else "")
-          + f", sm_{args.arch}a")
+          + f", {target_name(args.arch)}")
     print(header)
     for values in itertools.product(*(sweep[n] for n in names)):
         for num_warps, num_stages in itertools.product(warps, stages):

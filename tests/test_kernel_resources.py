@@ -131,3 +131,27 @@ def test_a_gluon_kernel_of_a_plan_compiles_through_gluon(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     (row,) = json.loads((tmp_path / "dq.json").read_text())["rows"]
     assert row["wgmma"] > 0 and row["mma_sync"] == 0, row
+
+
+def test_the_head_dim_256_cache_launches_fit_an_a100(tmp_path):
+    """The Triton cache kernels' launches at head dim 256 (``CONFIGS``: what an A100 runs, the Gluon kernels being
+    sm_90's) compiled for sm_80: plain sm_80 code (``mma.sync``, no ``wgmma``) within the 163 KiB of shared memory an
+    A100 block may take, so no launch raises Triton's OutOfResources there (docs/training.md, "GPUs: what runs
+    where")."""
+    sys.path.insert(0, str(ROOT))
+    from hola_titan.kernels.hola_triton_attn import CONFIGS
+
+    for kind, kernel in (("fwd", "_cache_fwd_kernel"), ("dq", "_cache_bwd_dq_kernel"),
+                         ("dkdv", "_cache_bwd_dkdv_kernel")):
+        cfg = CONFIGS[kind][256]
+        plan = "hola/d128/h2/bfloat16/packed"  # the Triton kernels' argument types; D set to 256 below
+        out = tmp_path / f"{kind}.json"
+        result = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--plan", plan, "--kernel", kernel,
+                                 "--sweep", "D=256", f"BM={cfg['BM']}", f"BN={cfg['BN']}",
+                                 "--warps", str(cfg["num_warps"]), "--stages", str(cfg["num_stages"]), "--arch", "80",
+                                 "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.splitlines()[0].endswith(", sm_80"), result.stdout
+        [row] = json.loads(out.read_text())["rows"]
+        assert "error" not in row, row
+        assert 0 < row["shared_bytes"] <= 163 * 1024 and row["wgmma"] == 0 and row["mma_sync"] > 0, (kind, row)
