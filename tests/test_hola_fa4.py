@@ -236,3 +236,20 @@ def test_the_config_takes_fa4_and_refuses_triton_only_settings_with_it():
                             "--model.save_cache_output", "true"])
     with pytest.raises(ConfigError, match="model.save_cache_output.*needs the Triton attention backend"):
         validate(refused, world_size=1)
+
+
+def test_a_run_asking_for_fa4_where_it_cannot_run_stops_at_start_naming_the_key(tmp_path, capsys):
+    """Through the trainer's entry point: one error line naming model.attention_backend and why, exit 2, and no
+    run folder record written (nothing trained, nothing to resume)."""
+    from pathlib import Path
+
+    from hola_titan.train import main
+
+    debug = str(Path(__file__).resolve().parents[1] / "train_configs" / "debug_model.toml")
+    code = main(["--job.config_file", debug, "--job.dump_folder", str(tmp_path / "run"), "--model.attention_backend",
+                 "fa4", "--training.steps", "1", "--checkpoint.enable", "false"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err[-2000:]
+    assert "model.attention_backend" in lines[0] and "needs a CUDA device" in lines[0], lines[0]
+    assert not (tmp_path / "run" / "config.toml").exists()
