@@ -144,6 +144,11 @@ def corpus_files(recipe: Recipe, corpus: Path) -> tuple[Path, Path]:
 
 
 EVALS = ("ppl", "niah")
+EVAL_CHUNK = 16384
+"""``hola_titan.eval ppl --chunk``: short documents packed into rows of up to this many tokens, longer ones read
+through the decoding cache in calls of this many. Every target still sees its whole document (the result is the
+same function as at any chunk); 8x fewer calls than the default 2,048, which on the 46M runs of 2026-12-05 let the
+validation split (6,793 documents) run past its time limit."""
 NIAH_TASKS = "s_niah_1,s_niah_2"
 NIAH_LENGTH_FACTORS = (1, 2, 4)  # x training.seq_len
 
@@ -153,7 +158,9 @@ def eval_splits(recipe: Recipe, corpus: Path) -> dict[str, Path]:
     (whole sources never trained on, the Wikitext-like split of build_corpus.py) where the corpus has them."""
     if recipe.corpus_layout == "gzip_pair":
         return {"validation": corpus / "validation.jsonl.gz"}
-    return {split: corpus / split for split in ("validation", "heldout") if (corpus / split).exists()}
+    # The held-out sources first: the number that decides (the paper's gain is on Wikitext-like text), and the
+    # quicker of the two (288 long documents against 6,793 short ones).
+    return {split: corpus / split for split in ("heldout", "validation") if (corpus / split).exists()}
 
 
 def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out: Path, steps: int,
@@ -168,7 +175,8 @@ def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out:
     if "ppl" in evals:
         for split, data in eval_splits(recipe, corpus).items():
             todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out",
-                          str(out / f"eval_{split}"), "--no-progress"], out / f"eval_{split}" / f"ppl_{name}.json"))
+                          str(out / f"eval_{split}"), "--no-progress", "--chunk", str(EVAL_CHUNK)],
+                         out / f"eval_{split}" / f"ppl_{name}.json"))
     if "niah" in evals:
         lengths = ",".join(str(f * seq_len) for f in NIAH_LENGTH_FACTORS)
         todo.append(([*evaluate, "niah", "--checkpoint", str(export), "--out", str(out / "eval_niah"),

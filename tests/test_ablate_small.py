@@ -149,8 +149,9 @@ def test_the_evaluations_of_a_finished_run_are_listed_and_what_exists_is_left_ou
     todo = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=out, steps=r.steps,
                                 seq_len=r.seq_len, evals=["ppl", "niah"])
     targets = [t for _, t in todo]
-    assert targets == [folder / "hola_s0" / "model.safetensors", out / "eval_validation" / "ppl_hola_s0.json",
-                       out / "eval_heldout" / "ppl_hola_s0.json", out / "eval_niah" / "niah_hola_s0.json"]
+    assert targets == [folder / "hola_s0" / "model.safetensors", out / "eval_heldout" / "ppl_hola_s0.json",
+                       out / "eval_validation" / "ppl_hola_s0.json", out / "eval_niah" / "niah_hola_s0.json"]
+    assert todo[1][0][-2:] == ["--chunk", str(ablate.EVAL_CHUNK)]
     assert todo[0][0][1:3] == ["scripts/convert_to_safetensors.py", str(folder / "checkpoint" / "step-1600")]
     assert "4096,8192,16384" in todo[-1][0]
     (out / "eval_validation").mkdir(parents=True)
