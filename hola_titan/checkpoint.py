@@ -325,12 +325,14 @@ def recorded_healthy(folder: str | os.PathLike[str]) -> bool:
     return recorded_health(folder)[0] == HEALTHY
 
 
-def verify_manifest(folder: str | os.PathLike[str]) -> dict | None:
+def verify_manifest(folder: str | os.PathLike[str], *, checksums: bool = True) -> dict | None:
     """Check every file of a checkpoint folder against its ``manifest.json``.
 
     Returns ``{"files", "bytes", "seconds"}`` when all match, None when the folder has no manifest (written before
     manifests existed). Raises :class:`CheckpointCorruptError` naming the folder and the first file that is
     missing, of another size or whose checksum differs, or when the manifest itself cannot be read.
+    ``checksums=False`` checks the files and their sizes only (no read of their bytes): what retention asks of the
+    folders it has not hashed, so that a save does not stall every rank while rank 0 reads old checkpoints.
     """
     folder = Path(folder)
     path = folder / MANIFEST
@@ -353,7 +355,7 @@ def verify_manifest(folder: str | os.PathLike[str]) -> dict | None:
         if size != entry["size"]:
             raise CheckpointCorruptError(f"checkpoint {folder}: {name} has {size} bytes, {MANIFEST} says "
                                          f"{entry['size']} (truncated or overwritten)")
-        if _digest(file) != entry["digest"]:
+        if checksums and _digest(file) != entry["digest"]:
             raise CheckpointCorruptError(f"checkpoint {folder}: {name} does not match its checksum in {MANIFEST} "
                                          "(its bytes changed after the save)")
         total += size
@@ -660,7 +662,13 @@ class Checkpointer:
         else:
             os.replace(tmp, final)
         self._verdicts[step] = (_signature(final), None)  # its checksums were computed from these files just now
-        self._retain(step)
+        try:
+            self._retain(step)
+        except (OSError, CheckpointError) as error:
+            # The step is saved; an old folder that vanished or cannot be read while retention looks at it must not
+            # turn that into a failed save.
+            logger.warning("checkpoint: retention after step %d skipped (%s); the checkpoints are left as they are",
+                           step, error)
 
     def record_health(self, step: int, health: str, why: str) -> None:
         """Rank 0: record the judged health of checkpoint ``step`` in its manifest, or in its background save when
@@ -686,8 +694,11 @@ class Checkpointer:
 
     def step_problem(self, step: int) -> str | None:
         """Rank 0: None when ``step-<step>`` verifies against its manifest, else why not (a folder without a
-        manifest verifies only with ``allow_unverified``). Each folder is hashed once per process while its files
-        keep their sizes and times."""
+        manifest verifies only with ``allow_unverified``). A folder this process hashed (written, loaded, or refused
+        at load) keeps that verdict while its files keep their sizes and times; any other is checked by its files
+        and their sizes, not hashed: reading every kept checkpoint at the first save of a run would hold every rank
+        at its next collective for minutes at 7B. Its bytes are checked where they are used, at load and by the
+        converter."""
         path = step_folder(self.folder, step)
         signature = _signature(path)
         known = self._verdicts.get(step)
@@ -695,7 +706,7 @@ class Checkpointer:
             return known[1]
         try:
             read_metadata(path)
-            problem = None if verify_manifest(path) is not None or self.allow_unverified else (
+            problem = None if verify_manifest(path, checksums=False) is not None or self.allow_unverified else (
                 f"checkpoint {path}: no {MANIFEST}, so its bytes cannot be verified")
         except CheckpointCorruptError as error:
             problem = str(error)
@@ -794,6 +805,8 @@ class Checkpointer:
                     problem = str(error)
                 except CheckpointException as error:
                     problem = f"checkpoint {path}: read error ({_first_failure(error)})"
+            if self.rank == 0:
+                self._verdicts[step] = (_signature(path), problem)  # retention does not count it, nor re-checks it
             failures.append(problem)
             if self.load_step != -1:
                 raise CheckpointCorruptError(problem)
@@ -981,8 +994,18 @@ class Checkpointer:
         if _is_safetensors_folder(path):
             from hola_titan.export import ExportCorruptError, check_keys, read_safetensors, verify_export
 
+            # Rank 0 checks the export's manifest (sha256; none: a warning, as load_pretrained gives) and every rank
+            # gets the verdict: one read of the files for the whole job, not one per rank.
+            verdict = None
+            if self.rank == 0:
+                try:
+                    verify_export(path)
+                except ExportCorruptError as error:
+                    verdict = f"export {path}: {error}"
+            verdict = self._from_rank0(verdict)
+            if verdict is not None:
+                raise CheckpointCorruptError(verdict)
             try:
-                verify_export(path)  # an export's manifest (sha256); none: a warning, as load_pretrained gives
                 full = read_safetensors(path)
             except ExportCorruptError as error:
                 raise CheckpointCorruptError(f"export {path}: {error}") from None

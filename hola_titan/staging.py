@@ -138,6 +138,9 @@ def staged_folder(dest: str | os.PathLike[str], *, replaceable: Callable[[Path],
         FolderWriteError: ``dest`` is refused, or writing failed (the cause named; ``dest`` unchanged).
     """
     dest = Path(dest)
+    if dest.is_symlink() and dest.is_dir():
+        # A link to a folder (say exports/latest -> run-5): the folder it names is replaced, the link stays.
+        dest = dest.resolve()
     check_destination(dest, replaceable=replaceable, what=what, hint=hint)
     parent = dest.parent
     try:
@@ -159,7 +162,11 @@ def staged_folder(dest: str | os.PathLike[str], *, replaceable: Callable[[Path],
                     else:
                         shutil.copy2(entry, tmp / entry.name, follow_symlinks=False)
             old = Path(tempfile.mkdtemp(prefix=f".{dest.name}{OLD_TAG}", dir=parent))
-            os.replace(dest, old)  # onto the empty folder mkdtemp made: rename(2) replaces an empty directory
+            try:
+                os.replace(dest, old)  # onto the empty folder mkdtemp made: rename(2) replaces an empty directory
+            except OSError:
+                old.rmdir()  # the empty folder made for it, not left behind
+                raise
         elif dest.is_dir():
             dest.rmdir()
         try:

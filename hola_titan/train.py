@@ -781,17 +781,18 @@ class Trainer:
             why = f"loss {result['loss']:.4g} at step {step} from its weights is finite"
         self.checkpointer.record_health(saved, HEALTHY if healthy else UNHEALTHY, why)
 
-    @torch.no_grad()
     def _judge_last_checkpoint(self, data_iter) -> None:
         """The run's last checkpoint has no next step to judge it: one forward of the next global batch (no update)
-        computes the loss its weights give, which :meth:`_judge` reads as that step's."""
+        computes the loss its weights give, which :meth:`_judge` reads as that step's. With gradients enabled, as in
+        training, so that compiled blocks run the graphs they have (under ``no_grad`` they would compile again, at
+        the end of every run); each micro-batch's graph is dropped as soon as its loss is read."""
         micro = [next(data_iter) for _ in range(self.degrees.grad_accum_steps)]
         if self.cp is not None:
             micro = [self.cp.shard_batch(b) for b in micro]
         targets = self._global_targets(micro)
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in micro:
-            loss_total += _full(self.loss_sum(batch)).double()
+            loss_total += _full(self.loss_sum(batch)).detach().double()
         loss_total = self._all_reduce_sum(loss_total.reshape(1)).reshape(())
         loss = float(loss_total / targets)
         result = {"loss": loss, "grad_norm": float("nan"), "finite": math.isfinite(loss), "spike": False,
@@ -802,7 +803,9 @@ class Trainer:
         """``(UNHEALTHY, why)`` when a weight of the model about to be saved is not finite (on any rank), else
         ``(UNJUDGED, "")``: the next loss judges it. One read of the device, on save steps only."""
         tensors = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
-        finite = torch.stack([torch.isfinite(t).all() for t in tensors if t.numel()]).all()
+        checks = [torch.isfinite(t).all() for t in tensors if t.numel()]
+        # A rank whose shards are all empty (a tiny model over many ranks) has nothing non-finite.
+        finite = torch.stack(checks).all() if checks else True
         flag = torch.tensor([int(finite)], dtype=torch.int64)
         if self._control_group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._control_group)

@@ -418,8 +418,8 @@ def fa4_stages(q, k, v, gamma_q, gamma_k, sink, sel, table, do, block, window, p
     dout = do.reshape(n, h, d)
     row = {"stage_fa4_prep_ms": bench(prep, None, rep_ms), "stage_fa4_fwd_ms": bench(lambda: fa4_varlen_op(*args),
                                                                                     None, rep_ms)}
-    row["stage_fa4_bwd_ms"] = bench(lambda: fa4_varlen_bwd_op(dout, None, qc, ks, vs, out, lse, *args[3:]), None,
-                                    rep_ms)
+    row["stage_fa4_bwd_ms"] = bench(lambda: fa4_varlen_bwd_op(dout, None, qc, ks, vs, out, lse, *args[3:], False),
+                                    None, rep_ms)
     row["stage_fa4_fwd_tflops"] = 4 * d * pairs / (row["stage_fa4_fwd_ms"] * 1e9)
     row["stage_fa4_bwd_tflops"] = 10 * d * pairs / (row["stage_fa4_bwd_ms"] * 1e9)
     return row

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -202,6 +203,10 @@ def run(layout: Layout, out: Path, *, steps: int, tiny: bool, timeout_s: float) 
     """Train ``layout`` through ``run_train.sh`` for at most ``timeout_s`` seconds (then its whole process group is
     stopped); the rows it logged are read either way."""
     folder = out / layout.name
+    if folder.exists():
+        # This script's own folder from a call that did not finish the layout: the layout starts again from step 0,
+        # and rows of the earlier attempt (a compile step, a cut line) must not enter this one's timing.
+        shutil.rmtree(folder)
     env = dict(os.environ, NGPU=str(layout.nproc), PYTHON=sys.executable,
                CONFIG_FILE=str(layout.config_path(tiny=tiny)))
     cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(folder), *layout.overrides(steps=steps, tiny=tiny)]
@@ -233,8 +238,17 @@ def run(layout: Layout, out: Path, *, steps: int, tiny: bool, timeout_s: float) 
 
 def read_metrics(layout: Layout, metrics: Path) -> None:
     """The training rows (those with a loss) of a run's ``metrics.jsonl``; none when it does not exist."""
-    if metrics.is_file():
-        layout.rows = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
+    if not metrics.is_file():
+        return
+    rows = []
+    for line in metrics.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the last line of a run stopped mid-write
+        if isinstance(row, dict) and "loss" in row:
+            rows.append(row)
+    layout.rows = rows
 
 
 def summarise(layouts: list[Layout], parity_bound: float) -> dict:

@@ -583,3 +583,31 @@ def test_the_trainer_s_token_cache_follows_its_two_keys():
     assert token_cache_folder(parse_config(["--job.cache_folder", "/c"])) == Path("/c/tokens")
     assert token_cache_folder(parse_config(["--job.cache_folder", "/c", "--data.token_cache", "false"])) is None
     assert token_cache_folder(parse_config(["--job.cache_folder", ""])) is None
+
+
+def test_ranks_of_a_node_hash_a_data_file_once_the_others_wait_and_read_the_cache(tmp_path):
+    """While one process holds a file's hash lock (it is hashing), another waits, then reads what the first kept
+    instead of hashing the file itself (shown by a kept value no hash of the file could give)."""
+    import fcntl
+    import threading
+
+    from hola_titan.data import fingerprint
+
+    data, cache = tmp_path / "data.jsonl", tmp_path / "hashes"
+    data.write_text('{"text": "hello"}\n')
+    key = fingerprint._stat_key(data)
+    entry = fingerprint._cache_file(cache, key)
+    cache.mkdir()
+    holder = open(entry.with_suffix(".lock"), "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(fingerprint.file_hashes(data, hash_cache=cache)))
+    waiter.start()
+    waiter.join(timeout=1.0)
+    assert waiter.is_alive(), "the second process did not wait for the one hashing"
+    kept = {"sha256": "a" * 64, "head": "b" * 16, "tail": "c" * 16}
+    fingerprint._write_cached(entry, key, kept)
+    holder.close()  # the first process is done: its lock goes
+    waiter.join(timeout=10)
+    assert got == kept
+    fingerprint._HASHED.pop(key, None)

@@ -157,6 +157,18 @@ def test_reexport_on_a_full_disk_leaves_the_old_export_loadable(exported, tmp_pa
     assert "README.md" not in json.loads((out / MANIFEST_FILE).read_text())["files"]
 
 
+def test_reexport_through_a_link_replaces_the_folder_it_names_and_keeps_the_link(exported, tmp_path):
+    """``exports/latest -> run-5``: the new export replaces run-5's, the link stays, nothing is left beside them."""
+    target = shutil.copytree(exported, tmp_path / "run-5")
+    link = tmp_path / "latest"
+    link.symlink_to(target.name)
+    before = _snapshot(target)
+    save_pretrained(_tiny(seed=2), None, link)
+    assert link.is_symlink() and (tmp_path / os.readlink(link)).resolve() == target.resolve()
+    assert _snapshot(target)[SAFETENSORS_FILE] != before[SAFETENSORS_FILE] and verify_export(target) is not None
+    assert _leftovers(tmp_path) == []
+
+
 def _with_file_size_limit(limit: int):
     def setup():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # as `ulimit -f` under a shell: the write fails with EFBIG

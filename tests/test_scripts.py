@@ -35,6 +35,8 @@ def test_composition_summary_uses_declared_baselines(tmp_path):
     losses = [9.0, 8.5, 8.0, 7.5]
     _write_metrics(tmp_path / "340M_1gpu", [1.0, 50.0, 100.0, 100.0], losses)
     _write_metrics(tmp_path / "340M_fsdp2", [1.0, 90.0, 180.0, 180.0], [x * 1.001 for x in losses])
+    with (tmp_path / "340M_fsdp2" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "loss": 7.')  # a run stopped mid-write: the cut line is left out, not a traceback
     _write_metrics(tmp_path / "340M_T64k_1gpu", [1.0, 10.0, 40.0, 40.0], losses)
     result = _run([sys.executable, "scripts/composition_run.py", "--mode", "gpu2", "--out", str(tmp_path),
                    "--summarise-only"])

@@ -13,10 +13,12 @@ current time, and no user call can set it back. A file whose key is not in the c
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +83,39 @@ def file_hashes(path: Path, *, hash_cache: Path | None = None) -> dict[str, str]
     key = _stat_key(path)
     hashes = _HASHED.get(key)
     if hashes is None and hash_cache is not None:
-        hashes = _read_cached(_cache_file(hash_cache, key), key)
+        with _node_lock(_cache_file(hash_cache, key)):
+            # The ranks of a node start together: the first to take the lock hashes the file and keeps the result,
+            # the others wait for it and read it, instead of each reading the whole corpus.
+            hashes = _computed(path, key, hash_cache)
+    elif hashes is None:
+        hashes = _computed(path, key, None)
+    _HASHED[key] = hashes
+    return hashes
+
+
+@contextmanager
+def _node_lock(cache_file: Path):
+    """An exclusive lock beside ``cache_file`` (``flock``: released when the process ends, however it ends); none
+    where the cache folder cannot be made or locked (then every rank hashes for itself, as without a cache)."""
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(cache_file.with_suffix(".lock"), "a")
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        handle.close()
+
+
+def _computed(path: Path, key: tuple[Any, ...], hash_cache: Path | None) -> dict[str, str]:
+    """The cached hashes of ``path``, or its hashes computed now and kept in ``hash_cache``."""
+    hashes = _read_cached(_cache_file(hash_cache, key), key) if hash_cache is not None else None
     if hashes is None:
         begin = time.perf_counter()
         hashes = _hash_file(path, key[1])
@@ -91,7 +125,6 @@ def file_hashes(path: Path, *, hash_cache: Path | None = None) -> dict[str, str]
                         "; kept for the node's next process" if hash_cache is not None else "")
         if hash_cache is not None:
             _write_cached(_cache_file(hash_cache, key), key, hashes)
-    _HASHED[key] = hashes
     return hashes
 
 

@@ -246,19 +246,22 @@ def _(q, k, v, sink, cu_q, cu_k, used_k, max_q, max_k, scale, causal):
 def fa4_varlen_bwd_op(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None,
                       cu_q: torch.Tensor, cu_k: torch.Tensor, used_k: torch.Tensor | None, max_q: int, max_k: int,
-                      scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      scale: float, causal: bool,
+                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dsink)`` of FA4's varlen backward (``dsink`` empty without a sink); ``dlse``: the gradient of
-    the returned log-sum-exp (the split layout's merge), or None."""
+    the returned log-sum-exp (the split layout's merge), or None; ``deterministic``: FA4's deterministic backward
+    (its dq summed in a fixed order), as ``training.deterministic`` asks."""
     from flash_attn.cute.interface import _flash_attn_bwd
     result = _flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, causal, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k, seqused_k=used_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                             dlse=None if dlse is None else dlse.contiguous(), learnable_sink=sink)
+                             deterministic=deterministic, dlse=None if dlse is None else dlse.contiguous(),
+                             learnable_sink=sink)
     dq, dk, dv = result[:3]
     return dq, dk, dv, (result[3] if sink is not None else q.new_empty(0))
 
 
 @fa4_varlen_bwd_op.register_fake
-def _(dout, dlse, q, k, v, out, lse, sink, cu_q, cu_k, used_k, max_q, max_k, scale, causal):
+def _(dout, dlse, q, k, v, out, lse, sink, cu_q, cu_k, used_k, max_q, max_k, scale, causal, deterministic):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(sink) if sink is not None else q.new_empty(0))
 
@@ -274,8 +277,10 @@ def _fa4_backward(ctx, dout, dlse):
     q, k, v, sink, cu_q, cu_k, used_k, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
+    # Read here, as the Triton kernels do: the trainer's training.deterministic sets it for the whole process.
     dq, dk, dv, dsink = fa4_varlen_bwd_op(dout, dlse, q, k, v, out, lse, sink, cu_q, cu_k, used_k, ctx.max_q,
-                                          ctx.max_k, ctx.scale, ctx.causal)
+                                          ctx.max_k, ctx.scale, ctx.causal,
+                                          torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv, (dsink if sink is not None else None), None, None, None, None, None, None, None
 
 
