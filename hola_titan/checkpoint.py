@@ -1079,17 +1079,18 @@ def write_model_only(state_dict: dict[str, torch.Tensor], folder: str | os.PathL
 
 
 def load_model_state(path: str | os.PathLike[str], model: nn.Module, *, progress: bool = False,
-                     allow_unverified: bool = False) -> None:
+                     allow_unverified: bool = False, verified: bool = False) -> None:
     """Load the ``model.*`` weights of any checkpoint folder into a plain (unsharded) model, in one process.
 
     The folder's files are checked against its manifest first (:func:`verify_manifest`, raising
     :class:`CheckpointCorruptError` naming the file); a folder without one is refused as training refuses it, unless
     ``allow_unverified`` (then a warning). Loads layer by layer (a tqdm bar with ``progress``) so peak memory stays
-    one model.
+    one model. ``verified``: the caller checked the folder against its manifest just now (the converter, choosing
+    among steps), so its bytes are not read twice.
     """
     path = Path(path)
     metadata = read_metadata(path)
-    if verify_manifest(path) is None:
+    if not verified and verify_manifest(path) is None:
         if not allow_unverified:
             raise CheckpointCorruptError(f"checkpoint {path}: no {MANIFEST}, so its bytes cannot be verified (written "
                                          "before checksums existed, or the manifest was removed); pass "

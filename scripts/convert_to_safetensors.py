@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from hola_titan.checkpoint import (HEALTHY, UNHEALTHY, CheckpointCorruptError, CheckpointError, list_checkpoints,
-                                   load_model_state, recorded_config, recorded_health, resolve_checkpoint, step_folder,
-                                   verify_manifest)
+from hola_titan.checkpoint import (HEALTHY, MANIFEST, UNHEALTHY, CheckpointCorruptError, CheckpointError,
+                                   list_checkpoints, load_model_state, recorded_config, recorded_health,
+                                   resolve_checkpoint, step_folder, verify_manifest)
 from hola_titan.config import ConfigError, JobConfig, config_from_text, flat_items, load_toml
 from hola_titan.data import load_tokenizer
 from hola_titan.export import DEFAULT_MAX_SHARD_BYTES, check_export_destination, save_pretrained
@@ -160,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         with torch.device("meta"):
             model = HolaTitanLM(model_args)
         model.to_empty(device="cpu")
-        load_model_state(step, model, progress=True, allow_unverified=args.allow_unverified)
+        # A step chosen from a folder was checked against its manifest by choose_step just now.
+        verified = how is not None and (step / MANIFEST).is_file()
+        load_model_state(step, model, progress=True, allow_unverified=args.allow_unverified, verified=verified)
         dtype = args.dtype or config.checkpoint.export_dtype
         save_pretrained(model, tokenizer, args.out, dtype=dtype, max_shard_bytes=args.max_shard_bytes, progress=True)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
