@@ -18,7 +18,8 @@ def build_model_args(config: JobConfig, vocab_size: int) -> ModelArgs:
     model = config.model
     return model_args(model.flavour, model.size, vocab_size=vocab_size, window=model.window, block=model.block,
                       n_layers=model.n_layers, max_seq_len=config.training.seq_len,
-                      state_read_scale=model.state_read_scale, gate_init=model.gate_init, cache_mix=model.cache_mix)
+                      state_read_scale=model.state_read_scale, gate_init=model.gate_init, cache_mix=model.cache_mix,
+                      cache_sink=model.cache_sink)
 
 
 def model_args_of(config: JobConfig, *, tokenizer_optional: bool = False) -> tuple[ModelArgs, Any]:

@@ -133,6 +133,11 @@ class Model:
     at D = 256, D^-1/2 makes the state read 16x smaller than the paper's (docs/DESIGN.md §1, docs/LOG.md)."""
     gate_init: float | None = setting(None, resume="fixed")
     """HOLA flavours: the cache gate's logit at init (lambda = sigmoid(gate)); None: -4, the paper's value."""
+    cache_sink: bool = setting(True, resume="fixed")
+    """HOLA flavours: the null sink of the cache read (a learned logit per head whose value is zero, in every
+    query's softmax denominator; the paper's). ``false``, an ablation: the read is a plain softmax over the cache
+    entries and the block's tokens (each query sees at least itself, so no row is empty). The ``sink`` parameters
+    stay in the model, unused, so checkpoints and exports keep their keys; the ``paths`` line says "no sink"."""
     cache_mix: Literal["before_norm", "after_norm", "per_path_norm"] = setting("before_norm", resume="fixed")
     """HOLA flavours: where the cache read joins the state read, with o_norm the per-head output RMSNorm and
     lambda = sigmoid(gate): ``before_norm`` o_norm(o_state + lambda o_cache); ``after_norm`` o_norm(o_state) +
@@ -869,7 +874,7 @@ def validate(config: JobConfig, *, world_size: int) -> None:
     try:
         args = model_args(model.flavour, model.size, vocab_size=1, window=model.window, block=model.block,
                           n_layers=model.n_layers, state_read_scale=model.state_read_scale,
-                          gate_init=model.gate_init, cache_mix=model.cache_mix)
+                          gate_init=model.gate_init, cache_mix=model.cache_mix, cache_sink=model.cache_sink)
     except ValueError as e:
         key, _, problem = str(e).partition(": ")
         raise ConfigError(key, problem) from None
@@ -930,6 +935,7 @@ def validate(config: JobConfig, *, world_size: int) -> None:
     has_cache = args.is_recurrent and args.evict != "none"
     for key, changed in (("model.gate_init", model.gate_init is not None),
                          ("model.cache_mix", model.cache_mix != "before_norm"),
+                         ("model.cache_sink", not model.cache_sink),
                          ("optimizer.decay_cache_scalars", not config.optimizer.decay_cache_scalars),
                          ("optimizer.cache_lr_multiplier", config.optimizer.cache_lr_multiplier != 1.0)):
         if changed and not has_cache:

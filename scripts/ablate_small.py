@@ -85,9 +85,10 @@ class Variant:
 
 
 VARIANTS = {
-    "gdn": Variant("gdn", ("state_read", "mixing", "eviction", "span", "cache_scalars", "flavours", "gate"), (),
+    "gdn": Variant("gdn", ("state_read", "mixing", "eviction", "span", "cache_scalars", "flavours", "gate", "sink"),
+                   (),
                    "Gated DeltaNet, no cache"),
-    "hola": Variant("hola", ("state_read", "mixing", "flavours", "gate"), (),
+    "hola": Variant("hola", ("state_read", "mixing", "flavours", "gate", "sink"), (),
                     "the first defaults: s = D^-1/2, gate init -4, cache params decayed"),
     "hola_s1": Variant("hola", ("state_read", "eviction", "span", "cache_scalars"),
                        ("--model.state_read_scale", "one"), "the state read as the paper writes it: q^T S (s = 1)"),
@@ -112,6 +113,8 @@ VARIANTS = {
     "hola_cache_lr10": Variant("hola", ("gate",), ("--optimizer.cache_lr_multiplier", "10"),
                                "the cache's own scalars (gamma_q, gamma_k, sink, gate) at 10x the learning rate, so "
                                "the gate can move more than about one logit in a run"),
+    "hola_nosink": Variant("hola", ("sink",), ("--model.cache_sink", "false"),
+                           "no null sink: the read is a softmax over the cache entries and the block's tokens alone"),
     "hola_recency": Variant("hola_recency", ("flavours",), (), "HOLA+recency with the defaults"),
     "transformer": Variant("transformer", ("flavours",), (), "Transformer++ (softmax attention, no recurrence)"),
 }

@@ -435,3 +435,25 @@ def test_nan_in_one_packed_document_does_not_leak_into_other_documents(flavour):
     leaked = (~torch.isfinite(poisoned[others])).any(-1).nonzero().flatten()
     assert leaked.numel() == 0, f"NaN leaked into flat positions {others.nonzero().flatten()[leaked].tolist()}"
     assert_close_scaled(poisoned[others], clean[others], TOL, "hidden states of the clean documents")
+
+
+@pytest.mark.parametrize("flavour", ["hola", "hola_recency"])
+def test_a_layer_without_a_sink_reads_as_a_sink_no_score_reaches(flavour):
+    """``model.cache_sink`` false: the output is the same model's with every sink at NO_SINK (the softmax over the
+    keys alone), not the output with its sinks; the sink parameters stay and get no gradient; the paths line says so."""
+    from hola_titan.models.model import NO_SINK
+
+    tokens = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
+    without = shared_tiny_model(flavour, vocab_size=97, cache_sink=False)
+    with_sinks = shared_tiny_model(flavour, vocab_size=97)
+    as_constant = shared_tiny_model(flavour, vocab_size=97)
+    with torch.no_grad():
+        for block in as_constant.layers.values():
+            block.attn.sink.fill_(NO_SINK)
+    out = without(tokens)
+    assert torch.allclose(out, as_constant(tokens), atol=1e-6)
+    assert not torch.allclose(out, with_sinks(tokens), atol=1e-3)
+    out.square().mean().backward()
+    for block in without.layers.values():
+        assert block.attn.sink.grad is None and block.attn.gate.grad is not None
+    assert "no sink (model.cache_sink false)" in without.args.describe_layer()

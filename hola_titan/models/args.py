@@ -49,6 +49,7 @@ class ModelArgs:
     state_read_scale: str = "inv_sqrt_head_dim"
     gate_init: float = -4.0  # the cache gate's logit at init: lambda = sigmoid(gate_init)
     cache_mix: str = "before_norm"
+    cache_sink: bool = True  # the null sink in the cache read's softmax (False: an ablation the paper does not run)
     # Transformer++.
     rope_theta: float = 10_000.0
     max_seq_len: int = 2048
@@ -76,7 +77,8 @@ class ModelArgs:
             out = {"before_norm": "o_norm(o_state + l o_cache)", "after_norm": "o_norm(o_state) + l o_cache",
                    "per_path_norm": "o_norm(o_state) + l o_norm(o_cache)"}[self.cache_mix]
             text += (f"; out = {out}, l = sigmoid(gate), gate init {self.gate_init:g} "
-                     f"(lambda {lam:.4g}); cache {self.evict}, window {self.window}, block {self.block}")
+                     f"(lambda {lam:.4g}); cache {self.evict}, window {self.window}, block {self.block}"
+                     + ("" if self.cache_sink else ", no sink (model.cache_sink false)"))
         return text
 
     @property
@@ -106,14 +108,15 @@ SIZE_FIELDS = {
 
 def model_args(flavour: str, size: str, *, vocab_size: int, window: int | None = None, block: int | None = None,
                n_layers: int | None = None, max_seq_len: int | None = None, state_read_scale: str | None = None,
-               gate_init: float | None = None, cache_mix: str | None = None) -> ModelArgs:
+               gate_init: float | None = None, cache_mix: str | None = None,
+               cache_sink: bool | None = None) -> ModelArgs:
     """The :class:`ModelArgs` of ``flavour`` at ``size``.
 
     ``vocab_size`` comes from the tokenizer. ``window`` and ``block`` override the HOLA cache size and block
     length (recurrent flavours), ``n_layers`` the depth; ``max_seq_len`` is the training context recorded in exports
     (``max_position_embeddings``): RoPE angles are computed from the positions, so it bounds nothing.
-    ``state_read_scale`` (:data:`STATE_READ_SCALES`), ``gate_init`` and ``cache_mix`` (:data:`CACHE_MIXES`)
-    override the HOLA layer's open choices.
+    ``state_read_scale`` (:data:`STATE_READ_SCALES`), ``gate_init``, ``cache_mix`` (:data:`CACHE_MIXES`) and
+    ``cache_sink`` override the HOLA layer's open choices.
     """
     entry = flavours.get(flavour)
     if size not in SIZES:
@@ -150,6 +153,8 @@ def model_args(flavour: str, size: str, *, vocab_size: int, window: int | None =
         if cache_mix not in CACHE_MIXES:
             raise ValueError(f"model.cache_mix: expected one of {', '.join(CACHE_MIXES)}, got {cache_mix!r}")
         fields["cache_mix"] = cache_mix
+    if cache_sink is not None:
+        fields["cache_sink"] = bool(cache_sink)
     return ModelArgs(flavour=flavour, size=size, vocab_size=vocab_size, **fields)
 
 

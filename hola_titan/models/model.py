@@ -28,6 +28,9 @@ from hola_titan.models.layers import (FeedForward, RMSNorm, ShortConvolution, _i
 from hola_titan.ops import HolaSettings, hola_attention
 
 INIT_STD = 0.02
+NO_SINK = -1.0e4
+"""The sink logit of a layer without a sink (``model.cache_sink`` false): exp(-1e4 - any score) is 0 in float32 and
+float64, so the softmax is the one over the keys alone; finite, so no kernel meets inf - inf."""
 
 
 @dataclass
@@ -184,7 +187,7 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         self.g_proj = nn.Linear(dim, h * d, bias=False) if args.use_gate else None
         self.o_norm = RMSNorm(d, args.norm_eps)
         self.o_proj = nn.Linear(h * d, dim, bias=False)
-        self.gate_init, self.cache_mix = args.gate_init, args.cache_mix
+        self.gate_init, self.cache_mix, self.cache_sink = args.gate_init, args.cache_mix, args.cache_sink
 
     def init_weights(self, std: float, out_std: float) -> None:
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj):
@@ -308,6 +311,12 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         cache_params = (None, None, None, None)
         if self.settings.evict != "none":
             cache_params = tuple(self.param(name) for name in self.CACHE_PARAMETERS)
+            if not self.cache_sink:
+                # No sink (model.cache_sink false): a logit no score reaches, exp() of it 0 in every dtype's softmax;
+                # a constant, so the unused parameter gets no gradient.
+                gamma_q, gamma_k, sink, gate = cache_params
+                cache_params = (gamma_q, gamma_k, torch.full(sink.shape, NO_SINK, dtype=sink.dtype,
+                                                             device=sink.device), gate)
         if cp is not None:
             return cp.attention(q, k, v, g, beta, *cache_params, documents=documents)[0]
         want_cache = cache is not None and self.settings.evict != "none"
