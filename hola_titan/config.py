@@ -805,6 +805,29 @@ def triton_cache_read_settings(model: Model) -> list[tuple[str, str]]:
     return [(key, verb) for key, on, verb in settings if on]
 
 
+def run_folders(config: JobConfig) -> list[tuple[str, Path]]:
+    """``(key, folder)`` of the folders a run writes: the run folder and, with checkpointing on, the checkpoint
+    folder (``checkpoint.folder`` under it, or wherever an absolute one leads)."""
+    dump = Path(config.job.dump_folder)
+    folders = [("job.dump_folder", dump)]
+    if config.checkpoint.enable:
+        folders.append(("checkpoint.folder", dump / config.checkpoint.folder))
+    return folders
+
+
+def check_run_folders(config: JobConfig) -> None:
+    """Refuse, in one line naming the key, folders of :func:`run_folders` that cannot serve the run (a file in the
+    way, a symbolic link loop, a dangling link, a name too long), and a checkpoint folder in which files cannot be
+    made, which the first save would otherwise find out a whole interval later. Makes nothing."""
+    from hola_titan.runfolder import RunFolderError, check_folder_path, check_writable_folder
+
+    for key, folder in run_folders(config):
+        try:
+            (check_writable_folder if key == "checkpoint.folder" else check_folder_path)(folder, key=key)
+        except RunFolderError as err:
+            raise ConfigError(key, str(err)) from None
+
+
 def overlap_backward(model: Model) -> bool:
     """``model.overlap_backward`` resolved: unset means on unless ``model.save_cache_output`` is on."""
     return (not model.save_cache_output) if model.overlap_backward is None else model.overlap_backward

@@ -22,7 +22,7 @@ def preflight(argv: list[str], *, folder_check: bool = True) -> None:
     """Raise ``ConfigError``, ``DataError`` or ``FileNotFoundError`` with one line; return when the launch looks
     sound. ``folder_check``: also check that no other run holds the run folder (the launching node of a
     multi-node run; on the others the run's own rank 0 may already hold it)."""
-    from hola_titan.config import ConfigError, parse_config, resolve_degrees, validate
+    from hola_titan.config import ConfigError, check_run_folders, parse_config, resolve_degrees, validate
 
     config = parse_config(argv)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -33,19 +33,10 @@ def preflight(argv: list[str], *, folder_check: bool = True) -> None:
     from hola_titan.data import load_tokenizer
     from hola_titan.data.sources import check_hub_source, resolve_source
     from hola_titan.data.synthetic import is_synthetic
-    from hola_titan.runfolder import RunFolderError, RunFolderLock, check_folder_path, check_writable_folder
+    from hola_titan.runfolder import RunFolderError, RunFolderLock
 
     # On every node (each writes its shards of every checkpoint), before anything else reads the folders.
-    checkpoints = os.path.join(config.job.dump_folder, config.checkpoint.folder)
-    try:
-        check_folder_path(config.job.dump_folder, key="job.dump_folder")
-    except RunFolderError as err:
-        raise ConfigError("job.dump_folder", str(err)) from None
-    if config.checkpoint.enable:
-        try:
-            check_writable_folder(checkpoints, key="checkpoint.folder")
-        except RunFolderError as err:
-            raise ConfigError("checkpoint.folder", str(err)) from None
+    check_run_folders(config)
     load_tokenizer(config.model.tokenizer_path)
     ckpt = config.checkpoint
     if ckpt.initial_load_path:

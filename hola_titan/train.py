@@ -46,9 +46,9 @@ from hola_titan.builder import model_args_of
 from hola_titan.checkpoint import HEALTHY, UNHEALTHY, UNJUDGED, CheckpointError, Checkpointer
 from hola_titan.data.packing import IGNORE_INDEX
 from hola_titan.data.sources import DataError
-from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, check_memory, overlap_backward,
-                               parse_config, resolve_degrees, schedule_warning, to_toml, triton_cache_read_settings,
-                               validate, write_resolved)
+from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, check_memory, check_run_folders,
+                               overlap_backward, parse_config, resolve_degrees, run_folders, schedule_warning, to_toml,
+                               triton_cache_read_settings, validate, write_resolved)
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
 from hola_titan.kernels import seqlens
 from hola_titan.kernels.seqlens import Documents
@@ -66,8 +66,7 @@ from hola_titan.parallelisms.parallelize import parallelize_model
 from hola_titan.profiling import step_profiler
 from hola_titan.resume import plan_resume
 from hola_titan.staging import describe_write_error, write_text_atomic
-from hola_titan.runfolder import (RunFolderError, RunFolderLock, check_folder_path, check_writable_folder,
-                                  watch_parent)
+from hola_titan.runfolder import RunFolderError, RunFolderLock, watch_parent
 
 logger = logging.getLogger("hola_titan")
 
@@ -207,7 +206,7 @@ class Trainer:
                         config.model.flavour, config.model.size, self.dump, self.world_size)
         # One writer per run folder: rank 0 writes it (config, metrics, checkpoint renames) and holds its lock.
         self._folder_locks: list[RunFolderLock] = []
-        self._check_folders()
+        check_run_folders(config)  # every rank, before anything is made
         self._check_checkpoint_folder()
         self._lock_folders()
         if config.training.deterministic:
@@ -340,32 +339,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ resuming (hola_titan/resume.py)
 
-    def _check_folders(self) -> None:
-        """Every rank, before anything is made: the run folder and the checkpoint folder can be folders (no link
-        loop, no name longer than the file system takes, no file in the way), and checkpoints can be written
-        where they will go, which the first save would otherwise find out, a whole interval later."""
-        folders = [("job.dump_folder", self.dump)]
-        if self.config.checkpoint.enable:
-            folders.append(("checkpoint.folder", self.dump / self.config.checkpoint.folder))
-        for key, folder in folders:
-            try:
-                check_folder_path(folder, key=key)
-                if key == "checkpoint.folder":
-                    check_writable_folder(folder, key=key)
-            except RunFolderError as err:
-                raise ConfigError(key, str(err)) from None
-
     def _lock_folders(self) -> None:
         """Rank 0 takes the run folder's lock and, with checkpointing on, the checkpoint folder's own
         (``<checkpoint folder>/.lock``), wherever it is: a run whose ``checkpoint.folder`` leads (relatively, through
         a link, or absolutely) into another live run's checkpoint folder is refused, naming the holder."""
         if self.rank != 0:
             return
-        config = self.config
-        folders = [("job.dump_folder", self.dump)]
-        if config.checkpoint.enable:
-            folders.append(("checkpoint.folder", self.dump / config.checkpoint.folder))
-        for key, folder in folders:
+        for key, folder in run_folders(self.config):
             try:
                 self._folder_locks.append(RunFolderLock(folder, key=key).acquire())
             except RunFolderError as err:
