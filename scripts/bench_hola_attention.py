@@ -398,19 +398,16 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None, kept=False):
 def fa4_stages(q, k, v, gamma_q, gamma_k, sink, sel, table, do, block, window, pairs, rep_ms) -> dict:
     """The fa4 backend's read in parts: the FlashAttention-4 call forward and backward alone, and what the adapter
     does around it (layout, RMSNorms, the gathered K/V slots)."""
-    from hola_titan.kernels.hola_fa4 import fa4_varlen_bwd_op, fa4_varlen_op, varlen_layout
-    from hola_titan.kernels.hola_reference import rms_norm
+    from hola_titan.kernels.hola_fa4 import (fa4_varlen_bwd_op, fa4_varlen_op, gather_slots, read_rows,
+                                             varlen_layout)
 
     b, t, h, d = q.shape
     n = b * t
-    heads = torch.arange(h, device=q.device)
 
-    def prep():
+    def prep():  # what the backend's gathered layout does before its call
         lay = varlen_layout(sel, table, num_tokens=n, window=window, block=block)
-        qc = rms_norm(q.float(), gamma_q.float()).to(q.dtype).reshape(n, h, d)
-        kc = torch.cat([rms_norm(k.float(), gamma_k.float()).to(q.dtype).reshape(n, h, d), q.new_zeros(1, h, d)])
-        vs = torch.cat([v.reshape(n, h, d), q.new_zeros(1, h, d)])
-        return lay, qc, kc[lay.key_rows, heads[None, :]], vs[lay.key_rows, heads[None, :]]
+        qc, kc, vr = read_rows(q, k, v, gamma_q, gamma_k)
+        return lay, qc, gather_slots(kc, lay.key_rows), gather_slots(vr, lay.key_rows)
 
     lay, qc, ks, vs = prep()
     args = (qc, ks, vs, sink.float(), lay.cu_q, lay.cu_k, lay.used_k, lay.max_q, lay.max_k, d ** -0.5, True)

@@ -308,6 +308,24 @@ def merge_by_lse(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
 
 # ------------------------------------------------------------------------------------------------ the backend
 
+
+def read_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma_q: torch.Tensor,
+              gamma_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(qc, kc, v)`` as ``[B*T, H, D]`` token rows: the cache path's RMSNorms in float32, rounded to the input
+    dtype (as the SDPA backend forms them), and v as it is."""
+    b, t, h, d = q.shape
+    qc = rms_norm(q.float(), gamma_q.float()).to(q.dtype).reshape(b * t, h, d)
+    kc = rms_norm(k.float(), gamma_k.float()).to(q.dtype).reshape(b * t, h, d)
+    return qc, kc, v.reshape(b * t, h, d)
+
+
+def gather_slots(rows: torch.Tensor, key_rows: torch.Tensor) -> torch.Tensor:
+    """``rows[key_rows[s, h], h]`` for every key slot ``s`` and head ``h``: ``[slots, H, D]`` from token rows
+    ``[N, H, D]``; the index ``N`` (a slot past its sequence's keys) reads an appended zero row."""
+    n, h, d = rows.shape
+    heads = torch.arange(h, device=rows.device)
+    return torch.cat([rows, rows.new_zeros(1, h, d)])[key_rows, heads[None, :]]
+
 LAYOUTS = ("gathered", "split")
 """How the read is laid out for FA4: ``gathered``, one call over each block's cache entries and own rows copied
 into ``W + C`` slots; ``split``, two calls merged by their log-sum-exps, the own rows in place and only the ``W``
@@ -345,23 +363,16 @@ def hola_attention_fa4(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window
     else:  # CPU tests: the selection in torch (the Triton kernels need a GPU or the interpreter)
         from hola_titan.kernels.hola_sdpa import _select
         sel = _select(m_flat, table, window=window, evict=evict, num_heads=h)
-    qc = rms_norm(q.float(), gamma_q.float()).to(dtype).reshape(num_tokens, h, d)
-    kc = rms_norm(k.float(), gamma_k.float()).to(dtype).reshape(num_tokens, h, d)
-    vr = v.reshape(num_tokens, h, d)
-    heads = torch.arange(h, device=device)
-
-    def gathered(x, rows):  # [B*T, H, D] -> [slots, H, D]; the appended zero row fills the unused slots
-        return torch.cat([x, x.new_zeros(1, h, d)])[rows, heads[None, :]]
-
+    qc, kc, vr = read_rows(q, k, v, gamma_q, gamma_k)
     if layout == "gathered":
         lay = varlen_layout(sel, table, num_tokens=num_tokens, window=window, block=block)
-        o_cache, _ = attend(qc, gathered(kc, lay.key_rows), gathered(vr, lay.key_rows), sink, lay, d ** -0.5)
+        o_cache, _ = attend(qc, gather_slots(kc, lay.key_rows), gather_slots(vr, lay.key_rows), sink, lay, d ** -0.5)
     else:
         own, entries = split_layouts(sel, table, num_tokens=num_tokens, window=window, block=block)
         o_cache, lse_own = attend(qc, kc, vr, sink, own, d ** -0.5)
         if entries is not None:
-            o_entries, lse_entries = attend(qc, gathered(kc, entries.key_rows), gathered(vr, entries.key_rows), None,
-                                            entries, d ** -0.5)
+            o_entries, lse_entries = attend(qc, gather_slots(kc, entries.key_rows), gather_slots(vr, entries.key_rows),
+                                            None, entries, d ** -0.5)
             # A block without entries (its document's first) is a sequence with no keys: whatever the kernel leaves
             # in its rows, they weigh nothing.
             has = torch.repeat_interleave(entries.used_k > 0, table.blk_len.long(), output_size=num_tokens)
