@@ -34,9 +34,29 @@ ETA_WINDOW = 20
 """Logged intervals whose mean step time the console's ``eta`` uses."""
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """A stream handler that writes to ``sys.stderr`` as it is when a record is logged, not as it was at setup.
+
+    Why: a caller that runs the trainer in its own process (a notebook, a test harness that swaps ``sys.stderr`` for a
+    capture file and closes it afterwards) would otherwise leave a handler bound to a closed stream, and every later
+    warning would print logging's own "I/O operation on closed file" traceback instead of the message.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # noqa: D102 (logging.StreamHandler's attribute)
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ and setStream assign it; the property decides
+        pass
+
+
 def setup_logging(rank: int) -> None:
     """Log to stderr with the rank in every line (torchrun's ``--tee`` adds it itself, so then it is left out)."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _CurrentStderrHandler()
     prefix = "" if "TORCHELASTIC_RUN_ID" in os.environ else f"[rank{rank}] "
     handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
     root = logging.getLogger("hola_titan")

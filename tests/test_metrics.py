@@ -108,3 +108,22 @@ def test_the_step_line_ends_with_an_eta_from_recent_steps(tmp_path, monkeypatch,
                      "step      3  loss 1.0000  lr 1.000e-03  eta 3m14s",
                      "step    100  loss 1.0000  lr 1.000e-03"]
     assert [format_duration(s) for s in (3720, 307, 42.4)] == ["1h02m", "5m07s", "42s"]
+
+
+def test_the_log_handler_writes_to_the_stderr_of_the_moment(monkeypatch):
+    """A trainer run in-process under a swapped ``sys.stderr`` (a capture file, closed afterwards) must not leave the
+    console handler bound to the closed stream: a later warning once printed logging's own traceback instead."""
+    import io
+    import sys
+
+    swapped = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", swapped)
+    metrics.setup_logging(0)
+    logging.getLogger("hola_titan").warning("first")
+    swapped.close()
+    later = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", later)
+    logging.getLogger("hola_titan").warning("second")
+    assert "second" in later.getvalue() and "Logging error" not in later.getvalue(), later.getvalue()
+    logging.getLogger("hola_titan").handlers[:] = []
+    logging.getLogger("hola_titan").propagate = True
