@@ -109,7 +109,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from hola_titan.staging import file_size_limit, write_text_atomic
+from hola_titan.staging import error_chain, file_size_limit, write_text_atomic
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -599,11 +599,8 @@ class Checkpointer:
             raise
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException; torch.save raises many types
             free = shutil.disk_usage(self.folder if self.folder.exists() else self.folder.parent).free
-            cause, seen, errnos = error, [str(error)], {getattr(error, "errno", None)}
-            while cause.__cause__ is not None or cause.__context__ is not None:
-                cause = cause.__cause__ or cause.__context__
-                seen.append(str(cause))
-                errnos.add(getattr(cause, "errno", None))
+            chain = error_chain(error)
+            seen, errnos = [str(e) for e in chain], {getattr(e, "errno", None) for e in chain}
             short_write = any("unexpected pos" in text for text in seen)
             limited = resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
             # A file that reaches the file size limit fails as a short write too, and DCP drops the errno (EFBIG):

@@ -34,21 +34,29 @@ class FolderWriteError(ValueError):
     existing handlers of bad input report it as one.)"""
 
 
-def _errno_of(error: BaseException) -> tuple[int | None, str | None]:
-    """The errno behind ``error`` and the file it names: an ``OSError`` anywhere in its cause chain or among the
-    failures DCP collects per rank, else an ``(os error N)`` in the text (what safetensors' Rust writer raises)."""
+def error_chain(error: BaseException) -> list[BaseException]:
+    """``error`` and every error behind it: its cause chain (``__cause__`` and ``__context__``) and the failures DCP
+    collects per rank, each once, ``error`` first. One walk for every reader of a failed write's cause."""
     seen: list[BaseException] = []
     todo = [error]
     while todo:
-        e = todo.pop()
+        e = todo.pop(0)
         if e is None or any(e is s for s in seen):
             continue
         seen.append(e)
-        if isinstance(e, OSError) and e.errno is not None:
-            return e.errno, e.filename
         todo += [e.__cause__, e.__context__]
         for failure in (getattr(e, "_failures", None) or {}).values():  # DCP's CheckpointException
             todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return seen
+
+
+def _errno_of(error: BaseException) -> tuple[int | None, str | None]:
+    """The errno behind ``error`` and the file it names: an ``OSError`` anywhere in :func:`error_chain`, else an
+    ``(os error N)`` in the text (what safetensors' Rust writer raises)."""
+    seen = error_chain(error)
+    for e in seen:
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno, e.filename
     for e in seen:
         match = re.search(r"os error (\d+)", str(e))
         if match:

@@ -1096,3 +1096,26 @@ def test_conversion_takes_the_model_the_checkpoint_records(tmp_path):
     # None: the run left model.window to its size's value (8).
     assert "model.window (16 there, None in the checkpoint)" in result.stderr, result.stderr[-2000:]
     assert "using the config recorded in" in result.stdout
+
+
+def test_the_cause_of_a_failed_write_is_found_behind_chains_and_per_rank_failures():
+    """One walk (staging.error_chain) finds a full disk behind a wrapped error, behind DCP's per-rank failures and in a
+    Rust writer's text, and ends on a cause loop; the checkpointer and the exporters both read it."""
+    import errno as errno_module
+
+    from hola_titan.staging import _errno_of, describe_write_error, error_chain
+
+    full = OSError(errno_module.ENOSPC, "No space left on device", "/ckpt/step-9.tmp/__0_0.distcp")
+    wrapped = RuntimeError("unexpected pos 512 vs 4096")
+    wrapped.__cause__ = full
+    per_rank = RuntimeError("CheckpointException ranks:dict_keys([1])")
+    per_rank._failures = {1: (wrapped, "traceback text")}
+    assert _errno_of(per_rank) == (errno_module.ENOSPC, "/ckpt/step-9.tmp/__0_0.distcp")
+    assert [type(e) for e in error_chain(per_rank)] == [RuntimeError, RuntimeError, OSError]
+    assert describe_write_error(per_rank, Path("/")).startswith("no space left on the device")
+
+    loop_a, loop_b = ValueError("a"), ValueError("b (os error 27)")
+    loop_a.__context__, loop_b.__context__ = loop_b, loop_a
+    assert len(error_chain(loop_a)) == 2
+    assert _errno_of(loop_a) == (errno_module.EFBIG, None)
+    assert _errno_of(ValueError("a wrong key")) == (None, None)
