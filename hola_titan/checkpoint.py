@@ -109,6 +109,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from hola_titan.manifests import file_records, first_mismatch
 from hola_titan.staging import error_chain, file_size_limit, write_text_atomic
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -118,7 +119,6 @@ logger = logging.getLogger("hola_titan")
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 HASH = "xxh3_64"
-_HASH_CHUNK = 8 << 20
 STEP_PREFIX = "step-"
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".old"
@@ -254,16 +254,6 @@ def _signature(folder: Path) -> tuple:
         return ()
 
 
-def _digest(path: Path) -> str:
-    import xxhash
-
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # A checkpoint's health, in its manifest: whether the model it saved is one to keep and export. Known only once a
 # loss has been computed from its weights (the first loss after the save), so a fresh checkpoint is "unjudged".
 HEALTHY, UNHEALTHY, UNJUDGED = "healthy", "unhealthy", "unjudged"
@@ -274,8 +264,7 @@ def write_manifest(folder: str | os.PathLike[str], *, health: str | None = None,
     saved model's health (``health``: :data:`HEALTHY`, :data:`UNHEALTHY` or :data:`UNJUDGED`; None: not recorded)
     with ``why``."""
     folder = Path(folder)
-    files = {f.name: {"size": f.stat().st_size, "digest": _digest(f)}
-             for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(MANIFEST)}
+    files = file_records(folder, hash_name=HASH, key="digest", skip=lambda name: name.startswith(MANIFEST))
     record = {"hash": HASH, "files": files}
     if health is not None:
         record.update(_health_fields(health, why))
@@ -341,24 +330,15 @@ def verify_manifest(folder: str | os.PathLike[str], *, checksums: bool = True) -
     begin = time.perf_counter()
     try:
         manifest = json.loads(path.read_text())
-        files = manifest["files"]
         if manifest.get("hash") != HASH:
             raise ValueError(f"unknown hash {manifest.get('hash')!r}")
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        files = {name: (int(entry["size"]), str(entry["digest"])) for name, entry in manifest["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointCorruptError(f"checkpoint {folder}: unreadable {MANIFEST} ({error})") from error
-    total = 0
-    for name, entry in files.items():
-        file = folder / name
-        if not file.is_file():
-            raise CheckpointCorruptError(f"checkpoint {folder}: {name} is missing (listed in {MANIFEST})")
-        size = file.stat().st_size
-        if size != entry["size"]:
-            raise CheckpointCorruptError(f"checkpoint {folder}: {name} has {size} bytes, {MANIFEST} says "
-                                         f"{entry['size']} (truncated or overwritten)")
-        if checksums and _digest(file) != entry["digest"]:
-            raise CheckpointCorruptError(f"checkpoint {folder}: {name} does not match its checksum in {MANIFEST} "
-                                         "(its bytes changed after the save)")
-        total += size
+    wrong = first_mismatch(folder, files, hash_name=HASH, checksums=checksums)
+    if wrong is not None:
+        raise CheckpointCorruptError(f"checkpoint {folder}: {wrong.name} {wrong.describe(MANIFEST, 'the save')}")
+    total = sum(size for size, _ in files.values())
     return {"files": len(files), "bytes": total, "seconds": time.perf_counter() - begin}
 
 

@@ -60,7 +60,6 @@ A tied output head is ``tok_embeddings.weight`` and is stored once. ``config.jso
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -76,6 +75,7 @@ from hola_titan.fqn import strip_wrappers
 from hola_titan.models.args import ModelArgs
 from hola_titan.models.model import HolaTitanLM
 # FolderWriteError is what the writers below raise; callers import it from here.
+from hola_titan.manifests import file_records, first_mismatch
 from hola_titan.staging import FolderWriteError, _umask, check_destination, staged_folder  # noqa: F401
 
 logger = logging.getLogger("hola_titan")
@@ -225,16 +225,10 @@ def check_export_destination(folder: str | os.PathLike[str]) -> None:
     check_destination(Path(folder), replaceable=is_export, what="safetensors export")
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def write_export_manifest(folder: str | os.PathLike[str]) -> Path:
     """Write ``<folder>/manifest.json``: size and sha256 of every file in ``folder`` (module docstring)."""
     folder = Path(folder)
-    files = {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
-             for f in sorted(folder.iterdir()) if f.is_file() and f.name != MANIFEST_FILE}
+    files = file_records(folder, hash_name="sha256", key="sha256", skip=lambda name: name == MANIFEST_FILE)
     record = {"format": MANIFEST_FORMAT, "hash": "sha256", "files": files}
     (folder / MANIFEST_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return folder / MANIFEST_FILE
@@ -263,22 +257,10 @@ def verify_export(folder: str | os.PathLike[str]) -> dict | None:
         files = {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in manifest["files"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ExportCorruptError(f"{path}: unreadable ({error})") from None
-    total = 0
-    for name, (size, digest) in files.items():
-        file = folder / name
-        try:
-            found = file.stat().st_size
-            if found != size:
-                raise ExportCorruptError(f"{file}: {found} bytes, {MANIFEST_FILE} says {size} (truncated or "
-                                         "overwritten since the export)")
-            if _sha256(file) != digest:
-                raise ExportCorruptError(f"{file}: does not match its sha256 in {MANIFEST_FILE} (its bytes changed "
-                                         "since the export)")
-        except FileNotFoundError:
-            raise ExportCorruptError(f"{file}: missing (listed in {MANIFEST_FILE})") from None
-        except OSError as error:
-            raise ExportCorruptError(f"{file}: cannot be read ({error.strerror})") from None
-        total += size
+    wrong = first_mismatch(folder, files, hash_name="sha256")
+    if wrong is not None:
+        raise ExportCorruptError(f"{folder / wrong.name}: {wrong.describe(MANIFEST_FILE, 'the export', 'sha256')}")
+    total = sum(size for size, _ in files.values())
     return {"files": len(files), "bytes": total}
 
 

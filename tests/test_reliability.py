@@ -1119,3 +1119,29 @@ def test_the_cause_of_a_failed_write_is_found_behind_chains_and_per_rank_failure
     assert len(error_chain(loop_a)) == 2
     assert _errno_of(loop_a) == (errno_module.EFBIG, None)
     assert _errno_of(ValueError("a wrong key")) == (None, None)
+
+
+@pytest.mark.parametrize("hash_name", ["sha256", "xxh3_64"])
+def test_one_folder_check_serves_both_manifests(tmp_path, hash_name):
+    """hola_titan/manifests.py: a truncated file is named from the sizes before any digest is read (a changed byte
+    in an earlier file is found only after), a missing one as missing, a changed byte by its digest."""
+    from hola_titan.manifests import file_records, first_mismatch
+
+    (tmp_path / "a.bin").write_bytes(b"a" * 1000)
+    (tmp_path / "b.bin").write_bytes(b"b" * 1000)
+    (tmp_path / "manifest.json").write_text("{}")
+    records = file_records(tmp_path, hash_name=hash_name, key="d", skip=lambda name: name == "manifest.json")
+    assert list(records) == ["a.bin", "b.bin"]
+    files = {name: (r["size"], r["d"]) for name, r in records.items()}
+    assert first_mismatch(tmp_path, files, hash_name=hash_name) is None
+    (tmp_path / "a.bin").write_bytes(b"x" + b"a" * 999)
+    (tmp_path / "b.bin").write_bytes(b"b" * 999)
+    wrong = first_mismatch(tmp_path, files, hash_name=hash_name)
+    assert (wrong.name, wrong.kind, wrong.found, wrong.expected) == ("b.bin", "size", 999, 1000)
+    (tmp_path / "b.bin").write_bytes(b"b" * 1000)
+    assert first_mismatch(tmp_path, files, hash_name=hash_name).kind == "digest"
+    assert first_mismatch(tmp_path, files, hash_name=hash_name, checksums=False) is None
+    (tmp_path / "b.bin").unlink()
+    assert first_mismatch(tmp_path, files, hash_name=hash_name).kind == "missing"
+    with pytest.raises(ValueError, match="expected one of"):
+        first_mismatch(tmp_path, {"a.bin": (1000, "0")}, hash_name="md5")
