@@ -237,18 +237,12 @@ def run(layout: Layout, out: Path, *, steps: int, tiny: bool, timeout_s: float) 
 
 
 def read_metrics(layout: Layout, metrics: Path) -> None:
-    """The training rows (those with a loss) of a run's ``metrics.jsonl``; none when it does not exist."""
-    if not metrics.is_file():
-        return
-    rows = []
-    for line in metrics.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the last line of a run stopped mid-write
-        if isinstance(row, dict) and "loss" in row:
-            rows.append(row)
-    layout.rows = rows
+    """The training rows (those with a loss) of a run's ``metrics.jsonl``, as every reader of it takes them
+    (hola_titan/metrics_records.py: a line a stop cut short left out); none when it does not exist."""
+    from hola_titan.metrics_records import read_metrics as read_records
+
+    if metrics.is_file():
+        layout.rows = [row for row in read_records(metrics) if "loss" in row]
 
 
 def summarise(layouts: list[Layout], parity_bound: float) -> dict:
