@@ -116,14 +116,16 @@ def test_the_log_handler_writes_to_the_stderr_of_the_moment(monkeypatch):
     import io
     import sys
 
+    logger = logging.getLogger("hola_titan")
+    monkeypatch.setattr(logger, "handlers", [])  # setup_logging's handler and settings go with the test
+    monkeypatch.setattr(logger, "propagate", True)
+    monkeypatch.setattr(logger, "level", logger.level)
     swapped = io.StringIO()
     monkeypatch.setattr(sys, "stderr", swapped)
     metrics.setup_logging(0)
-    logging.getLogger("hola_titan").warning("first")
+    logger.warning("first")
     swapped.close()
     later = io.StringIO()
     monkeypatch.setattr(sys, "stderr", later)
-    logging.getLogger("hola_titan").warning("second")
+    logger.warning("second")
     assert "second" in later.getvalue() and "Logging error" not in later.getvalue(), later.getvalue()
-    logging.getLogger("hola_titan").handlers[:] = []
-    logging.getLogger("hola_titan").propagate = True
