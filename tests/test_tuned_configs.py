@@ -365,3 +365,58 @@ def test_a_node_s_entries_are_served_beside_a_shipped_table_which_wins_a_key_bot
     assert [e["config"] for e in kernels["k"]["entries"]] == [{}, {"num_warps": 7}]  # the shipped key 1 wins
     assert "3 entries autotuned by earlier processes on this node" in located.why
     assert tuned_configs.locate("auto", "cuda").node_path is None  # no node cache named: the shipped table alone
+
+
+def test_a_gpu_s_own_table_takes_what_it_lacks_from_one_of_its_architecture(tmp_path, monkeypatch, capsys):
+    """An own table tuned for fewer recipes (the H100's first lease tuned the 340M packed kinds only) must not send
+    the other recipes back to minutes of autotuning: another sm_90 table serves the keys and run kinds it lacks,
+    and the own table wins every key and run kind both hold."""
+    own_name, other_name = ("NVIDIA_H100_80GB_HBM3__fla-0.6.0__triton-3.6.0.json",
+                            "NVIDIA_H200__fla-0.6.0__triton-3.6.0.json")
+    _fake_gpu(monkeypatch, tmp_path, name="NVIDIA H100 80GB HBM3", capability=(9, 0),
+              files={other_name: H200_META, own_name: {**H200_META, "gpu": "NVIDIA H100 80GB HBM3"}})
+    folder = tmp_path / "configs"
+
+    def write(name, meta, kernels, plans):
+        (folder / name).write_text(json.dumps({"format": tuned_configs.FORMAT, "meta": meta, "kernels": kernels,
+                                               "plans": plans}))
+
+    write(own_name, {**H200_META, "gpu": "NVIDIA H100 80GB HBM3"}, _kernels("k", 8), {"hola/packed": ["own"]})
+    write(other_name, H200_META, {**_kernels("k", 8, 2), **_kernels("j", 5)},
+          {"hola/packed": ["h200"], "gdn/plain": ["h200"]})
+    located = tuned_configs.locate("auto", "cuda")
+    assert located.source == "shipped" and located.path.endswith(own_name)
+    assert located.fill_path.endswith(other_name) and located.kernels == 2
+    k = located.data["kernels"]["k"]["entries"]
+    assert [(e["key"], tuned_configs.FILLED_FROM in e) for e in k] == [([8], False), ([2], True)]
+    assert located.data["kernels"]["j"]["entries"][0][tuned_configs.FILLED_FROM] == "NVIDIA H200"
+    assert located.plans == {"hola/packed": ["own"], "gdn/plain": ["h200"]}
+    assert "2 entries and 1 of 2 run kinds' compile plans it lacks from NVIDIA H200's table" in located.why
+    assert located.record()["fill_path"] == located.fill_path
+    assert _tune_kernels_script().check(__import__("torch"), tuned_configs) == 0
+    assert "it lacks from NVIDIA H200's table" in capsys.readouterr().out
+    # Another architecture's table never fills.
+    (folder / other_name).unlink()
+    write("NVIDIA_A100__fla-0.6.0__triton-3.6.0.json", {**H200_META, "gpu": "NVIDIA A100", "capability": [8, 0]},
+          _kernels("j", 5), {})
+    located = tuned_configs.locate("auto", "cuda")
+    assert located.fill_path is None and set(located.data["kernels"]) == {"k"}
+
+
+def test_a_launch_served_by_another_gpu_s_entry_is_counted_as_such():
+    tuner = _make_kernel()
+    filled = {**_entry(4, 128, True, CONFIGS[3]), tuned_configs.FILLED_FROM: "NVIDIA H200"}
+    served = _table(tuner, [_entry(4, 256, True, CONFIGS[0]), filled])
+    _launch(tuner, h=4, k=256)
+    assert (served.exact, served.filled) == (1, 0)
+    call = _launch(tuner, h=8, k=128)  # nearest by heads, from the other GPU's entry
+    assert (call["BT"], call["num_warps"], call["num_stages"]) == (32, 4, 3)
+    assert (served.nearest, served.filled) == (1, 1)
+    assert "1 of them from another GPU's table" in served.summary()
+    # An own entry at another head count wins over the other GPU's exact one: it is what the own plan compiled.
+    tuner = _make_kernel()
+    served = _table(tuner, [_entry(2, 64, True, CONFIGS[6]),
+                            {**_entry(8, 64, True, CONFIGS[1]), tuned_configs.FILLED_FROM: "NVIDIA H200"}])
+    call = _launch(tuner, h=8, k=64)
+    assert (call["BT"], call["num_warps"], call["num_stages"]) == (64, 4, 2)
+    assert (served.nearest, served.filled) == (1, 0)

@@ -51,6 +51,8 @@ CHOICE_HELP = ("fla's launch configurations (hola_titan/kernels/tuned_configs.py
                "machine), off (autotune), or the path of a file written by scripts/tune_kernels.py")
 # Modules whose autotuners the table serves and the tuning script records.
 MODULE_PREFIXES = ("fla.", "hola_titan.kernels.")
+# The mark on an entry served from another GPU's table of the same architecture (Served.filled counts them).
+FILLED_FROM = "filled_from"
 
 
 def sanitize_gpu_name(name: str) -> str:
@@ -207,10 +209,15 @@ class Served:
     exact: int = 0
     nearest: int = 0
     stale: int = 0
+    # Of exact and nearest: served by the entries of another GPU of the same architecture (FILLED_FROM), where
+    # the GPU's own table lacks the kernel at that key.
+    filled: int = 0
     tuned: list[str] = dataclasses.field(default_factory=list)  # "kernel key" of each launch key autotuned
 
     def summary(self) -> str:
         text = f"{self.exact} exact, {self.nearest} nearest"
+        if self.filled:
+            text += f" ({self.filled} of them from another GPU's table of the same architecture)"
         if self.stale:
             text += f", {self.stale} stale"
         if self.tuned:
@@ -233,7 +240,11 @@ class ConfigTable(dict):
         super().__init__(autotuner.cache)
         self._candidates = list(autotuner.configs)
         self._name = name
-        self._entries = entries
+        # This GPU's own entries first; another GPU's (marked FILLED_FROM) only for a key the own ones serve neither
+        # exactly nor by extent: an own configuration at another batch or head count compiles to the same code as
+        # the one its compile plan lists, and was timed on this GPU.
+        own = [e for e in entries if FILLED_FROM not in e]
+        self._groups = [g for g in (own, [e for e in entries if FILLED_FROM in e]) if g]
         self._key_names = key_names
         self._served = served
         self._lock = lock
@@ -243,11 +254,15 @@ class ConfigTable(dict):
         if dict.__contains__(self, key):
             return True
         wanted = key_to_json(key)
-        entry = next((e for e in self._entries if e["key"] == wanted and all(
-            type(a) is type(b) for a, b in zip(e["key"], wanted))), None)
-        how = "exact"
-        if entry is None:
-            entry, how = nearest_entry(wanted, self._entries, self._key_names), "nearest"
+        entry, how = None, "exact"
+        for group in self._groups:
+            entry = next((e for e in group if e["key"] == wanted and all(
+                type(a) is type(b) for a, b in zip(e["key"], wanted))), None)
+            how = "exact"
+            if entry is None:
+                entry, how = nearest_entry(wanted, group, self._key_names), "nearest"
+            if entry is not None:
+                break
         config = None
         if entry is not None:
             config = next((c for c in self._candidates if _same_config(c, entry["config"])), None)
@@ -260,6 +275,8 @@ class ConfigTable(dict):
                 self._served.tuned.append(f"{self._name} {wanted}")
                 return False
             setattr(self._served, how, getattr(self._served, how) + 1)
+            if FILLED_FROM in entry:
+                self._served.filled += 1
         self[key] = config
         self.from_file.add(key)
         return True
@@ -279,6 +296,8 @@ class Installed:
     data: dict | None = dataclasses.field(default=None, repr=False)
     # Configurations autotuned by earlier processes on this node (node_tuned_file), served beside the file's.
     node_path: str | None = None
+    # Another GPU's shipped file of the same architecture, serving the keys and run kinds this GPU's own lacks.
+    fill_path: str | None = None
 
     def describe(self) -> str:
         if self.path is None:
@@ -288,7 +307,8 @@ class Installed:
     def record(self) -> dict:
         """For the run folder: the decision and what was served so far."""
         return {"source": self.source, "path": self.path, "why": self.why, "kernels": self.kernels,
-                "exact": self.served.exact, "nearest": self.served.nearest, "stale": self.served.stale,
+                "fill_path": self.fill_path, "exact": self.served.exact, "nearest": self.served.nearest,
+                "from_other_gpu": self.served.filled, "stale": self.served.stale,
                 "autotuned": list(self.served.tuned)}
 
 
@@ -363,10 +383,15 @@ def locate(choice: str, device, *, node_cache: Path | None = None) -> Installed:
     v = versions()
     gpu = torch.cuda.get_device_name(device)
     nearest_why = ""
+    fill = None
     if choice == "auto":
         path, source = shipped_file(gpu, v["fla"], v["triton"]), "shipped"
-        if not path.exists():
-            capability = tuple(torch.cuda.get_device_capability(device))
+        capability = tuple(torch.cuda.get_device_capability(device))
+        if path.exists():
+            # A GPU's own table may cover fewer recipes than another of its architecture (a tuning lease that
+            # ended early): the other's entries serve what the own one lacks rather than minutes of autotuning.
+            fill = nearest_shipped(gpu, capability, v["fla"], v["triton"])
+        else:
             none = (f"none shipped for {gpu} ({sm(capability)}) with fla-core {v['fla']} and Triton "
                     f"{v['triton']}")
             path, source = nearest_shipped(gpu, capability, v["fla"], v["triton"]), "nearest_gpu"
@@ -391,6 +416,9 @@ def locate(choice: str, device, *, node_cache: Path | None = None) -> Installed:
     if source == "file" and (meta.get("gpu") != gpu or meta.get("fla") != v["fla"]
                              or meta.get("triton") != v["triton"]):
         why += f"; this process: {gpu}, fla-core {v['fla']}, Triton {v['triton']}"
+    if fill is not None:
+        data, filled_why = _filled(data, read_file(fill), fill)
+        why += filled_why
     node = _node_tuned(node_cache, gpu, v) if choice == "auto" else None
     node_path = None
     if node is not None:
@@ -400,7 +428,25 @@ def locate(choice: str, device, *, node_cache: Path | None = None) -> Installed:
         why += f"; with {extra} entries autotuned by earlier processes on this node ({node_path})"
         node_path = str(node_path)
     return Installed(source, str(path), why, kernels=len(data["kernels"]), plans=data.get("plans", {}),
-                     data=data, node_path=node_path)
+                     data=data, node_path=node_path, fill_path=None if fill is None else str(fill))
+
+
+
+def _filled(own: dict, other: dict, other_path: Path) -> tuple[dict, str]:
+    """``own`` with ``other``'s kernels at the keys it lacks (each marked ``FILLED_FROM``) and ``other``'s plans for
+    the run kinds it lacks, and the words for ``why``. A key both hold is always ``own``'s: its configuration was
+    timed on this GPU (and ConfigTable serves ``other``'s entries only where ``own`` has none at the key, not even
+    at another batch or head count). A run kind both have a plan for takes ``own``'s, which lists what ``own``'s
+    configurations compile; one only ``other`` has keeps ``other``'s plan."""
+    gpu = other.get("meta", {}).get("gpu")
+    marked = {name: {**kernel, "entries": [{**e, FILLED_FROM: gpu} for e in kernel["entries"]]}
+              for name, kernel in other["kernels"].items()}
+    kernels = merge([own["kernels"], marked])
+    added = sum(len(k["entries"]) for k in kernels.values()) - sum(len(k["entries"]) for k in own["kernels"].values())
+    plans = {**other.get("plans", {}), **own.get("plans", {})}
+    why = (f"; {added} entries and {len(plans) - len(own.get('plans', {}))} of {len(plans)} run kinds' compile plans "
+           f"it lacks from {gpu}'s table of the same architecture ({other_path.name})")
+    return {**own, "kernels": kernels, "plans": plans}, why
 
 
 def _node_tuned(folder: Path | None, gpu: str, v: dict) -> tuple[Path, dict] | None:
@@ -432,6 +478,8 @@ def install(choice: str | Installed, device) -> Installed:
     digest = hashlib.sha256(path.read_bytes())
     if located.node_path is not None and located.node_path != located.path:
         digest.update(Path(located.node_path).read_bytes())
+    if located.fill_path is not None:
+        digest.update(Path(located.fill_path).read_bytes())
     _active.append(digest.hexdigest()[:12])
     served = _installed_served.setdefault(str(path), Served())
     lock = threading.Lock()
