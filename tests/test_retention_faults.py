@@ -98,6 +98,24 @@ def test_a_diverged_step_is_unhealthy_and_conversion_passes_it_over(tmp_path, ca
     assert not (tmp_path / "refused").exists()
 
 
+def test_conversion_of_a_run_folder_passes_over_a_newest_step_that_does_not_verify(tmp_path, capsys):
+    """One flipped byte in a data file of the newest step (4): the converter, given the run folder, exports step 2
+    and names step 4 as passed over because it does not verify, with the file whose checksum differs."""
+    Trainer(parse_config([*CKPT, "--job.dump_folder", str(tmp_path), "--training.steps", "4"])).train()
+    folder = tmp_path / "checkpoint"
+    assert [recorded_health(folder / f"step-{s}")[0] for s in (2, 4)] == [HEALTHY, HEALTHY]
+    _flip_a_byte(folder / "step-4")
+
+    convert = load_script("convert_to_safetensors")
+    capsys.readouterr()
+    assert convert.main([str(tmp_path), str(tmp_path / "export")]) == 0
+    out = capsys.readouterr().out
+    said = next(line for line in out.splitlines() if line.startswith("converting "))
+    assert said.startswith(f"converting {folder / 'step-2'}: step 2, the newest complete checkpoint"), said
+    assert "step-4 passed over: does not verify" in said and "__0_0.distcp does not match its checksum" in said, said
+    assert f"from {folder / 'step-2'} " in out, out
+
+
 def test_the_last_checkpoint_is_judged_and_a_resume_judges_an_unjudged_one(tmp_path):
     """A run's last checkpoint is judged by one more forward; a checkpoint saved unjudged (a stop) is judged by the
     first loss of the run that resumes from it."""
