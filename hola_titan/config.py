@@ -104,9 +104,10 @@ class Job:
     """Free text shown in logs."""
     cache_folder: str = setting("~/.cache/hola_titan", resume="launch")
     """Per-node cache shared by runs: the verdict of fla's #640 gradient check per GPU, head dim and versions, so
-    that a second process does not repeat it, the tokenised data (``data.token_cache``), and the kernel
-    configurations fla autotuned where no shipped table served them (``model.kernel_configs = auto``). Empty:
-    keep nothing (every process runs the check, tokenises and autotunes)."""
+    that a second process does not repeat it, the tokenised data (``data.token_cache``), the content hashes of the
+    data files (``data_hashes``: the data's fingerprint that a resume compares), and the kernel configurations fla
+    autotuned where no shipped table served them (``model.kernel_configs = auto``). Empty: keep nothing (every
+    process runs the check, hashes the data files, tokenises and autotunes)."""
 
 
 @dataclass

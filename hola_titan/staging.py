@@ -82,21 +82,26 @@ def describe_write_error(error: BaseException, where: Path) -> str:
     return f"{type(error).__name__}: {str(error)[:200]}"
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` through a hidden sibling renamed into place: a reader, or a crash, sees the
-    old file or the new one, never a torn one. The sibling's name carries the process and thread, so concurrent
-    writers of one path never share it; a failed write removes it and raises the ``OSError``."""
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a hidden sibling renamed into place: a reader, or a crash, sees the old
+    file or the new one, never a torn one. The sibling's name carries the process and thread, so concurrent writers
+    of one path never share it; a failed write removes it and raises the ``OSError``."""
     import threading
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_native_id()}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """:func:`write_bytes_atomic` of ``text`` in UTF-8."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def file_size_limit() -> str:

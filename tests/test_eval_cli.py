@@ -7,6 +7,7 @@ the plumbing (files, keys, exit codes), not what an untrained model scores.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -171,3 +172,55 @@ def test_transformer_beyond_its_training_length_warns_and_runs(exported, tmp_pat
     err = capsys.readouterr().err
     assert "warning: debug_transformer: NIAH length 300 is beyond the Transformer++ training length 128" in err
     assert json.loads((tmp_path / "niah_debug_transformer.json").read_text())["summary"].keys() == {"s_niah_1@300"}
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_an_out_that_cannot_be_a_folder_is_one_line_before_the_eval_runs(where, tmp_path, capsys):
+    taken = tmp_path / "results.txt"
+    taken.write_text("a file the user keeps\n")
+    out = taken if where == "a file" else taken / "res"
+    assert main(["mqar", "--checkpoint", "init:gdn", "--pairs", "2", "--seq-lens", "16", "--samples", "2",
+                 "--out", str(out), *FAST]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: {out}: {taken} is a file, not a folder") and "--out" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.txt"]
+    assert taken.read_text() == "a file the user keeps\n"
+
+
+def test_an_out_under_a_file_from_the_module_entry_point_is_one_line(tmp_path):
+    taken = tmp_path / "results.txt"
+    taken.write_text("")
+    done = subprocess.run([sys.executable, "-m", "hola_titan.eval", "ppl", "--checkpoint", "init:gdn", "--out",
+                           str(taken / "res"), "--max-tokens", "64", *FAST], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.startswith(f"error: {taken / 'res'}: {taken} is a file, not a folder"), done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.txt"]
+
+
+def test_a_full_disk_writing_the_comparison_is_one_line_and_leaves_the_earlier_one(exported, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """The disk fills while ``mqar_compare.md`` is written: one line naming it and the cause, exit 2, and the
+    comparison of the run before is as it was, with no temporary file beside it."""
+    argv = ["mqar", "--compare", str(exported["hola"]), str(exported["gdn"]), "--pairs", "2", "--seq-lens", "16",
+            "--samples", "2", "--out", str(tmp_path), *FAST]
+    assert main(argv) == 0
+    compare = tmp_path / "mqar_compare.md"
+    before = compare.read_bytes()
+    capsys.readouterr()
+    real = Path.write_bytes
+
+    def fills_up(self, data):
+        if not self.name.startswith(f".{compare.name}."):
+            return real(self, data)
+        real(self, data[: len(data) // 2])  # part of it reaches the disk, then it is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    monkeypatch.setattr(Path, "write_bytes", fills_up)
+    assert main(argv) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: {compare}: cannot be written: no space left on the device"), line
+    monkeypatch.undo()
+    assert compare.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

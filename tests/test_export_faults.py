@@ -128,21 +128,25 @@ def test_convert_refuses_an_out_that_is_not_an_export(run, tmp_path, capsys):
     assert _snapshot(other) == before
 
 
-def test_reexport_on_a_full_disk_leaves_the_old_export_loadable(exported, tmp_path, monkeypatch):
+def _disk_fills_in_save_file(monkeypatch) -> None:
+    """safetensors' ``save_file`` writes its file, then fails as its Rust writer does when the disk is full."""
     import safetensors.torch
+    from safetensors import SafetensorError
 
-    out = shutil.copytree(exported, tmp_path / "tiny")
-    (out / "README.md").write_text("a model card the user wrote\n")
-    before = _snapshot(out)
     real = safetensors.torch.save_file
 
     def fills_up(tensors, filename, metadata=None):
         real(tensors, filename, metadata=metadata)
-        # What safetensors raises when its write meets a full disk (its Rust writer's I/O error).
-        from safetensors import SafetensorError
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(safetensors.torch, "save_file", fills_up)
+
+
+def test_reexport_on_a_full_disk_leaves_the_old_export_loadable(exported, tmp_path, monkeypatch):
+    out = shutil.copytree(exported, tmp_path / "tiny")
+    (out / "README.md").write_text("a model card the user wrote\n")
+    before = _snapshot(out)
+    _disk_fills_in_save_file(monkeypatch)
     with pytest.raises(FolderWriteError, match=r"no space left on the device \(\d+\.\d MiB free in .*unchanged"):
         save_pretrained(_tiny(seed=1), None, out)
     assert _snapshot(out) == before and _leftovers(tmp_path) == []
@@ -155,6 +159,20 @@ def test_reexport_on_a_full_disk_leaves_the_old_export_loadable(exported, tmp_pa
     assert (out / "README.md").read_text() == "a model card the user wrote\n"
     assert _snapshot(out)[SAFETENSORS_FILE] != before[SAFETENSORS_FILE] and _leftovers(tmp_path) == []
     assert "README.md" not in json.loads((out / MANIFEST_FILE).read_text())["files"]
+
+
+def test_convert_on_a_full_disk_is_one_line_and_leaves_the_earlier_export(run, tmp_path, capsys, monkeypatch):
+    convert = load_script("convert_to_safetensors")
+    out = tmp_path / "export"
+    assert convert.main([str(run), str(out)]) == 0
+    before = _snapshot(out)
+    capsys.readouterr()
+    _disk_fills_in_save_file(monkeypatch)
+    assert convert.main([str(run), str(out)]) == 2
+    _one_error(capsys.readouterr().err, str(out), "no space left on the device", "MiB free", "unchanged")
+    assert _snapshot(out) == before and _leftovers(tmp_path) == []
+    monkeypatch.undo()
+    assert verify_export(out) is not None
 
 
 def test_reexport_through_a_link_replaces_the_folder_it_names_and_keeps_the_link(exported, tmp_path):

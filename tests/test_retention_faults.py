@@ -7,6 +7,8 @@ wrong number as fine") and fails there.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +98,63 @@ def test_a_diverged_step_is_unhealthy_and_conversion_passes_it_over(tmp_path, ca
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "step-6 is recorded unhealthy" in err and "--allow-unhealthy" in err, err
     assert not (tmp_path / "refused").exists()
+
+
+def test_conversion_of_a_run_folder_passes_over_a_newest_step_that_does_not_verify(tmp_path, capsys):
+    """One flipped byte in a data file of the newest step (4): the converter, given the run folder, exports step 2
+    and names step 4 as passed over because it does not verify, with the file whose checksum differs."""
+    Trainer(parse_config([*CKPT, "--job.dump_folder", str(tmp_path), "--training.steps", "4"])).train()
+    folder = tmp_path / "checkpoint"
+    assert [recorded_health(folder / f"step-{s}")[0] for s in (2, 4)] == [HEALTHY, HEALTHY]
+    _flip_a_byte(folder / "step-4")
+
+    convert = load_script("convert_to_safetensors")
+    capsys.readouterr()
+    assert convert.main([str(tmp_path), str(tmp_path / "export")]) == 0
+    out = capsys.readouterr().out
+    said = next(line for line in out.splitlines() if line.startswith("converting "))
+    assert said.startswith(f"converting {folder / 'step-2'}: step 2, the newest complete checkpoint"), said
+    assert "step-4 passed over: does not verify" in said and "__0_0.distcp does not match its checksum" in said, said
+    assert f"from {folder / 'step-2'} " in out, out
+
+
+def _weights_poisoned_and_stopped_at(trainer: Trainer, step: int) -> None:
+    """The optimizer update of ``step`` runs at an infinite learning rate (every weight it moves becomes
+    non-finite; the step's own loss, computed before the update, is finite) and a SIGUSR1 arrives during it, as a
+    scheduler's would: the run saves ``step`` at the stop with no later step to judge it by its loss."""
+    _diverge_at(trainer, step, lr=float("inf"))
+    diverging = trainer.optimizer.step
+
+    def optimizer_step(*args, **kwargs):
+        if trainer.state.step + 1 == step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return diverging(*args, **kwargs)
+
+    trainer.optimizer.step = optimizer_step
+
+
+def test_a_checkpoint_with_non_finite_weights_is_unhealthy_and_passed_over(tmp_path, capsys, caplog):
+    """Step 3's update makes the weights non-finite and a stop signal saves step 3: no later loss judges it, so
+    only its weights can. It is recorded unhealthy for them; retention (keep_latest_k 1) keeps step 2, the newest
+    healthy, beside it, and the converter exports step 2 naming why not 3."""
+    trainer = Trainer(parse_config([*CKPT, "--job.dump_folder", str(tmp_path), "--training.steps", "10",
+                                    "--checkpoint.keep_latest_k", "1"]))
+    _weights_poisoned_and_stopped_at(trainer, 3)
+    with caplog.at_level(logging.INFO, logger="hola_titan"):
+        trainer.train()
+    assert "SIGUSR1 received: stopped after step 3" in caplog.text
+    folder = tmp_path / "checkpoint"
+    assert list_checkpoints(folder) == [2, 3]
+    assert recorded_health(folder / "step-2")[0] == HEALTHY
+    assert recorded_health(folder / "step-3") == (UNHEALTHY, "its weights are not all finite")
+    assert "keeping " + str(folder / "step-2") + " beyond keep_latest_k = 1: the newest recorded healthy" in caplog.text
+
+    convert = load_script("convert_to_safetensors")
+    capsys.readouterr()
+    assert convert.main([str(tmp_path), str(tmp_path / "export")]) == 0
+    out = capsys.readouterr().out
+    assert f"converting {folder / 'step-2'}: step 2" in out, out
+    assert "step-3 passed over: unhealthy (its weights are not all finite)" in out, out
 
 
 def test_the_last_checkpoint_is_judged_and_a_resume_judges_an_unjudged_one(tmp_path):

@@ -3,8 +3,9 @@
 Evals: ``ppl`` (perplexity), ``generate`` (text from a prompt, and decoding memory at several context lengths),
 ``niah`` (RULER-style needles) and ``mqar`` (associative recall). ``SPEC`` is an exported folder or
 ``init:<flavour>[:<size>]`` (``hola_titan.eval.loading``); with ``--compare`` it may also be a result JSON written
-earlier by the same eval. Outputs go to ``--out`` (``hola_titan.eval.report`` names the files). Mistakes print
-one line ``error: ...`` and exit with status 2; ``--help`` after an eval lists its options.
+earlier by the same eval. Outputs go to ``--out`` (``hola_titan.eval.report`` names and writes the files), checked
+before any model is loaded. Mistakes, and an output that cannot be written, print one line ``error: ...`` naming the
+path and the cause and exit with status 2; ``--help`` after an eval lists its options.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hola_titan.eval import report
 from hola_titan.eval.loading import LoadedModel, label_of, load_model
 from hola_titan.eval.runtime import (EvalError, format_length, parse_int, parse_length, parse_list, parse_percent,
                                      resolve_device, resolve_dtype)
+from hola_titan.runfolder import FolderUnusableError, check_writable_folder
 
 EVALS = ("ppl", "generate", "niah", "mqar", "cache")
 
@@ -399,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.threads < 1:
                 raise EvalError(f"--threads must be >= 1, got {args.threads}")
             torch.set_num_threads(args.threads)
+        # Before any model is loaded: an --out that cannot hold files would otherwise be found after the eval ran.
+        check_writable_folder(args.out, key="--out")
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         specs = args.compare if args.compare else [args.checkpoint]
@@ -410,12 +414,12 @@ def main(argv: list[str] | None = None) -> int:
             markdown = report.markdown_table(table)
             print(markdown)
             report.write_json(table, out / f"{args.eval}_compare.json")
-            (out / f"{args.eval}_compare.md").write_text(markdown + "\n", encoding="utf-8")
+            report.write_file(markdown + "\n", out / f"{args.eval}_compare.md")
             written = [out / f"{args.eval}_compare.json", out / f"{args.eval}_compare.md"]
             if args.eval in report.COMPARE_PLOTS:
                 written.append(report.COMPARE_PLOTS[args.eval](results, out / f"{args.eval}_compare.png"))
             print("wrote " + ", ".join(map(str, written)))
-    except EvalError as error:
+    except (EvalError, FolderUnusableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -4,11 +4,14 @@ Every evaluation writes ``<out>/<eval>_<label>.json`` holding ``eval``, ``checkp
 (flavour, size, parameters, ...), ``settings``, ``summary`` (flat ``{metric: number}``, what comparisons
 tabulate) and ``details``, and ``<out>/<eval>_<label>.png`` (matplotlib, Agg backend). ``--compare`` adds
 ``<out>/<eval>_compare.{json,md}`` (one row per checkpoint, one column per summary metric) and, for NIAH and
-MQAR, ``<out>/<eval>_compare.png`` with a line per checkpoint.
+MQAR, ``<out>/<eval>_compare.png`` with a line per checkpoint. Each file is written through a hidden sibling renamed
+into place (an interrupted eval leaves the earlier file or the new one, never a torn one); a file that cannot be
+written is an :class:`EvalError` naming it and the cause.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -19,12 +22,21 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot is imported)
 
 from hola_titan.eval.runtime import EvalError  # noqa: E402
-from hola_titan.staging import write_text_atomic  # noqa: E402
+from hola_titan.staging import describe_write_error, write_bytes_atomic  # noqa: E402
+
+
+def write_file(data: bytes | str, path: Path) -> Path:
+    """Write ``data`` (``str``: UTF-8) to ``path``, making its folder, through a sibling renamed into place.
+    Raises :class:`EvalError` naming ``path`` and the cause (a full disk, a file where a folder should be)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return write_bytes_atomic(path, data.encode("utf-8") if isinstance(data, str) else data)
+    except OSError as error:
+        raise EvalError(f"{path}: cannot be written: {describe_write_error(error, path.parent)}") from None
 
 
 def write_json(data: dict, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return write_text_atomic(path, json.dumps(data, indent=2, default=_plain) + "\n")
+    return write_file(json.dumps(data, indent=2, default=_plain) + "\n", path)
 
 
 def _plain(value):
@@ -50,11 +62,12 @@ def read_result(path: Path, *, eval_name: str) -> dict:
 
 
 def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # Rendered in memory, so that the file is written as every other one is (write_file).
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
     plt.close(fig)
-    return path
+    return write_file(image.getvalue(), path)
 
 
 def plot_niah(result: dict, path: Path) -> Path:
