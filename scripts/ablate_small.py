@@ -146,7 +146,9 @@ def corpus_files(recipe: Recipe, corpus: Path) -> tuple[Path, Path]:
     return corpus, corpus
 
 
-EVALS = ("ppl", "niah")
+# ppl: the validation split and the held-out sources; ppl_heldout: the held-out sources alone (the number that
+# decides, for a lease too short for the validation split's thousands of documents); niah: S-NIAH-1/2.
+EVALS = ("ppl", "ppl_heldout", "niah")
 EVAL_CHUNK = 16384
 """``hola_titan.eval ppl --chunk``: short documents packed into rows of up to this many tokens, longer ones read
 through the decoding cache in calls of this many. Every target still sees its whole document (the result is the
@@ -175,8 +177,11 @@ def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out:
     todo = [([sys.executable, "scripts/convert_to_safetensors.py", str(folder / "checkpoint" / f"step-{steps}"),
               str(export)], export / "model.safetensors")]
     evaluate = [sys.executable, "-m", "hola_titan.eval"]
-    if "ppl" in evals:
-        for split, data in eval_splits(recipe, corpus).items():
+    if "ppl" in evals or "ppl_heldout" in evals:
+        splits = eval_splits(recipe, corpus)
+        if "ppl" not in evals:
+            splits = {split: data for split, data in splits.items() if split == "heldout"}  # run() checked it
+        for split, data in splits.items():
             todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out",
                           str(out / f"eval_{split}"), "--no-progress", "--chunk", str(EVAL_CHUNK)],
                          out / f"eval_{split}" / f"ppl_{name}.json"))
@@ -241,6 +246,11 @@ def run(args) -> int:
         if not path.exists():
             print(f"error: --corpus {corpus}: no {path.name} for --recipe {args.recipe} (python {builder})",
                   file=sys.stderr)
+            return 2
+    if "ppl_heldout" in args.evaluate and "ppl" not in args.evaluate:
+        if "heldout" not in eval_splits(recipe, corpus):
+            print(f"error: --evaluate ppl_heldout: --corpus {corpus} has no held-out split (python {builder} "
+                  "writes one)", file=sys.stderr)
             return 2
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_min * 60.0 - STOP_GRACE_S
@@ -653,8 +663,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-min", type=float, default=8.0, help="--run: stop (saving) before this many minutes")
     p.add_argument("--evaluate", default="",
                    help="--run: comma-separated, from: " + ", ".join(EVALS) + "; each finished run is exported and "
-                   "evaluated (ppl on the corpus's validation and held-out splits; S-NIAH-1/2 at 1-4x the training "
-                   "length) as soon as its training ends, results under --out/eval_*")
+                   "evaluated (ppl on the corpus's held-out and validation splits, ppl_heldout on the held-out one "
+                   "alone; S-NIAH-1/2 at 1-4x the training length) as soon as its training ends, results under "
+                   "--out/eval_*")
     p.add_argument("--report", help="--merge: folder for ablations.md, ablations.json and the PNGs")
     p.add_argument("--window", type=int, default=25, help="--merge: steps per point of the plotted curves")
     p.add_argument("--span", type=int, default=100, help="--merge: steps per column of the table of differences")

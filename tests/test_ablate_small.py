@@ -159,6 +159,20 @@ def test_the_evaluations_of_a_finished_run_are_listed_and_what_exists_is_left_ou
     left = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=out, steps=r.steps,
                                 seq_len=r.seq_len, evals=["ppl"])
     assert [t.parent.name for _, t in left] == ["hola_s0", "eval_heldout"]
+    # The held-out sources alone: a lease too short for the validation split's thousands of documents.
+    only = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=tmp_path / "o2",
+                                steps=r.steps, seq_len=r.seq_len, evals=["ppl_heldout"])
+    assert [t.parent.name for _, t in only] == ["hola_s0", "eval_heldout"]
+
+
+def test_heldout_perplexity_alone_needs_a_corpus_with_a_heldout_split(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    for split in ("train", "validation"):
+        (corpus / split).mkdir(parents=True)
+    args = ["--run", "--recipe", "46M", "--variants", "hola", "--seeds", "0", "--work", str(tmp_path / "w"),
+            "--out", str(tmp_path / "o"), "--corpus", str(corpus), "--evaluate", "ppl_heldout"]
+    assert ablate.main(args) == 2
+    assert "--evaluate ppl_heldout" in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 
 def test_run_trains_then_evaluates_each_finished_run_and_the_merge_tables_the_perplexities(tmp_path, monkeypatch):
