@@ -452,7 +452,8 @@ class Trainer:
         if not uses_fla:
             return Installed("off", None, "no fla kernels in this run")
         try:
-            return locate(self.config.model.kernel_configs, self.device, node_cache=node_cache_folder(self.config))
+            return locate(self.config.model.kernel_configs, self.device, node_cache=node_cache_folder(self.config),
+                          plan_key=self._plan_key())
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError("model.kernel_configs", str(err).removeprefix("model.kernel_configs: ")) from None
 
@@ -497,6 +498,15 @@ class Trainer:
         """What the token mixers' kernels compute in: bf16 (autocast, or FSDP's bf16 parameters) or float32."""
         return torch.bfloat16 if self.config.training.mixed_precision_param == "bfloat16" else torch.float32
 
+    def _plan_key(self) -> str:
+        """This run's kind as the compile plans name it (hola_titan/kernels/precompile.py: plan_key)."""
+        from hola_titan.kernels import precompile
+        from hola_titan.kernels.fla_gdn import padded_head_dim
+
+        dtype = str(self._compute_dtype()).removeprefix("torch.")
+        return precompile.plan_key(self.model_args.flavour, padded_head_dim(self.model_args.head_dim, self.device),
+                                   self.model_args.n_heads // self.dims.tp, dtype, packed=self.config.data.varlen)
+
     def _start_precompile(self, located):
         """Start compiling the plan for this kind of run (``model.precompile_workers``;
         hola_titan/kernels/precompile.py)."""
@@ -507,12 +517,7 @@ class Trainer:
             return precompile.Precompile(source=f"no kernel configurations file: {located.why}")
         if workers == 0:
             return precompile.Precompile(source="model.precompile_workers = 0")
-        from hola_titan.kernels.fla_gdn import padded_head_dim
-
-        dtype = str(self._compute_dtype()).removeprefix("torch.")
-        key = precompile.plan_key(self.model_args.flavour, padded_head_dim(self.model_args.head_dim, self.device),
-                                  self.model_args.n_heads // self.dims.tp, dtype, packed=self.config.data.varlen)
-        specs, source = precompile.select(located.plans, key)
+        specs, source = precompile.select(located.plans, self._plan_key())
         if not specs:
             return precompile.Precompile(source=f"{source} in {located.path}")
         if workers < 0:

@@ -249,8 +249,9 @@ def run(args) -> int:
             return 2
     if "ppl_heldout" in args.evaluate and "ppl" not in args.evaluate:
         if "heldout" not in eval_splits(recipe, corpus):
-            print(f"error: --evaluate ppl_heldout: --corpus {corpus} has no held-out split (python {builder} "
-                  "writes one)", file=sys.stderr)
+            hint = ("the small recipe's corpus has none: use --evaluate ppl" if recipe.corpus_layout == "gzip_pair"
+                    else f"python {builder} writes one")
+            print(f"error: --evaluate ppl_heldout: --corpus {corpus} has no held-out split ({hint})", file=sys.stderr)
             return 2
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_min * 60.0 - STOP_GRACE_S

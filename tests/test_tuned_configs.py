@@ -165,6 +165,8 @@ def test_the_trainer_records_its_choice(tmp_path):
     trainer = Trainer(parse_config(["--training.steps", "1", "--training.device", "cpu", "--job.dump_folder",
                                     str(tmp_path), "--validation.enable", "false"]))
     assert trainer.paths["kernel_configs"] == "autotuned at run time (no fla kernels in this run)"
+    # The kind it would hand locate() (which table leads) and the precompile (which plan): one key for both.
+    assert trainer._plan_key() == "hola/d64/h2/bfloat16/packed"  # the debug model, bf16 parameters, packed rows
 
 
 def test_the_fla640_verdict_is_kept_only_when_it_passed_under_this_tolerance(tmp_path):
@@ -367,40 +369,73 @@ def test_a_node_s_entries_are_served_beside_a_shipped_table_which_wins_a_key_bot
     assert tuned_configs.locate("auto", "cuda").node_path is None  # no node cache named: the shipped table alone
 
 
+def _by_head_dim(name: str, *dims: int) -> dict:
+    """A kernel keyed by head dim alone (no extent: an entry serves only its own value)."""
+    return {name: {"key_names": ["K"], "entries": [{"key": [d], "config": {"num_warps": d}} for d in dims]}}
+
+
 def test_a_gpu_s_own_table_takes_what_it_lacks_from_one_of_its_architecture(tmp_path, monkeypatch, capsys):
     """An own table tuned for fewer recipes (the H100's first lease tuned the 340M packed kinds only) must not send
     the other recipes back to minutes of autotuning: another sm_90 table serves the keys and run kinds it lacks,
     and the own table wins every key and run kind both hold."""
     own_name, other_name = ("NVIDIA_H100_80GB_HBM3__fla-0.6.0__triton-3.6.0.json",
                             "NVIDIA_H200__fla-0.6.0__triton-3.6.0.json")
+    own_meta = {**H200_META, "gpu": "NVIDIA H100 80GB HBM3"}
     _fake_gpu(monkeypatch, tmp_path, name="NVIDIA H100 80GB HBM3", capability=(9, 0),
-              files={other_name: H200_META, own_name: {**H200_META, "gpu": "NVIDIA H100 80GB HBM3"}})
+              files={other_name: H200_META, own_name: own_meta})
     folder = tmp_path / "configs"
 
     def write(name, meta, kernels, plans):
         (folder / name).write_text(json.dumps({"format": tuned_configs.FORMAT, "meta": meta, "kernels": kernels,
                                                "plans": plans}))
 
-    write(own_name, {**H200_META, "gpu": "NVIDIA H100 80GB HBM3"}, _kernels("k", 8), {"hola/packed": ["own"]})
-    write(other_name, H200_META, {**_kernels("k", 8, 2), **_kernels("j", 5)},
-          {"hola/packed": ["h200"], "gdn/plain": ["h200"]})
+    write(own_name, own_meta, {**_by_head_dim("k", 256), **_kernels("c", 8)}, {"hola/d256/h4/bf16/packed": ["own"]})
+    # Key 8 of c serves 2 by extent (B): the other GPU's entry there could never be served and is left out.
+    write(other_name, H200_META, {**_by_head_dim("k", 256, 128), **_kernels("j", 5), **_kernels("c", 2)},
+          {"hola/d256/h4/bf16/packed": ["h200"], "gdn/d128/h2/float32/plain": ["h200"]})
     located = tuned_configs.locate("auto", "cuda")
     assert located.source == "shipped" and located.path.endswith(own_name)
-    assert located.fill_path.endswith(other_name) and located.kernels == 2
+    assert located.fill_path.endswith(other_name) and located.kernels == 3
     k = located.data["kernels"]["k"]["entries"]
-    assert [(e["key"], tuned_configs.FILLED_FROM in e) for e in k] == [([8], False), ([2], True)]
+    assert [(e["key"], tuned_configs.FILLED_FROM in e) for e in k] == [([256], False), ([128], True)]
     assert located.data["kernels"]["j"]["entries"][0][tuned_configs.FILLED_FROM] == "NVIDIA H200"
-    assert located.plans == {"hola/packed": ["own"], "gdn/plain": ["h200"]}
+    assert [e["key"] for e in located.data["kernels"]["c"]["entries"]] == [[8]]
+    assert located.plans == {"hola/d256/h4/bf16/packed": ["own"], "gdn/d128/h2/float32/plain": ["h200"]}
     assert "2 entries and 1 of 2 run kinds' compile plans it lacks from NVIDIA H200's table" in located.why
     assert located.record()["fill_path"] == located.fill_path
     assert _tune_kernels_script().check(__import__("torch"), tuned_configs) == 0
     assert "it lacks from NVIDIA H200's table" in capsys.readouterr().out
+    # A run kind only the other table has a plan for: that table serves the run alone, so that what is served is
+    # what its plan compiled; a kind the own table plans keeps the own table.
+    located = tuned_configs.locate("auto", "cuda", plan_key="gdn/d128/h2/float32/plain")
+    assert located.source == "nearest_gpu" and located.path.endswith(other_name) and located.fill_path is None
+    assert "has no compile plan for gdn/d128/h2/float32/plain" in located.why
+    assert tuned_configs.locate("auto", "cuda", plan_key="hola/d256/h4/bf16/packed").path.endswith(own_name)
+    # What this node autotuned is this GPU's timing: it wins a key the other GPU's table holds too.
+    node = tmp_path / "node"
+    path = tuned_configs.node_tuned_file(node, "NVIDIA H100 80GB HBM3", "0.6.0", "3.6.0")
+    tuned_configs.keep_node_tuned(path, _by_head_dim("k", 128), gpu="g", versions=tuned_configs.versions())
+    k = tuned_configs.locate("auto", "cuda", node_cache=node).data["kernels"]["k"]["entries"]
+    assert [(e["key"], tuned_configs.FILLED_FROM in e) for e in k] == [([256], False), ([128], False)]
     # Another architecture's table never fills.
     (folder / other_name).unlink()
     write("NVIDIA_A100__fla-0.6.0__triton-3.6.0.json", {**H200_META, "gpu": "NVIDIA A100", "capability": [8, 0]},
           _kernels("j", 5), {})
     located = tuned_configs.locate("auto", "cuda")
-    assert located.fill_path is None and set(located.data["kernels"]) == {"k"}
+    assert located.fill_path is None and set(located.data["kernels"]) == {"k", "c"}
+
+
+def test_a_table_that_already_serves_everything_is_not_filled(tmp_path, monkeypatch):
+    """The H200's table serves every key of the H100's by extent and plans every kind it does: nothing to add, so
+    no fill and no change to the table's digest (which names the kept #640 verdicts)."""
+    own_name, other_name = ("NVIDIA_H200__fla-0.6.0__triton-3.6.0.json",
+                            "NVIDIA_H100_80GB_HBM3__fla-0.6.0__triton-3.6.0.json")
+    _fake_gpu(monkeypatch, tmp_path, name="NVIDIA H200", capability=(9, 0), files={own_name: H200_META})
+    (tmp_path / "configs" / other_name).write_text(json.dumps({
+        "format": tuned_configs.FORMAT, "meta": {**H200_META, "gpu": "NVIDIA H100 80GB HBM3"},
+        "kernels": _kernels("k", 4, 16), "plans": {}}))
+    located = tuned_configs.locate("auto", "cuda")
+    assert located.source == "shipped" and located.fill_path is None and "lacks" not in located.why
 
 
 def test_a_launch_served_by_another_gpu_s_entry_is_counted_as_such():
@@ -420,3 +455,11 @@ def test_a_launch_served_by_another_gpu_s_entry_is_counted_as_such():
     call = _launch(tuner, h=8, k=64)
     assert (call["BT"], call["num_warps"], call["num_stages"]) == (64, 4, 2)
     assert (served.nearest, served.filled) == (1, 0)
+    # An own entry naming a configuration this fla does not offer falls back to the other GPU's entry.
+    tuner = _make_kernel()
+    foreign = triton.Config({"BT": 128}, num_warps=8, num_stages=1)
+    served = _table(tuner, [_entry(4, 128, True, foreign),
+                            {**_entry(4, 128, True, CONFIGS[2]), tuned_configs.FILLED_FROM: "NVIDIA H200"}])
+    call = _launch(tuner, h=4, k=128)
+    assert (call["BT"], call["num_warps"], call["num_stages"]) == (32, 4, 2)
+    assert (served.exact, served.filled, served.stale, served.tuned) == (1, 1, 0, [])

@@ -254,23 +254,24 @@ class ConfigTable(dict):
         if dict.__contains__(self, key):
             return True
         wanted = key_to_json(key)
-        entry, how = None, "exact"
+        entry = config = None
+        how, stale = "exact", False
         for group in self._groups:
-            entry = next((e for e in group if e["key"] == wanted and all(
+            found = next((e for e in group if e["key"] == wanted and all(
                 type(a) is type(b) for a, b in zip(e["key"], wanted))), None)
             how = "exact"
-            if entry is None:
-                entry, how = nearest_entry(wanted, group, self._key_names), "nearest"
-            if entry is not None:
+            if found is None:
+                found, how = nearest_entry(wanted, group, self._key_names), "nearest"
+            if found is None:
+                continue
+            config = next((c for c in self._candidates if _same_config(c, found["config"])), None)
+            if config is not None:
+                entry = found
                 break
-        config = None
-        if entry is not None:
-            config = next((c for c in self._candidates if _same_config(c, entry["config"])), None)
-            if config is None:
-                how = "stale"
+            stale = True  # a configuration this fla does not offer: the next group may hold one it does
         with self._lock:
             if config is None:
-                if how == "stale":
+                if stale:
                     self._served.stale += 1
                 self._served.tuned.append(f"{self._name} {wanted}")
                 return False
@@ -362,7 +363,7 @@ def keep_node_tuned(path: Path, kernels: dict[str, dict], *, gpu: str, versions:
     return added
 
 
-def locate(choice: str, device, *, node_cache: Path | None = None) -> Installed:
+def locate(choice: str, device, *, node_cache: Path | None = None, plan_key: str | None = None) -> Installed:
     """Which configurations file ``choice`` names for ``device`` (read and checked), without importing fla or
     changing anything: the decision :func:`install` then applies. The file's plans are known from here on, so a
     run can start compiling them (hola_titan/kernels/precompile.py) while fla imports.
@@ -372,6 +373,10 @@ def locate(choice: str, device, *, node_cache: Path | None = None) -> Installed:
     ``node_cache``: with ``auto``, a folder (``job.cache_folder``) whose :func:`node_tuned_file` holds what earlier
     processes on this node autotuned; its entries are served beside the shipped ones (which win a key both hold),
     or alone where nothing is shipped, so only the first process on a node pays for what no table covers.
+    ``plan_key``: with ``auto``, the run's kind (:func:`hola_titan.kernels.precompile.plan_key`). A GPU's own table
+    leads, filled from another GPU's of its architecture where it lacks entries or plans, unless the other has a
+    plan for this kind and the own has none: then the other's table serves the run alone, as for a GPU without a
+    table, so that the configurations served are the ones its plan compiled.
     """
     import torch
 
@@ -391,6 +396,10 @@ def locate(choice: str, device, *, node_cache: Path | None = None) -> Installed:
             # A GPU's own table may cover fewer recipes than another of its architecture (a tuning lease that
             # ended early): the other's entries serve what the own one lacks rather than minutes of autotuning.
             fill = nearest_shipped(gpu, capability, v["fla"], v["triton"])
+            if fill is not None and plan_key is not None and _plan_only_in(fill, path, plan_key):
+                nearest_why = (f"; {gpu}'s own table ({path.name}) has no compile plan for {plan_key} and this one "
+                               f"has: it serves this run alone (same architecture, {sm(capability)})")
+                path, source, fill = fill, "nearest_gpu", None
         else:
             none = (f"none shipped for {gpu} ({sm(capability)}) with fla-core {v['fla']} and Triton "
                     f"{v['triton']}")
@@ -416,19 +425,42 @@ def locate(choice: str, device, *, node_cache: Path | None = None) -> Installed:
     if source == "file" and (meta.get("gpu") != gpu or meta.get("fla") != v["fla"]
                              or meta.get("triton") != v["triton"]):
         why += f"; this process: {gpu}, fla-core {v['fla']}, Triton {v['triton']}"
-    if fill is not None:
-        data, filled_why = _filled(data, read_file(fill), fill)
-        why += filled_why
     node = _node_tuned(node_cache, gpu, v) if choice == "auto" else None
     node_path = None
     if node is not None:
         node_path, node_data = node
         extra = sum(len(k["entries"]) for k in node_data["kernels"].values())
-        data = {**data, "kernels": merge([data["kernels"], node_data["kernels"]])}
         why += f"; with {extra} entries autotuned by earlier processes on this node ({node_path})"
         node_path = str(node_path)
+    data, filled_why = _compose(data, node_path, None if fill is None else str(fill))
+    why += filled_why
+    fill_path = str(fill) if filled_why else None
     return Installed(source, str(path), why, kernels=len(data["kernels"]), plans=data.get("plans", {}),
-                     data=data, node_path=node_path, fill_path=None if fill is None else str(fill))
+                     data=data, node_path=node_path, fill_path=fill_path)
+
+
+def _plan_only_in(other: Path, own: Path, plan_key: str) -> bool:
+    """Whether ``other``'s file has a compile plan for the run kind ``plan_key`` (or one of another flavour at the
+    same head dim, heads, dtype and rows: :func:`~hola_titan.kernels.precompile.select`) and ``own``'s has none."""
+    from hola_titan.kernels.precompile import select
+
+    try:
+        return not select(read_file(own).get("plans", {}), plan_key)[0] and \
+            bool(select(read_file(other).get("plans", {}), plan_key)[0])
+    except ValueError:
+        return False  # read_file names a broken file where the table is read for use
+
+
+def _compose(data: dict, node_path: str | None, fill_path: str | None) -> tuple[dict, str]:
+    """A table as served: ``data`` (the lead file), then what this node autotuned (this GPU's own timings: they
+    win over another GPU's), then another GPU's file of the same architecture where the lead lacks entries or
+    plans (:func:`_filled`). Returns the table and the words for ``why`` about the fill ("" when it adds nothing)."""
+    if node_path is not None:
+        node = read_file(Path(node_path))
+        data = {**data, "kernels": merge([data["kernels"], node["kernels"]])}
+    if fill_path is None:
+        return data, ""
+    return _filled(data, read_file(Path(fill_path)), Path(fill_path))
 
 
 
@@ -439,14 +471,23 @@ def _filled(own: dict, other: dict, other_path: Path) -> tuple[dict, str]:
     at another batch or head count). A run kind both have a plan for takes ``own``'s, which lists what ``own``'s
     configurations compile; one only ``other`` has keeps ``other``'s plan."""
     gpu = other.get("meta", {}).get("gpu")
-    marked = {name: {**kernel, "entries": [{**e, FILLED_FROM: gpu} for e in kernel["entries"]]}
-              for name, kernel in other["kernels"].items()}
-    kernels = merge([own["kernels"], marked])
-    added = sum(len(k["entries"]) for k in kernels.values()) - sum(len(k["entries"]) for k in own["kernels"].values())
-    plans = {**other.get("plans", {}), **own.get("plans", {})}
-    why = (f"; {added} entries and {len(plans) - len(own.get('plans', {}))} of {len(plans)} run kinds' compile plans "
-           f"it lacks from {gpu}'s table of the same architecture ({other_path.name})")
-    return {**own, "kernels": kernels, "plans": plans}, why
+    marked, added = {}, 0
+    for name, kernel in other["kernels"].items():
+        mine = own["kernels"].get(name)
+        names = list((mine or kernel).get("key_names", []))
+        # Only what the own table serves neither exactly nor by extent: the rest could never be served, and
+        # would change the table's digest (and so the kept #640 verdicts) for nothing.
+        entries = [{**e, FILLED_FROM: gpu} for e in kernel["entries"]
+                   if mine is None or nearest_entry(e["key"], mine["entries"], names) is None]
+        if entries:
+            marked[name] = {**kernel, "entries": entries}
+            added += len(entries)
+    plans = {k: specs for k, specs in other.get("plans", {}).items() if k not in own.get("plans", {})}
+    if not added and not plans:
+        return own, ""
+    why = (f"; {added} entries and {len(plans)} of {len(plans) + len(own.get('plans', {}))} run kinds' compile "
+           f"plans it lacks from {gpu}'s table of the same architecture ({other_path.name})")
+    return {**own, "kernels": merge([own["kernels"], marked]), "plans": {**plans, **own.get("plans", {})}}, why
 
 
 def _node_tuned(folder: Path | None, gpu: str, v: dict) -> tuple[Path, dict] | None:
@@ -473,7 +514,10 @@ def install(choice: str | Installed, device) -> Installed:
     if located.path is None:
         return located
     path = Path(located.path)
-    data = located.data if located.data is not None else read_file(path)
+    data = located.data
+    if data is None:  # an Installed passed again: the node's and the other GPU's entries as locate() served them
+        data = _compose(read_file(path), located.node_path if located.node_path != located.path else None,
+                        located.fill_path)[0]
     import_fla_kernels()
     digest = hashlib.sha256(path.read_bytes())
     if located.node_path is not None and located.node_path != located.path:
