@@ -388,18 +388,21 @@ def locate(choice: str, device, *, node_cache: Path | None = None, plan_key: str
     v = versions()
     gpu = torch.cuda.get_device_name(device)
     nearest_why = ""
-    fill = None
+    data = fill = None
     if choice == "auto":
         path, source = shipped_file(gpu, v["fla"], v["triton"]), "shipped"
         capability = tuple(torch.cuda.get_device_capability(device))
         if path.exists():
             # A GPU's own table may cover fewer recipes than another of its architecture (a tuning lease that
             # ended early): the other's entries serve what the own one lacks rather than minutes of autotuning.
-            fill = nearest_shipped(gpu, capability, v["fla"], v["triton"])
-            if fill is not None and plan_key is not None and _plan_only_in(fill, path, plan_key):
-                nearest_why = (f"; {gpu}'s own table ({path.name}) has no compile plan for {plan_key} and this one "
-                               f"has: it serves this run alone (same architecture, {sm(capability)})")
-                path, source, fill = fill, "nearest_gpu", None
+            data = read_file(path)
+            other_path = nearest_shipped(gpu, capability, v["fla"], v["triton"])
+            if other_path is not None:
+                fill = (read_file(other_path), other_path)
+                if plan_key is not None and _plan_only_in(fill[0], data, plan_key):
+                    nearest_why = (f"; {gpu}'s own table ({path.name}) has no compile plan for {plan_key} and this "
+                                   f"one has: it serves this run alone (same architecture, {sm(capability)})")
+                    (data, path), source, fill = fill, "nearest_gpu", None
         else:
             none = (f"none shipped for {gpu} ({sm(capability)}) with fla-core {v['fla']} and Triton "
                     f"{v['triton']}")
@@ -419,49 +422,46 @@ def locate(choice: str, device, *, node_cache: Path | None = None, plan_key: str
         path, source = Path(choice).expanduser(), "file"
         if not path.exists():
             raise FileNotFoundError(f"model.kernel_configs: {path} does not exist")
-    data = read_file(path)
+    if data is None:
+        data = read_file(path)
     meta = data.get("meta", {})
     why = f"tuned on {meta.get('gpu')} with fla-core {meta.get('fla')}, Triton {meta.get('triton')}{nearest_why}"
     if source == "file" and (meta.get("gpu") != gpu or meta.get("fla") != v["fla"]
                              or meta.get("triton") != v["triton"]):
         why += f"; this process: {gpu}, fla-core {v['fla']}, Triton {v['triton']}"
     node = _node_tuned(node_cache, gpu, v) if choice == "auto" else None
-    node_path = None
+    node_path = node_kernels = None
     if node is not None:
         node_path, node_data = node
-        extra = sum(len(k["entries"]) for k in node_data["kernels"].values())
+        node_kernels = node_data["kernels"]
+        extra = sum(len(k["entries"]) for k in node_kernels.values())
         why += f"; with {extra} entries autotuned by earlier processes on this node ({node_path})"
         node_path = str(node_path)
-    data, filled_why = _compose(data, node_path, None if fill is None else str(fill))
+    data, filled_why = _compose(data, node_kernels, fill)
     why += filled_why
-    fill_path = str(fill) if filled_why else None
+    fill_path = str(fill[1]) if filled_why else None
     return Installed(source, str(path), why, kernels=len(data["kernels"]), plans=data.get("plans", {}),
                      data=data, node_path=node_path, fill_path=fill_path)
 
 
-def _plan_only_in(other: Path, own: Path, plan_key: str) -> bool:
-    """Whether ``other``'s file has a compile plan for the run kind ``plan_key`` (or one of another flavour at the
-    same head dim, heads, dtype and rows: :func:`~hola_titan.kernels.precompile.select`) and ``own``'s has none."""
+def _plan_only_in(other: dict, own: dict, plan_key: str) -> bool:
+    """Whether the table ``other`` has a compile plan for the run kind ``plan_key`` (or one of another flavour at
+    the same head dim, heads, dtype and rows: :func:`~hola_titan.kernels.precompile.select`) and ``own`` has none."""
     from hola_titan.kernels.precompile import select
 
-    try:
-        return not select(read_file(own).get("plans", {}), plan_key)[0] and \
-            bool(select(read_file(other).get("plans", {}), plan_key)[0])
-    except ValueError:
-        return False  # read_file names a broken file where the table is read for use
+    return not select(own.get("plans", {}), plan_key)[0] and bool(select(other.get("plans", {}), plan_key)[0])
 
 
-def _compose(data: dict, node_path: str | None, fill_path: str | None) -> tuple[dict, str]:
-    """A table as served: ``data`` (the lead file), then what this node autotuned (this GPU's own timings: they
-    win over another GPU's), then another GPU's file of the same architecture where the lead lacks entries or
-    plans (:func:`_filled`). Returns the table and the words for ``why`` about the fill ("" when it adds nothing)."""
-    if node_path is not None:
-        node = read_file(Path(node_path))
-        data = {**data, "kernels": merge([data["kernels"], node["kernels"]])}
-    if fill_path is None:
+def _compose(data: dict, node_kernels: dict | None, fill: tuple[dict, Path] | None) -> tuple[dict, str]:
+    """A table as served: ``data`` (the lead file), then what this node autotuned (``node_kernels``: this GPU's own
+    timings, they win over another GPU's), then another GPU's table of the same architecture (``fill``: the table
+    and its path) where the lead lacks entries or plans (:func:`_filled`). Returns the table and the words for
+    ``why`` about the fill ("" when it adds nothing)."""
+    if node_kernels is not None:
+        data = {**data, "kernels": merge([data["kernels"], node_kernels])}
+    if fill is None:
         return data, ""
-    return _filled(data, read_file(Path(fill_path)), Path(fill_path))
-
+    return _filled(data, *fill)
 
 
 def _filled(own: dict, other: dict, other_path: Path) -> tuple[dict, str]:
@@ -516,8 +516,10 @@ def install(choice: str | Installed, device) -> Installed:
     path = Path(located.path)
     data = located.data
     if data is None:  # an Installed passed again: the node's and the other GPU's entries as locate() served them
-        data = _compose(read_file(path), located.node_path if located.node_path != located.path else None,
-                        located.fill_path)[0]
+        node = located.node_path if located.node_path not in (None, located.path) else None
+        fill = None if located.fill_path is None else Path(located.fill_path)
+        data = _compose(read_file(path), None if node is None else read_file(Path(node))["kernels"],
+                        None if fill is None else (read_file(fill), fill))[0]
     import_fla_kernels()
     digest = hashlib.sha256(path.read_bytes())
     if located.node_path is not None and located.node_path != located.path:
