@@ -971,12 +971,29 @@ def test_the_kept_output_chooses_its_own_dk_dv_launch():
     other head dims the plain table's launch; the plain table never sums dq atomically at D 256."""
     from hola_titan.kernels import hola_triton_attn as attn
     cuda = torch.device("cuda")  # _config reads only the device type: no GPU needed
-    assert attn._config("dkdv_kept", 256, cuda).get("DQ_ATOMIC") is True
-    assert "DQ_ATOMIC" not in attn._config("dkdv", 256, cuda)
+    bf16 = torch.bfloat16
+    assert attn._config("dkdv_kept", 256, bf16, cuda).get("DQ_ATOMIC") is True
+    assert "DQ_ATOMIC" not in attn._config("dkdv", 256, bf16, cuda)
     for d in (64, 128):
-        assert attn._config("dkdv_kept", d, cuda) == attn._config("dkdv", d, cuda)
-    kept = dict(attn._config("dkdv_kept", 256, cuda))
+        assert attn._config("dkdv_kept", d, bf16, cuda) == attn._config("dkdv", d, bf16, cuda)
+    kept = dict(attn._config("dkdv_kept", 256, bf16, cuda))
     kept.pop("DQ_ATOMIC")
-    assert kept == attn._config("dkdv", 256, cuda)  # the same tiles: only the variant differs
-    assert attn.kept_output_sums_dq_atomically(256, cuda) and not attn.kept_output_sums_dq_atomically(128, cuda)
+    assert kept == attn._config("dkdv", 256, bf16, cuda)  # the same tiles: only the variant differs
+    assert attn.kept_output_sums_dq_atomically(256, bf16, cuda)
+    assert not attn.kept_output_sums_dq_atomically(128, bf16, cuda)
     assert all(attn.CONFIGS["dkdv_kept"][d] is not attn.CONFIGS["dkdv"][d] for d in attn.CONFIGS["dkdv"])
+
+
+def test_float32_launches_take_their_own_tiles_where_listed():
+    """float32 inputs (FMA products, no tensor cores) take ``CONFIGS_FLOAT32`` at the head dims it lists, whose tiles
+    do not spill, and the bf16 table elsewhere; bf16 inputs never take the float32 table."""
+    from hola_titan.kernels import hola_triton_attn as attn
+    cuda = torch.device("cuda")
+    for kind in ("fwd", "dq", "dkdv", "dkdv_kept"):
+        for d in (64, 128):
+            assert attn._config(kind, d, torch.float32, cuda) == attn.CONFIGS_FLOAT32[kind][d]
+            assert attn._config(kind, d, torch.bfloat16, cuda) == {
+                k: v for k, v in attn.CONFIGS[kind][d].items() if k in ("BM", "BN", "num_warps", "num_stages")}
+        assert attn._config(kind, 256, torch.float32, cuda) == attn._config(kind, 256, torch.bfloat16, cuda)
+    assert attn.CONFIGS_FLOAT32["dq"][64] != attn.CONFIGS["dq"][64]  # the spilling 64 x 64 tiles are not taken
+    assert attn._config("dq", 64, torch.float32, torch.device("cpu")) == attn._INTERPRET_CONFIG

@@ -88,6 +88,34 @@ def test_the_shipped_plans_hold_the_head_count_their_key_names():
                     assert values["H"] == heads, f"{path.name}: plan {key} holds {data['name']} for H={values['H']}"
 
 
+def test_the_shipped_plans_hold_the_cache_kernels_launches():
+    """Every shipped plan's Triton cache-read kernels carry the tiles, warps and stages that the launch tables give
+    their head dim and dtype: a plan holding another launch compiles, in its workers, kernels the run never asks
+    for, while the run compiles its own on the main thread (the float32 table changed on 2026-12-06)."""
+    import torch
+
+    from hola_titan.kernels import hola_triton_attn, tuned_configs
+    kinds = {"_cache_fwd_kernel": "fwd", "_cache_bwd_dq_kernel": "dq", "_cache_bwd_dkdv_kernel": "dkdv"}
+    dtypes = {"*fp32": torch.float32, "*bf16": torch.bfloat16, "*fp16": torch.float16}
+    seen = set()
+    for path in sorted(tuned_configs.CONFIG_DIR.glob("*.json")):
+        for key, specs in json.loads(path.read_text()).get("plans", {}).items():
+            for spec in specs:
+                data = json.loads(spec)
+                module, _, function = data["name"].rpartition(".")
+                if module != "hola_titan.kernels.hola_triton_attn" or function not in kinds:
+                    continue
+                names = list(data["signature"])
+                values = {names[k[0]]: v for k, v in zip(data["constant_keys"], data["constant_vals"])}
+                dtype = dtypes[data["signature"]["q_ptr"]]
+                want = hola_triton_attn._config(kinds[function], values["D"], dtype, torch.device("cuda"))
+                got = dict(BM=values["BM"], BN=values["BN"], num_warps=data["options"]["num_warps"],
+                           num_stages=data["options"]["num_stages"])
+                assert got == {k: want[k] for k in got}, f"{path.name}: plan {key}, {function} at D {values['D']}"
+                seen.add((dtype, values["D"]))
+    assert (torch.float32, 64) in seen  # the MQAR recipes' plans are among those checked
+
+
 def test_only_the_configurations_an_autotuner_chose_stay_in_a_plan():
     tried = [_spec("fla.ops.t", warps=w, stages=s, bk=bk) for w in (2, 4) for s in (2, 3) for bk in (32, 64)]
     fixed = _spec("hola_titan.kernels.k")

@@ -80,6 +80,14 @@ CONFIGS = {
 # 2026-12-03, eleventh session). D 64 and 128 keep the plain table's launch (not timed with the kept output).
 CONFIGS["dkdv_kept"] = {**{d: dict(cfg) for d, cfg in CONFIGS["dkdv"].items()},
                         256: dict(CONFIGS["dkdv"][256], DQ_ATOMIC=True)}
+# float32 inputs (the MQAR recipes, exact checks): ``input_precision="ieee"`` products run on the FMA units, not
+# the tensor cores, and with the tables above their tiles spilled: at head dim 64 the 64 x 64 launches kept 2-15 KB
+# a thread on the stack and took 7.5-20.9 s each to compile (ptxas, Triton 3.6, sm_90a; the dq kernel alone was the
+# MQAR start-up's longest wait, 20.1 s on a fresh H100). 32 x 32 tiles with 8 warps spill 0-48 bytes at head dims
+# 64 and 128 (424 in the forward at 128) and compile in 1.6-4.5 s (scripts/kernel_resources.py; docs/LOG.md,
+# 2026-12-06). Head dims not listed take the table above.
+CONFIGS_FLOAT32 = {kind: {d: dict(BM=32, BN=32, num_warps=8, num_stages=2) for d in (64, 128)}
+                   for kind in ("fwd", "dq", "dkdv", "dkdv_kept")}
 _INTERPRET_CONFIG = dict(BM=16, BN=16, num_warps=1, num_stages=1)
 
 # Tests set this to fill every output buffer with NaN before the kernels run, so unwritten elements fail.
@@ -198,11 +206,11 @@ def _kernels_choice(table: dict, d: int, dtype: torch.dtype | None, device: torc
     return "gluon", f"{GLUON_WHY} (hola_gluon_attn.py)"
 
 
-def kept_output_sums_dq_atomically(d: int, device: torch.device) -> bool:
-    """Whether a backward with the forward's kept output sums dq by atomic adds (DQ_ATOMIC) at head dim ``d`` on
-    ``device``, when torch's deterministic algorithms are off and the Triton kernels run it: what a run's ``paths``
-    line reports."""
-    return bool(_config("dkdv_kept", d, device).get("DQ_ATOMIC", False))
+def kept_output_sums_dq_atomically(d: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a backward with the forward's kept output sums dq by atomic adds (DQ_ATOMIC) at head dim ``d`` and
+    ``dtype`` on ``device``, when torch's deterministic algorithms are off and the Triton kernels run it: what a
+    run's ``paths`` line reports."""
+    return bool(_config("dkdv_kept", d, dtype, device).get("DQ_ATOMIC", False))
 
 
 def _kernels_label(kernels: str, why: str) -> str:
@@ -221,15 +229,19 @@ def describe_cache_backward(d: int, dtype: torch.dtype, device: torch.device, *,
     ``delta`` comes from."""
     kernels, why = backward_kernels(d, dtype, device)
     text = _kernels_label(kernels, why)
-    if kernels == "triton" and kept_output and kept_output_sums_dq_atomically(d, device) and not deterministic:
+    if kernels == "triton" and kept_output and kept_output_sums_dq_atomically(d, dtype, device) and not deterministic:
         text += "; dq summed by the dk/dv programs with atomic adds, in no fixed order"
     return text + ("; delta from the kept cache-read output (model.save_cache_output)" if kept_output else
                    "; delta over the cache's keys (output not kept)")
 
 
-def _config(kind: str, d: int, device: torch.device) -> dict:
+def _config(kind: str, d: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The launch of ``kind`` at head dim ``d`` for inputs of ``dtype``: ``CONFIGS_FLOAT32`` for float32 where it
+    lists ``d``, else ``CONFIGS`` (its nearest head dim where it does not list ``d``)."""
     if device.type != "cuda":  # Triton's interpreter
         cfg = dict(_INTERPRET_CONFIG)
+    elif dtype == torch.float32 and d in CONFIGS_FLOAT32[kind]:
+        cfg = dict(CONFIGS_FLOAT32[kind][d])
     else:
         table = CONFIGS[kind]
         cfg = dict(table[min(table, key=lambda x: abs(x - d))]) if d not in table else dict(table[d])
@@ -1030,7 +1042,7 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
             q, k, v, o_state, o, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, oc, h, nqt,
             d ** -0.5, window, D=d, BM=fcfg["BM"], BN=fcfg["BN"], STORE_OC=save_output, num_warps=fcfg["num_warps"])
         return (o, lse, rq, rk, oc) if save_output else (o, lse, rq, rk)
-    cfg = _config("fwd", d, q.device)
+    cfg = _config("fwd", d, q.dtype, q.device)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nqt = triton.cdiv(block, bm)
     split = cfg.pop("SPLIT", 1)
@@ -1138,7 +1150,7 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     scale = d ** -0.5
     prec = _dot_precision(q.dtype)
     sel = sel if sel.numel() else blk_start  # window 0: never read, but Triton needs a valid pointer
-    dkdv_cfg = _config("dkdv" if o_cache is None else "dkdv_kept", d, device)
+    dkdv_cfg = _config("dkdv" if o_cache is None else "dkdv_kept", d, q.dtype, device)
     separate, dq_atomic = dkdv_cfg.pop("SEPARATE", False), dkdv_cfg.pop("DQ_ATOMIC", False)
     if separate and dq_atomic:
         raise ValueError("cache attention dk/dv launch configuration: SEPARATE and DQ_ATOMIC exclude each other")
@@ -1156,7 +1168,7 @@ def cache_attention_bwd(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, 
     # Written by the dq programs for every query row of a block; the dk/dv programs read only those rows.
     delta = _empty(num_tokens, h, dtype=torch.float32, device=device)
     dq = _empty(*q.shape, dtype=q.dtype, device=device)
-    cfg = _config("dq", d, device)
+    cfg = _config("dq", d, q.dtype, device)
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     nqt = triton.cdiv(block, bm)
     dgq_part, dsink_part, dgate_part = _dq_partials(num_blocks * nqt, h, d, device)
