@@ -150,6 +150,27 @@ def fast_path_check(chosen: str, why: str, *, device_type: str, backend: str, re
             "than the Triton kernels. Set model.require_fast_path = true to refuse such a start")
 
 
+def share_autotuned(kernels: dict, *, distributed: bool, gather=None) -> dict:
+    """Every rank's autotuned entries (``tuned_configs.tuned_entries``) merged in rank order, on every rank, and
+    served by each rank's autotuners ahead of its own choices (``tuned_configs.adopt``): a key several ranks tuned
+    takes the lowest rank's configuration, so a job runs one set of launch configurations, and a key only some
+    ranks launch (context-parallel ranks continue from a state that rank 0 never receives) is kept too.
+    ``gather`` (tests) stands in for ``torch.distributed.all_gather_object``: this rank's value in, every rank's out."""
+    if not distributed:
+        return kernels
+    if gather is None:
+        def gather(value):
+            out = [None] * dist.get_world_size()
+            dist.all_gather_object(out, value)
+            return out
+    from hola_titan.kernels import tuned_configs
+
+    merged = tuned_configs.merge([k for k in gather(kernels) if k])
+    if merged:
+        tuned_configs.adopt(merged)
+    return merged
+
+
 def node_cache_folder(config: JobConfig) -> Path | None:
     """``job.cache_folder`` expanded, or None when it is empty (keep nothing between processes)."""
     return Path(config.job.cache_folder).expanduser() if config.job.cache_folder else None
@@ -453,36 +474,45 @@ class Trainer:
             return Installed("off", None, "no fla kernels in this run")
         try:
             return locate(self.config.model.kernel_configs, self.device, node_cache=node_cache_folder(self.config),
-                          plan_key=self._plan_key())
+                          job_cache=self.dump, plan_key=self._plan_key())
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError("model.kernel_configs", str(err).removeprefix("model.kernel_configs: ")) from None
 
     def _keep_autotuned(self) -> None:
-        """After the first step: what fla's autotuners tuned in this process (keys no shipped table served) is kept
-        for the node's next processes (``job.cache_folder``), once per node (its first local rank). Only with
-        ``model.kernel_configs = auto``: ``off`` asks for autotuning and a path names the one file to use."""
+        """After the first step: what fla's autotuners tuned (keys no table served) becomes the job's. Every rank's
+        choices, merged in rank order, go to every rank (:func:`share_autotuned`: from the next launch on, the ranks
+        run the same configurations) and are kept for later starts: in the run folder by rank 0 (read at the job's
+        next start on whatever nodes it lands), and in ``job.cache_folder`` by each node's first local rank (for the
+        node's next processes of any job). Only with ``model.kernel_configs = auto``: ``off`` asks for autotuning
+        and a path names the one file to use. Every rank calls it (the gather needs them all)."""
         from hola_titan.kernels import tuned_configs
 
-        folder = node_cache_folder(self.config)
-        if (folder is None or self.config.model.kernel_configs != "auto" or self.device.type != "cuda"
-                or self.device.index not in (None, 0) or self.attention_backend == "reference"
-                or not self.model_args.is_recurrent):
+        if (self.config.model.kernel_configs != "auto" or self.device.type != "cuda"
+                or self.attention_backend == "reference" or not self.model_args.is_recurrent):
             return
-        kernels = tuned_configs.tuned_entries()
+        kernels = share_autotuned(tuned_configs.tuned_entries(), distributed=self.world_size > 1)
         if not kernels:
             return
         v = tuned_configs.versions()
         gpu = torch.cuda.get_device_name(self.device)
-        path = tuned_configs.node_tuned_file(folder, gpu, v["fla"], v["triton"])
-        try:
-            added = tuned_configs.keep_node_tuned(path, kernels, gpu=gpu, versions=v)
-        except OSError as err:
-            logger.warning("kernel configurations autotuned here not kept in %s (%s): the next process on this "
-                           "node autotunes them again", path, err)
-            return
-        if added:
-            logger.info("kernel configurations: %d entries autotuned here kept in %s for the next processes on "
-                        "this node", added, path)
+        places = []
+        if self.rank == 0:
+            places.append((tuned_configs.node_tuned_file(self.dump, gpu, v["fla"], v["triton"]),
+                           "the job's next starts (any node)"))
+        folder = node_cache_folder(self.config)
+        if folder is not None and self.device.index in (None, 0):
+            places.append((tuned_configs.node_tuned_file(folder, gpu, v["fla"], v["triton"]),
+                           "the next processes on this node"))
+        for path, whom in places:
+            try:
+                added = tuned_configs.keep_node_tuned(path, kernels, gpu=gpu, versions=v)
+            except OSError as err:
+                logger.warning("kernel configurations autotuned at the first step not kept in %s (%s): %s "
+                               "autotune them again", path, err, whom)
+                continue
+            if added:
+                logger.info("kernel configurations: %d entries autotuned at the first step kept in %s for %s",
+                            added, path, whom)
 
     def _install_kernel_configs(self, located):
         """fla's launch configurations, installed before any fla kernel launches (and before the model is built)."""

@@ -463,3 +463,144 @@ def test_a_launch_served_by_another_gpu_s_entry_is_counted_as_such():
     call = _launch(tuner, h=4, k=128)
     assert (call["BT"], call["num_warps"], call["num_stages"]) == (32, 4, 2)
     assert (served.exact, served.filled, served.stale, served.tuned) == (1, 1, 0, [])
+
+
+def _toy_module(monkeypatch):
+    """A toy autotuned kernel that :func:`tuned_configs.find_autotuners` finds, and its full name."""
+    tuner = _make_kernel()
+    module = types.ModuleType("hola_titan.kernels._toy_for_adopt")
+    module.toy_kernel = tuner
+    tuner.base_fn.__module__ = module.__name__
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return tuner, f"{module.__name__}.{tuner.base_fn.__qualname__}"
+
+
+def _theirs(name, *entries):
+    return {name: {"key_names": ["H", "K", "USE_G"], "entries": list(entries)}}
+
+
+def test_adopt_serves_another_process_s_choices_ahead_of_this_one_s(monkeypatch):
+    """A job's ranks launch one set of configurations: a key this process tuned takes the other's choice, a key only
+    the other tuned is served without tuning, a configuration this fla does not offer is passed over."""
+    tuner, name = _toy_module(monkeypatch)
+    tuner.cache = {(4, 128, True, "torch.bfloat16"): CONFIGS[0], (8, 128, True, "torch.bfloat16"): CONFIGS[1]}
+    foreign = triton.Config({"BT": 128}, num_warps=8, num_stages=1)
+    changed = tuned_configs.adopt(_theirs(name, _entry(4, 128, True, CONFIGS[5]), _entry(2, 64, False, CONFIGS[6]),
+                                          _entry(8, 128, True, foreign)))
+    assert changed == 1
+    call = _launch(tuner, h=4, k=128)
+    assert (call["BT"], call["num_warps"], call["num_stages"]) == (64, 2, 3)  # CONFIGS[5], not its own CONFIGS[0]
+    call = _launch(tuner, h=2, k=64, use_g=False)  # never tuned here: served, not benchmarked
+    assert (call["BT"], call["num_warps"], call["num_stages"]) == (64, 4, 2)
+    call = _launch(tuner, h=8, k=128)  # the other's configuration is not on offer: its own stays
+    assert (call["BT"], call["num_warps"], call["num_stages"]) == (32, 2, 3)
+    assert tuned_configs.adopt(_theirs(name, _entry(4, 128, True, CONFIGS[5]))) == 0  # already the same
+
+
+def test_adopt_leads_a_table_already_installed(monkeypatch):
+    """On a GPU with a shipped table, the other rank's entries come before the table's at a key it autotuned."""
+    tuner, name = _toy_module(monkeypatch)
+    _table(tuner, [_entry(4, 128, True, CONFIGS[2])])
+    tuned_configs.adopt(_theirs(name, _entry(4, 128, True, CONFIGS[7]), _entry(4, 256, True, CONFIGS[3])))
+    call = _launch(tuner, h=4, k=256)
+    assert (call["BT"], call["num_warps"], call["num_stages"]) == (32, 4, 3)  # CONFIGS[3]
+    call = _launch(tuner, h=4, k=128)
+    assert (call["BT"], call["num_warps"], call["num_stages"]) == (64, 4, 3)  # CONFIGS[7]
+
+
+def test_every_rank_takes_the_lowest_rank_s_choice_and_keeps_keys_only_others_tuned(monkeypatch):
+    """share_autotuned: rank 1's view of a two-rank job (``gather`` stands in for all_gather_object)."""
+    from hola_titan.train import share_autotuned
+
+    tuner, name = _toy_module(monkeypatch)
+    tuner.cache = {(4, 128, True, "torch.bfloat16"): CONFIGS[0], (16, 128, True, "torch.bfloat16"): CONFIGS[4]}
+    mine = tuned_configs.tuned_entries()
+    rank0 = _theirs(name, _entry(4, 128, True, CONFIGS[5]))
+    merged = share_autotuned(mine, distributed=True, gather=lambda value: [rank0, value])
+    assert merged[name]["entries"] == [_entry(4, 128, True, CONFIGS[5]), _entry(16, 128, True, CONFIGS[4])]
+    call = _launch(tuner, h=4, k=128)
+    assert (call["BT"], call["num_warps"], call["num_stages"]) == (64, 2, 3)
+    assert share_autotuned(mine, distributed=False) is mine  # one process: nothing to share
+
+
+def test_a_job_s_table_is_kept_in_its_run_folder_and_leads_at_its_next_start(tmp_path, monkeypatch):
+    """What a job autotuned at its first start is kept in the run folder (rank 0) and the node's cache (each node's
+    first local rank); at the job's next start on another node (an empty node cache) it is served first, and where a
+    node's own processes tuned the same key, the job's choice wins."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hola_titan.train import Trainer
+
+    _fake_gpu(monkeypatch, tmp_path, name="NVIDIA B200", capability=(10, 0), files={})
+    monkeypatch.setattr(tuned_configs, "tuned_entries", lambda: _kernels("k", 1, 2))
+    dump, node = tmp_path / "run", tmp_path / "node"
+    config = SimpleNamespace(model=SimpleNamespace(kernel_configs="auto"),
+                             job=SimpleNamespace(cache_folder=str(node)), data=SimpleNamespace(token_cache=True))
+    trainer = SimpleNamespace(config=config, device=torch.device("cuda", 0), attention_backend="triton",
+                              model_args=SimpleNamespace(is_recurrent=True), world_size=1, rank=0, dump=dump)
+    Trainer._keep_autotuned(trainer)
+    job_file = tuned_configs.node_tuned_file(dump, "NVIDIA B200", "0.6.0", "3.6.0")
+    node_file = tuned_configs.node_tuned_file(node, "NVIDIA B200", "0.6.0", "3.6.0")
+    assert tuned_configs.read_file(job_file)["kernels"] == tuned_configs.read_file(node_file)["kernels"]
+    # A rank that is neither rank 0 nor a node's first local rank writes nothing.
+    other = tmp_path / "other_run"
+    Trainer._keep_autotuned(SimpleNamespace(**{**vars(trainer), "rank": 3, "device": torch.device("cuda", 1),
+                                               "dump": other}))
+    assert not other.exists()
+    # The next start on a node whose own processes tuned key 1 otherwise (and key 5).
+    elsewhere = tmp_path / "elsewhere"
+    tuned_configs.keep_node_tuned(tuned_configs.node_tuned_file(elsewhere, "NVIDIA B200", "0.6.0", "3.6.0"),
+                                  {"k": {"key_names": ["B"], "entries": [{"key": [1], "config": {"num_warps": 9}},
+                                                                         {"key": [5], "config": {"num_warps": 5}}]}},
+                                  gpu="g", versions=tuned_configs.versions())
+    located = tuned_configs.locate("auto", "cuda", node_cache=elsewhere, job_cache=dump)
+    assert located.source == "job_tuned" and located.path == str(job_file) and located.job_path == str(job_file)
+    assert "earlier start of this job by its rank 0" in located.describe()
+    entries = {e["key"][0]: e["config"] for e in located.data["kernels"]["k"]["entries"]}
+    assert entries == {1: {"num_warps": 1}, 2: {"num_warps": 2}, 5: {"num_warps": 5}}
+    assert tuned_configs.locate("auto", "cuda", job_cache=dump).kernels == 1
+    monkeypatch.setattr(tuned_configs, "versions", lambda: {"fla": "0.7.0", "triton": "3.6.0"})
+    assert tuned_configs.locate("auto", "cuda", job_cache=dump).path is None  # another fla: never this file
+
+
+def test_a_job_s_entries_are_served_beside_a_shipped_table_and_again_by_install(tmp_path, monkeypatch):
+    _fake_gpu(monkeypatch, tmp_path, name="NVIDIA H100 80GB HBM3", capability=(9, 0),
+              files={"NVIDIA_H200__fla-0.6.0__triton-3.6.0.json": H200_META})
+    job, node = tmp_path / "run", tmp_path / "node"
+    v = tuned_configs.versions()
+    tuned_configs.keep_node_tuned(tuned_configs.node_tuned_file(job, "NVIDIA H100 80GB HBM3", "0.6.0", "3.6.0"),
+                                  _kernels("k", 1, 7), gpu="g", versions=v)
+    tuned_configs.keep_node_tuned(tuned_configs.node_tuned_file(node, "NVIDIA H100 80GB HBM3", "0.6.0", "3.6.0"),
+                                  {"k": {"key_names": ["B"], "entries": [{"key": [7], "config": {"num_warps": 3}},
+                                                                         {"key": [8], "config": {"num_warps": 8}}]}},
+                                  gpu="g", versions=v)
+    located = tuned_configs.locate("auto", "cuda", node_cache=node, job_cache=job)
+    assert located.source == "nearest_gpu" and located.job_path and located.node_path
+    entries = {e["key"][0]: e["config"] for e in located.data["kernels"]["k"]["entries"]}
+    assert entries == {1: {}, 7: {"num_warps": 7}, 8: {"num_warps": 8}}  # shipped, then the job's, then the node's
+    assert "earlier start of this job by its rank 0" in located.why and "on this node" in located.why
+    assert located.record()["job_path"] == located.job_path
+    # install() given the decision again (its data dropped, as a second install of the same run does) recomposes it:
+    # the shipped table's entry, then the job's, then the node's, and the digest covers the job's file.
+    import dataclasses
+
+    tuner = _make_kernel()
+    monkeypatch.setattr(tuned_configs, "find_autotuners", lambda prefixes=None: {"k": tuner})
+    monkeypatch.setattr(tuned_configs, "import_fla_kernels", lambda: None)
+    try:
+        tuned_configs.install(dataclasses.replace(located, data=None), "cuda")
+        assert isinstance(tuner.cache, ConfigTable)
+        served = {e["key"][0]: e["config"] for group in tuner.cache._groups for e in group}
+        assert served == entries
+        tag = tuned_configs.active_tag()
+    finally:
+        tuned_configs.uninstall()
+    tuned_configs.keep_node_tuned(tuned_configs.node_tuned_file(job, "NVIDIA H100 80GB HBM3", "0.6.0", "3.6.0"),
+                                  _kernels("k", 9), gpu="g", versions=v)
+    try:
+        tuned_configs.install(dataclasses.replace(located, data=None), "cuda")
+        assert tuned_configs.active_tag() != tag
+    finally:
+        tuned_configs.uninstall()

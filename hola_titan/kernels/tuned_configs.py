@@ -282,6 +282,10 @@ class ConfigTable(dict):
         self.from_file.add(key)
         return True
 
+    def lead_with(self, entries: list[dict]) -> None:
+        """Consult ``entries`` (another process's choices: :func:`adopt`) before every group this table holds."""
+        self._groups.insert(0, entries)
+
 
 @dataclasses.dataclass
 class Installed:
@@ -299,6 +303,8 @@ class Installed:
     node_path: str | None = None
     # Another GPU's shipped file of the same architecture, serving the keys and run kinds this GPU's own lacks.
     fill_path: str | None = None
+    # Configurations the job's rank 0 autotuned at an earlier start (kept in the run folder): served first.
+    job_path: str | None = None
 
     def describe(self) -> str:
         if self.path is None:
@@ -308,7 +314,9 @@ class Installed:
     def record(self) -> dict:
         """For the run folder: the decision and what was served so far."""
         return {"source": self.source, "path": self.path, "why": self.why, "kernels": self.kernels,
-                "fill_path": self.fill_path, "exact": self.served.exact, "nearest": self.served.nearest,
+                "fill_path": self.fill_path, "job_path": self.job_path, "node_path": self.node_path,
+                "exact": self.served.exact,
+                "nearest": self.served.nearest,
                 "from_other_gpu": self.served.filled, "stale": self.served.stale,
                 "autotuned": list(self.served.tuned)}
 
@@ -363,7 +371,8 @@ def keep_node_tuned(path: Path, kernels: dict[str, dict], *, gpu: str, versions:
     return added
 
 
-def locate(choice: str, device, *, node_cache: Path | None = None, plan_key: str | None = None) -> Installed:
+def locate(choice: str, device, *, node_cache: Path | None = None, job_cache: Path | None = None,
+           plan_key: str | None = None) -> Installed:
     """Which configurations file ``choice`` names for ``device`` (read and checked), without importing fla or
     changing anything: the decision :func:`install` then applies. The file's plans are known from here on, so a
     run can start compiling them (hola_titan/kernels/precompile.py) while fla imports.
@@ -373,6 +382,9 @@ def locate(choice: str, device, *, node_cache: Path | None = None, plan_key: str
     ``node_cache``: with ``auto``, a folder (``job.cache_folder``) whose :func:`node_tuned_file` holds what earlier
     processes on this node autotuned; its entries are served beside the shipped ones (which win a key both hold),
     or alone where nothing is shipped, so only the first process on a node pays for what no table covers.
+    ``job_cache``: with ``auto``, the run folder, whose :func:`node_tuned_file` holds what the job's rank 0
+    autotuned at an earlier start (:func:`adopt` gave it to every rank then): served like the node's, ahead of it, so
+    a job started again on other nodes tunes nothing it tuned before and every node serves the same choices.
     ``plan_key``: with ``auto``, the run's kind (:func:`hola_titan.kernels.precompile.plan_key`). A GPU's own table
     leads, filled from another GPU's of its architecture where it lacks entries or plans, unless the other has a
     plan for this kind and the own has none: then the other's table serves the run alone, as for a GPU without a
@@ -407,14 +419,23 @@ def locate(choice: str, device, *, node_cache: Path | None = None, plan_key: str
             none = (f"none shipped for {gpu} ({sm(capability)}) with fla-core {v['fla']} and Triton "
                     f"{v['triton']}")
             path, source = nearest_shipped(gpu, capability, v["fla"], v["triton"]), "nearest_gpu"
-            node = _node_tuned(node_cache, gpu, v)
-            if path is None and node is None:
+            node, job = _node_tuned(node_cache, gpu, v), _node_tuned(job_cache, gpu, v)
+            if path is None and node is None and job is None:
                 return Installed("off", None, f"{none}, nor for another {sm(capability)} GPU; "
                                  "scripts/tune_kernels.py writes them")
             if path is None:
-                node_path, node_data = node
-                return Installed("node_tuned", str(node_path), f"{none}: autotuned by earlier processes on this "
-                                 "node", kernels=len(node_data["kernels"]), data=node_data)
+                # The job's table leads (every rank of the job serves the same choices), the node's fills it.
+                lead_path, lead = job or node
+                source = "job_tuned" if job is not None else "node_tuned"
+                why = (f"{none}: autotuned at an earlier start of this job by its rank 0" if job is not None else
+                       f"{none}: autotuned by earlier processes on this node")
+                data, node_path = lead, None
+                if job is not None and node is not None:
+                    data = {**lead, "kernels": merge([lead["kernels"], node[1]["kernels"]])}
+                    node_path = str(node[0])
+                    why += f"; with the entries autotuned by earlier processes on this node ({node[0]})"
+                return Installed(source, str(lead_path), why, kernels=len(data["kernels"]), data=data,
+                                 node_path=node_path, job_path=str(job[0]) if job is not None else None)
             nearest_why = (f"; {none}: this table is another GPU's of the same architecture ({sm(capability)}), "
                            "whose configurations compile to the same code here; scripts/tune_kernels.py writes "
                            "this GPU's own")
@@ -430,18 +451,20 @@ def locate(choice: str, device, *, node_cache: Path | None = None, plan_key: str
                              or meta.get("triton") != v["triton"]):
         why += f"; this process: {gpu}, fla-core {v['fla']}, Triton {v['triton']}"
     node = _node_tuned(node_cache, gpu, v) if choice == "auto" else None
-    node_path = node_kernels = None
-    if node is not None:
-        node_path, node_data = node
-        node_kernels = node_data["kernels"]
-        extra = sum(len(k["entries"]) for k in node_kernels.values())
-        why += f"; with {extra} entries autotuned by earlier processes on this node ({node_path})"
-        node_path = str(node_path)
-    data, filled_why = _compose(data, node_kernels, fill)
+    job = _node_tuned(job_cache, gpu, v) if choice == "auto" else None
+    tuned_here = []  # the job's rank-0 entries first: they win a key the node's processes tuned too
+    for found, words in ((job, "autotuned at an earlier start of this job by its rank 0"),
+                         (node, "autotuned by earlier processes on this node")):
+        if found is not None:
+            extra = sum(len(k["entries"]) for k in found[1]["kernels"].values())
+            why += f"; with {extra} entries {words} ({found[0]})"
+            tuned_here.append(found[1]["kernels"])
+    data, filled_why = _compose(data, merge(tuned_here) if tuned_here else None, fill)
     why += filled_why
     fill_path = str(fill[1]) if filled_why else None
     return Installed(source, str(path), why, kernels=len(data["kernels"]), plans=data.get("plans", {}),
-                     data=data, node_path=node_path, fill_path=fill_path)
+                     data=data, node_path=None if node is None else str(node[0]),
+                     job_path=None if job is None else str(job[0]), fill_path=fill_path)
 
 
 def _plan_only_in(other: dict, own: dict, plan_key: str) -> bool:
@@ -515,15 +538,16 @@ def install(choice: str | Installed, device) -> Installed:
         return located
     path = Path(located.path)
     data = located.data
-    if data is None:  # an Installed passed again: the node's and the other GPU's entries as locate() served them
-        node = located.node_path if located.node_path not in (None, located.path) else None
+    extra = [p for p in (located.job_path, located.node_path) if p not in (None, located.path)]
+    if data is None:  # an Installed passed again: the job's, node's and other GPU's entries as locate() served them
         fill = None if located.fill_path is None else Path(located.fill_path)
-        data = _compose(read_file(path), None if node is None else read_file(Path(node))["kernels"],
+        tuned_here = [read_file(Path(p))["kernels"] for p in extra]
+        data = _compose(read_file(path), merge(tuned_here) if tuned_here else None,
                         None if fill is None else (read_file(fill), fill))[0]
     import_fla_kernels()
     digest = hashlib.sha256(path.read_bytes())
-    if located.node_path is not None and located.node_path != located.path:
-        digest.update(Path(located.node_path).read_bytes())
+    for p in extra:
+        digest.update(Path(p).read_bytes())
     if located.fill_path is not None:
         digest.update(Path(located.fill_path).read_bytes())
     _active.append(digest.hexdigest()[:12])
@@ -565,6 +589,36 @@ def tuned_entries() -> dict[str, dict]:
         if entries:
             out[name] = {"key_names": list(tuner.keys), "entries": entries}
     return out
+
+
+def adopt(kernels: dict[str, dict]) -> int:
+    """Serve ``kernels`` (another process's :func:`tuned_entries`: in a job, rank 0's) in this process ahead of its
+    own choices, so that every rank launches the same configurations: a key this process autotuned too takes the
+    other's configuration from its next launch on (one more compile), a key only the other tuned is served at this
+    process's first launch of it instead of being tuned. A configuration this fla does not offer is passed over.
+    Returns how many of this process's keys changed configuration."""
+    changed = 0
+    lock = threading.Lock()
+    served = _installed_served.setdefault("adopted", Served())
+    for name, tuner in find_autotuners().items():
+        kernel = kernels.get(name)
+        if kernel is None:
+            continue
+        entries = [dict(e) for e in kernel["entries"]]
+        if isinstance(tuner.cache, ConfigTable):
+            tuner.cache.lead_with(entries)
+        else:
+            tuner.cache = ConfigTable(tuner, name, entries, list(kernel.get("key_names", [])), served, lock)
+        theirs = {json.dumps(e["key"]): e["config"] for e in entries}
+        for key, config in list(tuner.cache.items()):
+            wanted = theirs.get(json.dumps(key_to_json(key)))
+            if wanted is None or _same_config(config, wanted):
+                continue
+            candidate = next((c for c in tuner.configs if _same_config(c, wanted)), None)
+            if candidate is not None:
+                tuner.cache[key] = candidate
+                changed += 1
+    return changed
 
 
 def merge(files: list[dict]) -> dict[str, dict]:
