@@ -150,18 +150,19 @@ def fast_path_check(chosen: str, why: str, *, device_type: str, backend: str, re
             "than the Triton kernels. Set model.require_fast_path = true to refuse such a start")
 
 
-def share_autotuned(kernels: dict, *, distributed: bool, gather=None) -> dict:
+def share_autotuned(kernels: dict, *, distributed: bool, group=None, gather=None) -> dict:
     """Every rank's autotuned entries (``tuned_configs.tuned_entries``) merged in rank order, on every rank, and
     served by each rank's autotuners ahead of its own choices (``tuned_configs.adopt``): a key several ranks tuned
     takes the lowest rank's configuration, so a job runs one set of launch configurations, and a key only some
     ranks launch (context-parallel ranks continue from a state that rank 0 never receives) is kept too.
+    ``group``: the process group to gather over (the trainer's gloo control group: host objects, no device sync).
     ``gather`` (tests) stands in for ``torch.distributed.all_gather_object``: this rank's value in, every rank's out."""
     if not distributed:
         return kernels
     if gather is None:
         def gather(value):
-            out = [None] * dist.get_world_size()
-            dist.all_gather_object(out, value)
+            out = [None] * dist.get_world_size(group)
+            dist.all_gather_object(out, value, group=group)
             return out
     from hola_titan.kernels import tuned_configs
 
@@ -484,13 +485,17 @@ class Trainer:
         run the same configurations) and are kept for later starts: in the run folder by rank 0 (read at the job's
         next start on whatever nodes it lands), and in ``job.cache_folder`` by each node's first local rank (for the
         node's next processes of any job). Only with ``model.kernel_configs = auto``: ``off`` asks for autotuning
-        and a path names the one file to use. Every rank calls it (the gather needs them all)."""
+        and a path names the one file to use. Every rank calls it, once, right after its first step; whether it
+        gathers depends only on settings every rank shares (a rank whose kernels fell back to the reference sends
+        nothing, and still takes part)."""
         from hola_titan.kernels import tuned_configs
 
         if (self.config.model.kernel_configs != "auto" or self.device.type != "cuda"
-                or self.attention_backend == "reference" or not self.model_args.is_recurrent):
+                or self.config.model.attention_backend == "reference" or not self.model_args.is_recurrent):
             return
-        kernels = share_autotuned(tuned_configs.tuned_entries(), distributed=self.world_size > 1)
+        # Keys served from a job's or node's autotuned file too: another node's cache may hold another choice.
+        mine = tuned_configs.tuned_entries(served_here=True) if self.attention_backend != "reference" else {}
+        kernels = share_autotuned(mine, distributed=self.world_size > 1, group=self._control_group)
         if not kernels:
             return
         v = tuned_configs.versions()
@@ -1091,6 +1096,7 @@ class Trainer:
     def _train_loop(self, gc_freq: int) -> list[dict]:
         config = self.config
         rows = []
+        shared_autotuned = False
         data_iter = iter(self.dataloader)
         self.model.train()
         window_start, window_tokens = time.perf_counter(), 0
@@ -1101,6 +1107,9 @@ class Trainer:
             while self.state.step < config.training.steps:
                 micro = [next(data_iter) for _ in range(self.degrees.grad_accum_steps)]
                 pending = self.train_step(micro)
+                if not shared_autotuned:  # every autotuner of the step has chosen by now (launches are on the host)
+                    shared_autotuned = True
+                    self._keep_autotuned()
                 if gc_freq and self.state.step % gc_freq == 0:
                     gc.collect(1)
                 window_tokens += self.degrees.global_batch_size * config.training.seq_len
@@ -1127,7 +1136,6 @@ class Trainer:
                            "memory_gib": peak_memory_gib(self.device), "tokens_seen": self.state.tokens_seen}
                     if not rows:  # the first row of this run says what ran (as paths.json and config.toml do)
                         row["paths"] = self.paths
-                        self._keep_autotuned()
                         if self.kernel_configs.path is not None:
                             # Known only now: which kernel launches the shipped configurations served.
                             row["kernel_configs"] = self.kernel_configs.record()

@@ -534,21 +534,30 @@ def test_a_job_s_table_is_kept_in_its_run_folder_and_leads_at_its_next_start(tmp
     from hola_titan.train import Trainer
 
     _fake_gpu(monkeypatch, tmp_path, name="NVIDIA B200", capability=(10, 0), files={})
-    monkeypatch.setattr(tuned_configs, "tuned_entries", lambda: _kernels("k", 1, 2))
+    monkeypatch.setattr(tuned_configs, "tuned_entries", lambda served_here=False: _kernels("k", 1, 2))
     dump, node = tmp_path / "run", tmp_path / "node"
-    config = SimpleNamespace(model=SimpleNamespace(kernel_configs="auto"),
+    config = SimpleNamespace(model=SimpleNamespace(kernel_configs="auto", attention_backend="auto"),
                              job=SimpleNamespace(cache_folder=str(node)), data=SimpleNamespace(token_cache=True))
     trainer = SimpleNamespace(config=config, device=torch.device("cuda", 0), attention_backend="triton",
-                              model_args=SimpleNamespace(is_recurrent=True), world_size=1, rank=0, dump=dump)
+                              model_args=SimpleNamespace(is_recurrent=True), world_size=1, rank=0, dump=dump,
+                              _control_group=None)
     Trainer._keep_autotuned(trainer)
     job_file = tuned_configs.node_tuned_file(dump, "NVIDIA B200", "0.6.0", "3.6.0")
     node_file = tuned_configs.node_tuned_file(node, "NVIDIA B200", "0.6.0", "3.6.0")
     assert tuned_configs.read_file(job_file)["kernels"] == tuned_configs.read_file(node_file)["kernels"]
-    # A rank that is neither rank 0 nor a node's first local rank writes nothing.
+    # A rank that is neither rank 0 nor a node's first local rank writes nothing, but it takes part in the gather,
+    # even where its kernels fell back to the reference (every rank must reach the collective, or the others wait).
+    import hola_titan.train as train_module
+
+    calls = []
+    monkeypatch.setattr(train_module, "share_autotuned",
+                        lambda kernels, **kw: calls.append((kernels, kw["distributed"])) or _kernels("k", 1))
     other = tmp_path / "other_run"
-    Trainer._keep_autotuned(SimpleNamespace(**{**vars(trainer), "rank": 3, "device": torch.device("cuda", 1),
-                                               "dump": other}))
+    for backend in ("triton", "reference"):
+        Trainer._keep_autotuned(SimpleNamespace(**{**vars(trainer), "rank": 3, "world_size": 2, "dump": other,
+                                                   "device": torch.device("cuda", 1), "attention_backend": backend}))
     assert not other.exists()
+    assert calls == [(_kernels("k", 1, 2), True), ({}, True)]
     # The next start on a node whose own processes tuned key 1 otherwise (and key 5).
     elsewhere = tmp_path / "elsewhere"
     tuned_configs.keep_node_tuned(tuned_configs.node_tuned_file(elsewhere, "NVIDIA B200", "0.6.0", "3.6.0"),
@@ -604,3 +613,18 @@ def test_a_job_s_entries_are_served_beside_a_shipped_table_and_again_by_install(
         assert tuned_configs.active_tag() != tag
     finally:
         tuned_configs.uninstall()
+
+
+def test_a_key_a_job_or_node_file_served_is_the_job_s_to_share(monkeypatch):
+    """Another node's cache may hold another choice for a key this node served from its own file: the job shares
+    what such files served (tuned_entries(served_here=True)), never what the shipped table served."""
+    tuner, name = _toy_module(monkeypatch)
+    node_entry = {**_entry(4, 256, True, CONFIGS[3]), tuned_configs.TUNED_HERE: True}
+    _table(tuner, [_entry(4, 128, True, CONFIGS[2]), node_entry])
+    _launch(tuner, h=4, k=128)
+    _launch(tuner, h=4, k=256)
+    assert tuned_configs.tuned_entries() == {}
+    assert tuned_configs.tuned_entries(served_here=True) == _theirs(name, _entry(4, 256, True, CONFIGS[3]))
+    # What locate serves from a job's or node's file carries the mark.
+    marked = tuned_configs.mark_tuned_here(_kernels("k", 1))
+    assert marked["k"]["entries"][0][tuned_configs.TUNED_HERE] is True

@@ -13,8 +13,8 @@ a training step and a chunked prefill of that kind compiled, in Triton's own ser
 of its time in ``ptxas`` subprocesses and native passes, so threads overlap, and a thread needs no second import of
 torch and fla) while the trainer builds the model; :meth:`Precompile.wait`, before the first launch, joins them.
 A plan lists its specialisations slowest to compile first, as recorded, and the workers take them in that order:
-with the three cache kernels of the float32 MQAR step at 7-11 s each and most others under 3 s, the plan cannot end
-before its slowest compile, so that one starts first.
+the plan cannot end before its slowest compile, so that one starts first (the float32 cache kernels of the MQAR
+step took 7-21 s each until they got tiles of their own, 2026-12-06; plans recorded before keep that order).
 The binaries land in Triton's on-disk cache, where the run's own launches find them. The workers of every process
 on a node take one lock and leave one marker per specialisation in Triton's cache folder, so nine runs started
 together compile each kernel once, not nine times.

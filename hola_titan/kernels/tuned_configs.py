@@ -53,6 +53,10 @@ CHOICE_HELP = ("fla's launch configurations (hola_titan/kernels/tuned_configs.py
 MODULE_PREFIXES = ("fla.", "hola_titan.kernels.")
 # The mark on an entry served from another GPU's table of the same architecture (Served.filled counts them).
 FILLED_FROM = "filled_from"
+# The mark on an entry autotuned by this job or node at run time (kept in the run folder or job.cache_folder, not
+# shipped): a key it serves is still the job's to share (tuned_entries(served_here=True)), since another node's
+# cache may hold another choice for it.
+TUNED_HERE = "tuned_here"
 
 
 def sanitize_gpu_name(name: str) -> str:
@@ -249,6 +253,7 @@ class ConfigTable(dict):
         self._served = served
         self._lock = lock
         self.from_file: set = set()  # keys this table answered (not tuned in this process)
+        self.from_tuned_here: set = set()  # of those, the keys an entry marked TUNED_HERE answered
 
     def __contains__(self, key) -> bool:
         if dict.__contains__(self, key):
@@ -280,6 +285,8 @@ class ConfigTable(dict):
                 self._served.filled += 1
         self[key] = config
         self.from_file.add(key)
+        if TUNED_HERE in entry:
+            self.from_tuned_here.add(key)
         return True
 
     def lead_with(self, entries: list[dict]) -> None:
@@ -429,9 +436,9 @@ def locate(choice: str, device, *, node_cache: Path | None = None, job_cache: Pa
                 source = "job_tuned" if job is not None else "node_tuned"
                 why = (f"{none}: autotuned at an earlier start of this job by its rank 0" if job is not None else
                        f"{none}: autotuned by earlier processes on this node")
-                data, node_path = lead, None
+                data, node_path = {**lead, "kernels": mark_tuned_here(lead["kernels"])}, None
                 if job is not None and node is not None:
-                    data = {**lead, "kernels": merge([lead["kernels"], node[1]["kernels"]])}
+                    data = {**lead, "kernels": mark_tuned_here(merge([lead["kernels"], node[1]["kernels"]]))}
                     node_path = str(node[0])
                     why += f"; with the entries autotuned by earlier processes on this node ({node[0]})"
                 return Installed(source, str(lead_path), why, kernels=len(data["kernels"]), data=data,
@@ -481,10 +488,16 @@ def _compose(data: dict, node_kernels: dict | None, fill: tuple[dict, Path] | No
     and its path) where the lead lacks entries or plans (:func:`_filled`). Returns the table and the words for
     ``why`` about the fill ("" when it adds nothing)."""
     if node_kernels is not None:
-        data = {**data, "kernels": merge([data["kernels"], node_kernels])}
+        data = {**data, "kernels": merge([data["kernels"], mark_tuned_here(node_kernels)])}
     if fill is None:
         return data, ""
     return _filled(data, *fill)
+
+
+def mark_tuned_here(kernels: dict[str, dict]) -> dict[str, dict]:
+    """``kernels`` with every entry marked :data:`TUNED_HERE` (what a job or node autotuned, served from its file)."""
+    return {name: {**kernel, "entries": [{**e, TUNED_HERE: True} for e in kernel["entries"]]}
+            for name, kernel in kernels.items()}
 
 
 def _filled(own: dict, other: dict, other_path: Path) -> tuple[dict, str]:
@@ -542,7 +555,10 @@ def install(choice: str | Installed, device) -> Installed:
     if data is None:  # an Installed passed again: the job's, node's and other GPU's entries as locate() served them
         fill = None if located.fill_path is None else Path(located.fill_path)
         tuned_here = [read_file(Path(p))["kernels"] for p in extra]
-        data = _compose(read_file(path), merge(tuned_here) if tuned_here else None,
+        lead = read_file(path)
+        if located.source in ("job_tuned", "node_tuned"):  # the lead file is itself what the job or node tuned
+            lead = {**lead, "kernels": mark_tuned_here(lead["kernels"])}
+        data = _compose(lead, merge(tuned_here) if tuned_here else None,
                         None if fill is None else (read_file(fill), fill))[0]
     import_fla_kernels()
     digest = hashlib.sha256(path.read_bytes())
@@ -578,12 +594,16 @@ def uninstall() -> None:
     _active.clear()
 
 
-def tuned_entries() -> dict[str, dict]:
-    """What this process's autotuners chose (not served from a file), as the ``kernels`` of a configurations file."""
+def tuned_entries(*, served_here: bool = False) -> dict[str, dict]:
+    """What this process's autotuners chose (not served from a file), as the ``kernels`` of a configurations file;
+    with ``served_here``, also what a job's or node's autotuned file served (:data:`TUNED_HERE`): a job shares both,
+    so that every rank and node runs one choice per key whatever its node's cache held."""
     out: dict[str, dict] = {}
     for name, tuner in sorted(find_autotuners().items()):
         cache = tuner.cache
         served_keys = cache.from_file if isinstance(cache, ConfigTable) else set()
+        if served_here and isinstance(cache, ConfigTable):
+            served_keys = served_keys - cache.from_tuned_here
         entries = [{"key": key_to_json(key), "config": config_to_json(config)}
                    for key, config in cache.items() if key not in served_keys]
         if entries:

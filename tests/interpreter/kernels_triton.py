@@ -595,8 +595,8 @@ def test_kept_cache_output_matches_reference_given_its_selection(case, dq_atomic
                             dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True, SPLIT=2))
     kinds = []
     config = hola_triton_attn._config
-    monkeypatch.setattr(hola_triton_attn, "_config", lambda kind, d, device: kinds.append(kind) or
-                        config(kind, d, device))
+    monkeypatch.setattr(hola_triton_attn, "_config", lambda kind, d, dtype, device: kinds.append((kind, dtype)) or
+                        config(kind, d, dtype, device))
     keep = _Launches(hola_triton_attn._cache_fwd_oc_kernel)
     read = _Launches(hola_triton_attn._cache_bwd_dq_oc_kernel)
     monkeypatch.setattr(hola_triton_attn, "_cache_fwd_oc_kernel", keep)
@@ -604,7 +604,9 @@ def test_kept_cache_output_matches_reference_given_its_selection(case, dq_atomic
     backend = functools.partial(hola_attention_triton, save_cache_output=True)
     check_backend_against_reference_given_its_selection(backend, case, seed=case[1] + 7)
     assert (keep.count, read.count) == (1, 1)
-    assert "dkdv_kept" in kinds and "dkdv" not in kinds, kinds
+    launched = {kind for kind, _ in kinds}
+    assert "dkdv_kept" in launched and "dkdv" not in launched, kinds
+    assert {dtype for _, dtype in kinds} == {torch.float32}, kinds  # each launch asks for its inputs' dtype
 
 
 def test_kept_cache_output_is_refused_where_it_cannot_apply():
