@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
 import shutil
@@ -224,6 +225,14 @@ def _metrics_records():
     """``hola_titan/metrics_records.py``, read by path: importing ``hola_titan`` imports torch, seconds that --plan
     and --merge do not need."""
     spec = importlib.util.spec_from_file_location("_hola_titan_metrics_records", REPO / "hola_titan/metrics_records.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _seed_orderings():
+    """``hola_titan/seed_orderings.py``, read by path for the same reason."""
+    spec = importlib.util.spec_from_file_location("_hola_titan_seed_orderings", REPO / "hola_titan/seed_orderings.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -546,6 +555,7 @@ def merge(args) -> int:
                    for seed, r in mine.items() if r and run_name("gdn", seed) in results]
             lines.append(f"| {v} | {spread(ppl, 2)} | "
                          f"{spread(rel, 1, signed=True) + '%' if rel and v != 'gdn' else '-'} |")
+    lines += ordering_lines(curves, variants, evals)
     lines += ["", "Steps reached: " + ", ".join(f"{v} " + "/".join(map(str, summary[v]["steps"])) for v in variants),
               ""]
     plots = plot_families(curves, variants, report, width=args.window, tokens_per_step=tokens_per_step)
@@ -558,6 +568,37 @@ def merge(args) -> int:
                                                        "devices": [s["device"] for s in statuses]}, indent=1) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def ordering_lines(curves: dict[str, Curve], variants: list[str], evals: dict[str, dict[str, dict]]) -> list[str]:
+    """Which orderings of the variants hold beyond the spread of their seeds (``a > b``: every seed of a below every
+    seed of b in perplexity), over the variants with two or more seeds: the validation perplexity at the last step
+    that all of their runs logged, and the perplexity of each evaluated split."""
+    seeds = {v: sorted(c.seed for c in curves.values() if c.variant == v) for v in variants}
+    many = [v for v in variants if len(seeds[v]) > 1]
+    if len(many) < 2:
+        return []
+    runs = [c for c in curves.values() if c.variant in many]
+    rows = []
+    common = set.intersection(*(set(c.val) for c in runs))
+    if common:
+        step = max(common)
+        rows.append(_seed_orderings().ordering_row(
+            f"validation perplexity, step {step}",
+            {v: [math.exp(c.val[step]) for c in runs if c.variant == v] for v in many}, False))
+    for split, results in sorted(evals.items()):
+        values = {v: [results[run_name(v, s)]["perplexity"] for s in seeds[v] if results.get(run_name(v, s))]
+                  for v in many}
+        if sum(len(x) > 1 for x in values.values()) >= 2:
+            rows.append(_seed_orderings().ordering_row(
+                f"`{split}` perplexity", {v: x for v, x in values.items() if len(x) > 1}, False))
+    if not rows:
+        return []
+    orderings = _seed_orderings()
+    return ["", "## Which orderings hold beyond the seed spread", "",
+            f"{orderings.LEGEND} Better: lower perplexity. Variants with two or more seeds (" +
+            ", ".join(f"{v}: {', '.join(map(str, seeds[v]))}" for v in many) + "); the validation batches are drawn by "
+            "the seed, so its spread holds the batches' spread too.", "", *orderings.HEADER, *rows]
 
 
 def plot_families(curves: dict[str, Curve], variants: list[str], report: Path, *, width: int,

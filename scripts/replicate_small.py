@@ -706,22 +706,16 @@ def cache_lines(runs: list[dict]) -> list[str]:
 
 
 def _ordering(label: str, values: dict[str, list[float]], higher_is_better: bool) -> str:
-    """One table row: the pairs of flavours that every seed orders the same way (the worst seed of one beats the
-    best seed of the other), and the pairs within the spread."""
-    flavours = [f for f in values if values[f]]
-    ordered, within = [], []
-    for i, a in enumerate(flavours):
-        for b in flavours[i + 1:]:
-            va, vb = values[a], values[b]
-            if higher_is_better:
-                a_wins, b_wins = min(va) > max(vb), min(vb) > max(va)
-            else:
-                a_wins, b_wins = max(va) < min(vb), max(vb) < min(va)
-            if a_wins or b_wins:
-                ordered.append(f"{a} > {b}" if a_wins else f"{b} > {a}")
-            else:
-                within.append(f"{a} ~ {b}")
-    return f"| {label} | {', '.join(ordered) or '-'} | {', '.join(within) or '-'} |"
+    """One table row: the pairs of flavours that every seed orders the same way (``hola_titan/seed_orderings.py``)."""
+    return _seed_orderings().ordering_row(label, values, higher_is_better)
+
+
+def _seed_orderings():
+    """``hola_titan/seed_orderings.py``, read by path (importing ``hola_titan`` imports torch)."""
+    spec = importlib.util.spec_from_file_location("_hola_titan_seed_orderings", REPO / "hola_titan/seed_orderings.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def ordering_lines(runs: list[dict], best: dict[str, float]) -> list[str]:
@@ -752,11 +746,11 @@ def ordering_lines(runs: list[dict], best: dict[str, float]) -> list[str]:
                                                       for f, g in text.items()}, True))
     if not rows:
         return []
+    orderings = _seed_orderings()
     return ["## Which orderings hold beyond the seed spread", "",
-            "`a > b`: every seed of a is better than every seed of b (higher accuracy, lower perplexity); `a ~ b`: "
-            "the seeds overlap, no ordering beyond the spread. Flavours with two or more seeds; MQAR at each "
-            "flavour's best lr, cache on, its seed 0 being the sweep run that chose that lr.",
-            "", "| metric | ordered beyond the spread | within the spread |", "|---|---|---|", *rows, ""]
+            f"{orderings.LEGEND} Better: higher accuracy, lower perplexity. Flavours with two or more seeds; MQAR "
+            "at each flavour's best lr, cache on, its seed 0 being the sweep run that chose that lr.",
+            "", *orderings.HEADER, *rows, ""]
 
 
 def gpu_lines(pieces: list[dict]) -> list[str]:

@@ -219,3 +219,29 @@ def test_run_trains_then_evaluates_each_finished_run_and_the_merge_tables_the_pe
     assert "`heldout` split" in text and "| hola | 18.00 | -10.0% |" in text
     result = json.loads((tmp_path / "r" / "ablations.json").read_text())
     assert result["variants"]["hola"]["evaluations"]["validation"]["0"]["perplexity"] == 9.0
+
+
+def test_the_merge_orders_the_variants_beyond_the_seed_spread(tmp_path):
+    """The ordering table: a pair is ordered only where every seed of one is below every seed of the other in
+    perplexity; a variant with one seed is left out of it."""
+    _write_run_folder(tmp_path / "a", {"gdn": 0.0, "hola": -0.2, "hola_recency": -0.05}, steps=100, recipe="46M")
+    _write_run_folder(tmp_path / "b", {"transformer": 0.5}, steps=100, seeds=(0,), recipe="46M")
+    heldout = {"gdn": (30.0, 31.0), "hola": (27.0, 31.5), "hola_recency": (28.0, 29.0), "transformer": (20.0,)}
+    (tmp_path / "a" / "eval_heldout").mkdir()
+    for variant, ppls in heldout.items():
+        for seed, ppl in enumerate(ppls):
+            (tmp_path / "a" / "eval_heldout" / f"ppl_{ablate.run_name(variant, seed)}.json").write_text(
+                json.dumps({"summary": {"perplexity": ppl, "loss": math.log(ppl), "tokens": 5}}))
+    assert ablate.main(["--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--report", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "ablations.md").read_text()
+    section = text.split("## Which orderings hold beyond the seed spread", 1)[1]
+    # validation losses 3.0 + offset + 0.1 seed: hola 2.8/2.9 below both; hola_recency 2.95/3.05 overlaps gdn 3.0/3.1
+    assert "| validation perplexity, step 100 | hola > gdn, hola > hola_recency | gdn ~ hola_recency |" in section
+    assert "| `heldout` perplexity | hola_recency > gdn | gdn ~ hola, hola ~ hola_recency |" in section
+    assert "transformer" not in section.split("Steps reached")[0]
+
+
+def test_the_merge_has_no_ordering_table_with_one_seed(tmp_path):
+    _write_run_folder(tmp_path / "a", {"gdn": 0.0, "hola": -0.2}, steps=100, seeds=(1,), recipe="46M")
+    assert ablate.main(["--merge", str(tmp_path / "a"), "--report", str(tmp_path / "r")]) == 0
+    assert "Which orderings" not in (tmp_path / "r" / "ablations.md").read_text()
