@@ -29,3 +29,30 @@ def ordering_row(label: str, values: dict[str, list[float]], higher_is_better: b
             else:
                 within.append(f"{a} ~ {b}")
     return f"| {label} | {', '.join(ordered) or '-'} | {', '.join(within) or '-'} |"
+
+
+PAIRED_LEGEND = ("Paired by seed (runs of one seed read the same batches and are scored on the same validation "
+                 "batches): `a > b` where a is better than b in every seed both ran (two or more, named in brackets), "
+                 "`a ~ b` where the seeds disagree.")
+PAIRED_HEADER = ["| metric | better in every seed | seeds disagree |", "|---|---|---|"]
+
+
+def paired_row(label: str, values: dict[str, dict[int, float]], higher_is_better: bool) -> str:
+    """One table row over every pair of variants with two or more seeds in common: ``a > b`` where a beats b in
+    each of those seeds (ties count against), ``a ~ b`` otherwise. Pairs with fewer common seeds are left out."""
+    names = list(values)
+    ordered, within = [], []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            common = sorted(set(values[a]) & set(values[b]))
+            if len(common) < 2:
+                continue
+            sign = 1.0 if higher_is_better else -1.0
+            a_wins = all(sign * (values[a][s] - values[b][s]) > 0 for s in common)
+            b_wins = all(sign * (values[b][s] - values[a][s]) > 0 for s in common)
+            seeds = f" ({', '.join(map(str, common))})"
+            if a_wins or b_wins:
+                ordered.append((f"{a} > {b}" if a_wins else f"{b} > {a}") + seeds)
+            else:
+                within.append(f"{a} ~ {b}{seeds}")
+    return f"| {label} | {', '.join(ordered) or '-'} | {', '.join(within) or '-'} |"

@@ -572,33 +572,38 @@ def merge(args) -> int:
 
 def ordering_lines(curves: dict[str, Curve], variants: list[str], evals: dict[str, dict[str, dict]]) -> list[str]:
     """Which orderings of the variants hold beyond the spread of their seeds (``a > b``: every seed of a below every
-    seed of b in perplexity), over the variants with two or more seeds: the validation perplexity at the last step
-    that all of their runs logged, and the perplexity of each evaluated split."""
+    seed of b in perplexity), over the variants with two or more seeds, and which hold seed by seed (a below b in
+    each seed both ran: the same batches): the validation perplexity at the last step that all of their runs
+    logged, and the perplexity of each evaluated split."""
     seeds = {v: sorted(c.seed for c in curves.values() if c.variant == v) for v in variants}
     many = [v for v in variants if len(seeds[v]) > 1]
     if len(many) < 2:
         return []
+    orderings = _seed_orderings()
     runs = [c for c in curves.values() if c.variant in many]
-    rows = []
+    metrics = []  # (label, variant -> seed -> perplexity)
     common = set.intersection(*(set(c.val) for c in runs))
     if common:
         step = max(common)
-        rows.append(_seed_orderings().ordering_row(
-            f"validation perplexity, step {step}",
-            {v: [math.exp(c.val[step]) for c in runs if c.variant == v] for v in many}, False))
+        metrics.append((f"validation perplexity, step {step}",
+                        {v: {c.seed: math.exp(c.val[step]) for c in runs if c.variant == v} for v in many}))
     for split, results in sorted(evals.items()):
-        values = {v: [results[run_name(v, s)]["perplexity"] for s in seeds[v] if results.get(run_name(v, s))]
-                  for v in many}
-        if sum(len(x) > 1 for x in values.values()) >= 2:
-            rows.append(_seed_orderings().ordering_row(
-                f"`{split}` perplexity", {v: x for v, x in values.items() if len(x) > 1}, False))
-    if not rows:
+        metrics.append((f"`{split}` perplexity", {v: {s: results[run_name(v, s)]["perplexity"] for s in seeds[v]
+                                                      if results.get(run_name(v, s))} for v in many}))
+    spread_rows, paired_rows = [], []
+    for label, values in metrics:
+        values = {v: x for v, x in values.items() if len(x) > 1}
+        if len(values) < 2:
+            continue
+        spread_rows.append(orderings.ordering_row(label, {v: list(x.values()) for v, x in values.items()}, False))
+        paired_rows.append(orderings.paired_row(label, values, False))
+    if not spread_rows:
         return []
-    orderings = _seed_orderings()
     return ["", "## Which orderings hold beyond the seed spread", "",
             f"{orderings.LEGEND} Better: lower perplexity. Variants with two or more seeds (" +
             ", ".join(f"{v}: {', '.join(map(str, seeds[v]))}" for v in many) + "); the validation batches are drawn by "
-            "the seed, so its spread holds the batches' spread too.", "", *orderings.HEADER, *rows]
+            "the seed, so its spread holds the batches' spread too.", "", *orderings.HEADER, *spread_rows,
+            "", orderings.PAIRED_LEGEND, "", *orderings.PAIRED_HEADER, *paired_rows]
 
 
 def plot_families(curves: dict[str, Curve], variants: list[str], report: Path, *, width: int,

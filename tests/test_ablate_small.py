@@ -239,6 +239,12 @@ def test_the_merge_orders_the_variants_beyond_the_seed_spread(tmp_path):
     assert "| validation perplexity, step 100 | hola > gdn, hola > hola_recency | gdn ~ hola_recency |" in section
     assert "| `heldout` perplexity | hola_recency > gdn | gdn ~ hola, hola ~ hola_recency |" in section
     assert "transformer" not in section.split("Steps reached")[0]
+    # Seed by seed (the same batches): hola's heldout 27.0/31.5 against gdn's 30.0/31.0 is below in one seed only.
+    paired = section.split("Paired by seed", 1)[1]
+    assert "| validation perplexity, step 100 | hola > gdn (0, 1), hola_recency > gdn (0, 1), hola > hola_recency " \
+           "(0, 1) | - |" in paired
+    assert "| `heldout` perplexity | hola_recency > gdn (0, 1) | gdn ~ hola (0, 1), hola ~ hola_recency (0, 1) |" \
+        in paired
 
 
 def test_the_merge_has_no_ordering_table_with_one_seed(tmp_path):
