@@ -162,8 +162,33 @@ def test_mqar_loader_is_deterministic_and_independent_of_the_layout(tokenizer):
     assert torch.equal(list(validation)[1]["input_ids"], batches[1]["input_ids"])
 
 
+def test_mqar_pairs_drawn_from_a_weighted_list():
+    """``pairs=4:5/8:1/16:1``: each row has one of the listed counts, in proportion to the weights; the range form
+    keeps its stream (the rows of earlier runs)."""
+    spec = parse_mqar("mqar:vocab=301,pairs=16:1/4:5/8:1")
+    assert spec.pair_mix == ((4, 5.0), (8, 1.0), (16, 1.0)) and (spec.min_pairs, spec.max_pairs) == (4, 16)
+    assert spec.describe() == "mqar:vocab=301,pairs=4:5/8:1/16:1,power_a=0.01"
+    assert parse_mqar(spec.describe()) == spec
+    counts = {4: 0, 8: 0, 16: 0}
+    for index in range(2100):
+        counts[mqar_row(spec, seq_len=64, rng=np.random.default_rng([2, index])).num_pairs] += 1
+    assert abs(counts[4] / 2100 - 5 / 7) < 0.03 and abs(counts[8] / 2100 - 1 / 7) < 0.03, counts
+    equal = parse_mqar("mqar:vocab=301,pairs=4/8")
+    assert equal.pair_mix == ((4, 1.0), (8, 1.0))
+    drawn = [mqar_row(equal, seq_len=64, rng=np.random.default_rng([3, i])).num_pairs for i in range(400)]
+    assert set(drawn) == {4, 8} and 160 < drawn.count(4) < 240
+    ranged = parse_mqar("mqar:vocab=301,pairs=4-8")
+    old = mqar_row(ranged, seq_len=64, rng=np.random.default_rng([4, 0]))
+    rng = np.random.default_rng([4, 0])
+    assert old.num_pairs == int(rng.integers(4, 9))  # the range's first draw, as before the lists existed
+
+
 @pytest.mark.parametrize("dataset, message", [
     ("mqar:pairs=0", "pairs must be >= 1"),
+    ("mqar:pairs=4:1/0:2", "each choice needs pairs >= 1"),
+    ("mqar:pairs=4:1/8:0", "a weight > 0"),
+    ("mqar:pairs=4/4", "a number of pairs of its own"),
+    ("mqar:pairs=4:x/8", "is not a number"),
     ("mqar:colour=3", "unknown MQAR key 'colour'"),
     ("mqar:pairs=x", "pairs='x' is not a number"),
     ("mqar:vocab=9,pairs=8", "too few ids"),
