@@ -270,6 +270,40 @@ def child(args) -> int:
     return 0
 
 
+def recipe_selections(size: str, flavour: str, precision: str, rows: str) -> list[tuple[int, int]]:
+    """``(window, block)`` of each recipe in ``train_configs/`` of this combination (size, flavour, compute dtype,
+    packed or plain rows) with score eviction: the selection kernels take both as compile-time arguments, and a
+    combination's steps run at the size's default, so the plan also records these (a recipe with another window
+    would otherwise compile both kernels on its main thread)."""
+    from hola_titan.builder import build_model_args
+    from hola_titan.config import parse_config
+
+    found = []
+    for recipe in sorted((ROOT / "train_configs").glob("*.toml")):
+        config = parse_config(["--job.config_file", str(recipe)])
+        margs = build_model_args(config, 8192)  # the vocabulary plays no part here
+        dtype = "bfloat16" if config.training.mixed_precision_param == "bfloat16" else "float32"
+        if (config.model.size, margs.flavour, dtype, "packed" if config.data.varlen else "plain") != \
+                (size, flavour, precision, rows) or not margs.is_recurrent or margs.evict != "score":
+            continue
+        if (margs.window, margs.block) not in found:
+            found.append((margs.window, margs.block))
+    return found
+
+
+def _select_at(window: int, block: int, heads: int, *, packed: bool) -> None:
+    """One launch of the selection kernels at ``window`` and ``block`` (what a recipe's step launches)."""
+    import torch
+
+    from hola_titan.kernels.hola_triton_select import build_block_table, select_topw
+
+    t = 4 * block
+    cu = torch.tensor([0, block // 2, 3 * block, t], dtype=torch.int32, device="cuda") if packed else None
+    table = build_block_table(1, t, cu, block, torch.device("cuda"))
+    select_topw(torch.rand(t, heads, device="cuda"), table, window)
+    torch.cuda.synchronize()
+
+
 def _record_plan(args, folder: Path) -> None:
     """Run one combination with every configuration served from the file and keep what Triton compiled: the plan
     that hola_titan/kernels/precompile.py compiles in parallel at a run's start."""
@@ -280,6 +314,9 @@ def _record_plan(args, folder: Path) -> None:
     # A training run's plan: the trainer's start (the #640 check) and its steps, not the prefill of evaluation.
     with precompile.Recorder() as recorder:
         key = _tune_ours(size, flavour, precision, rows, args, folder, prefill=False)
+        heads = int(key.split("/")[2][1:])
+        for window, block in recipe_selections(size, flavour, precision, rows):
+            _select_at(window, block, heads, packed=rows == "packed")
     # With every key served, what Triton compiled is the plan. A key the file did not serve was autotuned here (the
     # log of the phase counts them): what its autotuner compiled only to time it is not part of a run's plan.
     autotuned = tuned_configs.tuned_entries()

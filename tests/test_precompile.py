@@ -13,12 +13,15 @@ import json
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
 from hola_titan.kernels import precompile  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _spec(name: str, *, warps: int = 4, stages: int = 2, bk: int = 64, extern="/some/machine/libdevice.10.bc"):
@@ -310,3 +313,51 @@ def test_a_failed_run_start_releases_workers_waiting_for_its_imports(tmp_path, m
     job._threads[0].join(10)
     assert not job._threads[0].is_alive() and not compiled
     assert "stopped early: the run's start failed (RuntimeError)" in job.describe()
+
+
+def _plan_topw(specs: list[str]) -> set[tuple]:
+    """The selection kernels' launches a plan holds: ``(kernel, sorted constexprs, warps)``."""
+    held = set()
+    for spec in specs:
+        data = json.loads(spec)
+        function = data["name"].rpartition(".")[2]
+        if function in ("_block_topw_kernel", "_merge_topw_kernel"):
+            names = list(data["signature"])
+            values = {names[k[0]]: v for k, v in zip(data["constant_keys"], data["constant_vals"])}
+            values.pop("HAS_INIT", None)
+            held.add((function, tuple(sorted(values.items())), data["options"]["num_warps"]))
+    return held
+
+
+def test_the_shipped_plans_hold_every_recipe_s_selection_launches():
+    """Each recipe of ``train_configs/`` with score eviction launches the two top-W selection kernels with its own
+    window and block; the plan of its kind (in every shipped table that has one) must hold those launches, or the
+    run compiles both on its main thread at the first step (the MQAR recipe's window 16 against the plan's 8 cost
+    1.3 s of a fresh H100's first step on 2026-12-06)."""
+    from hola_titan.builder import build_model_args
+    from hola_titan.config import parse_config
+    from hola_titan.kernels import fla_gdn, tuned_configs
+    from hola_titan.kernels.hola_triton_select import topw_launches
+
+    tables = {path.name: json.loads(path.read_text()).get("plans", {})
+              for path in sorted(tuned_configs.CONFIG_DIR.glob("*.json"))}
+    checked = []
+    for recipe in sorted((REPO / "train_configs").glob("*.toml")):
+        config = parse_config(["--job.config_file", str(recipe)])
+        args = build_model_args(config, 8192)  # the vocabulary plays no part in the selection's launches
+        if not args.is_recurrent or args.evict != "score":
+            continue
+        dtype = "bfloat16" if config.training.mixed_precision_param == "bfloat16" else "float32"
+        # The shipped tables are Hopper's, where fla's #640 workaround pads head dims below 128.
+        key = precompile.plan_key(args.flavour, max(args.head_dim, fla_gdn.PAD_HEAD_DIM), args.n_heads, dtype,
+                                  packed=config.data.varlen)
+        block_launch, merge_launch = topw_launches(args.window, args.block)
+        want = {("_block_topw_kernel", tuple(sorted((k, v) for k, v in block_launch.items() if k != "num_warps")),
+                 block_launch["num_warps"]),
+                ("_merge_topw_kernel", tuple(sorted((k, v) for k, v in merge_launch.items() if k != "num_warps")),
+                 merge_launch["num_warps"])}
+        for name, plans in tables.items():
+            if key in plans:
+                assert want <= _plan_topw(plans[key]), f"{name}: plan {key} lacks {recipe.name}'s selection launches"
+                checked.append((recipe.name, name))
+    assert any(r == "mqar_hola.toml" for r, _ in checked) and any(r == "hola_340M.toml" for r, _ in checked)

@@ -628,3 +628,15 @@ def test_a_key_a_job_or_node_file_served_is_the_job_s_to_share(monkeypatch):
     # What locate serves from a job's or node's file carries the mark.
     marked = tuned_configs.mark_tuned_here(_kernels("k", 1))
     assert marked["k"]["entries"][0][tuned_configs.TUNED_HERE] is True
+
+
+def test_tune_kernels_records_the_selection_launches_of_each_recipe_of_a_combination():
+    """The plan phase also launches the selection kernels at the window and block of every recipe of its
+    combination (the steps run at the size's defaults): MQAR's window 16 beside the debug model's 8."""
+    recipes = _tune_kernels_script().recipe_selections
+    assert recipes("debug", "hola", "float32", "plain") == [(16, 32)]  # mqar_hola.toml
+    assert recipes("debug", "hola", "float32", "packed") == [(8, 32)]  # debug_model.toml
+    assert recipes("small", "hola", "bfloat16", "packed") == [(64, 64)]
+    assert recipes("340M", "hola", "bfloat16", "packed") == [(64, 256)]
+    assert recipes("340M", "gdn", "bfloat16", "packed") == [] and recipes("debug", "hola_recency", "float32",
+                                                                          "plain") == []

@@ -207,6 +207,17 @@ if triton is not None:
         tl.store(final_ptr + (i_n * H + i_h) * BW + o_w, b_carry)
 
 
+def topw_launches(window: int, block: int) -> tuple[dict, dict]:
+    """The compile-time arguments and warps of the two selection kernels for ``window`` and ``block``:
+    ``(_block_topw_kernel's, _merge_topw_kernel's)`` (``HAS_INIT`` aside). One place for the launches and for the
+    test that the shipped compile plans hold every recipe's (a plan without them compiles both kernels on the run's
+    main thread at its first step)."""
+    bw = max(1 << max(window - 1, 0).bit_length(), 2)  # triton.next_power_of_2, without needing triton
+    bc = max(1 << max(block - 1, 0).bit_length(), bw)
+    return (dict(W=window, BW=bw, BC=bc, num_warps=4 if bc >= 256 else 1),
+            dict(W=window, BW=bw, num_warps=1 if bw <= 64 else 2))
+
+
 def select_topw(m: torch.Tensor, table: BlockTable, window: int,
                 init_keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Score selection with the Triton kernels.
@@ -220,8 +231,8 @@ def select_topw(m: torch.Tensor, table: BlockTable, window: int,
         every sequence after merging all its blocks (empty keys are ``KEY_EMPTY``).
     """
     h = m.shape[1]
-    bw = max(triton.next_power_of_2(window), 2)
-    bc = max(triton.next_power_of_2(table.block), bw)
+    block_launch, merge_launch = topw_launches(window, table.block)
+    bw = block_launch["BW"]
     local = torch.empty(table.num_blocks, h, bw, dtype=torch.int64, device=m.device)
     sel = torch.full((table.num_blocks, h, window), -1, dtype=torch.int32, device=m.device)  # padding rows stay -1
     final = torch.empty(table.num_seqs, h, bw, dtype=torch.int64, device=m.device)
@@ -229,11 +240,10 @@ def select_topw(m: torch.Tensor, table: BlockTable, window: int,
         init = torch.full((table.num_seqs, h, bw), KEY_EMPTY, dtype=torch.int64, device=m.device)
         init[..., :window] = init_keys
     if table.num_blocks:
-        _block_topw_kernel[(table.num_blocks, h)](m, table.blk_start, table.blk_len, local, h, W=window, BW=bw, BC=bc,
-                                                  num_warps=4 if bc >= 256 else 1)
+        _block_topw_kernel[(table.num_blocks, h)](m, table.blk_start, table.blk_len, local, h, **block_launch)
         _merge_topw_kernel[(table.num_seqs, h)](local, table.doc_first_blk, table.doc_num_blk,
-                                                local if init_keys is None else init, sel, final, h, W=window, BW=bw,
-                                                HAS_INIT=init_keys is not None, num_warps=1 if bw <= 64 else 2)
+                                                local if init_keys is None else init, sel, final, h,
+                                                HAS_INIT=init_keys is not None, **merge_launch)
     elif init_keys is not None:
         final.copy_(init)
     else:
