@@ -346,14 +346,14 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None, kept=False):
     # (BM, BN, warps, stages[, variant]): the variants (hola_titan/kernels/hola_triton_attn.py, VARIANTS) trade more
     # products for one half-sized or one fewer [BM, D] accumulator, i.e. fewer registers at D = 256. Compiled here for
     # sm_90a with Triton 3.6 (scripts/kernel_resources.py, docs/LOG.md 2026-12-03): the current tiles spill (forward 72
-    # bytes of stack, dq 200, dk/dv 160; dq and dk/dv use no wgmma at 32-row tiles); split forward 64x32 w4, two-pass
-    # dq 32x64 w8 and separate dk/dv 32x32 and 32x64 w8 (the latter with wgmma) spill nothing. Added after the
-    # Nsight Compute profile (the backward bound by shared-memory traffic of mma.sync, LOG 2026-12-03, seventh
-    # session): 64-key tiles at 8 warps, where dk/dv gets wgmma (16x64: 112 bytes of stack, 32x64: 160) and dq
-    # wider key tiles (16x64: 208 registers, no spills). DQ_ATOMIC (dq summed by the dk/dv programs, 7 products per
-    # pair instead of 8; its delta pass and epilogue take the dq tiles in use), compiled the same way
-    # (LOG 2026-12-03, tenth session): its dk/dv kernel at 32x32 w4 255 registers and 200 bytes of stack (160 without
-    # the dq sums), at 32x32 w8 246 and none, at 64x32 w8 32 bytes; the delta pass at 32x32 w4 161 registers.
+    # bytes of stack, dq 200, dk/dv 160; dq and dk/dv use no wgmma at 32-row tiles); split forward 64x32 w4, two-pass dq
+    # 32x64 w8 and separate dk/dv 32x32 and 32x64 w8 (the latter with wgmma) spill nothing. Added after the Nsight
+    # Compute profile (the backward bound by shared-memory traffic of mma.sync, LOG 2026-12-03): 64-key tiles at 8
+    # warps, where dk/dv gets wgmma (16x64: 112 bytes of stack, 32x64: 160) and dq wider key tiles (16x64: 208
+    # registers, no spills). DQ_ATOMIC (dq summed by the dk/dv programs, 7 products per pair instead of 8; its delta
+    # pass and epilogue take the dq tiles in use), compiled the same way (LOG 2026-12-03): its dk/dv kernel at 32x32 w4
+    # 255 registers and 200 bytes of stack (160 without the dq sums), at 32x32 w8 246 and none, at 64x32 w8 32 bytes;
+    # the delta pass at 32x32 w4 161 registers.
     grid = {
         "fwd": [(64, 32, 4, 2), (64, 32, 4, 1), (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 2), (128, 32, 8, 2),
                 (128, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2, split), (64, 64, 4, 2, split),

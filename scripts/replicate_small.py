@@ -92,12 +92,12 @@ STOP_MARGIN_S = 15.0
 """Runs are stopped this long before the time budget, so that the JSON is written inside it."""
 MQAR_RUNS_PER_PIECE = 9
 """Nine MQAR processes started side by side on one 16-core H200 (first steps all within 44.3 s; docs/LOG.md,
-2026-12-02 later session); each uses a few percent of the GPU (issue 30)."""
+2026-12-02); each uses a few percent of the GPU (issue 30)."""
 MQAR_STEPS_PER_S = {"hola": 3.5, "hola_recency": 3.5, "gdn": 9.2}
 """Steps per second of one MQAR run (64 x 256 tokens a step) with eight others beside it on one H200, measured in
-piece 0 of the sweep: at 1,000 steps (2026-12-02, fourth session; docs/results/replicate_small_h200_2026-12-02b/)
+piece 0 of the sweep: at 1,000 steps (2026-12-02; docs/results/replicate_small_h200_2026-12-02b/)
 HOLA and HOLA+recency 58k tokens/s each, GDN 150-155k, the nine runs trained, exported and evaluated in 5.3
-minutes; in the first, 2,500-step attempt (third session; docs/results/replicate_small_h200_2026-12-02/) HOLA and
+minutes; in the first, 2,500-step attempt (docs/results/replicate_small_h200_2026-12-02/) HOLA and
 HOLA+recency 45k tokens/s each while three GDN runs trained beside them (64k once those had finished), GDN 150k.
 The six HOLA runs together made about 23 steps/s whether three or six shared the GPU (the issue's three side by
 side: 7.6 steps/s each): the GPU, shared by processes in turn, is the limit, so more runs a piece do not add
@@ -107,7 +107,7 @@ MQAR_STEPS = 1000
 there; at step 1,000 of that sweep the lr 1e-2 HOLA run was at validation loss 4.40 from 9.04)."""
 MQAR_STARTUP_S = 30.0
 """Imports, build and first step of nine MQAR runs side by side on a fresh H200: all within 26.2 s with the compile
-plans (`first_step.py --procs 9`, 2026-12-02, third session); in piece 0 the runs logged step 1 22-23 s after the
+plans (`first_step.py --procs 9`, 2026-12-02); in piece 0 the runs logged step 1 22-23 s after the
 piece started."""
 TEXT_RUNS_PER_PIECE = 6
 TEXT_STEPS_PER_S = {"hola": 2.5, "hola_recency": 2.5, "gdn": 2.5}

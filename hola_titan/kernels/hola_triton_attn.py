@@ -77,7 +77,7 @@ CONFIGS = {
 # The dk/dv launch when the forward kept its output (``save_output``): at D 256 DQ_ATOMIC, which is then 5
 # products per pair and was 11% faster over the whole cache backward on an H200 (1.88 ms against 2.12 without the
 # kept output and 2.02 with it; without the kept output DQ_ATOMIC's delta pass made it slower, 2.34 ms; LOG
-# 2026-12-03, eleventh session). D 64 and 128 keep the plain table's launch (not timed with the kept output).
+# 2026-12-03). D 64 and 128 keep the plain table's launch (not timed with the kept output).
 CONFIGS["dkdv_kept"] = {**{d: dict(cfg) for d, cfg in CONFIGS["dkdv"].items()},
                         256: dict(CONFIGS["dkdv"][256], DQ_ATOMIC=True)}
 # float32 inputs (the MQAR recipes, exact checks): ``input_precision="ieee"`` products run on the FMA units, not
@@ -116,7 +116,7 @@ VARIANTS["dkdv_kept"] = VARIANTS["dkdv"]
 
 # Which kernels run a fresh call's forward and backward, per head dim, on a GPU that has Hopper's warpgroup MMA
 # (sm_90): "gluon" (:mod:`hola_titan.kernels.hola_gluon_attn`, 64-row warpgroup-MMA tiles) or "triton" (the kernels
-# here, with the CONFIGS launches). Timed on an H200 at D 256 (docs/LOG.md, 2026-12-03 twelfth session). Elsewhere
+# here, with the CONFIGS launches). Timed on an H200 at D 256 (docs/LOG.md, 2026-12-03). Elsewhere
 # (other head dims and GPUs, float32, Triton's interpreter, a call continuing from a cache) the Triton kernels run;
 # :func:`forward_kernels` and :func:`backward_kernels` say which and why, and a run's ``paths`` lines report it.
 DEFAULT_FORWARD = {256: "gluon"}
