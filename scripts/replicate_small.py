@@ -219,10 +219,15 @@ class Commands:
     python = "python"
     """The commands' interpreter as recorded (the project's environment runs them)."""
 
-    def __init__(self, *, steps: dict[str, int], corpus: Path, quick: bool):
+    def __init__(self, *, steps: dict[str, int], corpus: Path, quick: bool, mqar_data: str | None = None,
+                 mqar_batch: int | None = None):
         self.steps = steps
         self.corpus = corpus
         self.quick = quick
+        self.mqar_data = mqar_data
+        """``--mqar-data``: the MQAR runs' ``data.dataset`` instead of the recipe's (None: the recipe's)."""
+        self.mqar_batch = mqar_batch
+        """``--mqar-batch``: the MQAR runs' rows a step instead of the recipe's (None: the recipe's)."""
 
     def sizes(self, task: str, flavour: str) -> Sizes:
         if self.quick:
@@ -231,7 +236,10 @@ class Commands:
         steps = self.steps[task]
         # The recipe's warm-up, but at most a tenth of a run shortened to fit a piece.
         warmup = min(recipe["lr_scheduler"]["warmup_steps"], max(1, steps // 10))
-        return Sizes(steps, warmup, recipe["training"]["seq_len"], recipe["training"]["local_batch_size"])
+        batch = recipe["training"]["local_batch_size"]
+        if task == "mqar" and self.mqar_batch is not None:
+            batch = self.mqar_batch
+        return Sizes(steps, warmup, recipe["training"]["seq_len"], batch)
 
     def corpus_file(self, split: str) -> Path:
         """``<corpus>/<split>.jsonl``, or the ``.jsonl.gz`` that ``build_small_corpus.py --gzip`` writes."""
@@ -255,6 +263,11 @@ class Commands:
         elif run.task == "text":
             train += ["--data.dataset", str(self.corpus_file("train")),
                       "--validation.dataset", str(self.corpus_file("validation"))]
+        else:
+            if self.mqar_data is not None:
+                train += ["--data.dataset", self.mqar_data]
+            if self.mqar_batch is not None:
+                train += ["--training.local_batch_size", str(self.mqar_batch)]
         # The folder's name is the evaluations' label, so their files name the run.
         export = folder / run.name
         stages = [Stage("train", tuple(train)),
@@ -299,9 +312,13 @@ class Commands:
         """Wall seconds of ``run`` with the piece's other runs beside it (the constants above)."""
         task = TASKS[run.task]
         evals = [s.name for s in self.stages(run, Path("<work>"))[2:]]
-        steps = self.sizes(run.task, run.flavour).steps
-        return (task.startup_s + steps / task.steps_per_s[run.flavour] + EXPORT_S
-                + sum(EVAL_S[name] for name in evals))
+        sizes = self.sizes(run.task, run.flavour)
+        rate = task.steps_per_s[run.flavour]
+        if run.task == "mqar" and self.mqar_batch is not None and not self.quick:
+            # The rates were measured at the recipe's 64 rows a step with the GPU shared by the piece's runs: a
+            # larger step is taken as proportionally slower (an upper bound; small steps are launch-bound).
+            rate *= 64 / self.mqar_batch
+        return task.startup_s + sizes.steps / rate + EXPORT_S + sum(EVAL_S[name] for name in evals)
 
 
 def balanced_chunks(items: list[Run], *, limit: int) -> list[list[Run]]:
@@ -973,6 +990,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mqar-lrs", type=_floats, default=[1e-3, 3e-3, 1e-2], help="MQAR lr sweep")
     parser.add_argument("--mqar-steps", type=int, default=MQAR_STEPS,
                         help="steps of an MQAR run (sized to fit a piece)")
+    parser.add_argument("--mqar-data", default=None, metavar="DATASET",
+                        help="the MQAR runs' data.dataset instead of the recipe's, e.g. "
+                             "'mqar:vocab=8192,pairs=4:5/8:1/16:1/32:1/64:1,power_a=0.01' (Zoology's mix)")
+    parser.add_argument("--mqar-batch", type=int, default=None, metavar="ROWS",
+                        help="the MQAR runs' rows a step instead of the recipe's 64")
     parser.add_argument("--text-seeds", type=_ints, default=[0, 1], help="seeds of the text runs")
     parser.add_argument("--text-lr", type=float, default=3e-3, help="lr of the text runs (the recipes')")
     parser.add_argument("--text-steps", type=int, default=600, help="steps of a text run (sized to fit a piece)")
@@ -997,8 +1019,16 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("mqar_steps", "text_steps"):
             if getattr(options, name) < 1:
                 raise ReplicateError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
+        if options.mqar_batch is not None and options.mqar_batch < 1:
+            raise ReplicateError(f"--mqar-batch must be >= 1, got {options.mqar_batch}")
+        if options.mqar_data is not None:
+            from hola_titan.data.synthetic import parse_mqar  # imports torch: only with this option
+            try:
+                parse_mqar(options.mqar_data)
+            except ValueError as error:
+                raise ReplicateError(f"--mqar-data: {error}") from None
         commands = Commands(steps={"mqar": options.mqar_steps, "text": options.text_steps}, corpus=options.corpus,
-                            quick=options.quick)
+                            quick=options.quick, mqar_data=options.mqar_data, mqar_batch=options.mqar_batch)
         best = None
         if options.sweep_results:
             best = best_lr_from_sweep(options.sweep_results, flavours=options.flavours, mqar_lrs=options.mqar_lrs,

@@ -97,6 +97,26 @@ def test_plan_lists_pieces_that_fit_a_lent_gpu(capsys):
     assert out.splitlines()[-1].startswith("total: 4 pieces")
 
 
+def test_the_mqar_runs_take_another_dataset_and_batch(capsys):
+    """--mqar-data and --mqar-batch reach every MQAR run's trainer command (not the text runs'), and the plan's
+    estimate takes the larger steps as slower; a dataset the MQAR source refuses is one error line naming it."""
+    mix = "mqar:vocab=8192,pairs=4:5/8:1/16:1/32:1/64:1,power_a=0.01"
+    rc, out, _ = _main(capsys, "--plan", "--flavours", "gdn", "--mqar-lrs", "1e-3", "--seeds", "0,1",
+                       "--mqar-steps", "400", "--mqar-data", mix, "--mqar-batch", "128")
+    assert rc == 0
+    train = [ln for ln in out.splitlines() if "-m hola_titan.train" in ln]
+    mqar = [ln for ln in train if "mqar_gdn.toml" in ln]
+    assert mqar and all(f"--data.dataset {mix}" in ln and "--training.local_batch_size 128" in ln for ln in mqar)
+    assert not any("--training.local_batch_size" in ln for ln in train if "small_gdn_text.toml" in ln)
+    commands = replicate.Commands(steps={"mqar": 400, "text": 10}, corpus=Path("c"), quick=False)
+    wide = replicate.Commands(steps={"mqar": 400, "text": 10}, corpus=Path("c"), quick=False, mqar_batch=128)
+    run = replicate.Run("mqar", "gdn", 1e-3, 0)
+    assert wide.sizes("mqar", "gdn").batch == 128 and commands.sizes("mqar", "gdn").batch == 64
+    assert wide.estimate_s(run) - commands.estimate_s(run) == pytest.approx(400 / replicate.MQAR_STEPS_PER_S["gdn"])
+    rc, _, err = _main(capsys, "--plan", "--mqar-data", "mqar:pairs=4/4")
+    assert rc == 2 and err.startswith("error: --mqar-data:") and "a number of pairs of its own" in err
+
+
 def _sweep_json(path: Path, scores: dict[float, dict[str, float]]) -> Path:
     """A finished --quick sweep piece for hola at the lrs of ``scores`` (point -> accuracy)."""
     runs = [{"name": f"mqar_hola_lr{lr:g}_s0", "task": "mqar", "flavour": "hola", "lr": lr, "seed": 0,
