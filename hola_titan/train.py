@@ -928,6 +928,22 @@ class Trainer:
         val_loss = float(loss_sum[0] / loss_sum[1].clamp(min=1))
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
+    def cache_scalars(self) -> dict:
+        """Per HOLA layer, in order, the mean over heads of the cache read's weight ``sigmoid(gate)`` and of the sink
+        logit: ``{"cache_gate": [...], "cache_sink": [...]}``, or ``{}`` for a model without a cache. Logged with
+        each validation: how far training moves the layer from its init (gate -4: 0.018) shows whether it leans
+        on the cache or away from it. A sharded parameter is gathered whole (every rank validates at the same
+        step, so the collective is met)."""
+        from hola_titan.models.model import GatedDeltaMixer
+
+        gates, sinks = [], []
+        for module in self.model.modules():
+            if isinstance(module, GatedDeltaMixer) and module.settings.evict != "none":
+                gate, sink = (_full(p.detach()).float() for p in (module.gate, module.sink))
+                gates.append(round(float(torch.sigmoid(gate).mean()), 6))
+                sinks.append(round(float(sink.mean()), 6))
+        return {"cache_gate": gates, "cache_sink": sinks} if gates else {}
+
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> list[dict]:
@@ -1156,7 +1172,7 @@ class Trainer:
                     # After the step's checkpoint: a validation that fails (its data, the device) must not cost the
                     # steps since the last one. A background save is finished before the error ends the run.
                     try:
-                        row = {"step": step, **self.validate()}
+                        row = {"step": step, **self.validate(), **self.cache_scalars()}
                     except Exception as err:
                         if self.checkpointer is not None and not isinstance(err, InterruptedTwice):
                             self.checkpointer.finish()

@@ -405,12 +405,15 @@ class Curve:
     steps: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
     val: dict[int, float] = field(default_factory=dict)
+    gates: dict[int, list[float]] = field(default_factory=dict)
+    """Per validated step, each cache layer's mean ``sigmoid(gate)`` (the trainer's ``cache_gate``)."""
 
 
 def load_curves(folders: list[Path]) -> tuple[dict[str, Curve], list[dict]]:
     """Every run's training-loss curve and validation losses from the ``--run`` folders (later folders win)."""
     by_run: dict[str, dict[int, float]] = {}
     vals: dict[str, dict[int, float]] = {}
+    gates: dict[str, dict[int, list[float]]] = {}
     meta: dict[str, tuple[str, int]] = {}
     statuses = []
     for folder in folders:
@@ -425,10 +428,13 @@ def load_curves(folders: list[Path]) -> tuple[dict[str, Curve], list[dict]]:
                     by_run.setdefault(name, {})[row["step"]] = row["loss"]
                 if "val_loss" in row:
                     vals.setdefault(name, {})[row["step"]] = row["val_loss"]
+                if row.get("cache_gate"):
+                    gates.setdefault(name, {})[row["step"]] = row["cache_gate"]
     curves = {}
     for name, (variant, seed) in meta.items():
         points = sorted(by_run.get(name, {}).items())
-        curves[name] = Curve(variant, seed, [s for s, _ in points], [v for _, v in points], vals.get(name, {}))
+        curves[name] = Curve(variant, seed, [s for s, _ in points], [v for _, v in points], vals.get(name, {}),
+                             gates.get(name, {}))
     return curves, statuses
 
 
@@ -509,7 +515,9 @@ def merge(args) -> int:
                       "val_loss_minus_gdn_by_step": {
                           str(s): [c.val[s] - by[("gdn", c.seed)].val[s] for c in runs
                                    if s in c.val and ("gdn", c.seed) in by and s in by[("gdn", c.seed)].val]
-                          for s in val_steps}}
+                          for s in val_steps},
+                      "cache_gate_by_step": {str(s): [c.gates.get(s) for c in runs]
+                                             for s in sorted({t for c in runs for t in c.gates})}}
     evals = load_evaluations([Path(f) for f in args.merge])
     for v in variants:
         runs = [by[(v, s)] for s in seeds if (v, s) in by]
@@ -555,6 +563,7 @@ def merge(args) -> int:
                    for seed, r in mine.items() if r and run_name("gdn", seed) in results]
             lines.append(f"| {v} | {spread(ppl, 2)} | "
                          f"{spread(rel, 1, signed=True) + '%' if rel and v != 'gdn' else '-'} |")
+    lines += gate_lines(curves, variants)
     lines += ordering_lines(curves, variants, evals)
     lines += ["", "Steps reached: " + ", ".join(f"{v} " + "/".join(map(str, summary[v]["steps"])) for v in variants),
               ""]
@@ -568,6 +577,32 @@ def merge(args) -> int:
                                                        "devices": [s["device"] for s in statuses]}, indent=1) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def gate_lines(curves: dict[str, Curve], variants: list[str]) -> list[str]:
+    """The cache read's weight ``sigmoid(gate)`` at each logged validation (runs that logged it: the trainer
+    writes it since 2026-12-06): mean over layers and seeds, and its range over the layers, per variant."""
+    logged = [c for c in curves.values() if c.gates]
+    if not logged:
+        return []
+    steps = sorted({s for c in logged for s in c.gates})
+    lines = ["", "The cache read's weight `sigmoid(gate)` (init: `sigmoid(model.gate_init)`), mean over the layers "
+             "and seeds [lowest layer, highest layer]:", "",
+             "| variant | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
+    for v in variants:
+        runs = [c for c in logged if c.variant == v]
+        if not runs:
+            continue
+        cells = []
+        for s in steps:
+            layers = [c.gates[s] for c in runs if s in c.gates]
+            if not layers:
+                cells.append("-")
+                continue
+            per_layer = [sum(x) / len(x) for x in zip(*layers)]
+            cells.append(f"{sum(per_layer) / len(per_layer):.4f} [{min(per_layer):.4f}, {max(per_layer):.4f}]")
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def ordering_lines(curves: dict[str, Curve], variants: list[str], evals: dict[str, dict[str, dict]]) -> list[str]:

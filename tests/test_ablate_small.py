@@ -66,7 +66,8 @@ def _write_run_folder(folder: Path, offsets: dict[str, float], *, steps: int, se
                 batch = 3.0 + math.sin(step * 0.7 + seed)  # the batch-to-batch spread the pairing removes
                 rows.append({"step": step, "loss": batch + offset + (0.001 * seed if variant != "gdn" else 0.0)})
                 if step % 50 == 0:
-                    rows.append({"step": step, "val_loss": 3.0 + offset + 0.1 * seed})
+                    rows.append({"step": step, "val_loss": 3.0 + offset + 0.1 * seed,
+                                 **({"cache_gate": [0.01 * seed + step / 1e4, 0.02]} if variant != "gdn" else {})})
             (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{\"step\": 1")
             runs[name] = {"variant": variant, "seed": seed, "step": steps}
     status = {"format": ablate.FORMAT, "device": "cpu", "steps": steps, "warmup_steps": 10, "runs": runs}
@@ -91,6 +92,11 @@ def test_the_merge_reports_the_paired_differences(tmp_path):
         assert result["variants"][variant]["val_loss_minus_gdn_by_step"]["200"] == pytest.approx([offset] * 2)
     text = (tmp_path / "report" / "ablations.md").read_text()
     assert "| hola | `(defaults)` | -0.049 [-0.050, -0.049] |" in text
+    # The cache gates: hola at step 200, layer 0 0.02 / 0.03 (seeds), layer 1 0.02: mean 0.0225, range 0.02-0.025.
+    assert "| hola | 0.0150 [0.0100, 0.0200] | 0.0175 [0.0150, 0.0200] | 0.0200 [0.0200, 0.0200] | " \
+           "0.0225 [0.0200, 0.0250] |" in text
+    assert result["variants"]["hola"]["cache_gate_by_step"]["200"] == [[0.02, 0.02], [0.03, 0.02]]
+    assert "| gdn |" not in text.split("sigmoid(gate)` (init", 1)[1].split("\n\n")[1]
     assert (tmp_path / "report" / "ablation_state_read.png").is_file()  # gdn, hola, hola_s1
     assert not (tmp_path / "report" / "ablation_span.png").exists()  # only hola_s1 of its members ran
 

@@ -276,3 +276,7 @@ def test_training_with_context_parallel_matches_one_process(layout):
     many = _losses(nproc, layout)
     assert len(one) == len(many) == 4
     assert max(abs(a - b) for a, b in zip(one, many)) < 1e-5, (layout, one, many)
+    # The cache layers' gates logged with the validation: gathered whole from their shards on every layout.
+    gates_one = _train_results(1)[f"rows{rows}"]["cache_gates"]
+    gates_many = _train_results(nproc)[layout]["cache_gates"]
+    assert len(gates_one) == 1 and len(gates_one[0]) == 2 and gates_many[0] == pytest.approx(gates_one[0], abs=1e-6)

@@ -138,6 +138,32 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     assert la == pytest.approx(lb, rel=1e-5, abs=1e-5)
 
 
+def test_validation_rows_carry_each_cache_layer_s_gate_and_sink(tmp_path):
+    """Each validation row holds, per HOLA layer, the mean cache weight sigmoid(gate) and sink logit (read from the
+    parameters); a model without a cache logs neither."""
+    from hola_titan.models.model import GatedDeltaMixer
+
+    config = parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path / "hola"),
+                           "--training.steps", "2", "--metrics.log_freq", "1", "--validation.freq", "2", *FAST])
+    trainer = Trainer(config)
+    mixers = [m for m in trainer.model.modules() if isinstance(m, GatedDeltaMixer)]
+    with torch.no_grad():
+        for i, mixer in enumerate(mixers):
+            mixer.gate.copy_(torch.tensor([float(i), float(i) + 2.0]))
+            mixer.sink.fill_(-float(i))
+    scalars = trainer.cache_scalars()
+    assert scalars["cache_gate"] == pytest.approx([(0.5 + torch.sigmoid(torch.tensor(2.0)).item()) / 2,
+                                                   torch.sigmoid(torch.tensor([1.0, 3.0])).mean().item()], abs=1e-6)
+    assert scalars["cache_sink"] == pytest.approx([0.0, -1.0])
+    trainer.train()
+    val = [r for r in _rows(tmp_path / "hola") if "val_loss" in r]
+    assert len(val) == 1 and len(val[0]["cache_gate"]) == len(val[0]["cache_sink"]) == len(mixers) == 2
+    assert val[0]["cache_gate"] != scalars["cache_gate"]  # two steps moved the gates
+    gdn = Trainer(parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path / "gdn"),
+                                "--model.flavour", "gdn", *FAST]))
+    assert gdn.cache_scalars() == {}
+
+
 def test_validation_loss_does_not_depend_on_the_layout(tmp_path):
     """validation.steps counts global batches: local batch 4 and local batch 2 with 2 accumulation steps (one global
     batch of 4 rows) validate the same rows of the same weights, hence the same val_loss (it was over 4 rows
