@@ -450,6 +450,15 @@ def load_evaluations(folders: list[Path]) -> dict[str, dict[str, dict]]:
     return found
 
 
+def load_niah(folders: list[Path]) -> dict[str, dict[str, float]]:
+    """``--evaluate niah`` results: run name -> {``<task>@<length>``: accuracy} (later folders win)."""
+    found: dict[str, dict[str, float]] = {}
+    for folder in folders:
+        for path in sorted(folder.glob("eval_niah/niah_*.json")):
+            found[path.stem.removeprefix("niah_")] = dict(json.loads(path.read_text())["summary"])
+    return found
+
+
 def smooth(steps: list[int], values: list[float], width: int) -> tuple[list[int], list[float]]:
     """Mean of the logged losses in windows of ``width`` steps (one point per window, at its last step)."""
     out_s, out_v, bucket, end = [], [], [], width
@@ -519,10 +528,13 @@ def merge(args) -> int:
                       "cache_gate_by_step": {str(s): [c.gates.get(s) for c in runs]
                                              for s in sorted({t for c in runs for t in c.gates})}}
     evals = load_evaluations([Path(f) for f in args.merge])
+    niah = load_niah([Path(f) for f in args.merge])
     for v in variants:
         runs = [by[(v, s)] for s in seeds if (v, s) in by]
         summary[v]["evaluations"] = {
             split: {str(c.seed): results.get(run_name(v, c.seed)) for c in runs} for split, results in evals.items()}
+        if niah:
+            summary[v]["niah"] = {str(c.seed): niah.get(run_name(v, c.seed)) for c in runs}
     devices = sorted({s["device"] for s in statuses})
     lines = [f"# Ablations of the HOLA layer, recipe {names[0]} ({', '.join(devices)})", "",
              f"{recipe.about} (one step: {tokens_per_step / 1e6:.3f}M tokens), a {statuses[0]['steps']}-step cosine "
@@ -563,8 +575,9 @@ def merge(args) -> int:
                    for seed, r in mine.items() if r and run_name("gdn", seed) in results]
             lines.append(f"| {v} | {spread(ppl, 2)} | "
                          f"{spread(rel, 1, signed=True) + '%' if rel and v != 'gdn' else '-'} |")
+    lines += niah_lines(curves, variants, niah)
     lines += gate_lines(curves, variants)
-    lines += ordering_lines(curves, variants, evals)
+    lines += ordering_lines(curves, variants, evals, niah)
     lines += ["", "Steps reached: " + ", ".join(f"{v} " + "/".join(map(str, summary[v]["steps"])) for v in variants),
               ""]
     plots = plot_families(curves, variants, report, width=args.window, tokens_per_step=tokens_per_step)
@@ -577,6 +590,20 @@ def merge(args) -> int:
                                                        "devices": [s["device"] for s in statuses]}, indent=1) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def niah_lines(curves: dict[str, Curve], variants: list[str], niah: dict[str, dict[str, float]]) -> list[str]:
+    """S-NIAH accuracy per variant and column (task at a length), mean [min, max] over the seeds evaluated."""
+    columns = list(dict.fromkeys(k for r in niah.values() for k in r))
+    if not columns:
+        return []
+    lines = ["", "S-NIAH accuracy (`hola_titan.eval niah`, 1-4x the training length; mean [min, max] over seeds):", "",
+             "| variant | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for v in variants:
+        results = [niah[run_name(v, c.seed)] for c in curves.values() if c.variant == v and run_name(v, c.seed) in niah]
+        if results:
+            lines.append(f"| {v} | " + " | ".join(spread([r[k] for r in results if k in r], 2) for k in columns) + " |")
+    return lines
 
 
 def gate_lines(curves: dict[str, Curve], variants: list[str]) -> list[str]:
@@ -605,37 +632,42 @@ def gate_lines(curves: dict[str, Curve], variants: list[str]) -> list[str]:
     return lines
 
 
-def ordering_lines(curves: dict[str, Curve], variants: list[str], evals: dict[str, dict[str, dict]]) -> list[str]:
-    """Which orderings of the variants hold beyond the spread of their seeds (``a > b``: every seed of a below every
-    seed of b in perplexity), over the variants with two or more seeds, and which hold seed by seed (a below b in
-    each seed both ran: the same batches): the validation perplexity at the last step that all of their runs
-    logged, and the perplexity of each evaluated split."""
+def ordering_lines(curves: dict[str, Curve], variants: list[str], evals: dict[str, dict[str, dict]],
+                   niah: dict[str, dict[str, float]] | None = None) -> list[str]:
+    """Which orderings of the variants hold beyond the spread of their seeds (``a > b``: every seed of a better
+    than every seed of b), over the variants with two or more seeds, and which hold seed by seed (a better than b
+    in each seed both ran: the same batches): the validation perplexity at the last step that all of their runs
+    logged, the perplexity of each evaluated split (lower is better) and each S-NIAH column (higher is better)."""
     seeds = {v: sorted(c.seed for c in curves.values() if c.variant == v) for v in variants}
     many = [v for v in variants if len(seeds[v]) > 1]
     if len(many) < 2:
         return []
     orderings = _seed_orderings()
     runs = [c for c in curves.values() if c.variant in many]
-    metrics = []  # (label, variant -> seed -> perplexity)
+    metrics = []  # (label, variant -> seed -> value, higher is better)
     common = set.intersection(*(set(c.val) for c in runs))
     if common:
         step = max(common)
         metrics.append((f"validation perplexity, step {step}",
-                        {v: {c.seed: math.exp(c.val[step]) for c in runs if c.variant == v} for v in many}))
+                        {v: {c.seed: math.exp(c.val[step]) for c in runs if c.variant == v} for v in many}, False))
     for split, results in sorted(evals.items()):
         metrics.append((f"`{split}` perplexity", {v: {s: results[run_name(v, s)]["perplexity"] for s in seeds[v]
-                                                      if results.get(run_name(v, s))} for v in many}))
+                                                      if results.get(run_name(v, s))} for v in many}, False))
+    niah = niah or {}
+    for column in dict.fromkeys(k for r in niah.values() for k in r):
+        metrics.append((column, {v: {s: niah[run_name(v, s)][column] for s in seeds[v]
+                                     if column in niah.get(run_name(v, s), {})} for v in many}, True))
     spread_rows, paired_rows = [], []
-    for label, values in metrics:
+    for label, values, higher in metrics:
         values = {v: x for v, x in values.items() if len(x) > 1}
         if len(values) < 2:
             continue
-        spread_rows.append(orderings.ordering_row(label, {v: list(x.values()) for v, x in values.items()}, False))
-        paired_rows.append(orderings.paired_row(label, values, False))
+        spread_rows.append(orderings.ordering_row(label, {v: list(x.values()) for v, x in values.items()}, higher))
+        paired_rows.append(orderings.paired_row(label, values, higher))
     if not spread_rows:
         return []
     return ["", "## Which orderings hold beyond the seed spread", "",
-            f"{orderings.LEGEND} Better: lower perplexity. Variants with two or more seeds (" +
+            f"{orderings.LEGEND} Better: lower perplexity, higher S-NIAH accuracy. Variants with two or more seeds (" +
             ", ".join(f"{v}: {', '.join(map(str, seeds[v]))}" for v in many) + "); the validation batches are drawn by "
             "the seed, so its spread holds the batches' spread too.", "", *orderings.HEADER, *spread_rows,
             "", orderings.PAIRED_LEGEND, "", *orderings.PAIRED_HEADER, *paired_rows]

@@ -253,6 +253,26 @@ def test_the_merge_orders_the_variants_beyond_the_seed_spread(tmp_path):
         in paired
 
 
+def test_the_merge_tables_and_orders_the_niah_accuracies(tmp_path):
+    """S-NIAH results (eval_niah/niah_<run>.json): a table per variant, and rows of the ordering tables where higher
+    accuracy is better."""
+    _write_run_folder(tmp_path / "a", {"gdn": 0.0, "hola": -0.2}, steps=100, recipe="46M")
+    (tmp_path / "a" / "eval_niah").mkdir()
+    accuracy = {"gdn": (0.25, 0.5), "hola": (0.75, 1.0)}
+    for variant, values in accuracy.items():
+        for seed, acc in enumerate(values):
+            (tmp_path / "a" / "eval_niah" / f"niah_{ablate.run_name(variant, seed)}.json").write_text(
+                json.dumps({"summary": {"s_niah_1@4096": acc, "s_niah_2@4096": 1.0 - acc}}))
+    assert ablate.main(["--merge", str(tmp_path / "a"), "--report", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "ablations.md").read_text()
+    assert "| hola | 0.88 [0.75, 1.00] | 0.12 [0.00, 0.25] |" in text
+    spread, paired = text.split("## Which orderings hold beyond the seed spread", 1)[1].split("Paired by seed", 1)
+    assert "| s_niah_1@4096 | hola > gdn | - |" in spread and "| s_niah_2@4096 | gdn > hola | - |" in spread
+    assert "| s_niah_1@4096 | hola > gdn (0, 1) | - |" in paired
+    result = json.loads((tmp_path / "r" / "ablations.json").read_text())
+    assert result["variants"]["hola"]["niah"]["1"] == {"s_niah_1@4096": 1.0, "s_niah_2@4096": 0.0}
+
+
 def test_the_merge_has_no_ordering_table_with_one_seed(tmp_path):
     _write_run_folder(tmp_path / "a", {"gdn": 0.0, "hola": -0.2}, steps=100, seeds=(1,), recipe="46M")
     assert ablate.main(["--merge", str(tmp_path / "a"), "--report", str(tmp_path / "r")]) == 0
