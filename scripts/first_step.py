@@ -89,6 +89,8 @@ def watch_compiles(phase: list[str]) -> list[dict]:
 
     from triton import knobs
 
+    from hola_titan.kernels import precompile
+
     compiles: list[dict] = []
     starts: dict = {}
 
@@ -97,11 +99,14 @@ def watch_compiles(phase: list[str]) -> list[dict]:
             starts[key] = time.time()
         return None  # a true value would skip the compile
 
-    def after(*, key, fn, **_):
+    def after(*, key, fn, compile=None, **_):  # noqa: A002 (Triton's keyword)
         began = starts.pop(key, None)
         if began is not None:
-            compiles.append({"kernel": f"{fn.module}.{fn.name}", "seconds": round(time.time() - began, 3),
-                             "phase": phase[0]})
+            record = {"kernel": f"{fn.module}.{fn.name}", "seconds": round(time.time() - began, 3),
+                      "phase": phase[0]}
+            if compile and compile.get("specialization_data"):
+                record["spec"] = precompile.sanitize(compile["specialization_data"])
+            compiles.append(record)
 
     knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
     return compiles
@@ -188,6 +193,13 @@ def one(out: Path, overrides: list[str]) -> int:
 
     from hola_titan.kernels.tuned_configs import versions
 
+    from hola_titan.kernels.precompile import plan_difference
+
+    plan = plan_specs(trainer) if compiles else None
+    for record in compiles:  # which of the main thread's compiles the plan lacked, and by what
+        spec = record.pop("spec", None)
+        if spec is not None and plan is not None:
+            record["plan"] = plan_difference(spec, plan) or "held (a load from the disk cache)"
     result = {
         "first_step_s": first_step_s, "finished_at": launched + first_step_s, "phases": phases,
         "loss": float(loss.detach()),
@@ -205,7 +217,21 @@ def one(out: Path, overrides: list[str]) -> int:
     print(f"main thread: {len(compiles)} Triton compiles or cache loads, {len(slow)} over 0.2 s taking "
           f"{sum(c['seconds'] for c in slow):.1f} s: " + ", ".join(
               f"{c['kernel'].rsplit('.', 1)[-1]} {c['seconds']:.1f} ({c['phase']})" for c in slow), flush=True)
+    for c in slow:
+        if c.get("plan"):
+            print(f"  {c['kernel'].rsplit('.', 1)[-1]}: {c['plan']}", flush=True)
     return 0
+
+
+def plan_specs(trainer) -> list[str] | None:
+    """The compile plan the run's precompile took (its specialisations), or None without one."""
+    from hola_titan.kernels import precompile
+
+    located = trainer._locate_kernel_configs()
+    if located.path is None:
+        return None
+    specs, _ = precompile.select(located.plans, trainer._plan_key())
+    return specs or None
 
 
 def many(args, overrides: list[str]) -> int:

@@ -361,3 +361,19 @@ def test_the_shipped_plans_hold_every_recipe_s_selection_launches():
                 assert want <= _plan_topw(plans[key]), f"{name}: plan {key} lacks {recipe.name}'s selection launches"
                 checked.append((recipe.name, name))
     assert any(r == "mqar_hola.toml" for r, _ in checked) and any(r == "hola_340M.toml" for r, _ in checked)
+
+
+def test_a_launch_the_plan_lacks_is_told_by_what_it_differs():
+    """``plan_difference``: empty for a held specialisation, the differing fields against the closest one of the
+    same kernel otherwise (what ``scripts/first_step.py`` prints for the main thread's slow compiles)."""
+    plan = [precompile.sanitize(_spec("fla.ops.k", warps=4, bk=64)), precompile.sanitize(_spec("fla.ops.k", warps=8,
+                                                                                               bk=32))]
+    assert precompile.plan_difference(plan[0], plan) == ""
+    other = precompile.sanitize(_spec("fla.ops.k", warps=4, bk=128))
+    assert precompile.plan_difference(other, plan) == 'constexpr BK: {"constexpr": 128} (plan: {"constexpr": 64})'
+    unaligned = json.loads(plan[1])
+    unaligned["attrs_vals"] = [[]]
+    unaligned.pop("key")
+    told = precompile.plan_difference(precompile.sanitize(json.dumps(unaligned)), plan)
+    assert told == 'attrs x: [] (plan: [["tt.divisibility", 16]])'
+    assert precompile.plan_difference(precompile.sanitize(_spec("fla.ops.other")), plan) == "kernel not in the plan"

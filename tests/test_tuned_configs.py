@@ -640,3 +640,42 @@ def test_tune_kernels_records_the_selection_launches_of_each_recipe_of_a_combina
     assert recipes("340M", "hola", "bfloat16", "packed") == [(64, 256)]
     assert recipes("340M", "gdn", "bfloat16", "packed") == [] and recipes("debug", "hola_recency", "float32",
                                                                           "plain") == []
+
+
+def test_first_step_keeps_each_main_thread_compile_s_specialisation_for_the_plan_check():
+    """``first_step.watch_compiles``: a compile on the main thread is recorded with its sanitised specialisation (the
+    plan check's input), one on another thread is not recorded; Triton's hooks are the script's afterwards."""
+    import importlib.util
+    import threading
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    from hola_titan.kernels import precompile
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "first_step.py"
+    spec = importlib.util.spec_from_file_location("first_step_under_test", path)
+    first_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(first_step)
+    saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    try:
+        compiles = first_step.watch_compiles(["first_forward"])
+        data = json.dumps({"name": "fla.ops.k", "signature": {"x": "*fp32"}, "constant_keys": [], "constant_vals": [],
+                           "attrs_keys": [[0]], "attrs_vals": [[["tt.divisibility", 16]]],
+                           "options": {"num_warps": 4}, "key": "k"})
+        fn = types.SimpleNamespace(module="fla.ops", name="k")
+
+        def launch():
+            knobs.runtime.jit_cache_hook(key="k1")
+            knobs.runtime.jit_post_compile_hook(key="k1", fn=fn, compile={"specialization_data": data})
+
+        launch()
+        worker = threading.Thread(target=launch)
+        worker.start()
+        worker.join()
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
+    assert len(compiles) == 1 and compiles[0]["phase"] == "first_forward"
+    assert compiles[0]["spec"] == precompile.sanitize(data)
+    assert precompile.plan_difference(compiles[0]["spec"], [compiles[0]["spec"]]) == ""

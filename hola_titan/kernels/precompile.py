@@ -90,6 +90,39 @@ def sanitize(specialization_data: str) -> str | None:
     return json.dumps(spec)
 
 
+def plan_difference(spec: str, plan: list[str]) -> str:
+    """Why a specialisation compiled at its launch was not one of ``plan``'s (both sanitised, :func:`sanitize`):
+    ``""`` when the plan holds it (its launch found the binary on disk), else the fields where it differs from the
+    plan's closest specialisation of the same kernel (``kernel not in the plan`` when there is none). For the
+    run's own diagnosis (``scripts/first_step.py``): a plan recorded at other shapes or settings than the run's
+    (a window, a divisibility, warps) compiles at launch on the main thread."""
+    if spec in plan:
+        return ""
+    mine = json.loads(spec)
+    same = [json.loads(s) for s in plan if json.loads(s).get("name") == mine.get("name")]
+    if not same:
+        return "kernel not in the plan"
+
+    def fields(data: dict) -> dict:
+        names = list(data.get("signature", {}))
+        out = {f"signature {k}": v for k, v in data.get("signature", {}).items()}
+        out.update({f"constexpr {names[k[0]] if k and k[0] < len(names) else k}": v
+                    for k, v in zip(data.get("constant_keys", []), data.get("constant_vals", []))})
+        out.update({f"attrs {names[k[0]] if k and k[0] < len(names) else k}": v
+                    for k, v in zip(data.get("attrs_keys", []), data.get("attrs_vals", []))})
+        out.update({f"option {k}": v for k, v in data.get("options", {}).items()})
+        return out
+
+    have = fields(mine)
+    diffs = []
+    for other in same:
+        theirs = fields(other)
+        diffs.append(sorted(k for k in have.keys() | theirs.keys() if have.get(k) != theirs.get(k)))
+    closest = min(diffs, key=len)
+    theirs = fields(same[diffs.index(closest)])
+    return "; ".join(f"{k}: {json.dumps(have.get(k))} (plan: {json.dumps(theirs.get(k))})" for k in closest)
+
+
 def _hooks():
     from triton import knobs
     return knobs.runtime
