@@ -940,8 +940,8 @@ class Trainer:
         for module in self.model.modules():
             if isinstance(module, GatedDeltaMixer) and module.settings.evict != "none":
                 gate, sink = (_full(p.detach()).float() for p in (module.gate, module.sink))
-                gates.append(round(float(torch.sigmoid(gate).mean()), 6))
-                sinks.append(round(float(sink.mean()), 6))
+                gates.append(float(torch.sigmoid(gate).mean()))
+                sinks.append(float(sink.mean()))
         return {"cache_gate": gates, "cache_sink": sinks} if gates else {}
 
     # ------------------------------------------------------------------ the loop

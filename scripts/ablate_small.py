@@ -30,6 +30,7 @@ wins).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -221,21 +222,22 @@ def read_jsonl(path: Path) -> list[dict]:
     return _metrics_records().read_metrics(path)
 
 
+@functools.cache
+def _by_path(module: str):
+    """``hola_titan/<module>.py``, read by path (once): importing ``hola_titan`` imports torch, seconds that --plan
+    and --merge do not need. Only for the package's standard-library modules."""
+    spec = importlib.util.spec_from_file_location(f"_hola_titan_{module}", REPO / "hola_titan" / f"{module}.py")
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
 def _metrics_records():
-    """``hola_titan/metrics_records.py``, read by path: importing ``hola_titan`` imports torch, seconds that --plan
-    and --merge do not need."""
-    spec = importlib.util.spec_from_file_location("_hola_titan_metrics_records", REPO / "hola_titan/metrics_records.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _by_path("metrics_records")
 
 
 def _seed_orderings():
-    """``hola_titan/seed_orderings.py``, read by path for the same reason."""
-    spec = importlib.util.spec_from_file_location("_hola_titan_seed_orderings", REPO / "hola_titan/seed_orderings.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _by_path("seed_orderings")
 
 
 def last_step(rows: list[dict]) -> int:
@@ -553,7 +555,7 @@ def merge(args) -> int:
             spread(cell, 3, signed=True) for cell in s["paired_train_loss_minus_gdn"].values()) + " |")
     val_steps = sorted({int(k) for s in summary.values() for k in s["val_loss_by_step"]})
     if val_steps:
-        lines += ["", "Validation loss (8 batches, drawn by the seed: compare within a seed), and minus GDN's at the "
+        lines += ["", "Validation loss (the same 8 batches for every run of a corpus), and minus GDN's at the "
                   "same step and seed:", "",
                   "| variant | " + " | ".join(f"step {s}" for s in val_steps) + " | " +
                   " | ".join(f"minus GDN, step {s}" for s in val_steps) + " |",
@@ -627,7 +629,7 @@ def gate_lines(curves: dict[str, Curve], variants: list[str]) -> list[str]:
                 cells.append("-")
                 continue
             per_layer = [sum(x) / len(x) for x in zip(*layers)]
-            cells.append(f"{sum(per_layer) / len(per_layer):.4f} [{min(per_layer):.4f}, {max(per_layer):.4f}]")
+            cells.append(f"{sum(per_layer) / len(per_layer):.4g} [{min(per_layer):.4g}, {max(per_layer):.4g}]")
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
     return lines
 
@@ -645,11 +647,13 @@ def ordering_lines(curves: dict[str, Curve], variants: list[str], evals: dict[st
     orderings = _seed_orderings()
     runs = [c for c in curves.values() if c.variant in many]
     metrics = []  # (label, variant -> seed -> value, higher is better)
-    common = set.intersection(*(set(c.val) for c in runs))
+    validated = [c for c in runs if c.val]  # a run that logged no validation does not hide the others'
+    common = set.intersection(*(set(c.val) for c in validated)) if validated else set()
     if common:
         step = max(common)
         metrics.append((f"validation perplexity, step {step}",
-                        {v: {c.seed: math.exp(c.val[step]) for c in runs if c.variant == v} for v in many}, False))
+                        {v: {c.seed: math.exp(c.val[step]) for c in validated if c.variant == v} for v in many},
+                        False))
     for split, results in sorted(evals.items()):
         metrics.append((f"`{split}` perplexity", {v: {s: results[run_name(v, s)]["perplexity"] for s in seeds[v]
                                                       if results.get(run_name(v, s))} for v in many}, False))
@@ -668,8 +672,9 @@ def ordering_lines(curves: dict[str, Curve], variants: list[str], evals: dict[st
         return []
     return ["", "## Which orderings hold beyond the seed spread", "",
             f"{orderings.LEGEND} Better: lower perplexity, higher S-NIAH accuracy. Variants with two or more seeds (" +
-            ", ".join(f"{v}: {', '.join(map(str, seeds[v]))}" for v in many) + "); the validation batches are drawn by "
-            "the seed, so its spread holds the batches' spread too.", "", *orderings.HEADER, *spread_rows,
+            ", ".join(f"{v}: {', '.join(map(str, seeds[v]))}" for v in many) + "); every run is scored on the same "
+            "validation batches, so the spread is that of training (initialisation and data order).", "",
+            *orderings.HEADER, *spread_rows,
             "", orderings.PAIRED_LEGEND, "", *orderings.PAIRED_HEADER, *paired_rows]
 
 

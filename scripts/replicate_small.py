@@ -232,7 +232,7 @@ class Commands:
     def sizes(self, task: str, flavour: str) -> Sizes:
         if self.quick:
             return Sizes(QUICK["steps"], QUICK["warmup_steps"], QUICK[f"{task}_seq_len"], QUICK["batch"])
-        recipe = tomllib.loads((REPO / TASKS[task].config.format(flavour=flavour)).read_text(encoding="utf-8"))
+        recipe = self.recipe(task, flavour)
         steps = self.steps[task]
         # The recipe's warm-up, but at most a tenth of a run shortened to fit a piece.
         warmup = min(recipe["lr_scheduler"]["warmup_steps"], max(1, steps // 10))
@@ -240,6 +240,11 @@ class Commands:
         if task == "mqar" and self.mqar_batch is not None:
             batch = self.mqar_batch
         return Sizes(steps, warmup, recipe["training"]["seq_len"], batch)
+
+    @staticmethod
+    def recipe(task: str, flavour: str) -> dict:
+        """The task's recipe for ``flavour``, as parsed TOML."""
+        return tomllib.loads((REPO / TASKS[task].config.format(flavour=flavour)).read_text(encoding="utf-8"))
 
     def corpus_file(self, split: str) -> Path:
         """``<corpus>/<split>.jsonl``, or the ``.jsonl.gz`` that ``build_small_corpus.py --gzip`` writes."""
@@ -315,9 +320,9 @@ class Commands:
         sizes = self.sizes(run.task, run.flavour)
         rate = task.steps_per_s[run.flavour]
         if run.task == "mqar" and self.mqar_batch is not None and not self.quick:
-            # The rates were measured at the recipe's 64 rows a step with the GPU shared by the piece's runs: a
-            # larger step is taken as proportionally slower (an upper bound; small steps are launch-bound).
-            rate *= 64 / self.mqar_batch
+            # The rates were measured at the recipe's rows a step with the GPU shared by the piece's runs: a larger
+            # step is taken as proportionally slower (an upper bound), a smaller one as no faster (launch-bound).
+            rate *= min(1.0, self.recipe("mqar", run.flavour)["training"]["local_batch_size"] / self.mqar_batch)
         return task.startup_s + sizes.steps / rate + EXPORT_S + sum(EVAL_S[name] for name in evals)
 
 
@@ -973,6 +978,25 @@ def _flavours(text: str) -> list[str]:
     return names
 
 
+def check_mqar_data(dataset: str, *, flavours: list[str]) -> None:
+    """``--mqar-data`` as the MQAR runs would take it: a valid MQAR source whose rows fit each recipe's length and
+    vocabulary, with the vocabulary and query placement that the MQAR evaluation scores (the model's vocabulary,
+    ``power_a`` 0.01), so that the runs are scored on the task they trained on."""
+    from hola_titan.data.synthetic import parse_mqar  # imports torch: only with this option
+
+    try:
+        spec = parse_mqar(dataset)
+        for flavour in flavours:
+            recipe = Commands.recipe("mqar", flavour)
+            base = parse_mqar(recipe["data"]["dataset"])
+            spec.check(seq_len=recipe["training"]["seq_len"], model_vocab_size=base.vocab_size)
+            if (spec.vocab_size, spec.power_a) != (base.vocab_size, base.power_a):
+                raise ValueError(f"vocab {spec.vocab_size} and power_a {spec.power_a:g} must be the recipe's "
+                                 f"({base.vocab_size}, {base.power_a:g}), which the MQAR evaluation scores")
+    except ValueError as error:
+        raise ReplicateError(f"--mqar-data: {error}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1021,12 +1045,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ReplicateError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
         if options.mqar_batch is not None and options.mqar_batch < 1:
             raise ReplicateError(f"--mqar-batch must be >= 1, got {options.mqar_batch}")
+        if options.quick and (options.mqar_data is not None or options.mqar_batch is not None):
+            raise ReplicateError("--mqar-data and --mqar-batch are for full-size runs; --quick sets its own tiny task")
         if options.mqar_data is not None:
-            from hola_titan.data.synthetic import parse_mqar  # imports torch: only with this option
-            try:
-                parse_mqar(options.mqar_data)
-            except ValueError as error:
-                raise ReplicateError(f"--mqar-data: {error}") from None
+            check_mqar_data(options.mqar_data, flavours=options.flavours)
         commands = Commands(steps={"mqar": options.mqar_steps, "text": options.text_steps}, corpus=options.corpus,
                             quick=options.quick, mqar_data=options.mqar_data, mqar_batch=options.mqar_batch)
         best = None

@@ -270,21 +270,24 @@ def child(args) -> int:
     return 0
 
 
-def recipe_selections(size: str, flavour: str, precision: str, rows: str) -> list[tuple[int, int]]:
-    """``(window, block)`` of each recipe in ``train_configs/`` of this combination (size, flavour, compute dtype,
-    packed or plain rows) with score eviction: the selection kernels take both as compile-time arguments, and a
-    combination's steps run at the size's default, so the plan also records these (a recipe with another window
-    would otherwise compile both kernels on its main thread)."""
+def recipe_selections(key: str, *, head_dim_of) -> list[tuple[int, int]]:
+    """``(window, block)`` of each recipe in ``train_configs/`` whose runs take the compile plan ``key`` and select
+    by score: the selection kernels take both as compile-time arguments, and a combination's steps run at its
+    size's defaults, so its plan also records these (a recipe with another window or block would otherwise compile
+    both kernels on its main thread). Recipes of sizes this script does not step (46M shares the small size's
+    plan) count too. ``head_dim_of``: the head dim fla's kernels see on this GPU (``fla_gdn.padded_head_dim``)."""
     from hola_titan.builder import build_model_args
     from hola_titan.config import parse_config
+    from hola_titan.kernels.precompile import plan_key
 
     found = []
     for recipe in sorted((ROOT / "train_configs").glob("*.toml")):
         config = parse_config(["--job.config_file", str(recipe)])
         margs = build_model_args(config, 8192)  # the vocabulary plays no part here
+        if not margs.is_recurrent or margs.evict != "score":
+            continue
         dtype = "bfloat16" if config.training.mixed_precision_param == "bfloat16" else "float32"
-        if (config.model.size, margs.flavour, dtype, "packed" if config.data.varlen else "plain") != \
-                (size, flavour, precision, rows) or not margs.is_recurrent or margs.evict != "score":
+        if plan_key(margs.flavour, head_dim_of(margs.head_dim), margs.n_heads, dtype, config.data.varlen) != key:
             continue
         if (margs.window, margs.block) not in found:
             found.append((margs.window, margs.block))
@@ -314,8 +317,12 @@ def _record_plan(args, folder: Path) -> None:
     # A training run's plan: the trainer's start (the #640 check) and its steps, not the prefill of evaluation.
     with precompile.Recorder() as recorder:
         key = _tune_ours(size, flavour, precision, rows, args, folder, prefill=False)
+        import torch
+
+        from hola_titan.kernels.fla_gdn import padded_head_dim
+
         heads = int(key.split("/")[2][1:])
-        for window, block in recipe_selections(size, flavour, precision, rows):
+        for window, block in recipe_selections(key, head_dim_of=lambda d: padded_head_dim(d, torch.device("cuda"))):
             _select_at(window, block, heads, packed=rows == "packed")
     # With every key served, what Triton compiled is the plan. A key the file did not serve was autotuned here (the
     # log of the phase counts them): what its autotuner compiled only to time it is not part of a run's plan.

@@ -93,8 +93,7 @@ def test_the_merge_reports_the_paired_differences(tmp_path):
     text = (tmp_path / "report" / "ablations.md").read_text()
     assert "| hola | `(defaults)` | -0.049 [-0.050, -0.049] |" in text
     # The cache gates: hola at step 200, layer 0 0.02 / 0.03 (seeds), layer 1 0.02: mean 0.0225, range 0.02-0.025.
-    assert "| hola | 0.0150 [0.0100, 0.0200] | 0.0175 [0.0150, 0.0200] | 0.0200 [0.0200, 0.0200] | " \
-           "0.0225 [0.0200, 0.0250] |" in text
+    assert "| hola | 0.015 [0.01, 0.02] | 0.0175 [0.015, 0.02] | 0.02 [0.02, 0.02] | 0.0225 [0.02, 0.025] |" in text
     assert result["variants"]["hola"]["cache_gate_by_step"]["200"] == [[0.02, 0.02], [0.03, 0.02]]
     assert "| gdn |" not in text.split("sigmoid(gate)` (init", 1)[1].split("\n\n")[1]
     assert (tmp_path / "report" / "ablation_state_read.png").is_file()  # gdn, hola, hola_s1
@@ -245,6 +244,12 @@ def test_the_merge_orders_the_variants_beyond_the_seed_spread(tmp_path):
     assert "| validation perplexity, step 100 | hola > gdn, hola > hola_recency | gdn ~ hola_recency |" in section
     assert "| `heldout` perplexity | hola_recency > gdn | gdn ~ hola, hola ~ hola_recency |" in section
     assert "transformer" not in section.split("Steps reached")[0]
+    # A run that logged no validation (here a third GDN seed) leaves the others' validation row in place.
+    _write_run_folder(tmp_path / "c", {"gdn": 0.0}, steps=100, seeds=(2,), recipe="46M")
+    rows = (tmp_path / "c" / "gdn_s2.jsonl").read_text().splitlines()
+    (tmp_path / "c" / "gdn_s2.jsonl").write_text("\n".join(r for r in rows if "val_loss" not in r) + "\n")
+    assert ablate.main(["--merge", str(tmp_path / "a"), str(tmp_path / "c"), "--report", str(tmp_path / "r3")]) == 0
+    assert "| validation perplexity, step 100 |" in (tmp_path / "r3" / "ablations.md").read_text()
     # Seed by seed (the same batches): hola's heldout 27.0/31.5 against gdn's 30.0/31.0 is below in one seed only.
     paired = section.split("Paired by seed", 1)[1]
     assert "| validation perplexity, step 100 | hola > gdn (0, 1), hola_recency > gdn (0, 1), hola > hola_recency " \

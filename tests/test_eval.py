@@ -173,6 +173,9 @@ def test_mqar_pairs_drawn_from_a_weighted_list():
     for index in range(2100):
         counts[mqar_row(spec, seq_len=64, rng=np.random.default_rng([2, index])).num_pairs] += 1
     assert abs(counts[4] / 2100 - 5 / 7) < 0.03 and abs(counts[8] / 2100 - 1 / 7) < 0.03, counts
+    assert parse_mqar("mqar:vocab=301,pairs=8:1").pair_mix == ((8, 1.0),)  # one weighted choice is a list too
+    exact = parse_mqar("mqar:vocab=301,pairs=4:0.1234567/8:1")
+    assert parse_mqar(exact.describe()) == exact  # weights written exactly
     equal = parse_mqar("mqar:vocab=301,pairs=4/8")
     assert equal.pair_mix == ((4, 1.0), (8, 1.0))
     drawn = [mqar_row(equal, seq_len=64, rng=np.random.default_rng([3, i])).num_pairs for i in range(400)]
@@ -186,7 +189,8 @@ def test_mqar_pairs_drawn_from_a_weighted_list():
 @pytest.mark.parametrize("dataset, message", [
     ("mqar:pairs=0", "pairs must be >= 1"),
     ("mqar:pairs=4:1/0:2", "each choice needs pairs >= 1"),
-    ("mqar:pairs=4:1/8:0", "a weight > 0"),
+    ("mqar:pairs=4:1/8:0", "a finite weight > 0"),
+    ("mqar:pairs=4:inf/8:1", "a finite weight > 0"),
     ("mqar:pairs=4/4", "a number of pairs of its own"),
     ("mqar:pairs=4:x/8", "is not a number"),
     ("mqar:colour=3", "unknown MQAR key 'colour'"),

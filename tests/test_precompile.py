@@ -377,3 +377,7 @@ def test_a_launch_the_plan_lacks_is_told_by_what_it_differs():
     told = precompile.plan_difference(precompile.sanitize(json.dumps(unaligned)), plan)
     assert told == 'attrs x: [] (plan: [["tt.divisibility", 16]])'
     assert precompile.plan_difference(precompile.sanitize(_spec("fla.ops.other")), plan) == "kernel not in the plan"
+    elsewhere = json.loads(plan[0])
+    elsewhere["target"] = {"backend": "cuda", "arch": 90}  # a field the comparison does not read
+    elsewhere.pop("key")
+    assert precompile.plan_difference(precompile.sanitize(json.dumps(elsewhere)), plan).startswith("differs from")

@@ -113,8 +113,16 @@ def test_the_mqar_runs_take_another_dataset_and_batch(capsys):
     run = replicate.Run("mqar", "gdn", 1e-3, 0)
     assert wide.sizes("mqar", "gdn").batch == 128 and commands.sizes("mqar", "gdn").batch == 64
     assert wide.estimate_s(run) - commands.estimate_s(run) == pytest.approx(400 / replicate.MQAR_STEPS_PER_S["gdn"])
-    rc, _, err = _main(capsys, "--plan", "--mqar-data", "mqar:pairs=4/4")
-    assert rc == 2 and err.startswith("error: --mqar-data:") and "a number of pairs of its own" in err
+    narrow = replicate.Commands(steps={"mqar": 400, "text": 10}, corpus=Path("c"), quick=False, mqar_batch=16)
+    assert narrow.estimate_s(run) == pytest.approx(commands.estimate_s(run))  # a smaller step is not taken as faster
+    for data, message in [("mqar:pairs=4/4", "a number of pairs of its own"),
+                          ("mqar:vocab=8192,pairs=4/128", "too short for 128 pairs"),
+                          ("mqar:vocab=4096,pairs=4/8", "must be the recipe's"),
+                          ("mqar:vocab=8192,pairs=4/8,power_a=0.5", "must be the recipe's")]:
+        rc, _, err = _main(capsys, "--plan", "--mqar-data", data)
+        assert rc == 2 and err.startswith("error: --mqar-data:") and message in err, (data, err)
+    rc, _, err = _main(capsys, "--plan", "--quick", "--mqar-batch", "8")
+    assert rc == 2 and "for full-size runs" in err
 
 
 def _sweep_json(path: Path, scores: dict[float, dict[str, float]]) -> Path:

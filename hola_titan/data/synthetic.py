@@ -30,6 +30,7 @@ disjoint streams. The loader has the ``state_dict`` / ``load_state_dict`` protoc
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -94,8 +95,8 @@ class MqarSpec:
 
     def describe(self) -> str:
         pairs = str(self.min_pairs) if self.min_pairs == self.max_pairs else f"{self.min_pairs}-{self.max_pairs}"
-        if self.pair_mix:
-            pairs = "/".join(f"{n}:{w:g}" for n, w in self.pair_mix)
+        if self.pair_mix:  # exact weights: the text is what a resumed run's data is checked against
+            pairs = "/".join(f"{n}:{int(w) if w.is_integer() else repr(w)}" for n, w in self.pair_mix)
         text = f"{MQAR_PREFIX}vocab={self.vocab_size},pairs={pairs},power_a={self.power_a:g}"
         return text if self.num_queries is None else text + f",queries={self.num_queries}"
 
@@ -114,14 +115,15 @@ def parse_mqar(dataset: str) -> MqarSpec:
         try:
             if key == "vocab":
                 values["vocab_size"] = int(raw)
-            elif key == "pairs" and "/" in raw:
+            elif key == "pairs" and ("/" in raw or ":" in raw):
                 mix = []
                 for choice in raw.split("/"):
                     n, colon, w = choice.partition(":")
                     mix.append((int(n), float(w) if colon else 1.0))
-                if any(n < 1 for n, _ in mix) or any(not w > 0 for _, w in mix) or len({n for n, _ in mix}) < len(mix):
-                    raise ValueError(f"dataset {dataset!r}: pairs={raw!r}: each choice needs pairs >= 1, a weight "
-                                     "> 0 and a number of pairs of its own")
+                if any(n < 1 for n, _ in mix) or any(not 0 < w < math.inf for _, w in mix) or \
+                        len({n for n, _ in mix}) < len(mix):
+                    raise ValueError(f"dataset {dataset!r}: pairs={raw!r}: each choice needs pairs >= 1, a finite "
+                                     "weight > 0 and a number of pairs of its own")
                 values["pair_mix"] = tuple(sorted(mix))
                 values["min_pairs"], values["max_pairs"] = min(n for n, _ in mix), max(n for n, _ in mix)
             elif key == "pairs":

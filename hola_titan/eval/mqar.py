@@ -79,7 +79,7 @@ def evaluate_mqar(model: HolaTitanLM, *, pairs: list[int], seq_lens: list[int], 
                         f"lengths {seq_lens})")
     points = []
     for seq_len, num_pairs in progress(todo, enabled=show_progress, total=len(todo), desc="mqar"):
-        spec = dataclasses.replace(base, min_pairs=num_pairs, max_pairs=num_pairs, pair_mix=())
+        spec = dataclasses.replace(base, min_pairs=num_pairs, max_pairs=num_pairs)
         points.append(mqar_accuracy(model, spec, seq_len=seq_len, num_pairs=num_pairs, num_samples=num_samples,
                                     batch_size=batch_size, seed=seed))
     summary = {f"pairs={p['pairs']}@{p['seq_len']}": p["accuracy"] for p in points}

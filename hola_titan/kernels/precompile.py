@@ -119,6 +119,8 @@ def plan_difference(spec: str, plan: list[str]) -> str:
         theirs = fields(other)
         diffs.append(sorted(k for k in have.keys() | theirs.keys() if have.get(k) != theirs.get(k)))
     closest = min(diffs, key=len)
+    if not closest:  # not in the plan, yet equal in every field compared: a field this reading does not know
+        return "differs from the plan's outside the signature, constants, attributes and options"
     theirs = fields(same[diffs.index(closest)])
     return "; ".join(f"{k}: {json.dumps(have.get(k))} (plan: {json.dumps(theirs.get(k))})" for k in closest)
 
