@@ -102,7 +102,13 @@ def test_the_varlen_calls_are_the_torch_function(case):
             results[name] = dict(o=out.detach(), lse=torch.where(seen, lse, 0).detach(), dq=grads[0], dk=grads[1],
                                  dv=grads[2], **({"dsink": grads[3]} if with_sink else {}))
             results[name + "_seen"] = seen
-        assert torch.equal(results["fa4_seen"], results["torch_seen"]), f"{what}: rows that see nothing differ"
+        differ = results["fa4_seen"] != results["torch_seen"]
+        if differ.any():  # what the reader of a failure needs: how many rows, and what each side returned there
+            raw = varlen_attention_fa4(q, k, v, sink, lay, d ** -0.5)[1]
+            at = differ.nonzero()[:4].tolist()
+            raise AssertionError(f"{what}: {int(differ.sum())} of {differ.numel()} (head, row) pairs differ in whether "
+                                 f"they see a key; FlashAttention-4's lse there {[float(raw[h, r]) for h, r in at]}, "
+                                 f"rows {[r for _, r in at]}")
         for key, ref in results["torch"].items():
             got = results["fa4"][key]
             assert not torch.isnan(got).any(), f"{what} {key}: NaN"
