@@ -62,20 +62,26 @@ class Recipe:
     corpus: str
     corpus_layout: str  # "gzip_pair": build_small_corpus.py --gzip; "split_folders": build_corpus.py
     about: str
+    gpu_tokens_per_s: float
+    """The tokens a second one GPU trains of this recipe in all, whether one run or several side by side (the
+    runs share it): what ``--plan`` estimates with."""
 
 
 RECIPES = {
     "small": Recipe("train_configs/small_hola_text.toml", 1024, 16 * 1024, 1500, 150, 500, 500, "data/small_corpus_gz",
                     "gzip_pair", "`small` width (31M), 16 x 1,024 tokens a step, AdamW lr 3e-3 to 0.1x, weight decay "
-                    "0.1"),
+                    "0.1",
+                    # 16 runs side by side on an H200, 2026-12-05: GDN 555 steps and HOLA 500 in 7.1 minutes.
+                    16 * 530 * 16 * 1024 / (7.1 * 60)),
     # The paper's ablation size: the four train_configs/<flavour>_46M.toml differ only in the flavour.
     "46M": Recipe("train_configs/{flavour}_46M.toml", 4096, 16 * 4096, 1600, 100, 200, 200, "data/corpus_100m",
                   "split_folders", "46M (12 layers, d_model 512, heads of 256), 16 x 4,096 tokens a step, AdamW lr "
-                  "1e-3 to 0.1x, weight decay 0.01, on build_corpus.py's 120M-token corpus"),
+                  "1e-3 to 0.1x, weight decay 0.01, on build_corpus.py's 120M-token corpus",
+                  # One H100, 2026-12-06: GDN and HOLA side by side 161k + 144k tokens/s, HOLA alone 330k; three runs
+                  # (with one norm per path) 107k + 99k + 78k.
+                  300_000.0),
 }
 STOP_GRACE_S = 90.0  # what a stopped run gets to save its checkpoint before it is killed
-# One run's throughput with 14 side by side on an H200 is not measured yet; 6 side by side made 66-92k tokens/s.
-PLAN_TOKENS_PER_S = 45_000
 
 
 @dataclass(frozen=True)
@@ -753,8 +759,9 @@ def plan(args) -> int:
     tokens = n * args.steps * recipe.tokens_per_step
     print(f"recipe {args.recipe}: {recipe.about}")
     print(f"{n} runs ({len(args.variants)} variants x seeds {', '.join(map(str, args.seeds))}), {args.steps} steps "
-          f"of {recipe.tokens_per_step:,} tokens: {tokens / 1e6:.0f}M tokens; at {PLAN_TOKENS_PER_S:,} tokens/s a "
-          f"run side by side about {args.steps * recipe.tokens_per_step / PLAN_TOKENS_PER_S / 60:.1f} GPU minutes")
+          f"of {recipe.tokens_per_step:,} tokens: {tokens / 1e6:.0f}M tokens; at the {recipe.gpu_tokens_per_s:,.0f} "
+          f"tokens/s one GPU trains of this recipe, side by side or not, about "
+          f"{tokens / recipe.gpu_tokens_per_s / 60:.1f} GPU minutes of training (start-up and evaluations aside)")
     for v in args.variants:
         variant = VARIANTS[v]
         print(f"  {v:18s} {variant.flavour:13s} {' '.join(variant.overrides) or '(defaults)':60s} "

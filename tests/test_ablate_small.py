@@ -282,3 +282,11 @@ def test_the_merge_has_no_ordering_table_with_one_seed(tmp_path):
     _write_run_folder(tmp_path / "a", {"gdn": 0.0, "hola": -0.2}, steps=100, seeds=(1,), recipe="46M")
     assert ablate.main(["--merge", str(tmp_path / "a"), "--report", str(tmp_path / "r")]) == 0
     assert "Which orderings" not in (tmp_path / "r" / "ablations.md").read_text()
+
+
+def test_the_plan_estimates_with_what_one_gpu_trains_of_the_recipe(capsys):
+    """Runs side by side share one GPU: the estimate is the runs' tokens over the recipe's tokens a second."""
+    assert ablate.main(["--plan", "--recipe", "46M", "--variants", "gdn,hola", "--seeds", "1"]) == 0
+    out = capsys.readouterr().out
+    minutes = 2 * 1600 * 16 * 4096 / ablate.RECIPES["46M"].gpu_tokens_per_s / 60
+    assert "2 runs" in out and f"about {minutes:.1f} GPU minutes" in out and minutes == pytest.approx(11.65, abs=0.01)
