@@ -270,27 +270,28 @@ def child(args) -> int:
     return 0
 
 
-def recipe_selections(key: str, *, head_dim_of) -> list[tuple[int, int]]:
-    """``(window, block)`` of each recipe in ``train_configs/`` whose runs take the compile plan ``key`` and select
-    by score: the selection kernels take both as compile-time arguments, and a combination's steps run at its
-    size's defaults, so its plan also records these (a recipe with another window or block would otherwise compile
-    both kernels on its main thread). Recipes of sizes this script does not step (46M shares the small size's
-    plan) count too. ``head_dim_of``: the head dim fla's kernels see on this GPU (``fla_gdn.padded_head_dim``)."""
+def recipe_selections(head_dim_of) -> dict[str, list[tuple[int, int]]]:
+    """Compile plan key -> ``(window, block)`` of each recipe in ``train_configs/`` whose runs take that plan and
+    select by score: the selection kernels take both as compile-time arguments, and a combination's steps run at
+    its size's defaults, so its plan also records these (a recipe with another window or block would otherwise
+    compile both kernels on its main thread). Recipes of sizes this script does not step (46M shares the small
+    size's plan) count too. ``head_dim_of``: the head dim fla's kernels see on this GPU
+    (``fla_gdn.padded_head_dim``)."""
     from hola_titan.builder import build_model_args
     from hola_titan.config import parse_config
     from hola_titan.kernels.precompile import plan_key
 
-    found = []
+    found: dict[str, list[tuple[int, int]]] = {}
     for recipe in sorted((ROOT / "train_configs").glob("*.toml")):
         config = parse_config(["--job.config_file", str(recipe)])
         margs = build_model_args(config, 8192)  # the vocabulary plays no part here
         if not margs.is_recurrent or margs.evict != "score":
             continue
         dtype = "bfloat16" if config.training.mixed_precision_param == "bfloat16" else "float32"
-        if plan_key(margs.flavour, head_dim_of(margs.head_dim), margs.n_heads, dtype, config.data.varlen) != key:
-            continue
-        if (margs.window, margs.block) not in found:
-            found.append((margs.window, margs.block))
+        shapes = found.setdefault(plan_key(margs.flavour, head_dim_of(margs.head_dim), margs.n_heads, dtype,
+                                           config.data.varlen), [])
+        if (margs.window, margs.block) not in shapes:
+            shapes.append((margs.window, margs.block))
     return found
 
 
@@ -322,7 +323,7 @@ def _record_plan(args, folder: Path) -> None:
         from hola_titan.kernels.fla_gdn import padded_head_dim
 
         heads = int(key.split("/")[2][1:])
-        for window, block in recipe_selections(key, head_dim_of=lambda d: padded_head_dim(d, torch.device("cuda"))):
+        for window, block in recipe_selections(lambda d: padded_head_dim(d, torch.device("cuda"))).get(key, []):
             _select_at(window, block, heads, packed=rows == "packed")
     # With every key served, what Triton compiled is the plan. A key the file did not serve was autotuned here (the
     # log of the phase counts them): what its autotuner compiled only to time it is not part of a run's plan.

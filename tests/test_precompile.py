@@ -333,34 +333,27 @@ def test_the_shipped_plans_hold_every_recipe_s_selection_launches():
     """Each recipe of ``train_configs/`` with score eviction launches the two top-W selection kernels with its own
     window and block; the plan of its kind (in every shipped table that has one) must hold those launches, or the
     run compiles both on its main thread at the first step (the MQAR recipe's window 16 against the plan's 8 cost
-    1.3 s of a fresh H100's first step on 2026-12-06)."""
-    from hola_titan.builder import build_model_args
-    from hola_titan.config import parse_config
+    1.3 s of a fresh H100's first step on 2026-12-06). The recipes' plans come from ``tune_kernels.py``, which
+    records them."""
+    from helpers import load_script
+
     from hola_titan.kernels import fla_gdn, tuned_configs
     from hola_titan.kernels.hola_triton_select import topw_launches
 
-    tables = {path.name: json.loads(path.read_text()).get("plans", {})
-              for path in sorted(tuned_configs.CONFIG_DIR.glob("*.json"))}
-    checked = []
-    for recipe in sorted((REPO / "train_configs").glob("*.toml")):
-        config = parse_config(["--job.config_file", str(recipe)])
-        args = build_model_args(config, 8192)  # the vocabulary plays no part in the selection's launches
-        if not args.is_recurrent or args.evict != "score":
-            continue
-        dtype = "bfloat16" if config.training.mixed_precision_param == "bfloat16" else "float32"
-        # The shipped tables are Hopper's, where fla's #640 workaround pads head dims below 128.
-        key = precompile.plan_key(args.flavour, max(args.head_dim, fla_gdn.PAD_HEAD_DIM), args.n_heads, dtype,
-                                  packed=config.data.varlen)
-        block_launch, merge_launch = topw_launches(args.window, args.block)
-        want = {("_block_topw_kernel", tuple(sorted((k, v) for k, v in block_launch.items() if k != "num_warps")),
-                 block_launch["num_warps"]),
-                ("_merge_topw_kernel", tuple(sorted((k, v) for k, v in merge_launch.items() if k != "num_warps")),
-                 merge_launch["num_warps"])}
-        for name, plans in tables.items():
-            if key in plans:
-                assert want <= _plan_topw(plans[key]), f"{name}: plan {key} lacks {recipe.name}'s selection launches"
-                checked.append((recipe.name, name))
-    assert any(r == "mqar_hola.toml" for r, _ in checked) and any(r == "hola_340M.toml" for r, _ in checked)
+    # The shipped tables are Hopper's, where fla's #640 workaround pads head dims below 128.
+    recipes = load_script("tune_kernels").recipe_selections(lambda d: max(d, fla_gdn.PAD_HEAD_DIM))
+    checked = set()
+    for path in sorted(tuned_configs.CONFIG_DIR.glob("*.json")):
+        for key, specs in json.loads(path.read_text()).get("plans", {}).items():
+            for window, block in recipes.get(key, []):
+                block_launch, merge_launch = topw_launches(window, block)
+                want = {(kernel, tuple(sorted((k, v) for k, v in launch.items() if k != "num_warps")),
+                         launch["num_warps"])
+                        for kernel, launch in (("_block_topw_kernel", block_launch),
+                                               ("_merge_topw_kernel", merge_launch))}
+                assert want <= _plan_topw(specs), f"{path.name}: plan {key} lacks window {window}, block {block}"
+                checked.add(key)
+    assert {"hola/d128/h2/float32/plain", "hola/d256/h4/bfloat16/packed"} <= checked  # MQAR's and 340M's
 
 
 def test_a_launch_the_plan_lacks_is_told_by_what_it_differs():

@@ -634,15 +634,14 @@ def test_tune_kernels_records_the_selection_launches_of_each_recipe_of_a_combina
     """The plan phase also launches the selection kernels at the window and block of every recipe whose runs take
     its plan (its steps run at the size's defaults): MQAR's window 16 beside the debug model's 8, and on the small
     size's plan the 46M recipe's block 256 beside the small recipe's 64."""
-    recipes = _tune_kernels_script().recipe_selections
-    hopper = dict(head_dim_of=lambda d: max(d, 128))  # fla's #640 workaround pads head dims below 128 there
-    assert recipes("hola/d128/h2/float32/plain", **hopper) == [(16, 32)]  # mqar_hola.toml
-    assert recipes("hola/d128/h2/float32/packed", **hopper) == [(8, 32)]  # debug_model.toml
-    assert recipes("hola/d256/h2/bfloat16/packed", **hopper) == [(64, 256), (64, 64)]  # hola_46M, small_hola_text
-    assert recipes("hola/d256/h4/bfloat16/packed", **hopper) == [(64, 256)]  # hola_340M
-    assert recipes("gdn/d256/h4/bfloat16/packed", **hopper) == [] and recipes("hola_recency/d128/h2/float32/plain",
-                                                                              **hopper) == []
-    assert recipes("hola/d64/h2/float32/plain", head_dim_of=lambda d: d) == [(16, 32)]  # no padding: an A100
+    recipes = _tune_kernels_script().recipe_selections(lambda d: max(d, 128))  # Hopper: fla's #640 pads below 128
+    assert recipes["hola/d128/h2/float32/plain"] == [(16, 32)]  # mqar_hola.toml
+    assert recipes["hola/d128/h2/float32/packed"] == [(8, 32)]  # debug_model.toml
+    assert recipes["hola/d256/h2/bfloat16/packed"] == [(64, 256), (64, 64)]  # hola_46M, small_hola_text
+    assert recipes["hola/d256/h4/bfloat16/packed"] == [(64, 256)]  # hola_340M
+    assert not any(key.startswith(("gdn/", "hola_recency/")) for key in recipes)  # no score selection there
+    unpadded = _tune_kernels_script().recipe_selections(lambda d: d)  # an A100: no padding
+    assert unpadded["hola/d64/h2/float32/plain"] == [(16, 32)]
 
 
 
