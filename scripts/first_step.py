@@ -195,10 +195,10 @@ def one(out: Path, overrides: list[str]) -> int:
 
     from hola_titan.kernels.precompile import plan_difference
 
-    plan = plan_specs(trainer) if compiles else None
+    plan = trainer.precompile.plan
     for record in compiles:  # which of the main thread's compiles the plan lacked, and by what
         spec = record.pop("spec", None)
-        if spec is not None and plan is not None:
+        if spec is not None and plan:
             record["plan"] = plan_difference(spec, plan) or "held (a load from the disk cache)"
     result = {
         "first_step_s": first_step_s, "finished_at": launched + first_step_s, "phases": phases,
@@ -221,17 +221,6 @@ def one(out: Path, overrides: list[str]) -> int:
         if c.get("plan"):
             print(f"  {c['kernel'].rsplit('.', 1)[-1]}: {c['plan']}", flush=True)
     return 0
-
-
-def plan_specs(trainer) -> list[str] | None:
-    """The compile plan the run's precompile took (its specialisations), or None without one."""
-    from hola_titan.kernels import precompile
-
-    located = trainer._locate_kernel_configs()
-    if located.path is None:
-        return None
-    specs, _ = precompile.select(located.plans, trainer._plan_key())
-    return specs or None
 
 
 def many(args, overrides: list[str]) -> int:

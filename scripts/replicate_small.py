@@ -46,6 +46,7 @@ say they are estimates. Each piece JSON records its runs' measured times, which 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -732,8 +733,9 @@ def _ordering(label: str, values: dict[str, list[float]], higher_is_better: bool
     return _seed_orderings().ordering_row(label, values, higher_is_better)
 
 
+@functools.cache
 def _seed_orderings():
-    """``hola_titan/seed_orderings.py``, read by path (importing ``hola_titan`` imports torch)."""
+    """``hola_titan/seed_orderings.py``, read by path once (importing ``hola_titan`` imports torch)."""
     spec = importlib.util.spec_from_file_location("_hola_titan_seed_orderings", REPO / "hola_titan/seed_orderings.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

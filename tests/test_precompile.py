@@ -167,6 +167,7 @@ def test_workers_take_the_plan_in_its_order_and_a_stopped_queue_gives_nothing_mo
     job = precompile.start(specs, source="plan test", workers=1, compile_fn=lambda spec: started.append(spec))
     job.wait(timeout=30)
     assert started == specs
+    assert job.plan == specs and precompile.Precompile(source="none here").plan == []  # what first_step checks
     gate, seen = threading.Event(), []
 
     def blocking(spec):

@@ -433,6 +433,11 @@ class Precompile:
             text += f"; stopped early: {self.stopped}"
         return text
 
+    @property
+    def plan(self) -> list[str]:
+        """The specialisations this precompile was given (the run's plan), none when it did not start."""
+        return list(self._queue.specs) if self._queue is not None else []
+
     def record(self) -> dict:
         return {"source": self.source, "specs": self.specs, "workers": self.workers, "stopped": self.stopped,
                 **(self.result or {})}
