@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import importlib.util
 import json
 import math
@@ -208,6 +209,23 @@ def corpus_needs(recipe: Recipe, corpus: Path) -> tuple[Path, ...]:
     return corpus / "train", corpus / "validation"
 
 
+def corpus_identity(recipe: Recipe, corpus: Path) -> dict:
+    """Which build of the corpus the runs read: the sha256 of each file of its splits, and a short id over them.
+    Runs of one seed read the same batches only on the same build: ``build_corpus.py`` follows the Debian packages
+    of the day, and a point release that changes 1% of the documents reorders every batch."""
+    roots = [*corpus_files(recipe, corpus), *([corpus / "heldout"] if (corpus / "heldout").is_dir() else [])]
+    files = {}
+    for root in roots:
+        for f in sorted(root.rglob("*")) if root.is_dir() else [root]:
+            if f.is_file():
+                digest = hashlib.sha256()
+                with open(f, "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 24), b""):
+                        digest.update(block)
+                files[os.path.relpath(f, corpus)] = digest.hexdigest()
+    return {"id": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:12], "files": files}
+
+
 def train_command(variant: str, seed: int, *, recipe: Recipe, folder: Path, corpus: Path, steps: int, warmup: int,
                   extra: list[str]) -> list[str]:
     v = VARIANTS[variant]
@@ -358,7 +376,7 @@ def run(args) -> int:
     status = {"format": FORMAT, "started": started, "wall_s": time.time() - started, "budget_min": args.budget_min,
               "steps": args.steps, "warmup_steps": args.warmup, "tokens_per_step": recipe.tokens_per_step,
               "recipe": args.recipe, "config": recipe.config, "device": _device(), "host": platform.node(),
-              "versions": _versions(), "runs": {}}
+              "versions": _versions(), "corpus": corpus_identity(recipe, corpus), "runs": {}}
     for variant, seed in runs:
         name = run_name(variant, seed)
         folder = work / name
@@ -415,6 +433,9 @@ class Curve:
     val: dict[int, float] = field(default_factory=dict)
     gates: dict[int, list[float]] = field(default_factory=dict)
     """Per validated step, each cache layer's mean ``sigmoid(gate)`` (the trainer's ``cache_gate``)."""
+    corpus: str = ""
+    """The corpus build it read (``status.json``'s ``corpus`` id; for folders written before it was recorded,
+    ``unrecorded: <folder>``: runs of one such folder shared a build, runs of two are not known to)."""
 
 
 def load_curves(folders: list[Path]) -> tuple[dict[str, Curve], list[dict]]:
@@ -422,15 +443,16 @@ def load_curves(folders: list[Path]) -> tuple[dict[str, Curve], list[dict]]:
     by_run: dict[str, dict[int, float]] = {}
     vals: dict[str, dict[int, float]] = {}
     gates: dict[str, dict[int, list[float]]] = {}
-    meta: dict[str, tuple[str, int]] = {}
+    meta: dict[str, tuple[str, int, str]] = {}
     statuses = []
     for folder in folders:
         status = json.loads((folder / "status.json").read_text())
         if status.get("format") != FORMAT:
             raise SystemExit(f"error: {folder}/status.json is not an {FORMAT} status")
         statuses.append(status)
+        build = (status.get("corpus") or {}).get("id") or f"unrecorded: {folder}"
         for name, r in status["runs"].items():
-            meta[name] = (r["variant"], r["seed"])
+            meta[name] = (r["variant"], r["seed"], build)
             for row in read_jsonl(folder / f"{name}.jsonl"):
                 if "loss" in row:
                     by_run.setdefault(name, {})[row["step"]] = row["loss"]
@@ -439,10 +461,10 @@ def load_curves(folders: list[Path]) -> tuple[dict[str, Curve], list[dict]]:
                 if row.get("cache_gate"):
                     gates.setdefault(name, {})[row["step"]] = row["cache_gate"]
     curves = {}
-    for name, (variant, seed) in meta.items():
+    for name, (variant, seed, build) in meta.items():
         points = sorted(by_run.get(name, {}).items())
         curves[name] = Curve(variant, seed, [s for s, _ in points], [v for _, v in points], vals.get(name, {}),
-                             gates.get(name, {}))
+                             gates.get(name, {}), build)
     return curves, statuses
 
 
@@ -495,7 +517,10 @@ def spread(values: list[float], digits: int = 2, signed: bool = False) -> str:
 def paired(curve: Curve, base: Curve, start: int, stop: int) -> float | None:
     """Mean of ``curve``'s loss minus ``base``'s over the steps in (start, stop] that both logged: the runs of one seed
     read the same batches in the same order, so the difference of two losses on one batch is the variants' own
-    difference, without the batch-to-batch spread of the loss (1-2 nats here)."""
+    difference, without the batch-to-batch spread of the loss (1-2 nats here). None when the two read different
+    builds of the corpus (other batches) or share too few steps."""
+    if curve.corpus != base.corpus:
+        return None
     mine, theirs = dict(zip(curve.steps, curve.loss)), dict(zip(base.steps, base.loss))
     diffs = [mine[s] - theirs[s] for s in mine if start < s <= stop and s in theirs]
     return sum(diffs) / len(diffs) if len(diffs) >= max(1, (stop - start) // (2 * LOG_FREQ)) else None
@@ -521,7 +546,8 @@ def merge(args) -> int:
         runs = [by[(v, s)] for s in seeds if (v, s) in by]
         cells = []
         for a, b in windows:
-            diffs = [paired(by[(v, s)], by[("gdn", s)], a, b) for s in seeds if (v, s) in by and ("gdn", s) in by]
+            diffs = [paired(by[(v, s)], by[("gdn", s)], a, b) for s in seeds
+                     if (v, s) in by and ("gdn", s) in by and by[(v, s)].corpus == by[("gdn", s)].corpus]
             cells.append([d for d in diffs if d is not None] if all(d is not None for d in diffs) else [])
         val_steps = sorted({s for c in runs for s in c.val})
         summary[v] = {"flavour": VARIANTS[v].flavour, "overrides": list(VARIANTS[v].overrides),
@@ -531,7 +557,8 @@ def merge(args) -> int:
                       "val_loss_by_step": {str(s): [c.val.get(s) for c in runs] for s in val_steps},
                       "val_loss_minus_gdn_by_step": {
                           str(s): [c.val[s] - by[("gdn", c.seed)].val[s] for c in runs
-                                   if s in c.val and ("gdn", c.seed) in by and s in by[("gdn", c.seed)].val]
+                                   if s in c.val and ("gdn", c.seed) in by and s in by[("gdn", c.seed)].val
+                                   and by[("gdn", c.seed)].corpus == c.corpus]
                           for s in val_steps},
                       "cache_gate_by_step": {str(s): [c.gates.get(s) for c in runs]
                                              for s in sorted({t for c in runs for t in c.gates})}}
@@ -548,9 +575,9 @@ def merge(args) -> int:
              f"{recipe.about} (one step: {tokens_per_step / 1e6:.3f}M tokens), a {statuses[0]['steps']}-step cosine "
              f"schedule, warmup {statuses[0]['warmup_steps']}, `{recipe.config}` with each variant's keys; seeds "
              f"{', '.join(map(str, seeds))}.",
-             "", "Runs of one seed read the same batches in the same order, so each cell is the variant's training "
-             "loss minus GDN's on the same batches, averaged over the window (mean [min, max] over seeds; negative: "
-             "better than GDN).", "",
+             "", "Runs of one seed on one build of the corpus read the same batches in the same order, so each cell "
+             "is the variant's training loss minus GDN's on the same batches, averaged over the window (mean [min, "
+             "max] over the seeds whose GDN run read the same build; negative: better than GDN).", "",
              "| variant | keys | " + " | ".join(f"{a + 1}-{b}" for a, b in windows) + " |",
              "|---|---|" + "---|" * len(windows)]
     for v in variants:
@@ -561,8 +588,8 @@ def merge(args) -> int:
             spread(cell, 3, signed=True) for cell in s["paired_train_loss_minus_gdn"].values()) + " |")
     val_steps = sorted({int(k) for s in summary.values() for k in s["val_loss_by_step"]})
     if val_steps:
-        lines += ["", "Validation loss (the same 8 batches for every run of a corpus), and minus GDN's at the "
-                  "same step and seed:", "",
+        lines += ["", "Validation loss (the same batches for every run of a corpus build), and minus GDN's at the "
+                  "same step and seed on the same build:", "",
                   "| variant | " + " | ".join(f"step {s}" for s in val_steps) + " | " +
                   " | ".join(f"minus GDN, step {s}" for s in val_steps) + " |",
                   "|---|" + "---|" * (2 * len(val_steps))]
@@ -574,13 +601,14 @@ def merge(args) -> int:
                          " | ".join("-" if v == "gdn" else spread(d, 4, signed=True) for d in diffs) + " |")
     for split, results in sorted(evals.items()):
         lines += ["", f"Perplexity on the corpus's `{split}` split after training (`hola_titan.eval ppl`; "
-                  "minus GDN's of the same seed, in percent):", "",
+                  "minus GDN's of the same seed and corpus build, in percent):", "",
                   "| variant | perplexity | minus GDN |", "|---|---|---|"]
         for v in variants:
             mine = {c.seed: results.get(run_name(v, c.seed)) for c in curves.values() if c.variant == v}
             ppl = [r["perplexity"] for r in mine.values() if r]
             rel = [100.0 * (r["perplexity"] / results[run_name("gdn", seed)]["perplexity"] - 1.0)
-                   for seed, r in mine.items() if r and run_name("gdn", seed) in results]
+                   for seed, r in mine.items() if r and run_name("gdn", seed) in results
+                   and by[("gdn", seed)].corpus == by[(v, seed)].corpus]
             lines.append(f"| {v} | {spread(ppl, 2)} | "
                          f"{spread(rel, 1, signed=True) + '%' if rel and v != 'gdn' else '-'} |")
     lines += niah_lines(curves, variants, niah)
@@ -651,22 +679,23 @@ def ordering_lines(curves: dict[str, Curve], variants: list[str], evals: dict[st
     if len(many) < 2:
         return []
     orderings = _seed_orderings()
-    runs = [c for c in curves.values() if c.variant in many]
-    metrics = []  # (label, variant -> seed -> value, higher is better)
-    validated = [c for c in runs if c.val]  # a run that logged no validation does not hide the others'
-    common = set.intersection(*(set(c.val) for c in validated)) if validated else set()
+    runs = {name: c for name, c in curves.items() if c.variant in many}
+    key, builds_note = _pairing_keys(runs)
+    metrics = []  # (label, variant -> pairing key -> value, higher is better)
+    validated = {n: c for n, c in runs.items() if c.val}  # a run that logged no validation does not hide the others'
+    common = set.intersection(*(set(c.val) for c in validated.values())) if validated else set()
     if common:
         step = max(common)
         metrics.append((f"validation perplexity, step {step}",
-                        {v: {c.seed: math.exp(c.val[step]) for c in validated if c.variant == v} for v in many},
-                        False))
+                        {v: {key[n]: math.exp(c.val[step]) for n, c in validated.items() if c.variant == v}
+                         for v in many}, False))
     for split, results in sorted(evals.items()):
-        metrics.append((f"`{split}` perplexity", {v: {s: results[run_name(v, s)]["perplexity"] for s in seeds[v]
-                                                      if results.get(run_name(v, s))} for v in many}, False))
+        metrics.append((f"`{split}` perplexity", {v: {key[n]: results[n]["perplexity"] for n, c in runs.items()
+                                                      if c.variant == v and results.get(n)} for v in many}, False))
     niah = niah or {}
     for column in dict.fromkeys(k for r in niah.values() for k in r):
-        metrics.append((column, {v: {s: niah[run_name(v, s)][column] for s in seeds[v]
-                                     if column in niah.get(run_name(v, s), {})} for v in many}, True))
+        metrics.append((column, {v: {key[n]: niah[n][column] for n, c in runs.items()
+                                     if c.variant == v and column in niah.get(n, {})} for v in many}, True))
     spread_rows, paired_rows = [], []
     for label, values, higher in metrics:
         values = {v: x for v, x in values.items() if len(x) > 1}
@@ -681,7 +710,23 @@ def ordering_lines(curves: dict[str, Curve], variants: list[str], evals: dict[st
             ", ".join(f"{v}: {', '.join(map(str, seeds[v]))}" for v in many) + "); every run is scored on the same "
             "validation batches, so the spread is that of training (initialisation and data order).", "",
             *orderings.HEADER, *spread_rows,
-            "", orderings.PAIRED_LEGEND, "", *orderings.PAIRED_HEADER, *paired_rows]
+            "", orderings.PAIRED_LEGEND + builds_note, "", *orderings.PAIRED_HEADER, *paired_rows]
+
+
+def _pairing_keys(runs: dict[str, Curve]) -> tuple[dict[str, str], str]:
+    """Run name -> the key runs are paired by: the seed, or, where runs of one seed read different builds of the
+    corpus (other batches), the seed and a letter per build, so that only runs of one build pair; and a sentence
+    naming the builds when there are several."""
+    builds = list(dict.fromkeys(c.corpus for c in runs.values()))
+    letter = {b: chr(ord("a") + i) if i < 26 else f"[{i}]" for i, b in enumerate(builds)}
+    per_seed: dict[int, set[str]] = {}
+    for c in runs.values():
+        per_seed.setdefault(c.seed, set()).add(c.corpus)
+    key = {n: str(c.seed) if len(per_seed[c.seed]) == 1 else f"{c.seed}{letter[c.corpus]}" for n, c in runs.items()}
+    if not any(len(b) > 1 for b in per_seed.values()):
+        return key, ""
+    return key, (" Runs of one seed on different builds of the corpus read other batches and are not paired: "
+                 + "; ".join(f"{letter[b]} = {b}" for b in builds) + ".")
 
 
 def plot_families(curves: dict[str, Curve], variants: list[str], report: Path, *, width: int,
@@ -721,7 +766,7 @@ def plot_families(curves: dict[str, Curve], variants: list[str], report: Path, *
             diffs = []
             for c in runs:
                 base = by.get(("gdn", c.seed))
-                if base is None:
+                if base is None or base.corpus != c.corpus:  # another build of the corpus: other batches
                     continue
                 points = [(a + width, paired(c, base, a, a + width)) for a in range(0, max(c.steps), width)]
                 points = [(s, d) for s, d in points if d is not None]

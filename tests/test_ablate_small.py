@@ -3,6 +3,7 @@ of the same seed (the same batches) and reports the differences, from synthetic 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -290,3 +291,41 @@ def test_the_plan_estimates_with_what_one_gpu_trains_of_the_recipe(capsys):
     out = capsys.readouterr().out
     minutes = 2 * 1600 * 16 * 4096 / ablate.RECIPES["46M"].gpu_tokens_per_s / 60
     assert "2 runs" in out and f"about {minutes:.1f} GPU minutes" in out and minutes == pytest.approx(11.65, abs=0.01)
+
+
+def test_runs_on_different_builds_of_the_corpus_are_not_paired(tmp_path):
+    """A seed's runs read the same batches only on one build of the corpus: the merge pairs a variant with GDN's run
+    of its seed only when both folders' ``status.json`` name the same build (or, where none is recorded, both come
+    from one folder), and says which builds it saw."""
+    _write_run_folder(tmp_path / "a", {"gdn": 0.0, "hola": -0.2}, steps=100, recipe="46M")
+    _write_run_folder(tmp_path / "b", {"hola_recency": -0.05}, steps=100, recipe="46M")
+    for folder, build in (("a", "build-one"), ("b", "build-two")):
+        status = json.loads((tmp_path / folder / "status.json").read_text())
+        (tmp_path / folder / "status.json").write_text(json.dumps({**status, "corpus": {"id": build, "files": {}}}))
+    assert ablate.main(["--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--report", str(tmp_path / "r")]) == 0
+    result = json.loads((tmp_path / "r" / "ablations.json").read_text())
+    assert result["variants"]["hola"]["paired_train_loss_minus_gdn"]["1-100"] == pytest.approx([-0.2, -0.199])
+    assert result["variants"]["hola_recency"]["paired_train_loss_minus_gdn"]["1-100"] == []
+    assert result["variants"]["hola_recency"]["val_loss_minus_gdn_by_step"]["100"] == []
+    paired = (tmp_path / "r" / "ablations.md").read_text().split("Paired by seed", 1)[1]
+    assert "a = build-one; b = build-two" in paired
+    assert "hola > gdn (0a, 1a)" in paired and "hola_recency" not in paired.split("\n\n", 2)[2].split("Steps")[0]
+    # The same build in both folders: paired again, with plain seeds.
+    status = json.loads((tmp_path / "b" / "status.json").read_text())
+    (tmp_path / "b" / "status.json").write_text(json.dumps({**status, "corpus": {"id": "build-one", "files": {}}}))
+    assert ablate.main(["--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--report", str(tmp_path / "r2")]) == 0
+    result = json.loads((tmp_path / "r2" / "ablations.json").read_text())
+    assert result["variants"]["hola_recency"]["paired_train_loss_minus_gdn"]["1-100"] == pytest.approx([-0.05, -0.049])
+    assert "hola_recency > gdn (0, 1)" in (tmp_path / "r2" / "ablations.md").read_text()
+
+
+def test_the_run_records_which_build_of_the_corpus_it_read(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "validation").mkdir()
+    (tmp_path / "train" / "part-00000.jsonl.gz").write_bytes(b"one")
+    (tmp_path / "validation" / "part-00000.jsonl.gz").write_bytes(b"two")
+    first = ablate.corpus_identity(ablate.RECIPES["46M"], tmp_path)
+    assert first["files"] == {"train/part-00000.jsonl.gz": hashlib.sha256(b"one").hexdigest(),
+                              "validation/part-00000.jsonl.gz": hashlib.sha256(b"two").hexdigest()}
+    (tmp_path / "validation" / "part-00000.jsonl.gz").write_bytes(b"three")
+    assert ablate.corpus_identity(ablate.RECIPES["46M"], tmp_path)["id"] != first["id"]
