@@ -102,7 +102,8 @@ class VarlenLayout:
     """Where every query and key slot of one varlen call comes from (all on the inputs' device).
 
     ``key_rows`` ``[NB * S, H]`` int64: the token row each key slot reads, per head (``num_tokens``, an appended
-    zero row, for slots past a sequence's keys); None when the keys are the token rows themselves, in place.
+    zero row, for slots past a sequence's keys: FlashAttention-4's backward leaves their gradients unwritten, and
+    they land in that row, which is dropped); None when the keys are the token rows themselves, in place.
     ``cu_q`` and ``cu_k`` ``[NB + 1]`` int32 offsets, ``used_k`` ``[NB]`` int32 keys per sequence (None: all of
     ``cu_k``'s), ``max_q`` / ``max_k`` their bounds; ``causal``: the mask aligned to the bottom right, else none.
     """
