@@ -75,7 +75,7 @@ def parse_args():
                    help="comma-separated rows to time (default: all)")
     p.add_argument("--kernel-configs", default="auto", help=CHOICE_HELP)
     p.add_argument("--profile", action="store_true",
-                   help="also profile gdn_fla, gdn_adapter and hola_triton (torch.profiler): GPU kernel time per "
+                   help="also profile the GDN, Triton and fa4 rows (torch.profiler): GPU kernel time per "
                         "call by kernel, and the gap between the timed call and its kernels (host-bound time)")
     return p.parse_args()
 
@@ -288,7 +288,7 @@ def main():
                                      match=args.sweep_match, kept=args.keep_output)
         if args.profile:
             profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap", "hola_triton_keep",
-                        "hola_triton_tbwd")
+                        "hola_triton_tbwd", "hola_fa4", "hola_fa4_split")
             row["profile"] = {name: profile(fn, grads, row.get(name + "_ms"))
                               for name, (fn, grads) in items.items() if name in profiled}
         if "gdn_fla_ms" in row:
