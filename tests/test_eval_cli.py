@@ -72,6 +72,10 @@ def test_scripts_eval_runs_every_eval_on_debug_models(exported, tmp_path):
             assert result["eval"] == name and result["model"]["flavour"] == label.removeprefix("debug_")
     ppl = json.loads((out / "ppl_debug_hola.json").read_text())
     assert ppl["summary"]["tokens"] > 0 and ppl["summary"]["bits_per_byte"] > 0
+    # Which paths ran: the kernels' launch configurations (none on a CPU) and the recurrent layers' backend.
+    assert ppl["paths"]["kernel_configs"]["source"] == "off"
+    assert ppl["paths"]["kernel_configs"]["why"] == "no tuned configurations on cpu"
+    assert ppl["paths"]["attention_backend"] == "reference (auto: no CUDA device)"
     compare = json.loads((out / "mqar_compare.json").read_text())
     assert [row["label"] for row in compare["rows"]] == ["debug_hola", "debug_gdn"]
     assert "pairs=4@32" in compare["metrics"] and "pairs=16@32" not in compare["metrics"]  # 16 pairs do not fit
@@ -126,6 +130,15 @@ def test_usage_mistakes_are_one_line_errors(argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert message in one_error_line(capsys)
+
+
+def test_a_kernel_configs_file_that_does_not_exist_is_a_one_line_error(tmp_path, capsys):
+    """Refused before any model is loaded or evaluated, on any device."""
+    assert main(["ppl", "--checkpoint", "init:gdn", "--kernel-configs", str(tmp_path / "none.json"), "--out",
+                 str(tmp_path / "out"), *FAST]) == 2
+    err = one_error_line(capsys)
+    assert "--kernel-configs" in err and "no such file" in err
+    assert not list((tmp_path / "out").glob("*.json"))
 
 
 def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):

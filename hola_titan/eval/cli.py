@@ -23,6 +23,7 @@ from hola_titan.eval import report
 from hola_titan.eval.loading import LoadedModel, label_of, load_model
 from hola_titan.eval.runtime import (EvalError, format_length, parse_int, parse_length, parse_list, parse_percent,
                                      resolve_device, resolve_dtype)
+from hola_titan.kernels.tuned_configs import CHOICE_HELP
 from hola_titan.runfolder import FolderUnusableError, check_writable_folder
 
 EVALS = ("ppl", "generate", "niah", "mqar", "cache")
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
     common.add_argument("--seed", type=int, default=0, help="seed of samples, prompts and sampling")
     common.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    common.add_argument("--kernel-configs", default="auto", help=CHOICE_HELP.replace("fla's", "The kernels'", 1))
     common.add_argument("--threads", type=int, default=None,
                         help="CPU threads for PyTorch (default: its own choice; 1 is fastest for tiny models)")
 
@@ -368,9 +370,39 @@ def _unique_labels(specs: list[str]) -> list[str]:
     return labels
 
 
+def install_kernel_configs(choice: str, device: torch.device):
+    """The launch configurations of fla's and our Triton kernels, as training takes them (``model.kernel_configs``),
+    installed before any kernel launches: without them every kernel autotunes at its first launch of each shape,
+    which made a 46M model's whole-document perplexity take minutes on an H100."""
+    from hola_titan.kernels import tuned_configs
+
+    if choice not in ("auto", "off") and not Path(choice).expanduser().is_file():
+        raise EvalError(f"--kernel-configs {choice!r}: expected auto, off or a file written by "
+                        "scripts/tune_kernels.py; no such file")
+    try:
+        installed = tuned_configs.install(choice, device)
+    except (OSError, ValueError) as error:
+        raise EvalError(f"--kernel-configs {choice!r}: {error}") from None
+    print(f"kernel configurations: {installed.describe()}", flush=True)
+    return installed
+
+
+def paths_of(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, installed) -> dict:
+    """Which paths the evaluation ran, for its result file: the recurrent layers' backend and the kernels' launch
+    configurations."""
+    paths = {"kernel_configs": installed.record()}
+    args = loaded.model.args
+    if args.is_recurrent:
+        from hola_titan.kernels.dispatch import explain_backend
+        backend, why = explain_backend("auto", device, head_dim=args.head_dim, dtype=dtype)
+        paths["attention_backend"] = f"{backend} ({why})"
+    return paths
+
+
 def evaluate_one(spec: str, label: str, args: argparse.Namespace, device: torch.device,
-                 dtype: torch.dtype) -> dict:
-    """Run ``args.eval`` on one checkpoint, or read a result JSON; write its JSON and PNG."""
+                 dtype: torch.dtype, installed=None) -> dict:
+    """Run ``args.eval`` on one checkpoint, or read a result JSON; write its JSON and PNG. ``installed``: what
+    :func:`install_kernel_configs` chose (None: nothing installed)."""
     out = Path(args.out)
     if spec.endswith(".json") and Path(spec).is_file():
         return report.read_result(Path(spec), eval_name=args.eval)
@@ -383,6 +415,8 @@ def evaluate_one(spec: str, label: str, args: argparse.Namespace, device: torch.
     result = {"eval": args.eval, "checkpoint": spec, "label": label, "model": loaded.describe(),
               "device": str(device), "dtype": str(dtype).removeprefix("torch."), "settings": settings,
               "seconds": time.perf_counter() - start, "summary": summary, "details": details}
+    if installed is not None:
+        result["paths"] = paths_of(loaded, device, dtype, installed)
     del loaded
     gc.collect()
     if device.type == "cuda":
@@ -406,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         specs = args.compare if args.compare else [args.checkpoint]
-        results = [evaluate_one(spec, label, args, device, dtype)
+        installed = install_kernel_configs(args.kernel_configs, device)
+        results = [evaluate_one(spec, label, args, device, dtype, installed)
                    for spec, label in zip(specs, _unique_labels(specs))]
         if args.compare:
             table = report.comparison(results)
