@@ -94,10 +94,11 @@ class Variant:
 
 
 VARIANTS = {
-    "gdn": Variant("gdn", ("state_read", "mixing", "eviction", "span", "cache_scalars", "flavours", "gate", "sink"),
+    "gdn": Variant("gdn", ("state_read", "mixing", "eviction", "span", "cache_scalars", "flavours", "gate", "sink",
+                           "span_defaults"),
                    (),
                    "Gated DeltaNet, no cache"),
-    "hola": Variant("hola", ("state_read", "mixing", "flavours", "gate", "sink"), (),
+    "hola": Variant("hola", ("state_read", "mixing", "flavours", "gate", "sink", "span_defaults"), (),
                     "the first defaults: s = D^-1/2, gate init -4, cache params decayed"),
     "hola_s1": Variant("hola", ("state_read", "eviction", "span", "cache_scalars"),
                        ("--model.state_read_scale", "one"), "the state read as the paper writes it: q^T S (s = 1)"),
@@ -124,13 +125,27 @@ VARIANTS = {
                                "the gate can move more than about one logit in a run"),
     "hola_nosink": Variant("hola", ("sink",), ("--model.cache_sink", "false"),
                            "no null sink: the read is a softmax over the cache entries and the block's tokens alone"),
-    "hola_recency": Variant("hola_recency", ("flavours",), (), "HOLA+recency with the defaults"),
+    # The span and the cache scalars' decay again, now against the defaults (s = D^-1/2) rather than s = 1, which
+    # the first screen measured and set aside (docs/LOG.md, 2026-12-05).
+    "hola_w0": Variant("hola", ("span_defaults",), ("--model.window", "0"),
+                       "window 0: the causal block and the sink only (no cache entries from earlier blocks)"),
+    "hola_c256": Variant("hola", ("span_defaults",), ("--model.block", "256"),
+                         "block 256 (the paper's C) against the recipe's block"),
+    "hola_nodecay": Variant("hola", ("span_defaults",), ("--optimizer.decay_cache_scalars", "false"),
+                            "no weight decay on gamma_q, gamma_k, sink, gate"),
+    "hola_recency": Variant("hola_recency", ("flavours", "span_defaults"), (),
+                            "HOLA+recency with the defaults"),
     "transformer": Variant("transformer", ("flavours",), (), "Transformer++ (softmax attention, no recurrence)"),
 }
 DEFAULT_SEEDS = (0, 1)
 # The first screen (16 runs fit one GPU side by side); the others are run by name with --variants.
 FIRST_SCREEN = ("gdn", "hola", "hola_s1", "hola_after_norm", "hola_per_path", "hola_recency_s1", "hola_s1_w0",
                 "hola_s1_c256")
+# The second screen (2 seeds each: 16 runs): the gate, the sink and the span against the defaults that the first
+# screen and the 46M runs kept.
+SECOND_SCREEN = ("gdn", "hola", "hola_recency", "hola_gate_m2", "hola_cache_lr10", "hola_nosink", "hola_w0",
+                 "hola_c256")
+SCREENS = {"first_screen": FIRST_SCREEN, "second_screen": SECOND_SCREEN}
 FAMILY_TITLES = {
     "state_read": "The state read's scale (before the output norm it sets the state's weight against the cache)",
     "mixing": "Where the cache read joins the state read: before the output norm, after it, one norm per path",
@@ -139,6 +154,9 @@ FAMILY_TITLES = {
     "cache_scalars": "Weight decay on the cache's own parameters",
     "flavours": "The four flavours of one recipe",
     "gate": "The gate: its init, and the learning rate of the cache's own scalars",
+    "sink": "The null sink: with it (the paper's) and without",
+    "span_defaults": "With the defaults: window 0 (no entries from earlier blocks), block 256, no decay of the cache's "
+                     "scalars, recency eviction",
 }
 
 
@@ -821,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--run", action="store_true", help="train or resume the runs until --budget-min")
     mode.add_argument("--merge", nargs="+", metavar="OUT", help="--run output folders to merge")
     p.add_argument("--variants", default=",".join(FIRST_SCREEN),
-                   help="comma-separated, from: " + ", ".join(VARIANTS))
+                   help="comma-separated, from: " + ", ".join(VARIANTS) + "; or a screen: " + ", ".join(SCREENS))
     p.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)))
     p.add_argument("--recipe", choices=sorted(RECIPES), default="small",
                    help="the shared setup: small (31M, 16 x 1,024) or 46M (the paper's ablation size, 16 x 4,096)")
@@ -843,7 +861,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="--run: more trainer overrides for every run (last on the line)")
     args = p.parse_args(argv)
-    args.variants = [v for v in args.variants.split(",") if v]
+    args.variants = list(SCREENS.get(args.variants, [v for v in args.variants.split(",") if v]))
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")

@@ -291,6 +291,11 @@ def test_the_plan_estimates_with_what_one_gpu_trains_of_the_recipe(capsys):
     out = capsys.readouterr().out
     minutes = 2 * 1600 * 16 * 4096 / ablate.RECIPES["46M"].gpu_tokens_per_s / 60
     assert "2 runs" in out and f"about {minutes:.1f} GPU minutes" in out and minutes == pytest.approx(11.65, abs=0.01)
+    # A screen by its name: its variants, each with the recipe's seeds.
+    assert ablate.main(["--plan", "--variants", "second_screen"]) == 0
+    out = capsys.readouterr().out
+    assert f"{2 * len(ablate.SECOND_SCREEN)} runs ({len(ablate.SECOND_SCREEN)} variants" in out
+    assert all(f"\n  {v} " in out for v in ablate.SECOND_SCREEN)
 
 
 def test_runs_on_different_builds_of_the_corpus_are_not_paired(tmp_path):
