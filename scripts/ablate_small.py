@@ -130,7 +130,8 @@ VARIANTS = {
     "hola_w0": Variant("hola", ("span_defaults",), ("--model.window", "0"),
                        "window 0: the causal block and the sink only (no cache entries from earlier blocks)"),
     "hola_c256": Variant("hola", ("span_defaults",), ("--model.block", "256"),
-                         "block 256 (the paper's C) against the recipe's block"),
+                         "block 256 (the paper's C) against the small recipe's 64 (the 46M recipe's block is "
+                         "256 already: there it is the defaults)"),
     "hola_nodecay": Variant("hola", ("span_defaults",), ("--optimizer.decay_cache_scalars", "false"),
                             "no weight decay on gamma_q, gamma_k, sink, gate"),
     "hola_recency": Variant("hola_recency", ("flavours", "span_defaults"), (),
@@ -231,11 +232,14 @@ def corpus_identity(recipe: Recipe, corpus: Path) -> dict:
     """Which build of the corpus the runs read: the sha256 of each file of its splits, and a short id over them.
     Runs of one seed read the same batches only on the same build: ``build_corpus.py`` follows the Debian packages
     of the day, and a point release that changes 1% of the documents reorders every batch."""
-    roots = [*corpus_files(recipe, corpus), *([corpus / "heldout"] if (corpus / "heldout").is_dir() else [])]
+    roots = [*dict.fromkeys(corpus_needs(recipe, corpus)),
+             *([corpus / "heldout"] if (corpus / "heldout").is_dir() else [])]
     files = {}
     for root in roots:
         for f in sorted(root.rglob("*")) if root.is_dir() else [root]:
-            if f.is_file():
+            # The splits' data only: not PROVENANCE.md (it records the build's timings) nor a dot folder (a
+            # download cache), which would give two byte-identical builds two ids.
+            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(root).parts):
                 digest = hashlib.sha256()
                 with open(f, "rb") as fh:
                     for block in iter(lambda: fh.read(1 << 24), b""):
@@ -456,6 +460,19 @@ class Curve:
     ``unrecorded: <folder>``: runs of one such folder shared a build, runs of two are not known to)."""
 
 
+UNRECORDED = "unrecorded: "
+
+
+def folder_build(folder: Path, status: dict | None = None) -> str:
+    """The corpus build a ``--run`` folder's runs read: its ``status.json``'s ``corpus`` id, or ``unrecorded: <folder>``
+    for folders written before the build was recorded (runs of one such folder shared a build)."""
+    if status is None:
+        status = json.loads((folder / "status.json").read_text())
+    shown = os.path.relpath(folder) if folder.is_absolute() and not os.path.relpath(folder).startswith("..") \
+        else (folder.name if folder.is_absolute() else str(folder))
+    return (status.get("corpus") or {}).get("id") or f"{UNRECORDED}{shown}"
+
+
 def load_curves(folders: list[Path]) -> tuple[dict[str, Curve], list[dict]]:
     """Every run's training-loss curve and validation losses from the ``--run`` folders (later folders win)."""
     by_run: dict[str, dict[int, float]] = {}
@@ -468,8 +485,14 @@ def load_curves(folders: list[Path]) -> tuple[dict[str, Curve], list[dict]]:
         if status.get("format") != FORMAT:
             raise SystemExit(f"error: {folder}/status.json is not an {FORMAT} status")
         statuses.append(status)
-        build = (status.get("corpus") or {}).get("id") or f"unrecorded: {folder}"
+        build = folder_build(folder, status)
         for name, r in status["runs"].items():
+            if name in meta and _other_build(meta[name][2], build):
+                # The same run name on another build of the corpus is another run (other batches): it replaces
+                # the earlier one rather than mixing the two runs' rows. (Folders without a record may hold a
+                # resumed run's later part, as before builds were recorded: their rows still merge.)
+                for rows in (by_run, vals, gates):
+                    rows.pop(name, None)
             meta[name] = (r["variant"], r["seed"], build)
             for row in read_jsonl(folder / f"{name}.jsonl"):
                 if "loss" in row:
@@ -486,24 +509,38 @@ def load_curves(folders: list[Path]) -> tuple[dict[str, Curve], list[dict]]:
     return curves, statuses
 
 
-def load_evaluations(folders: list[Path]) -> dict[str, dict[str, dict]]:
-    """``--evaluate ppl`` results: split -> run name -> {perplexity, loss, tokens} (later folders win)."""
+def _other_build(a: str, b: str) -> bool:
+    """Two recorded builds that differ (a folder without a record may hold a resumed run's later part)."""
+    return a != b and not a.startswith(UNRECORDED) and not b.startswith(UNRECORDED)
+
+
+def load_evaluations(folders: list[Path], curves: dict[str, Curve] | None = None) -> dict[str, dict[str, dict]]:
+    """``--evaluate ppl`` results: split -> run name -> {perplexity, loss, tokens} (later folders win). With
+    ``curves``, a result counts only from a folder of its run's corpus build (not an earlier run of the name)."""
     found: dict[str, dict[str, dict]] = {}
     for folder in folders:
+        build = folder_build(folder)
         for path in sorted(folder.glob("eval_*/ppl_*.json")):
+            name = path.stem.removeprefix("ppl_")
+            if curves is not None and name in curves and _other_build(curves[name].corpus, build):
+                continue
             result = json.loads(path.read_text())
             split = path.parent.name.removeprefix("eval_")
-            name = path.stem.removeprefix("ppl_")
             found.setdefault(split, {})[name] = {k: result["summary"][k] for k in ("perplexity", "loss", "tokens")}
     return found
 
 
-def load_niah(folders: list[Path]) -> dict[str, dict[str, float]]:
-    """``--evaluate niah`` results: run name -> {``<task>@<length>``: accuracy} (later folders win)."""
+def load_niah(folders: list[Path], curves: dict[str, Curve] | None = None) -> dict[str, dict[str, float]]:
+    """``--evaluate niah`` results: run name -> {``<task>@<length>``: accuracy} (later folders win; ``curves`` as
+    for :func:`load_evaluations`)."""
     found: dict[str, dict[str, float]] = {}
     for folder in folders:
+        build = folder_build(folder)
         for path in sorted(folder.glob("eval_niah/niah_*.json")):
-            found[path.stem.removeprefix("niah_")] = dict(json.loads(path.read_text())["summary"])
+            name = path.stem.removeprefix("niah_")
+            if curves is not None and name in curves and _other_build(curves[name].corpus, build):
+                continue
+            found[name] = dict(json.loads(path.read_text())["summary"])
     return found
 
 
@@ -570,6 +607,7 @@ def merge(args) -> int:
         val_steps = sorted({s for c in runs for s in c.val})
         summary[v] = {"flavour": VARIANTS[v].flavour, "overrides": list(VARIANTS[v].overrides),
                       "about": VARIANTS[v].about, "seeds": [c.seed for c in runs],
+                      "corpus_builds": [c.corpus for c in runs],
                       "steps": [max(c.steps, default=0) for c in runs],
                       "paired_train_loss_minus_gdn": {f"{a + 1}-{b}": cell for (a, b), cell in zip(windows, cells)},
                       "val_loss_by_step": {str(s): [c.val.get(s) for c in runs] for s in val_steps},
@@ -580,8 +618,8 @@ def merge(args) -> int:
                           for s in val_steps},
                       "cache_gate_by_step": {str(s): [c.gates.get(s) for c in runs]
                                              for s in sorted({t for c in runs for t in c.gates})}}
-    evals = load_evaluations([Path(f) for f in args.merge])
-    niah = load_niah([Path(f) for f in args.merge])
+    evals = load_evaluations([Path(f) for f in args.merge], curves)
+    niah = load_niah([Path(f) for f in args.merge], curves)
     for v in variants:
         runs = [by[(v, s)] for s in seeds if (v, s) in by]
         summary[v]["evaluations"] = {
@@ -626,7 +664,7 @@ def merge(args) -> int:
             ppl = [r["perplexity"] for r in mine.values() if r]
             rel = [100.0 * (r["perplexity"] / results[run_name("gdn", seed)]["perplexity"] - 1.0)
                    for seed, r in mine.items() if r and run_name("gdn", seed) in results
-                   and by[("gdn", seed)].corpus == by[(v, seed)].corpus]
+                   and ("gdn", seed) in by and by[("gdn", seed)].corpus == by[(v, seed)].corpus]
             lines.append(f"| {v} | {spread(ppl, 2)} | "
                          f"{spread(rel, 1, signed=True) + '%' if rel and v != 'gdn' else '-'} |")
     lines += niah_lines(curves, variants, niah)
@@ -725,8 +763,10 @@ def ordering_lines(curves: dict[str, Curve], variants: list[str], evals: dict[st
         return []
     return ["", "## Which orderings hold beyond the seed spread", "",
             f"{orderings.LEGEND} Better: lower perplexity, higher S-NIAH accuracy. Variants with two or more seeds (" +
-            ", ".join(f"{v}: {', '.join(map(str, seeds[v]))}" for v in many) + "); every run is scored on the same "
-            "validation batches, so the spread is that of training (initialisation and data order).", "",
+            ", ".join(f"{v}: {', '.join(map(str, seeds[v]))}" for v in many) + "); the runs of one corpus build are "
+            "scored on the same validation batches, so their spread is that of training (initialisation and data "
+            "order)" + (", and runs of different builds differ by their batches too." if builds_note else ".") +
+            builds_note, "",
             *orderings.HEADER, *spread_rows,
             "", orderings.PAIRED_LEGEND + builds_note, "", *orderings.PAIRED_HEADER, *paired_rows]
 
@@ -864,7 +904,8 @@ def main(argv: list[str] | None = None) -> int:
     args.variants = list(SCREENS.get(args.variants, [v for v in args.variants.split(",") if v]))
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
-        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}, or one screen: "
+                f"{', '.join(SCREENS)}")
     try:
         args.seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:

@@ -289,8 +289,9 @@ def main():
         if args.profile:
             profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap", "hola_triton_keep",
                         "hola_triton_tbwd", "hola_fa4", "hola_fa4_split")
+            # Only the rows that ran here (a fa4 row where FlashAttention-4 cannot run holds only its reason).
             row["profile"] = {name: profile(fn, grads, row.get(name + "_ms"))
-                              for name, (fn, grads) in items.items() if name in profiled}
+                              for name, (fn, grads) in items.items() if name in profiled and name + "_ms" in row}
         if "gdn_fla_ms" in row:
             for name in ("hola_triton", "hola_triton_overlap", "hola_triton_keep", "hola_triton_tbwd",
                          "hola_triton_keep_tbwd", "hola_triton_tall", "hola_sdpa", "hola_fa4", "hola_fa4_split",

@@ -314,7 +314,20 @@ def test_runs_on_different_builds_of_the_corpus_are_not_paired(tmp_path):
     assert result["variants"]["hola_recency"]["val_loss_minus_gdn_by_step"]["100"] == []
     paired = (tmp_path / "r" / "ablations.md").read_text().split("Paired by seed", 1)[1]
     assert "a = build-one; b = build-two" in paired
-    assert "hola > gdn (0a, 1a)" in paired and "hola_recency" not in paired.split("\n\n", 2)[2].split("Steps")[0]
+    table = paired.split("\n\n", 2)[1]  # the paired table, between the legend and "Steps reached"
+    assert table.startswith("| metric |") and "hola > gdn (0a, 1a)" in table and "hola_recency" not in table
+    # The held-out results: a GDN of build-one is no base for hola_recency on build-two.
+    for folder, name, ppl in (("a", "gdn_s0", 30.0), ("a", "gdn_s1", 31.0), ("b", "hola_recency_s0", 27.0),
+                              ("b", "hola_recency_s1", 28.0)):
+        (tmp_path / folder / "eval_heldout").mkdir(exist_ok=True)
+        (tmp_path / folder / "eval_heldout" / f"ppl_{name}.json").write_text(
+            json.dumps({"summary": {"perplexity": ppl, "loss": math.log(ppl), "tokens": 5}}))
+    assert ablate.main(["--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--report", str(tmp_path / "r1")]) == 0
+    text = (tmp_path / "r1" / "ablations.md").read_text()
+    assert "| hola_recency | 27.50 [27.00, 28.00] | - |" in text
+    assert "hola_recency > gdn" not in text.split("Paired by seed", 1)[1]
+    assert json.loads((tmp_path / "r1" / "ablations.json").read_text())["variants"]["hola_recency"][
+        "corpus_builds"] == ["build-two", "build-two"]
     # The same build in both folders: paired again, with plain seeds.
     status = json.loads((tmp_path / "b" / "status.json").read_text())
     (tmp_path / "b" / "status.json").write_text(json.dumps({**status, "corpus": {"id": "build-one", "files": {}}}))
@@ -325,12 +338,33 @@ def test_runs_on_different_builds_of_the_corpus_are_not_paired(tmp_path):
 
 
 def test_the_run_records_which_build_of_the_corpus_it_read(tmp_path):
-    (tmp_path / "train").mkdir()
-    (tmp_path / "validation").mkdir()
-    (tmp_path / "train" / "part-00000.jsonl.gz").write_bytes(b"one")
-    (tmp_path / "validation" / "part-00000.jsonl.gz").write_bytes(b"two")
+    """The splits' files alone: not PROVENANCE.md (its timings differ between byte-identical builds) nor a download
+    cache in a dot folder."""
+    for split in ("train", "validation", "heldout"):
+        (tmp_path / split).mkdir()
+        (tmp_path / split / "part-00000.jsonl.gz").write_bytes(split.encode())
     first = ablate.corpus_identity(ablate.RECIPES["46M"], tmp_path)
-    assert first["files"] == {"train/part-00000.jsonl.gz": hashlib.sha256(b"one").hexdigest(),
-                              "validation/part-00000.jsonl.gz": hashlib.sha256(b"two").hexdigest()}
+    assert first["files"] == {f"{split}/part-00000.jsonl.gz": hashlib.sha256(split.encode()).hexdigest()
+                              for split in ("train", "validation", "heldout")}
+    (tmp_path / "PROVENANCE.md").write_text("built in 212 s")
+    (tmp_path / ".cache" / "debs").mkdir(parents=True)
+    (tmp_path / ".cache" / "debs" / "a.deb").write_bytes(b"deb")
+    (tmp_path / "train" / ".partial").write_bytes(b"x")
+    assert ablate.corpus_identity(ablate.RECIPES["46M"], tmp_path) == first
     (tmp_path / "validation" / "part-00000.jsonl.gz").write_bytes(b"three")
     assert ablate.corpus_identity(ablate.RECIPES["46M"], tmp_path)["id"] != first["id"]
+
+
+def test_a_run_name_on_another_build_replaces_the_earlier_run(tmp_path):
+    """Two folders holding one run name on two recorded builds: two runs, the later one kept whole; without
+    records (folders of one lease, a resumed run's parts) the rows still merge."""
+    _write_run_folder(tmp_path / "a", {"gdn": 0.0, "hola": -0.2}, steps=200, recipe="46M")
+    _write_run_folder(tmp_path / "b", {"gdn": 0.0, "hola": -0.1}, steps=100, recipe="46M")
+    curves, _ = ablate.load_curves([tmp_path / "a", tmp_path / "b"])
+    assert max(curves["hola_s0"].steps) == 200  # unrecorded: merged as before
+    for folder, build in (("a", "build-one"), ("b", "build-two")):
+        status = json.loads((tmp_path / folder / "status.json").read_text())
+        (tmp_path / folder / "status.json").write_text(json.dumps({**status, "corpus": {"id": build, "files": {}}}))
+    curves, _ = ablate.load_curves([tmp_path / "a", tmp_path / "b"])
+    assert max(curves["hola_s0"].steps) == 100 and curves["hola_s0"].corpus == "build-two"
+    assert max(curves["hola_s0"].val) == 100

@@ -382,7 +382,7 @@ def install_kernel_configs(choice: str, device: torch.device):
                         "scripts/tune_kernels.py; no such file")
     try:
         installed = tuned_configs.install(choice, device)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, ImportError) as error:
         raise EvalError(f"--kernel-configs {choice!r}: {error}") from None
     print(f"kernel configurations: {installed.describe()}", flush=True)
     return installed
@@ -391,7 +391,11 @@ def install_kernel_configs(choice: str, device: torch.device):
 def paths_of(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, installed) -> dict:
     """Which paths the evaluation ran, for its result file: the recurrent layers' backend and the kernels' launch
     configurations."""
-    paths = {"kernel_configs": installed.record()}
+    # What was served so far in this process (a --compare's later models include the earlier ones' launches);
+    # paths inside the repository as <repo>/... (a result file is shared; where the repository sits is not).
+    repo = str(Path(__file__).resolve().parents[2])
+    paths = {"kernel_configs": {k: v.replace(repo, "<repo>") if isinstance(v, str) else v
+                                for k, v in installed.record().items()}}
     args = loaded.model.args
     if args.is_recurrent:
         from hola_titan.kernels.dispatch import explain_backend
@@ -441,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         specs = args.compare if args.compare else [args.checkpoint]
-        installed = install_kernel_configs(args.kernel_configs, device)
+        # Nothing to install when every spec is an earlier result file (--compare reads them as they are).
+        reads_only = all(spec.endswith(".json") and Path(spec).is_file() for spec in specs)
+        installed = None if reads_only else install_kernel_configs(args.kernel_configs, device)
         results = [evaluate_one(spec, label, args, device, dtype, installed)
                    for spec, label in zip(specs, _unique_labels(specs))]
         if args.compare:
