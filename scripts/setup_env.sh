@@ -15,13 +15,11 @@ fi
 # Kept: where PYTHONDONTWRITEBYTECODE is set (it is on the 2-core machine the suite is timed on), no process
 # writes a .pyc at import, so without pip's every process of the suite compiled every module it imported (the
 # suite took 17 minutes instead of 12, 2026-12-02).
-# --no-compile: pip would byte-compile every module of every package (half of a fresh set-up's two minutes on two
-# cores); Python compiles the modules a process imports, once, at their first import.
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
-  .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "${HOLA_TORCH_SPEC:-torch==2.13.0}"
+  .venv/bin/python -m pip install -q --disable-pip-version-check "${HOLA_TORCH_SPEC:-torch==2.13.0}"
 fi
 stamp=.venv/.hola_titan_installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check -e '.[dev]'
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
   touch "$stamp"
 fi
