@@ -240,11 +240,7 @@ def corpus_identity(recipe: Recipe, corpus: Path) -> dict:
             # The splits' data only: not PROVENANCE.md (it records the build's timings) nor a dot folder (a
             # download cache), which would give two byte-identical builds two ids.
             if f.is_file() and not any(part.startswith(".") for part in f.relative_to(root).parts):
-                digest = hashlib.sha256()
-                with open(f, "rb") as fh:
-                    for block in iter(lambda: fh.read(1 << 24), b""):
-                        digest.update(block)
-                files[os.path.relpath(f, corpus)] = digest.hexdigest()
+                files[os.path.relpath(f, corpus)] = _by_path("manifests").digest_file(f, "sha256")
     return {"id": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:12], "files": files}
 
 
@@ -274,6 +270,7 @@ def _by_path(module: str):
     and --merge do not need. Only for the package's standard-library modules."""
     spec = importlib.util.spec_from_file_location(f"_hola_titan_{module}", REPO / "hola_titan" / f"{module}.py")
     loaded = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = loaded  # where dataclasses (manifests.py's) look their module up while it executes
     spec.loader.exec_module(loaded)
     return loaded
 
@@ -468,8 +465,9 @@ def folder_build(folder: Path, status: dict | None = None) -> str:
     for folders written before the build was recorded (runs of one such folder shared a build)."""
     if status is None:
         status = json.loads((folder / "status.json").read_text())
-    shown = os.path.relpath(folder) if folder.is_absolute() and not os.path.relpath(folder).startswith("..") \
-        else (folder.name if folder.is_absolute() else str(folder))
+    shown = str(folder)  # as named on the command line; an absolute path only as far as the working folder
+    if folder.is_absolute():
+        shown = folder.name if os.path.relpath(folder).startswith("..") else os.path.relpath(folder)
     return (status.get("corpus") or {}).get("id") or f"{UNRECORDED}{shown}"
 
 
@@ -569,13 +567,18 @@ def spread(values: list[float], digits: int = 2, signed: bool = False) -> str:
     return f"{f.format(sum(values) / len(values))} [{f.format(min(values))}, {f.format(max(values))}]"
 
 
+def gdn_base(by: dict[tuple[str, int], Curve], curve: Curve) -> Curve | None:
+    """GDN's run of ``curve``'s seed on the same corpus build (the same batches), or None: the one base every
+    comparison with GDN takes."""
+    base = by.get(("gdn", curve.seed))
+    return base if base is not None and base.corpus == curve.corpus else None
+
+
 def paired(curve: Curve, base: Curve, start: int, stop: int) -> float | None:
     """Mean of ``curve``'s loss minus ``base``'s over the steps in (start, stop] that both logged: the runs of one seed
     read the same batches in the same order, so the difference of two losses on one batch is the variants' own
-    difference, without the batch-to-batch spread of the loss (1-2 nats here). None when the two read different
-    builds of the corpus (other batches) or share too few steps."""
-    if curve.corpus != base.corpus:
-        return None
+    difference, without the batch-to-batch spread of the loss (1-2 nats here); ``base`` from :func:`gdn_base`, of
+    the same corpus build. None when they share too few steps."""
     mine, theirs = dict(zip(curve.steps, curve.loss)), dict(zip(base.steps, base.loss))
     diffs = [mine[s] - theirs[s] for s in mine if start < s <= stop and s in theirs]
     return sum(diffs) / len(diffs) if len(diffs) >= max(1, (stop - start) // (2 * LOG_FREQ)) else None
@@ -601,8 +604,7 @@ def merge(args) -> int:
         runs = [by[(v, s)] for s in seeds if (v, s) in by]
         cells = []
         for a, b in windows:
-            diffs = [paired(by[(v, s)], by[("gdn", s)], a, b) for s in seeds
-                     if (v, s) in by and ("gdn", s) in by and by[(v, s)].corpus == by[("gdn", s)].corpus]
+            diffs = [paired(c, base, a, b) for c in runs if (base := gdn_base(by, c)) is not None]
             cells.append([d for d in diffs if d is not None] if all(d is not None for d in diffs) else [])
         val_steps = sorted({s for c in runs for s in c.val})
         summary[v] = {"flavour": VARIANTS[v].flavour, "overrides": list(VARIANTS[v].overrides),
@@ -612,9 +614,8 @@ def merge(args) -> int:
                       "paired_train_loss_minus_gdn": {f"{a + 1}-{b}": cell for (a, b), cell in zip(windows, cells)},
                       "val_loss_by_step": {str(s): [c.val.get(s) for c in runs] for s in val_steps},
                       "val_loss_minus_gdn_by_step": {
-                          str(s): [c.val[s] - by[("gdn", c.seed)].val[s] for c in runs
-                                   if s in c.val and ("gdn", c.seed) in by and s in by[("gdn", c.seed)].val
-                                   and by[("gdn", c.seed)].corpus == c.corpus]
+                          str(s): [c.val[s] - base.val[s] for c in runs
+                                   if (base := gdn_base(by, c)) is not None and s in c.val and s in base.val]
                           for s in val_steps},
                       "cache_gate_by_step": {str(s): [c.gates.get(s) for c in runs]
                                              for s in sorted({t for c in runs for t in c.gates})}}
@@ -664,7 +665,7 @@ def merge(args) -> int:
             ppl = [r["perplexity"] for r in mine.values() if r]
             rel = [100.0 * (r["perplexity"] / results[run_name("gdn", seed)]["perplexity"] - 1.0)
                    for seed, r in mine.items() if r and run_name("gdn", seed) in results
-                   and ("gdn", seed) in by and by[("gdn", seed)].corpus == by[(v, seed)].corpus]
+                   and gdn_base(by, by[(v, seed)]) is not None]
             lines.append(f"| {v} | {spread(ppl, 2)} | "
                          f"{spread(rel, 1, signed=True) + '%' if rel and v != 'gdn' else '-'} |")
     lines += niah_lines(curves, variants, niah)
@@ -823,8 +824,8 @@ def plot_families(curves: dict[str, Curve], variants: list[str], report: Path, *
                 continue
             diffs = []
             for c in runs:
-                base = by.get(("gdn", c.seed))
-                if base is None or base.corpus != c.corpus:  # another build of the corpus: other batches
+                base = gdn_base(by, c)
+                if base is None:
                     continue
                 points = [(a + width, paired(c, base, a, a + width)) for a in range(0, max(c.steps), width)]
                 points = [(s, d) for s, d in points if d is not None]

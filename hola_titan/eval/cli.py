@@ -370,6 +370,11 @@ def _unique_labels(specs: list[str]) -> list[str]:
     return labels
 
 
+def _is_result_file(spec: str) -> bool:
+    """A result JSON written earlier, which ``--compare`` reads as it is (no model, no kernels)."""
+    return spec.endswith(".json") and Path(spec).is_file()
+
+
 def install_kernel_configs(choice: str, device: torch.device):
     """The launch configurations of fla's and our Triton kernels, as training takes them (``model.kernel_configs``),
     installed before any kernel launches: without them every kernel autotunes at its first launch of each new
@@ -409,7 +414,7 @@ def evaluate_one(spec: str, label: str, args: argparse.Namespace, device: torch.
     """Run ``args.eval`` on one checkpoint, or read a result JSON; write its JSON and PNG. ``installed``: what
     :func:`install_kernel_configs` chose (None: nothing installed)."""
     out = Path(args.out)
-    if spec.endswith(".json") and Path(spec).is_file():
+    if _is_result_file(spec):
         return report.read_result(Path(spec), eval_name=args.eval)
     loaded = load_model(spec, device=device, dtype=dtype, seed=args.seed)
     if args.eval == "mqar" and args.cache == "off":
@@ -446,8 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype = resolve_dtype(args.dtype, device)
         specs = args.compare if args.compare else [args.checkpoint]
         # Nothing to install when every spec is an earlier result file (--compare reads them as they are).
-        reads_only = all(spec.endswith(".json") and Path(spec).is_file() for spec in specs)
-        installed = None if reads_only else install_kernel_configs(args.kernel_configs, device)
+        installed = None if all(map(_is_result_file, specs)) else install_kernel_configs(args.kernel_configs, device)
         results = [evaluate_one(spec, label, args, device, dtype, installed)
                    for spec, label in zip(specs, _unique_labels(specs))]
         if args.compare:
