@@ -930,19 +930,23 @@ class Trainer:
 
     def cache_scalars(self) -> dict:
         """Per HOLA layer, in order, the mean over heads of the cache read's weight ``sigmoid(gate)`` and of the sink
-        logit: ``{"cache_gate": [...], "cache_sink": [...]}``, or ``{}`` for a model without a cache. Logged with
-        each validation: how far training moves the layer from its init (gate -4: 0.018) shows whether it leans
-        on the cache or away from it. A sharded parameter is gathered whole (every rank validates at the same
-        step, so the collective is met)."""
+        logit, and the mean over the head dim of ``gamma_q * gamma_k`` (each dimension's factor in the cache's
+        logits, 1 at init; the paper's "RMSNorm-gamma sharpening" raises it, weight decay pulls it down):
+        ``{"cache_gate": [...], "cache_sink": [...], "cache_gamma_qk": [...]}``, or ``{}`` for a model without a
+        cache. Logged with each validation: how far training moves the layer from its init (gate -4: 0.018) shows
+        whether it leans on the cache or away from it. A sharded parameter is gathered whole (every rank validates
+        at the same step, so the collective is met)."""
         from hola_titan.models.model import GatedDeltaMixer
 
-        gates, sinks = [], []
+        gates, sinks, gammas = [], [], []
         for module in self.model.modules():
             if isinstance(module, GatedDeltaMixer) and module.settings.evict != "none":
-                gate, sink = (_full(p.detach()).float() for p in (module.gate, module.sink))
+                gate, sink, gamma_q, gamma_k = (_full(p.detach()).float() for p in
+                                                (module.gate, module.sink, module.gamma_q, module.gamma_k))
                 gates.append(float(torch.sigmoid(gate).mean()))
                 sinks.append(float(sink.mean()))
-        return {"cache_gate": gates, "cache_sink": sinks} if gates else {}
+                gammas.append(float((gamma_q * gamma_k).mean()))
+        return {"cache_gate": gates, "cache_sink": sinks, "cache_gamma_qk": gammas} if gates else {}
 
     # ------------------------------------------------------------------ the loop
 

@@ -452,6 +452,8 @@ class Curve:
     val: dict[int, float] = field(default_factory=dict)
     gates: dict[int, list[float]] = field(default_factory=dict)
     """Per validated step, each cache layer's mean ``sigmoid(gate)`` (the trainer's ``cache_gate``)."""
+    gammas: dict[int, list[float]] = field(default_factory=dict)
+    """Per validated step, each cache layer's mean ``gamma_q * gamma_k`` (the trainer's ``cache_gamma_qk``)."""
     corpus: str = ""
     """The corpus build it read (``status.json``'s ``corpus`` id; for folders written before it was recorded,
     ``unrecorded: <folder>``: runs of one such folder shared a build, runs of two are not known to)."""
@@ -476,6 +478,7 @@ def load_curves(folders: list[Path]) -> tuple[dict[str, Curve], list[dict]]:
     by_run: dict[str, dict[int, float]] = {}
     vals: dict[str, dict[int, float]] = {}
     gates: dict[str, dict[int, list[float]]] = {}
+    gammas: dict[str, dict[int, list[float]]] = {}
     meta: dict[str, tuple[str, int, str]] = {}
     statuses = []
     for folder in folders:
@@ -489,7 +492,7 @@ def load_curves(folders: list[Path]) -> tuple[dict[str, Curve], list[dict]]:
                 # The same run name on another build of the corpus is another run (other batches): it replaces
                 # the earlier one rather than mixing the two runs' rows. (Folders without a record may hold a
                 # resumed run's later part, as before builds were recorded: their rows still merge.)
-                for rows in (by_run, vals, gates):
+                for rows in (by_run, vals, gates, gammas):
                     rows.pop(name, None)
             meta[name] = (r["variant"], r["seed"], build)
             for row in read_jsonl(folder / f"{name}.jsonl"):
@@ -499,11 +502,13 @@ def load_curves(folders: list[Path]) -> tuple[dict[str, Curve], list[dict]]:
                     vals.setdefault(name, {})[row["step"]] = row["val_loss"]
                 if row.get("cache_gate"):
                     gates.setdefault(name, {})[row["step"]] = row["cache_gate"]
+                if row.get("cache_gamma_qk"):
+                    gammas.setdefault(name, {})[row["step"]] = row["cache_gamma_qk"]
     curves = {}
     for name, (variant, seed, build) in meta.items():
         points = sorted(by_run.get(name, {}).items())
         curves[name] = Curve(variant, seed, [s for s, _ in points], [v for _, v in points], vals.get(name, {}),
-                             gates.get(name, {}), build)
+                             gates.get(name, {}), gammas.get(name, {}), build)
     return curves, statuses
 
 
@@ -618,7 +623,9 @@ def merge(args) -> int:
                                    if (base := gdn_base(by, c)) is not None and s in c.val and s in base.val]
                           for s in val_steps},
                       "cache_gate_by_step": {str(s): [c.gates.get(s) for c in runs]
-                                             for s in sorted({t for c in runs for t in c.gates})}}
+                                             for s in sorted({t for c in runs for t in c.gates})},
+                      "cache_gamma_qk_by_step": {str(s): [c.gammas.get(s) for c in runs]
+                                                 for s in sorted({t for c in runs for t in c.gammas})}}
     evals = load_evaluations([Path(f) for f in args.merge], curves)
     niah = load_niah([Path(f) for f in args.merge], curves)
     for v in variants:
@@ -670,6 +677,7 @@ def merge(args) -> int:
                          f"{spread(rel, 1, signed=True) + '%' if rel and v != 'gdn' else '-'} |")
     lines += niah_lines(curves, variants, niah)
     lines += gate_lines(curves, variants)
+    lines += gate_lines(curves, variants, "gammas")
     lines += ordering_lines(curves, variants, evals, niah)
     lines += ["", "Steps reached: " + ", ".join(f"{v} " + "/".join(map(str, summary[v]["steps"])) for v in variants),
               ""]
@@ -699,15 +707,21 @@ def niah_lines(curves: dict[str, Curve], variants: list[str], niah: dict[str, di
     return lines
 
 
-def gate_lines(curves: dict[str, Curve], variants: list[str]) -> list[str]:
-    """The cache read's weight ``sigmoid(gate)`` at each logged validation (runs that logged it: the trainer
-    writes it since 2026-12-06): mean over layers and seeds, and its range over the layers, per variant."""
-    logged = [c for c in curves.values() if c.gates]
+GATE_TITLES = {
+    "gates": "The cache read's weight `sigmoid(gate)` (init: `sigmoid(model.gate_init)`)",
+    "gammas": "The cache logits' factor per dimension, `gamma_q * gamma_k` averaged over the head dim (init 1)",
+}
+
+
+def gate_lines(curves: dict[str, Curve], variants: list[str], attr: str = "gates") -> list[str]:
+    """A per-layer cache scalar at each logged validation (runs that logged it: the trainer writes ``sigmoid(gate)``
+    since 2026-12-06, ``gamma_q * gamma_k`` since 2026-12-07): mean over layers and seeds, and its range over the
+    layers, per variant. ``attr``: the :class:`Curve` field, ``gates`` or ``gammas``."""
+    logged = [c for c in curves.values() if getattr(c, attr)]
     if not logged:
         return []
-    steps = sorted({s for c in logged for s in c.gates})
-    lines = ["", "The cache read's weight `sigmoid(gate)` (init: `sigmoid(model.gate_init)`), mean over the layers "
-             "and seeds [lowest layer, highest layer]:", "",
+    steps = sorted({s for c in logged for s in getattr(c, attr)})
+    lines = ["", f"{GATE_TITLES[attr]}, mean over the layers and seeds [lowest layer, highest layer]:", "",
              "| variant | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
     for v in variants:
         runs = [c for c in logged if c.variant == v]
@@ -715,7 +729,7 @@ def gate_lines(curves: dict[str, Curve], variants: list[str]) -> list[str]:
             continue
         cells = []
         for s in steps:
-            layers = [c.gates[s] for c in runs if s in c.gates]
+            layers = [getattr(c, attr)[s] for c in runs if s in getattr(c, attr)]
             if not layers:
                 cells.append("-")
                 continue

@@ -44,6 +44,7 @@ def train_one(out: Path, overrides: list[str]) -> None:
         torch.save({"losses": [r["loss"] for r in rows if "loss" in r],
                     "val_losses": [r["val_loss"] for r in rows if "val_loss" in r],
                     "cache_gates": [r.get("cache_gate") for r in rows if "val_loss" in r],
+                    "cache_gammas": [r.get("cache_gamma_qk") for r in rows if "val_loss" in r],
                     "grad_norms": [r["grad_norm"] for r in rows if "grad_norm" in r], "grads": grads, "init": init},
                    out / "result.pt")
 

@@ -68,7 +68,8 @@ def _write_run_folder(folder: Path, offsets: dict[str, float], *, steps: int, se
                 rows.append({"step": step, "loss": batch + offset + (0.001 * seed if variant != "gdn" else 0.0)})
                 if step % 50 == 0:
                     rows.append({"step": step, "val_loss": 3.0 + offset + 0.1 * seed,
-                                 **({"cache_gate": [0.01 * seed + step / 1e4, 0.02]} if variant != "gdn" else {})})
+                                 **({"cache_gate": [0.01 * seed + step / 1e4, 0.02],
+                                     "cache_gamma_qk": [1.0 + step / 100, 2.0 + seed]} if variant != "gdn" else {})})
             (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{\"step\": 1")
             runs[name] = {"variant": variant, "seed": seed, "step": steps}
     status = {"format": ablate.FORMAT, "device": "cpu", "steps": steps, "warmup_steps": 10, "runs": runs}
@@ -97,6 +98,11 @@ def test_the_merge_reports_the_paired_differences(tmp_path):
     assert "| hola | 0.015 [0.01, 0.02] | 0.0175 [0.015, 0.02] | 0.02 [0.02, 0.02] | 0.0225 [0.02, 0.025] |" in text
     assert result["variants"]["hola"]["cache_gate_by_step"]["200"] == [[0.02, 0.02], [0.03, 0.02]]
     assert "| gdn |" not in text.split("sigmoid(gate)` (init", 1)[1].split("\n\n")[1]
+    # gamma_q * gamma_k: layer 0 1 + step / 100 (both seeds), layer 1 2.0 / 3.0 (seeds 0 / 1, mean 2.5).
+    gammas = text.split("`gamma_q * gamma_k` averaged", 1)[1].split("\n\n")[1]
+    assert "| hola | 2 [1.5, 2.5] | 2.25 [2, 2.5] | 2.5 [2.5, 2.5] | 2.75 [2.5, 3] |" in gammas
+    assert "| gdn |" not in gammas
+    assert result["variants"]["hola"]["cache_gamma_qk_by_step"]["200"] == [[3.0, 2.0], [3.0, 3.0]]
     assert (tmp_path / "report" / "ablation_state_read.png").is_file()  # gdn, hola, hola_s1
     assert not (tmp_path / "report" / "ablation_span.png").exists()  # only hola_s1 of its members ran
 

@@ -280,3 +280,6 @@ def test_training_with_context_parallel_matches_one_process(layout):
     gates_one = _train_results(1)[f"rows{rows}"]["cache_gates"]
     gates_many = _train_results(nproc)[layout]["cache_gates"]
     assert len(gates_one) == 1 and len(gates_one[0]) == 2 and gates_many[0] == pytest.approx(gates_one[0], abs=1e-6)
+    gammas_one = _train_results(1)[f"rows{rows}"]["cache_gammas"]  # gamma_q * gamma_k: sharded over the head dim
+    gammas_many = _train_results(nproc)[layout]["cache_gammas"]
+    assert len(gammas_one[0]) == 2 and gammas_many[0] == pytest.approx(gammas_one[0], abs=1e-6)

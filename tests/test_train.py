@@ -138,7 +138,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     assert la == pytest.approx(lb, rel=1e-5, abs=1e-5)
 
 
-def test_validation_rows_carry_each_cache_layer_s_gate_and_sink(tmp_path):
+def test_validation_rows_carry_each_cache_layer_s_gate_sink_and_gammas(tmp_path):
     """Each validation row holds, per HOLA layer, the mean cache weight sigmoid(gate) and sink logit (read from the
     parameters); a model without a cache logs neither."""
     from hola_titan.models.model import GatedDeltaMixer
@@ -151,13 +151,18 @@ def test_validation_rows_carry_each_cache_layer_s_gate_and_sink(tmp_path):
         for i, mixer in enumerate(mixers):
             mixer.gate.copy_(torch.tensor([float(i), float(i) + 2.0]))
             mixer.sink.fill_(-float(i))
+            mixer.gamma_q.fill_(2.0)
+            mixer.gamma_k.copy_(torch.arange(mixer.gamma_k.numel(), dtype=torch.float32) * float(i))
     scalars = trainer.cache_scalars()
     assert scalars["cache_gate"] == pytest.approx([(0.5 + torch.sigmoid(torch.tensor(2.0)).item()) / 2,
                                                    torch.sigmoid(torch.tensor([1.0, 3.0])).mean().item()], abs=1e-6)
     assert scalars["cache_sink"] == pytest.approx([0.0, -1.0])
+    d = mixers[0].gamma_k.numel()
+    assert scalars["cache_gamma_qk"] == pytest.approx([0.0, 2.0 * (d - 1) / 2])  # mean of 2 * (0, 1, ..., d-1) * i
     trainer.train()
     val = [r for r in _rows(tmp_path / "hola") if "val_loss" in r]
     assert len(val) == 1 and len(val[0]["cache_gate"]) == len(val[0]["cache_sink"]) == len(mixers) == 2
+    assert len(val[0]["cache_gamma_qk"]) == 2
     assert val[0]["cache_gate"] != scalars["cache_gate"]  # two steps moved the gates
     gdn = Trainer(parse_config(["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path / "gdn"),
                                 "--model.flavour", "gdn", *FAST]))
