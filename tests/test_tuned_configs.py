@@ -158,6 +158,25 @@ def test_the_shipped_files_are_well_formed():
         assert data["kernels"] and all(kernel["entries"] for kernel in data["kernels"].values())
 
 
+def test_every_kernel_a_shipped_table_or_plan_names_resolves():
+    """Tables and compile plans name kernels by module path: a kernel renamed or moved (to another module or
+    package) would silently stop being served or precompiled. Every name in every shipped file resolves to a Triton
+    kernel of the installed fla-core or of this package."""
+    from hola_titan.kernels import precompile
+
+    for path in sorted(tuned_configs.CONFIG_DIR.glob("*.json")):
+        data = tuned_configs.read_file(path)
+        names = set(data["kernels"])
+        names |= {json.loads(spec)["name"] for specs in data.get("plans", {}).values() for spec in specs}
+        assert any(n.startswith("hola_titan.") for n in names) and any(n.startswith("fla.") for n in names), path.name
+        for name in sorted(names):
+            try:
+                precompile.jit_function(name)
+            except (ImportError, AttributeError, LookupError) as error:
+                pytest.fail(f"{path.name}: {name} does not resolve to a Triton kernel ({type(error).__name__}: "
+                            f"{error})")
+
+
 def test_the_trainer_records_its_choice(tmp_path):
     from hola_titan.config import parse_config
     from hola_titan.train import Trainer
