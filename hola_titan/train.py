@@ -1261,7 +1261,8 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain tensor from a (replicated) DTensor result, e.g. the loss-parallel loss."""
+    """A plain tensor from a DTensor, whole on every rank (a collective where it is sharded, so every rank must call
+    it): the loss-parallel loss, or a sharded parameter read for the log."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 

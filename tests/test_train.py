@@ -151,14 +151,15 @@ def test_validation_rows_carry_each_cache_layer_s_gate_sink_and_gammas(tmp_path)
         for i, mixer in enumerate(mixers):
             mixer.gate.copy_(torch.tensor([float(i), float(i) + 2.0]))
             mixer.sink.fill_(-float(i))
-            mixer.gamma_q.fill_(2.0)
+            mixer.gamma_q.copy_(torch.arange(mixer.gamma_q.numel(), dtype=torch.float32) + 1.0)
             mixer.gamma_k.copy_(torch.arange(mixer.gamma_k.numel(), dtype=torch.float32) * float(i))
     scalars = trainer.cache_scalars()
     assert scalars["cache_gate"] == pytest.approx([(0.5 + torch.sigmoid(torch.tensor(2.0)).item()) / 2,
                                                    torch.sigmoid(torch.tensor([1.0, 3.0])).mean().item()], abs=1e-6)
     assert scalars["cache_sink"] == pytest.approx([0.0, -1.0])
     d = mixers[0].gamma_k.numel()
-    assert scalars["cache_gamma_qk"] == pytest.approx([0.0, 2.0 * (d - 1) / 2])  # mean of 2 * (0, 1, ..., d-1) * i
+    # The mean of gamma_q * gamma_k (not of either alone): sum_j (j + 1) j i / d = i (d^2 - 1) / 3.
+    assert scalars["cache_gamma_qk"] == pytest.approx([0.0, (d * d - 1) / 3])
     trainer.train()
     val = [r for r in _rows(tmp_path / "hola") if "val_loss" in r]
     assert len(val) == 1 and len(val[0]["cache_gate"]) == len(val[0]["cache_sink"]) == len(mixers) == 2

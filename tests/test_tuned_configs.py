@@ -159,22 +159,26 @@ def test_the_shipped_files_are_well_formed():
 
 
 def test_every_kernel_a_shipped_table_or_plan_names_resolves():
-    """Tables and compile plans name kernels by module path: a kernel renamed or moved (to another module or
-    package) would silently stop being served or precompiled. Every name in every shipped file resolves to a Triton
-    kernel of the installed fla-core or of this package."""
+    """Tables and compile plans name kernels by the module that defines them (``kernel_name``): a kernel renamed or
+    moved would silently stop being served or precompiled. Every name in every shipped file is a Triton kernel of
+    the installed fla-core or of this package, defined under that very name (a re-export under an old path would
+    resolve, but the table, keyed by the defining module, would no longer serve it)."""
     from hola_titan.kernels import precompile
 
-    for path in sorted(tuned_configs.CONFIG_DIR.glob("*.json")):
+    paths = sorted(tuned_configs.CONFIG_DIR.glob("*.json"))
+    assert paths, f"no shipped tables in {tuned_configs.CONFIG_DIR}"
+    for path in paths:
         data = tuned_configs.read_file(path)
-        names = set(data["kernels"])
+        names = set(data["kernels"])  # fla's autotuned kernels
         names |= {json.loads(spec)["name"] for specs in data.get("plans", {}).values() for spec in specs}
         assert any(n.startswith("hola_titan.") for n in names) and any(n.startswith("fla.") for n in names), path.name
         for name in sorted(names):
             try:
-                precompile.jit_function(name)
+                fn = precompile.jit_function(name).fn
             except (ImportError, AttributeError, LookupError) as error:
                 pytest.fail(f"{path.name}: {name} does not resolve to a Triton kernel ({type(error).__name__}: "
                             f"{error})")
+            assert f"{fn.__module__}.{fn.__qualname__}" == name, f"{path.name}: {name} is defined elsewhere"
 
 
 def test_the_trainer_records_its_choice(tmp_path):
