@@ -175,8 +175,13 @@ def corpus_files(recipe: Recipe, corpus: Path) -> tuple[Path, Path]:
 
 
 # ppl: the validation split and the held-out sources; ppl_heldout: the held-out sources alone (the number that
-# decides, for a lease too short for the validation split's thousands of documents); niah: S-NIAH-1/2.
-EVALS = ("ppl", "ppl_heldout", "niah")
+# decides, for a lease too short for the validation split's thousands of documents); ppl_cache_off: the held-out
+# sources (the validation split where a corpus has none) scored again with every cache gate at zero, HOLA flavours
+# only (the cache-off ablation: what the state path predicts alone); niah: S-NIAH-1/2.
+EVALS = ("ppl", "ppl_heldout", "ppl_cache_off", "niah")
+CACHE_OFF = "_cache_off"
+CACHE_FLAVOURS = ("hola", "hola_recency")  # the flavours whose layers read a cache (gdn and transformer: none)
+"""The suffix of the split name under which the merge keeps the cache-off scores (``eval_heldout_cache_off``)."""
 EVAL_CHUNK = 16384
 """``hola_titan.eval ppl --chunk``: short documents packed into rows of up to this many tokens, longer ones read
 through the decoding cache in calls of this many. Every target still sees its whole document (the result is the
@@ -197,10 +202,11 @@ def eval_splits(recipe: Recipe, corpus: Path) -> dict[str, Path]:
 
 
 def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out: Path, steps: int,
-                  seq_len: int, evals: list[str]) -> list[tuple[list[str], Path]]:
+                  seq_len: int, evals: list[str], has_cache: bool = True) -> list[tuple[list[str], Path]]:
     """What ``--evaluate`` still has to run for a finished run: ``(command, file it writes)`` in order, those whose
     file exists left out (a later ``--run`` picks up what a budget cut short). The export folder is named after
-    the run, which the evaluations take as their label."""
+    the run, which the evaluations take as their label. ``has_cache``: the run's flavour reads a cache (the
+    cache-off ablation applies to it)."""
     export = folder / name
     todo = [([sys.executable, "scripts/convert_to_safetensors.py", str(folder / "checkpoint" / f"step-{steps}"),
               str(export)], export / "model.safetensors")]
@@ -213,6 +219,13 @@ def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out:
             todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out",
                           str(out / f"eval_{split}"), "--no-progress", "--chunk", str(EVAL_CHUNK)],
                          out / f"eval_{split}" / f"ppl_{name}.json"))
+    if "ppl_cache_off" in evals and has_cache:
+        splits = eval_splits(recipe, corpus)
+        split = "heldout" if "heldout" in splits else "validation"
+        folder_off = out / f"eval_{split}{CACHE_OFF}"
+        todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(splits[split]), "--out",
+                      str(folder_off), "--no-progress", "--chunk", str(EVAL_CHUNK), "--cache", "off"],
+                     folder_off / f"ppl_{name}-cache-off.json"))
     if "niah" in evals:
         lengths = ",".join(str(f * seq_len) for f in NIAH_LENGTH_FACTORS)
         todo.append(([*evaluate, "niah", "--checkpoint", str(export), "--out", str(out / "eval_niah"),
@@ -310,6 +323,7 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_min * 60.0 - STOP_GRACE_S
     runs = [(v, s) for v in args.variants for s in args.seeds]
+    has_cache = {run_name(v, s): VARIANTS[v].flavour in CACHE_FLAVOURS for v, s in runs}
     children: dict[str, subprocess.Popen] = {}
     commands, started = {}, time.time()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -337,7 +351,7 @@ def run(args) -> int:
                 last_step(read_jsonl(work / name / "metrics.jsonl")) >= args.steps:
             pending[name] = eval_commands(name, recipe=recipe, folder=work / name, corpus=corpus, out=out,
                                           steps=args.steps, seq_len=recipe.seq_len,
-                                          evals=args.evaluate)
+                                          evals=args.evaluate, has_cache=has_cache[name])
 
     def step_evaluations() -> None:
         for name, todo in pending.items():
@@ -524,7 +538,7 @@ def load_evaluations(folders: list[Path], curves: dict[str, Curve] | None = None
     for folder in folders:
         build = folder_build(folder)
         for path in sorted(folder.glob("eval_*/ppl_*.json")):
-            name = path.stem.removeprefix("ppl_")
+            name = path.stem.removeprefix("ppl_").removesuffix("-cache-off")  # the run's name, cache off or on
             if curves is not None and name in curves and _other_build(curves[name].corpus, build):
                 continue
             result = json.loads(path.read_text())
@@ -664,6 +678,9 @@ def merge(args) -> int:
             lines.append(f"| {v} | " + " | ".join(spread(x, 4) for x in vals) + " | " +
                          " | ".join("-" if v == "gdn" else spread(d, 4, signed=True) for d in diffs) + " |")
     for split, results in sorted(evals.items()):
+        if split.endswith(CACHE_OFF):
+            lines += cache_off_lines(split, results, evals.get(split.removesuffix(CACHE_OFF), {}), curves, variants)
+            continue
         lines += ["", f"Perplexity on the corpus's `{split}` split after training (`hola_titan.eval ppl`; "
                   "minus GDN's of the same seed and corpus build, in percent):", "",
                   "| variant | perplexity | minus GDN |", "|---|---|---|"]
@@ -704,6 +721,24 @@ def niah_lines(curves: dict[str, Curve], variants: list[str], niah: dict[str, di
         results = [niah[run_name(v, c.seed)] for c in curves.values() if c.variant == v and run_name(v, c.seed) in niah]
         if results:
             lines.append(f"| {v} | " + " | ".join(spread([r[k] for r in results if k in r], 2) for k in columns) + " |")
+    return lines
+
+
+def cache_off_lines(split: str, off: dict[str, dict], on: dict[str, dict], curves: dict[str, Curve],
+                    variants: list[str]) -> list[str]:
+    """The cache-off ablation: each run's perplexity on ``split`` with every cache gate at zero, against the same run
+    with its cache (``on``: the cache-on scores of that split)."""
+    lines = ["", f"The cache-off ablation: perplexity on the `{split.removesuffix(CACHE_OFF)}` split with every "
+             "layer's cache gate forced to zero at test time (`hola_titan.eval ppl --cache off`: what the state path "
+             "predicts alone), and how much higher than the same run with its cache, in percent:", "",
+             "| variant | perplexity, cache off | minus cache on |", "|---|---|---|"]
+    for v in variants:
+        names = [run_name(v, c.seed) for c in curves.values() if c.variant == v]
+        ppl = [off[n]["perplexity"] for n in names if off.get(n)]
+        if not ppl:
+            continue
+        rel = [100.0 * (off[n]["perplexity"] / on[n]["perplexity"] - 1.0) for n in names if off.get(n) and on.get(n)]
+        lines.append(f"| {v} | {spread(ppl, 2)} | {spread(rel, 1, signed=True) + '%' if rel else '-'} |")
     return lines
 
 
@@ -908,8 +943,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--evaluate", default="",
                    help="--run: comma-separated, from: " + ", ".join(EVALS) + "; each finished run is exported and "
                    "evaluated (ppl on the corpus's held-out and validation splits, ppl_heldout on the held-out one "
-                   "alone; S-NIAH-1/2 at 1-4x the training length) as soon as its training ends, results under "
-                   "--out/eval_*")
+                   "alone, ppl_cache_off the held-out one with every cache gate at zero, HOLA flavours only; "
+                   "S-NIAH-1/2 at 1-4x the training length) as soon as its training ends, results under --out/eval_*")
     p.add_argument("--report", help="--merge: folder for ablations.md, ablations.json and the PNGs")
     p.add_argument("--window", type=int, default=25, help="--merge: steps per point of the plotted curves")
     p.add_argument("--span", type=int, default=100, help="--merge: steps per column of the table of differences")

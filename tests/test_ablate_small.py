@@ -175,6 +175,20 @@ def test_the_evaluations_of_a_finished_run_are_listed_and_what_exists_is_left_ou
     only = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=tmp_path / "o2",
                                 steps=r.steps, seq_len=r.seq_len, evals=["ppl_heldout"])
     assert [t.parent.name for _, t in only] == ["hola_s0", "eval_heldout"]
+    # The cache-off ablation: the held-out sources again with every cache gate at zero, for a flavour with a cache.
+    off = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=tmp_path / "o3",
+                               steps=r.steps, seq_len=r.seq_len, evals=["ppl_heldout", "ppl_cache_off"])
+    assert [t for _, t in off][1:] == [tmp_path / "o3" / "eval_heldout" / "ppl_hola_s0.json",
+                                       tmp_path / "o3" / "eval_heldout_cache_off" / "ppl_hola_s0-cache-off.json"]
+    assert off[-1][0][-2:] == ["--cache", "off"] and str(corpus / "heldout") in off[-1][0]
+    gdn = ablate.eval_commands("gdn_s0", recipe=r, folder=tmp_path / "work" / "gdn_s0", corpus=corpus,
+                               out=tmp_path / "o3", steps=r.steps, seq_len=r.seq_len,
+                               evals=["ppl_heldout", "ppl_cache_off"], has_cache=False)
+    assert [t.parent.name for _, t in gdn] == ["gdn_s0", "eval_heldout"]
+    # The small recipe's corpus has no held-out sources: its validation split.
+    small = ablate.eval_commands("hola_s0", recipe=ablate.RECIPES["small"], folder=folder, corpus=corpus,
+                                 out=tmp_path / "o4", steps=1500, seq_len=1024, evals=["ppl_cache_off"])
+    assert [t.parent.name for _, t in small] == ["hola_s0", "eval_validation_cache_off"]
 
 
 def test_heldout_perplexity_alone_needs_a_corpus_with_a_heldout_split(tmp_path, capsys):
@@ -263,6 +277,25 @@ def test_the_merge_orders_the_variants_beyond_the_seed_spread(tmp_path):
            "(0, 1) | - |" in paired
     assert "| `heldout` perplexity | hola_recency > gdn (0, 1) | gdn ~ hola (0, 1), hola ~ hola_recency (0, 1) |" \
         in paired
+
+
+def test_the_merge_tables_the_cache_off_ablation_against_the_same_run_with_its_cache(tmp_path):
+    _write_run_folder(tmp_path / "a", {"gdn": 0.0, "hola": -0.2}, steps=100, recipe="46M")
+    for split, values in (("heldout", {"gdn": (30.0, 31.0), "hola": (25.0, 28.0)}),
+                          ("heldout_cache_off", {"hola": (30.0, 35.0)})):
+        (tmp_path / "a" / f"eval_{split}").mkdir()
+        for variant, ppls in values.items():
+            for seed, ppl in enumerate(ppls):
+                name = ablate.run_name(variant, seed) + ("-cache-off" if split.endswith("cache_off") else "")
+                (tmp_path / "a" / f"eval_{split}" / f"ppl_{name}.json").write_text(
+                    json.dumps({"summary": {"perplexity": ppl, "loss": math.log(ppl), "tokens": 5}}))
+    assert ablate.main(["--merge", str(tmp_path / "a"), "--report", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "ablations.md").read_text()
+    table = text.split("The cache-off ablation", 1)[1].split("\n\n")[1]
+    # hola: 30/25 - 1 = +20%, 35/28 - 1 = +25%; gdn has no cache-off row.
+    assert "| hola | 32.50 [30.00, 35.00] | +22.5 [+20.0, +25.0]% |" in table and "| gdn |" not in table
+    result = json.loads((tmp_path / "r" / "ablations.json").read_text())
+    assert result["variants"]["hola"]["evaluations"]["heldout_cache_off"]["1"]["perplexity"] == 35.0
 
 
 def test_the_merge_tables_and_orders_the_niah_accuracies(tmp_path):

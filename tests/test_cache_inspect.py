@@ -93,3 +93,17 @@ def test_cache_off_is_the_state_path_alone(tmp_path):
     assert json.loads((tmp_path / "mqar_init-hola-cache-off.json").read_text())["settings"]["cache"] == "off"
     assert eval_main(["mqar", "--checkpoint", "init:gdn", "--pairs", "4", "--seq-lens", "64", "--samples", "4",
                       "--cache", "off", "--out", str(tmp_path), "--no-progress"]) == 2
+
+
+def test_perplexity_with_the_cache_off_is_written_beside_the_cache_on_result(tmp_path):
+    """``eval ppl --cache off``: the text cache-off ablation (the state path alone), in a file of its own."""
+    common = ["--checkpoint", "init:hola", "--max-documents", "3", "--out", str(tmp_path), "--no-progress"]
+    assert eval_main(["ppl", *common]) == 0
+    assert eval_main(["ppl", *common, "--cache", "off"]) == 0
+    on = json.loads((tmp_path / "ppl_init-hola.json").read_text())
+    off = json.loads((tmp_path / "ppl_init-hola-cache-off.json").read_text())
+    assert on["settings"]["cache"] == "on" and off["settings"]["cache"] == "off"
+    assert on["summary"]["tokens"] == off["summary"]["tokens"]
+    assert off["summary"]["perplexity"] != on["summary"]["perplexity"]  # the cache read took part in the first
+    assert eval_main(["ppl", "--checkpoint", "init:gdn", "--max-documents", "3", "--cache", "off", "--out",
+                      str(tmp_path), "--no-progress"]) == 2

@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--convention", default="hola_titan", choices=("hola_titan", "lm_eval"),
                      help="which tokens are targets: as in training (tokens 2..n and the closing EOS; default) or "
                           "as lm-eval's rolling log-likelihood (EOS prefix, tokens 1..n, no closing EOS)")
+    ppl.add_argument("--cache", default="on", choices=("on", "off"),
+                     help="off: every layer's cache gate forced to zero at test time (what the state path predicts "
+                          "alone: the cache-off ablation); HOLA flavours only")
 
     gen = evals.add_parser("generate", parents=[common],
                            help="generate from a prompt; measure decoding memory at several context lengths")
@@ -186,6 +189,11 @@ def run_ppl(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict, 
 
     if args.window < 0:
         raise EvalError(f"--window must be >= 0, got {args.window}")
+    if args.cache == "off":
+        from hola_titan.eval.mqar import switch_cache_off
+
+        if switch_cache_off(loaded.model) == 0:
+            raise EvalError(f"--cache off: {loaded.model.args.flavour} has no cache to switch off")
     try:
         source = resolve_source(args.data, split=args.split, text_field=args.text_field,
                                 dataset_config=args.dataset_config, txt_documents=args.txt_documents)
@@ -214,7 +222,7 @@ def run_ppl(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict, 
     summary = {k: details[k] for k in ("perplexity", "loss", "bits_per_byte", "bits_per_token", "tokens")}
     settings = {"data": args.data, "split": args.split, "window": window, "stride": args.stride,
                 "chunk": args.chunk, "max_tokens": max_tokens, "max_documents": args.max_documents,
-                "convention": args.convention}
+                "convention": args.convention, "cache": args.cache}
     return settings, summary, details
 
 
@@ -417,7 +425,7 @@ def evaluate_one(spec: str, label: str, args: argparse.Namespace, device: torch.
     if _is_result_file(spec):
         return report.read_result(Path(spec), eval_name=args.eval)
     loaded = load_model(spec, device=device, dtype=dtype, seed=args.seed)
-    if args.eval == "mqar" and args.cache == "off":
+    if args.eval in ("mqar", "ppl") and args.cache == "off":
         label += "-cache-off"  # beside the cache-on result, not over it
     loaded.label = label
     start = time.perf_counter()
