@@ -3,6 +3,8 @@ build_small_corpus.py's splitting."""
 
 from __future__ import annotations
 
+import hashlib
+
 import json
 import math
 import re
@@ -281,6 +283,11 @@ def test_split_by_hash_is_stable_and_matches_bundled_rule():
     assert held == {d.id for d in docs if corpus.is_validation(d.id)}
     bundled = load_script("build_bundled_data")
     assert all(bundled.is_validation(d.id) == corpus.is_validation(d.id) for d in docs)
+    # Validation in sha256(id) order (its first batches are all that training scores), train in source order.
+    hashes = [hashlib.sha256(d.id.encode()).digest() for d in splits["validation"]]
+    assert hashes == sorted(hashes) and hashes != [hashlib.sha256(d.id.encode()).digest() for d in docs
+                                                   if corpus.is_validation(d.id)]
+    assert splits["train"] == [d for d in docs if not corpus.is_validation(d.id)]
 
 
 def test_write_jsonl_round_trips(tmp_path):
