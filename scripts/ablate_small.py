@@ -180,8 +180,9 @@ def corpus_files(recipe: Recipe, corpus: Path) -> tuple[Path, Path]:
 # only (the cache-off ablation: what the state path predicts alone); niah: S-NIAH-1/2.
 EVALS = ("ppl", "ppl_heldout", "ppl_cache_off", "niah")
 CACHE_OFF = "_cache_off"
-CACHE_FLAVOURS = ("hola", "hola_recency")  # the flavours whose layers read a cache (gdn and transformer: none)
 """The suffix of the split name under which the merge keeps the cache-off scores (``eval_heldout_cache_off``)."""
+CACHE_OFF_LABEL = "-cache-off"
+"""What ``hola_titan.eval`` appends to a result's label (and file name) with ``--cache off``."""
 EVAL_CHUNK = 16384
 """``hola_titan.eval ppl --chunk``: short documents packed into rows of up to this many tokens, longer ones read
 through the decoding cache in calls of this many. Every target still sees its whole document (the result is the
@@ -225,7 +226,7 @@ def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out:
         folder_off = out / f"eval_{split}{CACHE_OFF}"
         todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(splits[split]), "--out",
                       str(folder_off), "--no-progress", "--chunk", str(EVAL_CHUNK), "--cache", "off"],
-                     folder_off / f"ppl_{name}-cache-off.json"))
+                     folder_off / f"ppl_{name}{CACHE_OFF_LABEL}.json"))
     if "niah" in evals:
         lengths = ",".join(str(f * seq_len) for f in NIAH_LENGTH_FACTORS)
         todo.append(([*evaluate, "niah", "--checkpoint", str(export), "--out", str(out / "eval_niah"),
@@ -279,9 +280,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 @functools.cache
 def _by_path(module: str):
-    """``hola_titan/<module>.py``, read by path (once): importing ``hola_titan`` imports torch, seconds that --plan
-    and --merge do not need. Only for the package's standard-library modules."""
-    spec = importlib.util.spec_from_file_location(f"_hola_titan_{module}", REPO / "hola_titan" / f"{module}.py")
+    """``hola_titan.<module>`` (dotted below the package), read by path (once): importing ``hola_titan`` imports
+    torch, seconds that --plan and --merge do not need. Only for the package's standard-library modules."""
+    spec = importlib.util.spec_from_file_location(f"_hola_titan_{module.replace('.', '_')}",
+                                                  REPO / "hola_titan" / f"{module.replace('.', '/')}.py")
     loaded = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = loaded  # where dataclasses (manifests.py's) look their module up while it executes
     spec.loader.exec_module(loaded)
@@ -323,7 +325,8 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_min * 60.0 - STOP_GRACE_S
     runs = [(v, s) for v in args.variants for s in args.seeds]
-    has_cache = {run_name(v, s): VARIANTS[v].flavour in CACHE_FLAVOURS for v, s in runs}
+    flavours = _by_path("models.flavours")  # the registry says which flavours read a cache
+    has_cache = {run_name(v, s): flavours.get(VARIANTS[v].flavour).evict not in (None, "none") for v, s in runs}
     children: dict[str, subprocess.Popen] = {}
     commands, started = {}, time.time()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -538,7 +541,7 @@ def load_evaluations(folders: list[Path], curves: dict[str, Curve] | None = None
     for folder in folders:
         build = folder_build(folder)
         for path in sorted(folder.glob("eval_*/ppl_*.json")):
-            name = path.stem.removeprefix("ppl_").removesuffix("-cache-off")  # the run's name, cache off or on
+            name = path.stem.removeprefix("ppl_").removesuffix(CACHE_OFF_LABEL)  # the run's name, cache off or on
             if curves is not None and name in curves and _other_build(curves[name].corpus, build):
                 continue
             result = json.loads(path.read_text())

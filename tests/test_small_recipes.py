@@ -4,7 +4,6 @@ build_small_corpus.py's splitting."""
 from __future__ import annotations
 
 import hashlib
-
 import json
 import math
 import re

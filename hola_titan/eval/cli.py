@@ -183,17 +183,21 @@ def _warn_length(loaded: LoadedModel, length: int, what: str) -> None:
               f"{args.max_seq_len}; results there measure length extrapolation", file=sys.stderr)
 
 
+def _apply_cache_choice(loaded: LoadedModel, cache: str) -> None:
+    """``--cache off`` (ppl, mqar): every layer's cache gate forced to zero; a model without a cache is refused."""
+    from hola_titan.eval.mqar import switch_cache_off
+
+    if cache == "off" and switch_cache_off(loaded.model) == 0:
+        raise EvalError(f"--cache off: {loaded.model.args.flavour} has no cache to switch off")
+
+
 def run_ppl(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict, dict]:
     from hola_titan.data.sources import hub_documents, read_documents, resolve_source
     from hola_titan.eval.perplexity import encode_documents, score_documents, summarise
 
     if args.window < 0:
         raise EvalError(f"--window must be >= 0, got {args.window}")
-    if args.cache == "off":
-        from hola_titan.eval.mqar import switch_cache_off
-
-        if switch_cache_off(loaded.model) == 0:
-            raise EvalError(f"--cache off: {loaded.model.args.flavour} has no cache to switch off")
+    _apply_cache_choice(loaded, args.cache)
     try:
         source = resolve_source(args.data, split=args.split, text_field=args.text_field,
                                 dataset_config=args.dataset_config, txt_documents=args.txt_documents)
@@ -292,10 +296,9 @@ def run_niah(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict,
 
 
 def run_mqar(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict, dict]:
-    from hola_titan.eval.mqar import evaluate_mqar, switch_cache_off
+    from hola_titan.eval.mqar import evaluate_mqar
 
-    if args.cache == "off" and switch_cache_off(loaded.model) == 0:
-        raise EvalError(f"--cache off: {loaded.model.args.flavour} has no cache to switch off")
+    _apply_cache_choice(loaded, args.cache)
 
     details = evaluate_mqar(loaded.model, pairs=args.pairs, seq_lens=args.seq_lens, num_samples=args.samples,
                             vocab_size=args.vocab, power_a=args.power_a, batch_size=args.batch_size, seed=args.seed,
