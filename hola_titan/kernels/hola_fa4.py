@@ -19,7 +19,8 @@ more keys than queries. HOLA's read is exactly that, one sequence per block:
 * the sink: ``learnable_sink`` (its logit in the softmax denominator, a zero value), scale ``D^-1/2``.
 
 The gathered copy is ``NB * S`` rows of K and V (1.25x the tokens at W 64, C 256); the gradients of the gathered
-rows go back to their tokens through the gather's own backward (an indexed sum). The RMSNorms run in float32 and
+rows go back to their tokens through the gather's own backward (``index_add_`` in float32,
+:func:`~hola_titan.kernels.hola_stages.gather_head_rows`). The RMSNorms run in float32 and
 are rounded to the input dtype, and ``sigmoid(gate) o_cache`` is added to the state read in the input dtype, as
 the SDPA backend does. State path and selection are the Triton backend's (fla's chunk op, the selection kernels);
 on a CPU the fp32 reference state path and the torch selection stand in (tests), with the attention given as
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from hola_titan.kernels.hola_reference import merge_read, rms_norm
-from hola_titan.kernels.hola_stages import final_cache_from_selection, state_and_table
+from hola_titan.kernels.hola_stages import final_cache_from_selection, gather_head_rows, state_and_table
 from hola_titan.kernels.hola_triton_select import BlockTable
 
 FA4_VERSION = "4.0.0b40"
@@ -101,9 +102,9 @@ def fa4_problem(device: torch.device, *, head_dim: int | None = None, dtype: tor
 class VarlenLayout:
     """Where every query and key slot of one varlen call comes from (all on the inputs' device).
 
-    ``key_rows`` ``[NB * S, H]`` int64: the token row each key slot reads, per head (``num_tokens``, an appended
-    zero row, for slots past a sequence's keys: FlashAttention-4's backward leaves their gradients unwritten, and
-    they land in that row, which is dropped); None when the keys are the token rows themselves, in place.
+    ``key_rows`` ``[NB * S, H]`` int64: the token row each key slot reads, per head (``num_tokens`` for slots past
+    a sequence's keys: they read zeros, and their gradients, which FlashAttention-4's backward leaves unwritten, are
+    dropped by :func:`gather_slots`); None when the keys are the token rows themselves, in place.
     ``cu_q`` and ``cu_k`` ``[NB + 1]`` int32 offsets, ``used_k`` ``[NB]`` int32 keys per sequence (None: all of
     ``cu_k``'s), ``max_q`` / ``max_k`` their bounds; ``causal``: the mask aligned to the bottom right, else none.
     """
@@ -322,10 +323,11 @@ def read_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma_q: torch.
 
 def gather_slots(rows: torch.Tensor, key_rows: torch.Tensor) -> torch.Tensor:
     """``rows[key_rows[s, h], h]`` for every key slot ``s`` and head ``h``: ``[slots, H, D]`` from token rows
-    ``[N, H, D]``; the index ``N`` (a slot past its sequence's keys) reads an appended zero row."""
-    n, h, d = rows.shape
-    heads = torch.arange(h, device=rows.device)
-    return torch.cat([rows, rows.new_zeros(1, h, d)])[key_rows, heads[None, :]]
+    ``[N, H, D]``; the index ``N`` (a slot past its sequence's keys) reads a zero row and takes no gradient
+    (:func:`~hola_titan.kernels.hola_stages.gather_head_rows`, whose backward does not sum every such slot into one
+    row)."""
+    return gather_head_rows(rows, key_rows)
+
 
 LAYOUTS = ("gathered", "split")
 """How the read is laid out for FA4: ``gathered``, one call over each block's cache entries and own rows copied

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hola_titan.kernels.hola_reference import merge_read, rms_norm
-from hola_titan.kernels.hola_stages import final_cache_from_selection, state_and_table
+from hola_titan.kernels.hola_stages import final_cache_from_selection, gather_head_rows, state_and_table
 from hola_titan.kernels.hola_triton_select import select_recency, select_topw_torch
 
 KEY_ALIGN = 16  # pad the key dimension (W + C + 1) so SDPA's fused kernels take the mask without copies
@@ -55,10 +55,10 @@ def hola_attention_sdpa(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, windo
     num_tokens = bsz * seq_len
     nb = table.num_blocks
 
-    # Rows [B*T + 1, H, D]: a zero row at the end for padding slots.
+    # Token rows [B*T, H, D]; a slot with index B*T (past a block's tokens, an empty cache slot) reads zeros and
+    # takes no gradient (gather_head_rows: its backward does not sum every such slot into one padding row).
     def rows(x):
-        x = x.reshape(num_tokens, h, d)
-        return torch.cat([x, x.new_zeros(1, h, d)], dim=0)
+        return x.reshape(num_tokens, h, d)
 
     qc = rows(rms_norm(q.float(), gamma_q.float()).to(dtype))
     kc = rows(rms_norm(k.float(), gamma_k.float()).to(dtype))
@@ -67,16 +67,17 @@ def hola_attention_sdpa(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, windo
     blk_tok = table.blk_start.long()[:, None] + offs[None, :]  # [NB, C]
     blk_ok = offs[None, :] < table.blk_len.long()[:, None]
     blk_tok = torch.where(blk_ok, blk_tok, torch.full_like(blk_tok, num_tokens))
-    heads = torch.arange(h, device=device)
+    blk_tok_h = blk_tok[:, :, None].expand(nb, block, h)
 
-    def gather_block(x):  # [B*T+1, H, D] -> [NB, H, C, D]
-        return x[blk_tok].transpose(1, 2)
+    def gather_block(x):  # [B*T, H, D] -> [NB, H, C, D]
+        return gather_head_rows(x, blk_tok_h).transpose(1, 2)
 
     cache_ok = sel >= 0  # [NB, H, W]
     cache_tok = torch.where(cache_ok, sel.long(), torch.full_like(sel, num_tokens, dtype=torch.int64))
+    cache_tok_h = cache_tok.transpose(1, 2)  # [NB, W, H]
 
-    def gather_cache(x):  # [B*T+1, H, D] -> [NB, H, W, D]
-        return x[cache_tok, heads[None, :, None]]
+    def gather_cache(x):  # [B*T, H, D] -> [NB, H, W, D]
+        return gather_head_rows(x, cache_tok_h).transpose(1, 2)
 
     n_keys = window + block + 1
     pad = -n_keys % KEY_ALIGN

@@ -1,5 +1,5 @@
-"""Stages shared by the Triton and SDPA backends: the state path with the score, the selection, and the
-:class:`HolaCache` after a call that started from an empty cache.
+"""Stages shared by the Triton, SDPA and FA4 backends: the state path with the score, the selection, the gather of
+token rows into key slots per head, and the :class:`HolaCache` after a call that started from an empty cache.
 
 Shape legend: B batch, T tokens, H heads, D head dim, N sequences, NB blocks, W window.
 """
@@ -35,6 +35,57 @@ def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_stat
                                                             cu_seqlens=cu_seqlens,
                                                             output_final_state=output_final_state, scale=scale)
     return o_state.to(q.dtype), m, final_state
+
+
+class _HeadRowGather(torch.autograd.Function):
+    """``rows[index[..., h], h]`` with empty slots read as zero rows; see :func:`gather_head_rows`."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        n, h, d = rows.shape
+        ok = (index >= 0) & (index < n)
+        flat = _flat_head_rows(index, ok, n, h)
+        out = rows.reshape(n * h, d).index_select(0, flat.reshape(-1)).view(*index.shape, d)
+        ctx.save_for_backward(flat, ok)
+        ctx.rows_shape = rows.shape
+        return out.masked_fill(~ok[..., None], 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flat, ok = ctx.saved_tensors
+        n, h, d = ctx.rows_shape
+        # Empty slots carry no gradient (FlashAttention-4 leaves theirs unwritten: masked_fill clears NaN too); their
+        # zeros go to spread-out rows. Summed in float32, as the Triton kernels sum a row read by several blocks.
+        g = grad.masked_fill(~ok[..., None], 0).reshape(-1, d).float()
+        total = torch.zeros(n * h, d, dtype=torch.float32, device=grad.device).index_add_(0, flat.reshape(-1), g)
+        return total.to(grad.dtype).view(n, h, d), None
+
+
+def _flat_head_rows(index: torch.Tensor, ok: torch.Tensor, n: int, h: int) -> torch.Tensor:
+    """Row ``index * H + head`` of the ``[N * H, D]`` view for every used slot; an empty slot gets the slot's own
+    number modulo ``N * H``, so that no row collects every empty slot (see :func:`gather_head_rows`)."""
+    heads = torch.arange(h, device=index.device)
+    spread = torch.arange(index.numel(), device=index.device).view(index.shape) % (n * h)
+    return torch.where(ok, index.long() * h + heads, spread)
+
+
+def gather_head_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``[..., H, D]``: ``rows[index[..., h], h]`` from token rows ``[N, H, D]``, a zero row where ``index`` is outside
+    ``[0, N)`` (an empty cache slot, a slot past a sequence's keys); ``index`` ``[..., H]`` integer.
+
+    Why not ``rows[index, heads]``: the backward of advanced indexing on CUDA is ``index_put_(accumulate=True)``,
+    which sorts the indices and adds the duplicates of one index one after another, and every empty slot of the batch
+    (64 per head in each document's first block) pointed at the same padding row: a serial sum that grows with the
+    number of documents (pytorch issue #41162). Here the backward is ``index_add_`` (atomic adds; the sorted,
+    deterministic kernel under ``torch.use_deterministic_algorithms``) into float32, and the empty slots' zero
+    gradients go to distinct rows. Tensor operations only: no host synchronisation.
+    """
+    if rows.dim() != 3 or index.dim() < 1 or index.shape[-1] != rows.shape[1]:
+        raise ValueError(f"gather_head_rows: rows [N, H, D] and index [..., H]; got {tuple(rows.shape)} and "
+                         f"{tuple(index.shape)}")
+    if rows.shape[0] == 0 or index.numel() == 0:
+        return rows.new_zeros(*index.shape, rows.shape[2])
+    return _HeadRowGather.apply(rows, index)
 
 
 def state_and_table(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_state, impl: str, chunk_indices,
