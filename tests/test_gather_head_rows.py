@@ -55,9 +55,10 @@ def test_forward_and_gradient_are_the_slotwise_gather_and_sum(dtype):
 
 
 def test_many_slots_of_one_row_are_summed_in_float32_and_rounded_once():
-    """Every slot reads token row 0 (a token chosen by many blocks) in bfloat16: the sum is formed in float32 and
-    rounded once, so it is the float64 sum to bfloat16's rounding; a sum in bfloat16 (a GPU's bfloat16 atomic adds)
-    drifts by tens of its ulps."""
+    """Every slot reads token row 0 (a token chosen by many blocks) in bfloat16: the sum is the float64 sum rounded
+    once. A CPU's ``index_add_`` already sums bfloat16 in a wider type, so on a CPU this checks the result, not the
+    float32 buffer; a GPU's bfloat16 atomic adds would drift by tens of ulps, which ``test_gather_head_rows_gpu.py``
+    catches. The loop below shows the size of that drift."""
     n, h, d, slots = 4, 2, 16, 512
     rows = torch.randn(n, h, d).to(torch.bfloat16).requires_grad_()
     index = torch.zeros(slots, h, dtype=torch.long)
@@ -93,6 +94,40 @@ def test_a_larger_index_than_rows_wraps_its_empty_slots_without_error():
     out = gather_head_rows(rows, index)
     (g,) = torch.autograd.grad(out, rows, torch.ones_like(out))
     assert torch.equal(g[0], torch.ones(h, d)) and torch.count_nonzero(g[1]) == 0
+
+
+def test_the_sdpa_backend_s_index_views_and_a_transposed_gradient_match_advanced_indexing():
+    """The SDPA backend passes an expanded ``[NB, C, H]`` view and a transposed ``[NB, W, H]`` one, the selection's
+    int32; a gradient that arrives transposed. Against the advanced indexing over an appended zero row that the
+    backends used before."""
+    n, h, d, nb, c, w = 13, 2, 4, 3, 5, 6
+    rows = torch.randn(n, h, d, dtype=torch.float64, requires_grad=True)
+    gen = torch.Generator().manual_seed(5)
+    blk = torch.randint(0, n + 1, (nb, c), generator=gen)  # n: past the block's tokens
+    sel = torch.randint(-1, n, (nb, h, w), generator=gen).to(torch.int32)  # -1: an empty cache slot
+    for index in (blk[:, :, None].expand(nb, c, h), torch.where(sel >= 0, sel.long(), n).transpose(1, 2)):
+        out = gather_head_rows(rows, index.to(torch.int32) if index.dtype == torch.int64 else index)
+        padded = torch.cat([rows, rows.new_zeros(1, h, d)])
+        want = padded[index.long(), torch.arange(h)]
+        assert torch.equal(out, want)
+        grad = torch.randn(*reversed(out.shape), dtype=torch.float64).permute(*reversed(range(out.dim())))
+        (g,) = torch.autograd.grad(out, rows, grad)
+        (g_want,) = torch.autograd.grad(want, rows, grad)
+        torch.testing.assert_close(g, g_want, rtol=1e-12, atol=1e-12)
+
+
+def test_it_compiles_into_one_graph_with_the_same_gradients():
+    n, h, d = 9, 2, 4
+    rows = torch.randn(n, h, d, dtype=torch.float64, requires_grad=True)
+    index = torch.randint(-1, n + 1, (12, h), generator=torch.Generator().manual_seed(2))
+
+    def loss(r):
+        return (gather_head_rows(r, index) ** 2).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    (g,) = torch.autograd.grad(compiled(rows), rows)
+    (g_want,) = torch.autograd.grad(loss(rows), rows)
+    torch.testing.assert_close(g, g_want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("rows_shape, index_shape", [((4, 2, 3), (5, 3)), ((4, 2), (5, 2)), ((4, 2, 3), ())])

@@ -25,6 +25,7 @@ def test_duplicates_are_summed_in_float32_and_empty_slots_add_nothing(determinis
     index = torch.randint(0, n, (slots, h), device=DEVICE, generator=gen)
     index[: slots // 4] = 7
     index[slots // 4: slots // 2] = n
+    index[slots // 4: slots // 4 + 512] = -1  # the selection's spelling of an empty slot
     rows = torch.randn(n, h, d, device=DEVICE).to(torch.bfloat16).requires_grad_()
     grad = (1 + 0.01 * torch.randn(slots, h, d, device=DEVICE, generator=gen)).to(torch.bfloat16)
     grad[slots // 4: slots // 2] = float("nan")
@@ -35,7 +36,7 @@ def test_duplicates_are_summed_in_float32_and_empty_slots_add_nothing(determinis
         (g,) = torch.autograd.grad(out, rows, grad)
     finally:
         torch.use_deterministic_algorithms(previous)
-    used = index < n
+    used = (index >= 0) & (index < n)
     heads = torch.arange(h, device=DEVICE).expand(slots, h)
     assert torch.equal(out[used], rows.detach()[index[used], heads[used]])
     assert torch.count_nonzero(out[~used]) == 0

@@ -55,9 +55,11 @@ class _HeadRowGather(torch.autograd.Function):
         flat, ok = ctx.saved_tensors
         n, h, d = ctx.rows_shape
         # Empty slots carry no gradient (FlashAttention-4 leaves theirs unwritten: masked_fill clears NaN too); their
-        # zeros go to spread-out rows. Summed in float32, as the Triton kernels sum a row read by several blocks.
-        g = grad.masked_fill(~ok[..., None], 0).reshape(-1, d).float()
-        total = torch.zeros(n * h, d, dtype=torch.float32, device=grad.device).index_add_(0, flat.reshape(-1), g)
+        # zeros go to spread-out rows. Summed in float32 at least (float64 stays float64), as the Triton kernels sum
+        # a row read by several blocks.
+        acc = torch.promote_types(grad.dtype, torch.float32)
+        g = grad.masked_fill(~ok[..., None], 0).reshape(-1, d).to(acc)
+        total = torch.zeros(n * h, d, dtype=acc, device=grad.device).index_add_(0, flat.reshape(-1), g)
         return total.to(grad.dtype).view(n, h, d), None
 
 
@@ -71,19 +73,21 @@ def _flat_head_rows(index: torch.Tensor, ok: torch.Tensor, n: int, h: int) -> to
 
 def gather_head_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``[..., H, D]``: ``rows[index[..., h], h]`` from token rows ``[N, H, D]``, a zero row where ``index`` is outside
-    ``[0, N)`` (an empty cache slot, a slot past a sequence's keys); ``index`` ``[..., H]`` integer.
+    ``[0, N)`` (an empty cache slot, a slot past a sequence's keys); ``index`` ``[..., H]`` integer, any layout
+    (expanded or transposed views too). The backends mark empty slots with ``N`` or ``-1``; any other value outside
+    the range is read as empty as well, not refused (refusing would need a read-back to the host).
 
     Why not ``rows[index, heads]``: the backward of advanced indexing on CUDA is ``index_put_(accumulate=True)``,
     which sorts the indices and adds the duplicates of one index one after another, and every empty slot of the batch
     (64 per head in each document's first block) pointed at the same padding row: a serial sum that grows with the
     number of documents (pytorch issue #41162). Here the backward is ``index_add_`` (atomic adds; the sorted,
-    deterministic kernel under ``torch.use_deterministic_algorithms``) into float32, and the empty slots' zero
+    deterministic kernel under ``torch.use_deterministic_algorithms``) into float32 or wider, and the empty slots' zero
     gradients go to distinct rows. Tensor operations only: no host synchronisation.
     """
     if rows.dim() != 3 or index.dim() < 1 or index.shape[-1] != rows.shape[1]:
         raise ValueError(f"gather_head_rows: rows [N, H, D] and index [..., H]; got {tuple(rows.shape)} and "
                          f"{tuple(index.shape)}")
-    if rows.shape[0] == 0 or index.numel() == 0:
+    if rows.shape[0] == 0:  # no token rows: every slot is empty, and nothing takes a gradient
         return rows.new_zeros(*index.shape, rows.shape[2])
     return _HeadRowGather.apply(rows, index)
 
