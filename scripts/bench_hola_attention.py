@@ -276,6 +276,7 @@ def main():
             row["stage_cache_bwd_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_ms"] * 1e9)
             if "stage_cache_bwd_triton_ms" in row:
                 row["stage_cache_bwd_triton_tflops"] = 10 * d * pairs / (row["stage_cache_bwd_triton_ms"] * 1e9)
+            row.update(gather_stages(k, sel, table, block, window, args.rep_ms))
             fa4_why = fa4_problem(device, head_dim=d, dtype=q.dtype)
             row["stage_fa4"] = fa4_why or "available"
             if fa4_why is None:
@@ -423,6 +424,31 @@ def fa4_stages(q, k, v, gamma_q, gamma_k, sink, sel, table, do, block, window, p
     return row
 
 
+def gather_stages(k, sel, table, block, window, rep_ms) -> dict:
+    """The SDPA and FA4 backends' gather of token rows into key slots per head (the FA4 gathered layout's slots of
+    one of K or V), forward and backward: ``gather_head_rows`` as the backends run it, and the advanced indexing over
+    an appended zero row they used before 2026-12-07, whose backward sums all empty slots into that row one by
+    one. Their gap should grow with the number of documents (each document's first block has W empty slots)."""
+    from hola_titan.kernels.hola_fa4 import gather_slots, varlen_layout
+
+    b, t, h, d = k.shape
+    n = b * t
+    lay = varlen_layout(sel, table, num_tokens=n, window=window, block=block)
+    rows = k.detach().reshape(n, h, d).clone().requires_grad_()
+    heads = torch.arange(h, device=k.device)
+    dout = torch.randn(lay.key_rows.shape[0], h, d, device=k.device, dtype=k.dtype)
+
+    def new():
+        gather_slots(rows, lay.key_rows).backward(dout)
+
+    def old():
+        torch.cat([rows, rows.new_zeros(1, h, d)])[lay.key_rows, heads[None, :]].backward(dout)
+
+    empty = int((lay.key_rows == n).sum())
+    return {"stage_gather_ms": bench(new, [rows], rep_ms), "stage_gather_indexing_ms": bench(old, [rows], rep_ms),
+            "stage_gather_empty_slots": empty}
+
+
 def cache_pairs(sel, table) -> int:
     """(query, key) pairs the cache read computes: every query of a block reads the block's filled cache slots (per
     head) and the block's tokens up to itself."""
@@ -449,6 +475,7 @@ def print_table(results):
             ("stage_cache_fwd_tflops", "fwd TFLOP/s"), ("stage_cache_bwd_tflops", "bwd TFLOP/s"),
             ("stage_fa4_fwd_tflops", "fa4 fwd TFLOP/s"), ("stage_fa4_bwd_tflops", "fa4 bwd TFLOP/s"),
             ("stage_fa4_prep_ms", "fa4 prep ms"),
+            ("stage_gather_ms", "gather f+b ms"), ("stage_gather_indexing_ms", "old indexing f+b ms"),
             ("hola_triton_tbwd_over_gdn", "triton bwd/GDN"), ("hola_triton_tall_over_gdn", "triton all/GDN")]
     print(" | ".join(c[1] for c in cols))
     for r in results:

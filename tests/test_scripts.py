@@ -283,6 +283,44 @@ def test_bench_hola_attention_counts_the_pairs_the_cache_read_computes():
     assert bench.cache_pairs(sel, table) == 2 * 3 + 2 * (6 + 3)
 
 
+def test_bench_hola_attention_times_both_gathers_on_the_same_slots_with_the_same_gradients(monkeypatch):
+    """The gather stage runs the backends' gather and the old advanced indexing on the gathered layout's slots (here
+    on a CPU, each call once instead of timed): both give the token rows the same gradient, and the row counts the
+    empty slots: W per head in each document's first block (3 documents, W 4, 2 heads: 24), and every slot of the
+    block table's padding rows."""
+    import importlib.util
+
+    import torch
+
+    from hola_titan.kernels.hola_sdpa import _select
+    from hola_titan.kernels.hola_triton_select import build_block_table
+
+    spec = importlib.util.spec_from_file_location("bench_hola_attention", "scripts/bench_hola_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    grads = {}
+
+    def once(fn, grad_to_none, rep_ms):
+        fn()
+        rows = grad_to_none[0]
+        grads[len(grads)] = rows.grad.clone()
+        rows.grad = None
+        return 1.0
+
+    monkeypatch.setattr(bench, "bench", once)
+    h, d, block, window = 2, 8, 8, 4
+    cu = torch.tensor([0, 16, 32, 48])
+    k = torch.randn(1, 48, h, d)
+    table = build_block_table(1, 48, cu, block, k.device)
+    sel = _select(torch.rand(48, h), table, window=window, evict="score", num_heads=h)
+    row = bench.gather_stages(k, sel, table, block, window, rep_ms=1)
+    assert set(row) == {"stage_gather_ms", "stage_gather_indexing_ms", "stage_gather_empty_slots"}
+    padding_rows = int((table.blk_len == 0).sum())  # the table's rows past its blocks: every slot empty
+    assert row["stage_gather_empty_slots"] == 3 * window * h + padding_rows * (window + block) * h
+    torch.testing.assert_close(grads[0], grads[1])
+    assert grads[0].abs().sum() > 0
+
+
 def test_bench_hola_attention_sweep_times_the_configuration_in_use_and_the_matching_ones(monkeypatch):
     """--sweep-match: the configurations whose names match, and the one in use whatever its name and whether or not
     the grid lists it (here a D whose configurations are not in the grid, one with a variant); each kind's
