@@ -400,8 +400,8 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None, kept=False):
 def fa4_stages(q, k, v, gamma_q, gamma_k, sink, sel, table, do, block, window, pairs, rep_ms) -> dict:
     """The fa4 backend's read in parts: the FlashAttention-4 call forward and backward alone, and what the adapter
     does around it (layout, RMSNorms, the gathered K/V slots)."""
-    from hola_titan.kernels.hola_fa4 import (fa4_varlen_bwd_op, fa4_varlen_op, gather_slots, read_rows,
-                                             varlen_layout)
+    from hola_titan.kernels.hola_fa4 import fa4_varlen_bwd_op, fa4_varlen_op, read_rows, varlen_layout
+    from hola_titan.kernels.hola_stages import gather_head_rows
 
     b, t, h, d = q.shape
     n = b * t
@@ -409,7 +409,7 @@ def fa4_stages(q, k, v, gamma_q, gamma_k, sink, sel, table, do, block, window, p
     def prep():  # what the backend's gathered layout does before its call
         lay = varlen_layout(sel, table, num_tokens=n, window=window, block=block)
         qc, kc, vr = read_rows(q, k, v, gamma_q, gamma_k)
-        return lay, qc, gather_slots(kc, lay.key_rows), gather_slots(vr, lay.key_rows)
+        return lay, qc, gather_head_rows(kc, lay.key_rows), gather_head_rows(vr, lay.key_rows)
 
     lay, qc, ks, vs = prep()
     args = (qc, ks, vs, sink.float(), lay.cu_q, lay.cu_k, lay.used_k, lay.max_q, lay.max_k, d ** -0.5, True)
@@ -429,7 +429,8 @@ def gather_stages(k, sel, table, block, window, rep_ms) -> dict:
     one of K or V), forward and backward: ``gather_head_rows`` as the backends run it, and the advanced indexing over
     an appended zero row they used before 2026-12-07, whose backward sums all empty slots into that row one by
     one. Their gap should grow with the number of documents (each document's first block has W empty slots)."""
-    from hola_titan.kernels.hola_fa4 import gather_slots, varlen_layout
+    from hola_titan.kernels.hola_fa4 import varlen_layout
+    from hola_titan.kernels.hola_stages import gather_head_rows
 
     b, t, h, d = k.shape
     n = b * t
@@ -439,7 +440,7 @@ def gather_stages(k, sel, table, block, window, rep_ms) -> dict:
     dout = torch.randn(lay.key_rows.shape[0], h, d, device=k.device, dtype=k.dtype)
 
     def new():
-        gather_slots(rows, lay.key_rows).backward(dout)
+        gather_head_rows(rows, lay.key_rows).backward(dout)
 
     def old():
         torch.cat([rows, rows.new_zeros(1, h, d)])[lay.key_rows, heads[None, :]].backward(dout)

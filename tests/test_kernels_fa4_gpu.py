@@ -112,8 +112,8 @@ def test_the_varlen_calls_are_the_torch_function(case):
         if lay.used_k is not None:
             # FlashAttention-4 leaves the gradient of a key slot past its sequence's seqused_k unwritten (garbage,
             # NaN at times: on an H100, 2026-12-06). The layouts mark every such slot with num_tokens, whose
-            # gradient gather_slots drops, so whatever FA4 leaves there reaches no token: check that, and compare dk,
-            # dv on the slots a query reads.
+            # gradient gather_head_rows drops, so whatever FA4 leaves there reaches no token: check that, and
+            # compare dk, dv on the slots a query reads.
             seq = torch.repeat_interleave(torch.arange(lay.cu_k.numel() - 1, device=DEVICE), lay.cu_k.diff().long())
             used = torch.arange(seq.numel(), device=DEVICE) - lay.cu_k.long()[seq] < lay.used_k.long()[seq]
             assert bool((lay.key_rows[~used] == t).all()), f"{what}: a slot past seqused_k reads a real token row"

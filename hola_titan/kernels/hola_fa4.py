@@ -104,7 +104,8 @@ class VarlenLayout:
 
     ``key_rows`` ``[NB * S, H]`` int64: the token row each key slot reads, per head (``num_tokens`` for slots past
     a sequence's keys: they read zeros, and their gradients, which FlashAttention-4's backward leaves unwritten, are
-    dropped by :func:`gather_slots`); None when the keys are the token rows themselves, in place.
+    dropped by :func:`~hola_titan.kernels.hola_stages.gather_head_rows`); None when the keys are the token rows
+    themselves, in place.
     ``cu_q`` and ``cu_k`` ``[NB + 1]`` int32 offsets, ``used_k`` ``[NB]`` int32 keys per sequence (None: all of
     ``cu_k``'s), ``max_q`` / ``max_k`` their bounds; ``causal``: the mask aligned to the bottom right, else none.
     """
@@ -321,14 +322,6 @@ def read_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma_q: torch.
     return qc, kc, v.reshape(b * t, h, d)
 
 
-def gather_slots(rows: torch.Tensor, key_rows: torch.Tensor) -> torch.Tensor:
-    """``rows[key_rows[s, h], h]`` for every key slot ``s`` and head ``h``: ``[slots, H, D]`` from token rows
-    ``[N, H, D]``; the index ``N`` (a slot past its sequence's keys) reads a zero row and takes no gradient
-    (:func:`~hola_titan.kernels.hola_stages.gather_head_rows`, whose backward does not sum every such slot into one
-    row)."""
-    return gather_head_rows(rows, key_rows)
-
-
 LAYOUTS = ("gathered", "split")
 """How the read is laid out for FA4: ``gathered``, one call over each block's cache entries and own rows copied
 into ``W + C`` slots; ``split``, two calls merged by their log-sum-exps, the own rows in place and only the ``W``
@@ -369,13 +362,14 @@ def hola_attention_fa4(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window
     qc, kc, vr = read_rows(q, k, v, gamma_q, gamma_k)
     if layout == "gathered":
         lay = varlen_layout(sel, table, num_tokens=num_tokens, window=window, block=block)
-        o_cache, _ = attend(qc, gather_slots(kc, lay.key_rows), gather_slots(vr, lay.key_rows), sink, lay, d ** -0.5)
+        o_cache, _ = attend(qc, gather_head_rows(kc, lay.key_rows), gather_head_rows(vr, lay.key_rows), sink, lay,
+                            d ** -0.5)
     else:
         own, entries = split_layouts(sel, table, num_tokens=num_tokens, window=window, block=block)
         o_cache, lse_own = attend(qc, kc, vr, sink, own, d ** -0.5)
         if entries is not None:
-            o_entries, lse_entries = attend(qc, gather_slots(kc, entries.key_rows), gather_slots(vr, entries.key_rows),
-                                            None, entries, d ** -0.5)
+            o_entries, lse_entries = attend(qc, gather_head_rows(kc, entries.key_rows),
+                                            gather_head_rows(vr, entries.key_rows), None, entries, d ** -0.5)
             # A block without entries (its document's first) is a sequence with no keys: whatever the kernel leaves
             # in its rows, they weigh nothing.
             has = torch.repeat_interleave(entries.used_k > 0, table.blk_len.long(), output_size=num_tokens)
