@@ -546,7 +546,9 @@ def load_evaluations(folders: list[Path], curves: dict[str, Curve] | None = None
                 continue
             result = json.loads(path.read_text())
             split = path.parent.name.removeprefix("eval_")
-            found.setdefault(split, {})[name] = {k: result["summary"][k] for k in ("perplexity", "loss", "tokens")}
+            # word_perplexity: results written since 2026-12-07 (None in older ones).
+            found.setdefault(split, {})[name] = {k: result["summary"].get(k) for k in
+                                                 ("perplexity", "loss", "tokens", "word_perplexity")}
     return found
 
 
@@ -685,16 +687,21 @@ def merge(args) -> int:
             lines += cache_off_lines(split, results, evals.get(split.removesuffix(CACHE_OFF), {}), curves, variants)
             continue
         lines += ["", f"Perplexity on the corpus's `{split}` split after training (`hola_titan.eval ppl`; "
-                  "minus GDN's of the same seed and corpus build, in percent):", "",
-                  "| variant | perplexity | minus GDN |", "|---|---|---|"]
+                  "minus GDN's of the same seed and corpus build, in percent), per token and per word (the papers' "
+                  "\"Wiki. ppl\" is per word):", "",
+                  "| variant | perplexity | minus GDN | word perplexity | minus GDN |", "|---|---|---|---|---|"]
         for v in variants:
             mine = {c.seed: results.get(run_name(v, c.seed)) for c in curves.values() if c.variant == v}
-            ppl = [r["perplexity"] for r in mine.values() if r]
-            rel = [100.0 * (r["perplexity"] / results[run_name("gdn", seed)]["perplexity"] - 1.0)
-                   for seed, r in mine.items() if r and run_name("gdn", seed) in results
-                   and gdn_base(by, by[(v, seed)]) is not None]
-            lines.append(f"| {v} | {spread(ppl, 2)} | "
-                         f"{spread(rel, 1, signed=True) + '%' if rel and v != 'gdn' else '-'} |")
+            cells = []
+            for key in ("perplexity", "word_perplexity"):
+                ppl = [r[key] for r in mine.values() if r and r.get(key) is not None]
+                rel = [100.0 * (r[key] / results[run_name("gdn", seed)][key] - 1.0)
+                       for seed, r in mine.items() if r and r.get(key) is not None and run_name("gdn", seed) in results
+                       and results[run_name("gdn", seed)].get(key) is not None
+                       and gdn_base(by, by[(v, seed)]) is not None]
+                cells += [spread(ppl, 2) if ppl else "-",
+                          spread(rel, 1, signed=True) + "%" if rel and v != "gdn" else "-"]
+            lines.append(f"| {v} | " + " | ".join(cells) + " |")
     lines += niah_lines(curves, variants, niah)
     lines += gate_lines(curves, variants)
     lines += gate_lines(curves, variants, "gammas")

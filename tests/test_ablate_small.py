@@ -218,8 +218,11 @@ def test_run_trains_then_evaluates_each_finished_run_and_the_merge_tables_the_pe
         for split, ppl in (("validation", 10.0), ("heldout", 20.0)):
             target = out / f"eval_{split}" / f"ppl_{name}.json"
             ppl = ppl * (0.9 if name.startswith("hola") else 1.0)
+            # Per word on heldout only: validation stands for a result written before word perplexity was.
+            words = f", 'word_perplexity': {ppl * 2}" if split == "heldout" else ""
             code = (f"import json, pathlib; p = pathlib.Path({str(target)!r}); p.parent.mkdir(exist_ok=True); "
-                    f"p.write_text(json.dumps({{'summary': {{'perplexity': {ppl}, 'loss': 1.0, 'tokens': 5}}}}))")
+                    f"p.write_text(json.dumps({{'summary': {{'perplexity': {ppl}, 'loss': 1.0, 'tokens': 5"
+                    f"{words}}}}}))")
             todo.append(([sys.executable, "-c", code], target))
         export = [sys.executable, "-c", "raise SystemExit(3)" if name.startswith("gdn") else "pass"]
         return [(export, out / "never"), *todo]
@@ -238,11 +241,12 @@ def test_run_trains_then_evaluates_each_finished_run_and_the_merge_tables_the_pe
     # GDN's results from another folder (a later --run): the merge pairs them by seed.
     (tmp_path / "o2" / "eval_heldout").mkdir(parents=True)
     (tmp_path / "o2" / "eval_heldout" / "ppl_gdn_s0.json").write_text(
-        json.dumps({"summary": {"perplexity": 20.0, "loss": 1.0, "tokens": 5}}))
+        json.dumps({"summary": {"perplexity": 20.0, "loss": 1.0, "tokens": 5, "word_perplexity": 50.0}}))
     (tmp_path / "o2" / "status.json").write_text(json.dumps({**status, "runs": {}}))
     assert ablate.main(["--merge", str(tmp_path / "o"), str(tmp_path / "o2"), "--report", str(tmp_path / "r")]) == 0
     text = (tmp_path / "r" / "ablations.md").read_text()
-    assert "`heldout` split" in text and "| hola | 18.00 | -10.0% |" in text
+    assert "`heldout` split" in text and "| hola | 18.00 | -10.0% | 36.00 | -28.0% |" in text
+    assert "| hola | 9.00 | - | - | - |" in text  # validation: no GDN result to pair, no words in either
     result = json.loads((tmp_path / "r" / "ablations.json").read_text())
     assert result["variants"]["hola"]["evaluations"]["validation"]["0"]["perplexity"] == 9.0
 

@@ -24,7 +24,7 @@ from hola_titan.data.synthetic import FILLER_ID, mqar_row, parse_mqar
 from hola_titan.eval.generation import SamplingOptions, filter_logits, generate, measure_decoding_memory
 from hola_titan.eval.mqar import evaluate_mqar
 from hola_titan.eval.niah import SNAP_TOKENS, TASKS, build_samples, needle_text, prompt_parts, score
-from hola_titan.eval.perplexity import Document, encode_documents, score_documents, summarise
+from hola_titan.eval.perplexity import Document, count_words, encode_documents, score_documents, summarise
 from hola_titan.eval.runtime import EvalError
 from hola_titan.models.args import FLAVOURS
 from hola_titan.models.model import HolaTitanLM
@@ -323,12 +323,15 @@ def test_perplexity_equals_exp_of_the_mean_token_loss_by_hand(flavour, tokenizer
     total = float(sum(v.sum() for v in by_hand))
     count = sum(len(v) for v in by_hand)
     num_bytes = sum(len(t.encode()) - len(tokenizer.decode(tokenizer.encode(t)[:1]).encode()) + 1 for t in texts)
+    num_words = 15 + 4 + 18  # the three texts' words, counted here by hand
     for chunk in (4096, 5):  # all documents packed in one row; long documents streamed through the cache
         result = summarise(documents, score_documents(model, documents, chunk=chunk))
         assert result["tokens"] == count and result["bytes"] == num_bytes
         assert math.isclose(result["loss"], total / count, rel_tol=1e-5)
         assert math.isclose(result["perplexity"], math.exp(total / count), rel_tol=1e-5)
         assert math.isclose(result["bits_per_byte"], total / math.log(2) / num_bytes, rel_tol=1e-5)
+        assert result["words"] == num_words and result["tokens_per_word"] == count / num_words
+        assert math.isclose(result["word_perplexity"], math.exp(total / num_words), rel_tol=1e-5)
 
     # Non-overlapping windows of 6 tokens: each window is its own forward pass.
     chunked = []
@@ -342,7 +345,7 @@ def test_perplexity_equals_exp_of_the_mean_token_loss_by_hand(flavour, tokenizer
 def test_sliding_window_scores_each_target_once_with_at_least_window_minus_stride_context():
     model = tiny_model("gdn")
     ids = torch.randint(2, 97, (30,), generator=torch.Generator().manual_seed(9)).tolist()
-    doc = Document(ids=ids, target_bytes=30)
+    doc = Document(ids=ids, target_bytes=30, words=6)
     nll = score_documents(model, [doc], window=10, stride=4)[0]
     expected = hand_nll(model, ids[:11]).numpy().tolist()  # the first window scores its 10 targets
     begin = 4
@@ -353,6 +356,14 @@ def test_sliding_window_scores_each_target_once_with_at_least_window_minus_strid
     np.testing.assert_allclose(nll, expected, rtol=1e-5)
     with pytest.raises(EvalError, match="stride"):
         score_documents(model, [doc], window=4, stride=5)
+
+
+def test_words_are_counted_as_lm_eval_s_wikitext_task_counts_them():
+    """A split on runs of whitespace, edges included, as lm-eval's ``wikitext`` ``process_results`` counts: a
+    document that starts with a newline has one more "word"."""
+    assert count_words("one two  three\n\nfour\tfive") == 5
+    assert count_words("\n = Title = \n") == 5  # '', '=', 'Title', '=', ''
+    assert count_words("word") == 1 and count_words("") == 1
 
 
 @pytest.mark.parametrize("flavour", ["hola", "gdn", "hola_recency"])

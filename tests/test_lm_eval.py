@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import lm_eval  # noqa: E402  (a dev dependency: a missing one fails here rather than skipping)
 
 from hola_titan.data import load_tokenizer  # noqa: E402
-from hola_titan.eval.perplexity import encode_documents, score_documents  # noqa: E402
+from hola_titan.eval.perplexity import count_words, encode_documents, score_documents, summarise  # noqa: E402
 from hola_titan.export import save_pretrained  # noqa: E402
 from hola_titan.models.args import model_args, replace  # noqa: E402
 from hola_titan.models.model import ModelCache, build_model  # noqa: E402
@@ -109,6 +109,11 @@ def test_lm_eval_at_batch_2_matches_the_model_s_own_numbers(export):
     assert theirs == pytest.approx(ours, rel=1e-5, abs=1e-4)
     bits = sum(ours) / math.log(2) / sum(len(t.encode()) for t in TEXTS)
     assert results["results"]["ht_rolling"]["bits_per_byte,none"] == pytest.approx(bits, rel=1e-5)
+    # Word perplexity, the papers' "Wiki. ppl": lm-eval's count of words is ours.
+    summary = summarise(docs, score_documents(model, docs, show_progress=False))
+    assert summary["words"] == sum(count_words(t) for t in TEXTS)
+    assert results["results"]["ht_rolling"]["word_perplexity,none"] == pytest.approx(summary["word_perplexity"],
+                                                                                      rel=1e-5)
 
     # Multiple choice: each choice's log-likelihood is the model's log-probability of it after the question.
     for sample, doc in zip(_samples(results, "ht_choice"), QUESTIONS):

@@ -223,7 +223,8 @@ def run_ppl(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict, 
     nll = score_documents(loaded.model, documents, window=window, stride=args.stride, chunk=args.chunk,
                           show_progress=not args.no_progress)
     details = summarise(documents, nll)
-    summary = {k: details[k] for k in ("perplexity", "loss", "bits_per_byte", "bits_per_token", "tokens")}
+    summary = {k: details[k] for k in ("perplexity", "loss", "bits_per_byte", "bits_per_token", "word_perplexity",
+                                       "tokens_per_word", "tokens")}
     settings = {"data": args.data, "split": args.split, "window": window, "stride": args.stride,
                 "chunk": args.chunk, "max_tokens": max_tokens, "max_documents": args.max_documents,
                 "convention": args.convention, "cache": args.cache}
@@ -335,7 +336,8 @@ def _print_result(result: dict) -> None:
     name, label, details, summary = result["eval"], result["label"], result["details"], result["summary"]
     if name == "ppl":
         print(f"ppl {label}: perplexity {summary['perplexity']:.3f}, loss {summary['loss']:.4f} nats/token, "
-              f"{summary['bits_per_byte']:.4f} bits/byte over {summary['tokens']} tokens "
+              f"{summary['bits_per_byte']:.4f} bits/byte, word perplexity {summary['word_perplexity']:.3f} "
+              f"({summary['tokens_per_word']:.3f} tokens/word) over {summary['tokens']} tokens "
               f"({details['documents']} documents)")
     elif name == "generate":
         print(f"generate {label}: {details['prompt']!r} -> {details['completion']!r}")

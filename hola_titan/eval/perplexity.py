@@ -1,4 +1,4 @@
-"""Perplexity on held-out text, per token and per byte.
+"""Perplexity on held-out text, per token, per byte and per word.
 
 What is scored (``convention="hola_titan"``, the default). Each document is encoded as in training
 (``hola_titan.data``): its tokens, then one EOS. As in ``varlen`` training, the state starts fresh at every
@@ -6,7 +6,12 @@ document and the first token of a document has no context, so the targets are to
 ``loss`` is the mean negative log-likelihood (nats) over those targets, ``perplexity = exp(loss)``,
 ``bits_per_token = loss / ln 2``. Byte normalisation divides the same total by the UTF-8 bytes the targets spell:
 the document's bytes minus those of its first token, plus one byte for the EOS (it stands for the document
-break); ``bits_per_byte`` and ``byte_perplexity = 2 ** bits_per_byte`` follow.
+break); ``bits_per_byte`` and ``byte_perplexity = 2 ** bits_per_byte`` follow. Word normalisation divides it by
+the document's words as lm-evaluation-harness's ``wikitext`` task counts them (the pieces of the text, before
+tokenisation, split on runs of whitespace): ``word_perplexity = exp(total / words)``, the "Wiki. ppl" of the GDN
+and HOLA papers' tables. Two models on the same text have the same words, so their ratio is the token perplexities'
+ratio raised to ``tokens_per_word``: a per-word gap is larger than the per-token one by that factor in nats, which
+matters when a gap is set beside a paper's (its tokenizer spells a word in fewer tokens than a small vocabulary does).
 
 ``convention="lm_eval"`` scores what lm-evaluation-harness's rolling log-likelihood (its ``wikitext``-style
 tasks) scores: the document is prefixed with EOS, every one of its tokens is a target (the first predicted
@@ -28,6 +33,7 @@ least ``W - S`` tokens of context.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -43,13 +49,23 @@ from hola_titan.models.model import HolaTitanLM, ModelCache
 @dataclass(frozen=True)
 class Document:
     """One encoded document: ``ids`` (targets ``ids[1:]``), EOS at the end or, under lm-eval's convention, at the
-    start; ``target_bytes`` as in the module docstring."""
+    start; ``target_bytes`` and ``words`` as in the module docstring."""
 
     ids: list[int]
     target_bytes: int
+    words: int
 
 
 CONVENTIONS = ("hola_titan", "lm_eval")
+
+
+def count_words(text: str) -> int:
+    """Words of a document as lm-evaluation-harness's ``wikitext`` task counts them: the pieces of a split on runs
+    of whitespace, so leading or trailing whitespace adds an empty piece, as it does there."""
+    return len(_WHITESPACE.split(text))
+
+
+_WHITESPACE = re.compile(r"\s+")
 
 
 def encode_documents(texts: Iterable[str], tokenizer: Tokenizer, *, max_tokens: int | None = None,
@@ -73,12 +89,14 @@ def encode_documents(texts: Iterable[str], tokenizer: Tokenizer, *, max_tokens: 
                 break
             ids = ids[:keep]
             text = tokenizer.decode(ids)
+        words = count_words(text)
         if convention == "lm_eval":
-            documents.append(Document(ids=[tokenizer.eos_id] + ids, target_bytes=len(text.encode("utf-8"))))
+            documents.append(Document(ids=[tokenizer.eos_id] + ids, target_bytes=len(text.encode("utf-8")),
+                                      words=words))
         else:
             first_bytes = len(tokenizer.decode(ids[:1]).encode("utf-8"))
             target_bytes = max(len(text.encode("utf-8")) - first_bytes, 0) + 1
-            documents.append(Document(ids=ids + [tokenizer.eos_id], target_bytes=target_bytes))
+            documents.append(Document(ids=ids + [tokenizer.eos_id], target_bytes=target_bytes, words=words))
         total += len(ids) + 1
         if max_tokens is not None and total >= max_tokens:
             break
@@ -178,6 +196,7 @@ def summarise(documents: list[Document], nll: list[np.ndarray], *, bins: int = 1
         raise EvalError("no target tokens to score (every document is shorter than two tokens)")
     total = float(sum(values.sum() for values in nll))
     num_bytes = int(sum(doc.target_bytes for doc, values in zip(documents, nll) if len(values)))
+    words = int(sum(doc.words for doc, values in zip(documents, nll) if len(values)))
     loss = total / tokens
     bits_per_byte = total / math.log(2) / num_bytes
     # Position p of a target = number of context tokens it saw (1 .. n-1); log-spaced bins for long documents.
@@ -196,5 +215,6 @@ def summarise(documents: list[Document], nll: list[np.ndarray], *, bins: int = 1
         "documents": len(documents), "tokens": tokens, "bytes": num_bytes, "nll_sum": total, "loss": loss,
         "perplexity": math.exp(min(loss, 700.0)), "bits_per_token": loss / math.log(2),
         "bits_per_byte": bits_per_byte, "byte_perplexity": 2.0 ** min(bits_per_byte, 1000.0),
+        "words": words, "tokens_per_word": tokens / words, "word_perplexity": math.exp(min(total / words, 700.0)),
         "loss_by_position": by_position,
     }
