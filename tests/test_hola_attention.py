@@ -938,6 +938,38 @@ def test_a_compiled_region_does_not_recompile_for_another_document_count():
     assert counter.frame_count == 1, f"{counter.frame_count} graphs for three document counts"
 
 
+@pytest.mark.parametrize("evict", ["score", "recency"])
+def test_the_sdpa_backend_compiles_without_a_graph_break_of_its_own(evict):
+    """``compile.enable`` with ``model.attention_backend sdpa`` compiles each block with ``fullgraph``: the cache
+    read must trace as one graph. Its selection (a ``topk`` sized by the longest document) and its scatter back to
+    token order once read sizes from the data, which broke the graph (a compiled step on an H100 failed on
+    2026-12-07). On a CPU the state path is the fp32 reference, which stays out of compiled code: every break must
+    come from it, and the compiled function (AOT autograd, no code generation) equals eager in every gradient."""
+    from hola_titan.kernels.hola_sdpa import hola_attention_sdpa
+
+    x = make_inputs(1, 45, 2, 16, dtype=torch.float64, seed=5, requires_grad=True)
+    cu = torch.tensor([0, 1, 20, 45])  # a one-token document, a ragged last block, a document of several blocks
+
+    def fn(*args):
+        return hola_attention_sdpa(*args, window=4, block=8, evict=evict, cu_seqlens=cu)[0]
+
+    args = [x[name] for name in INPUTS]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*args)
+    ours = [str(frame) for reason in explained.break_reasons for frame in reason.user_stack
+            if "hola_sdpa.py" in str(frame) or "hola_triton_select.py" in str(frame) or "hola_stages.py" in str(frame)]
+    assert not ours, f"graph breaks in the SDPA cache read: {ours}"
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager")
+    w = torch.randn(1, 45, 2, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    o_e, o_c = fn(*args), compiled(*args)
+    assert torch.equal(o_c, o_e)
+    g_e = torch.autograd.grad((o_e * w).sum(), args)
+    g_c = torch.autograd.grad((o_c * w).sum(), args)
+    for name, a, e in zip(INPUTS, g_c, g_e):
+        assert_close_scaled(a, e, 1e-12, f"d{name}")
+
+
 def test_tensors_sent_in_one_copy_start_on_16_byte_boundaries():
     """to_device_aligned: every tensor comes back with its values, dtype and shape, each at a 16-byte boundary of
     one buffer whatever the sizes before it (Triton specialises pointers on that alignment)."""

@@ -19,9 +19,30 @@ import torch.nn.functional as F
 
 from hola_titan.kernels.hola_reference import merge_read, rms_norm
 from hola_titan.kernels.hola_stages import final_cache_from_selection, gather_head_rows, state_and_table
-from hola_titan.kernels.hola_triton_select import select_recency, select_topw_torch
+from hola_titan.kernels.hola_triton_select import BlockTable, select_recency, select_topw_torch
 
 KEY_ALIGN = 16  # pad the key dimension (W + C + 1) so SDPA's fused kernels take the mask without copies
+
+
+@torch.library.custom_op("hola::select_topw_torch", mutates_args=())
+def select_topw_torch_op(m: torch.Tensor, blk_start: torch.Tensor, blk_len: torch.Tensor,
+                         blk_doc_start: torch.Tensor, doc_start: torch.Tensor, doc_len: torch.Tensor,
+                         doc_first_blk: torch.Tensor, doc_num_blk: torch.Tensor, block: int,
+                         window: int) -> torch.Tensor:
+    """:func:`select_topw_torch` as one opaque op: ``sel [NB, H, W]`` int32 for ``m`` ``[B * T, H]``.
+
+    The masked ``topk`` sizes its keys by the longest sequence of the batch and drops the table's padding rows, both
+    read from the data; traced by ``torch.compile``, that is a graph break (an error with ``compile.fullgraph``). The
+    result's shape depends on the shapes alone, so behind a custom op the compiled block stays one graph.
+    """
+    table = BlockTable(blk_start=blk_start, blk_len=blk_len, blk_doc_start=blk_doc_start, doc_start=doc_start,
+                       doc_len=doc_len, doc_first_blk=doc_first_blk, doc_num_blk=doc_num_blk, block=block)
+    return select_topw_torch(m, table, window)
+
+
+@select_topw_torch_op.register_fake
+def _(m, blk_start, blk_len, blk_doc_start, doc_start, doc_len, doc_first_blk, doc_num_blk, block, window):
+    return m.new_empty(blk_start.shape[0], m.shape[1], window, dtype=torch.int32)
 
 
 def _select(m_flat, table, *, window, evict, num_heads):
@@ -29,7 +50,9 @@ def _select(m_flat, table, *, window, evict, num_heads):
         return torch.empty(table.num_blocks, num_heads, 0, dtype=torch.int32, device=m_flat.device)
     if evict == "recency":
         return select_recency(table, num_heads, window)
-    return select_topw_torch(m_flat, table, window)
+    # The selection takes no gradient (indices); detached, the op needs no autograd registration.
+    return select_topw_torch_op(m_flat.detach(), *(getattr(table, f) for f in BlockTable.FIELDS), table.block,
+                                window)
 
 
 def hola_attention_sdpa(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int, evict: str,
@@ -94,8 +117,11 @@ def hola_attention_sdpa(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, windo
         neg_inf.expand(nb, h, block, pad),
     ], dim=-1)
     o_blk = F.scaled_dot_product_attention(gather_block(qc), keys, values, attn_mask=mask)  # [NB, H, C, D]
-    o_cache = o_blk.transpose(1, 2)[blk_ok]  # [tokens in block order, H, D]
-    o_cache = torch.zeros(num_tokens, h, d, dtype=dtype, device=device).index_put((blk_tok[blk_ok],), o_cache)
+    # Back to token order with static shapes (a boolean mask would size the result by the data: a graph break under
+    # torch.compile): every token is one slot of one block, and the padding slots, all pointing at row B*T, land in
+    # one extra row that is dropped (its gradient is zero).
+    o_cache = o_blk.new_zeros(num_tokens + 1, h, d).index_put((blk_tok.reshape(-1),),
+                                                              o_blk.transpose(1, 2).reshape(-1, h, d))[:num_tokens]
     lam = torch.sigmoid(gate.float()).to(dtype)
     o = merge_read(o_state, lam.view(1, 1, h, 1) * o_cache.view(bsz, seq_len, h, d), mix)
     final_cache = None
