@@ -177,10 +177,15 @@ def corpus_files(recipe: Recipe, corpus: Path) -> tuple[Path, Path]:
 # ppl: the validation split and the held-out sources; ppl_heldout: the held-out sources alone (the number that
 # decides, for a lease too short for the validation split's thousands of documents); ppl_cache_off: the held-out
 # sources (the validation split where a corpus has none) scored again with every cache gate at zero, HOLA flavours
-# only (the cache-off ablation: what the state path predicts alone); niah: S-NIAH-1/2.
-EVALS = ("ppl", "ppl_heldout", "ppl_cache_off", "niah")
+# only (the cache-off ablation: what the state path predicts alone); ppl_window: the same split as ppl_cache_off
+# scored in windows of the training length (lm-eval's rolling windows, the context of the papers' "Wiki. ppl": no
+# target sees more than training showed; the default gives every target its whole document, which can be 100x the
+# training length); niah: S-NIAH-1/2.
+EVALS = ("ppl", "ppl_heldout", "ppl_cache_off", "ppl_window", "niah")
 CACHE_OFF = "_cache_off"
 """The suffix of the split name under which the merge keeps the cache-off scores (``eval_heldout_cache_off``)."""
+WINDOW = "_window"
+"""The suffix of the split name under which the merge keeps the scores in windows of the training length."""
 CACHE_OFF_LABEL = "-cache-off"
 """What ``hola_titan.eval`` appends to a result's label (and file name) with ``--cache off``."""
 EVAL_CHUNK = 16384
@@ -227,6 +232,13 @@ def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out:
         todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(splits[split]), "--out",
                       str(folder_off), "--no-progress", "--chunk", str(EVAL_CHUNK), "--cache", "off"],
                      folder_off / f"ppl_{name}{CACHE_OFF_LABEL}.json"))
+    if "ppl_window" in evals:
+        splits = eval_splits(recipe, corpus)
+        split = "heldout" if "heldout" in splits else "validation"
+        folder_win = out / f"eval_{split}{WINDOW}"
+        todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(splits[split]), "--out",
+                      str(folder_win), "--no-progress", "--chunk", str(EVAL_CHUNK), "--window", str(seq_len)],
+                     folder_win / f"ppl_{name}.json"))
     if "niah" in evals:
         lengths = ",".join(str(f * seq_len) for f in NIAH_LENGTH_FACTORS)
         todo.append(([*evaluate, "niah", "--checkpoint", str(export), "--out", str(out / "eval_niah"),
@@ -686,9 +698,12 @@ def merge(args) -> int:
         if split.endswith(CACHE_OFF):
             lines += cache_off_lines(split, results, evals.get(split.removesuffix(CACHE_OFF), {}), curves, variants)
             continue
-        lines += ["", f"Perplexity on the corpus's `{split}` split after training (`hola_titan.eval ppl`; "
-                  "minus GDN's of the same seed and corpus build, in percent), per token and per word (the papers' "
-                  "\"Wiki. ppl\" is per word):", "",
+        how = (f"`{split.removesuffix(WINDOW)}` split scored in windows of the training length (`hola_titan.eval "
+               "ppl --window`, as lm-eval's rolling windows: no target sees more context than training gave it"
+               if split.endswith(WINDOW) else
+               f"`{split}` split after training (`hola_titan.eval ppl`, every target with its whole document")
+        lines += ["", f"Perplexity on the corpus's {how}; minus GDN's of the same seed and corpus build, in percent), "
+                  "per token and per word (the papers' \"Wiki. ppl\" is per word):", "",
                   "| variant | perplexity | minus GDN | word perplexity | minus GDN |", "|---|---|---|---|---|"]
         for v in variants:
             mine = {c.seed: results.get(run_name(v, c.seed)) for c in curves.values() if c.variant == v}
@@ -954,6 +969,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="--run: comma-separated, from: " + ", ".join(EVALS) + "; each finished run is exported and "
                    "evaluated (ppl on the corpus's held-out and validation splits, ppl_heldout on the held-out one "
                    "alone, ppl_cache_off the held-out one with every cache gate at zero, HOLA flavours only; "
+                   "ppl_window the held-out one in windows of the training length; "
                    "S-NIAH-1/2 at 1-4x the training length) as soon as its training ends, results under --out/eval_*")
     p.add_argument("--report", help="--merge: folder for ablations.md, ablations.json and the PNGs")
     p.add_argument("--window", type=int, default=25, help="--merge: steps per point of the plotted curves")

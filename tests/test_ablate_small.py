@@ -189,6 +189,16 @@ def test_the_evaluations_of_a_finished_run_are_listed_and_what_exists_is_left_ou
     small = ablate.eval_commands("hola_s0", recipe=ablate.RECIPES["small"], folder=folder, corpus=corpus,
                                  out=tmp_path / "o4", steps=1500, seq_len=1024, evals=["ppl_cache_off"])
     assert [t.parent.name for _, t in small] == ["hola_s0", "eval_validation_cache_off"]
+    # In windows of the training length (lm-eval's rolling windows): the held-out sources, else the validation split.
+    win = ablate.eval_commands("gdn_s0", recipe=r, folder=tmp_path / "work" / "gdn_s0", corpus=corpus,
+                               out=tmp_path / "o5", steps=r.steps, seq_len=r.seq_len, evals=["ppl_window"],
+                               has_cache=False)
+    assert [t for _, t in win][1:] == [tmp_path / "o5" / "eval_heldout_window" / "ppl_gdn_s0.json"]
+    assert win[-1][0][-2:] == ["--window", "4096"] and str(corpus / "heldout") in win[-1][0]
+    small = ablate.eval_commands("hola_s0", recipe=ablate.RECIPES["small"], folder=folder, corpus=corpus,
+                                 out=tmp_path / "o6", steps=1500, seq_len=1024, evals=["ppl_window"])
+    assert [t.parent.name for _, t in small] == ["hola_s0", "eval_validation_window"]
+    assert small[-1][0][-2:] == ["--window", "1024"]
 
 
 def test_heldout_perplexity_alone_needs_a_corpus_with_a_heldout_split(tmp_path, capsys):
@@ -300,6 +310,25 @@ def test_the_merge_tables_the_cache_off_ablation_against_the_same_run_with_its_c
     assert "| hola | 32.50 [30.00, 35.00] | +22.5 [+20.0, +25.0]% |" in table and "| gdn |" not in table
     result = json.loads((tmp_path / "r" / "ablations.json").read_text())
     assert result["variants"]["hola"]["evaluations"]["heldout_cache_off"]["1"]["perplexity"] == 35.0
+
+
+def test_the_merge_tables_windowed_perplexity_apart_from_whole_documents(tmp_path):
+    _write_run_folder(tmp_path / "a", {"gdn": 0.0, "hola": -0.2}, steps=100, recipe="46M")
+    for split, values in (("heldout", {"gdn": (30.0, 31.0), "hola": (33.0, 31.0)}),
+                          ("heldout_window", {"gdn": (20.0, 20.0), "hola": (18.0, 19.0)})):
+        (tmp_path / "a" / f"eval_{split}").mkdir()
+        for variant, ppls in values.items():
+            for seed, ppl in enumerate(ppls):
+                (tmp_path / "a" / f"eval_{split}" / f"ppl_{ablate.run_name(variant, seed)}.json").write_text(
+                    json.dumps({"summary": {"perplexity": ppl, "loss": math.log(ppl), "tokens": 5}}))
+    assert ablate.main(["--merge", str(tmp_path / "a"), "--report", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "ablations.md").read_text()
+    whole = text.split("`heldout` split after training", 1)[1].split("\n\n")[1]
+    windowed = text.split("`heldout` split scored in windows of the training length", 1)[1].split("\n\n")[1]
+    # Whole documents: hola 33/30 - 1 = +10%, 31/31 - 1 = 0%; windows: 18/20 - 1 = -10%, 19/20 - 1 = -5%.
+    assert "| hola | 32.00 [31.00, 33.00] | +5.0 [+0.0, +10.0]% |" in whole
+    assert "| hola | 18.50 [18.00, 19.00] | -7.5 [-10.0, -5.0]% |" in windowed
+    assert "| `heldout_window` perplexity | hola > gdn |" in text
 
 
 def test_the_merge_tables_and_orders_the_niah_accuracies(tmp_path):

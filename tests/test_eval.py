@@ -358,6 +358,25 @@ def test_sliding_window_scores_each_target_once_with_at_least_window_minus_strid
         score_documents(model, [doc], window=4, stride=5)
 
 
+def test_documents_that_fit_one_window_are_scored_as_whole_documents_in_few_calls(monkeypatch):
+    """With ``window``, a document of at most ``window`` targets is its own only window: it goes through the packed
+    path (one forward for many documents), with the same values as one window; a longer one is windowed."""
+    from hola_titan.eval import perplexity
+
+    model = tiny_model("gdn")
+    gen = torch.Generator().manual_seed(4)
+    docs = [Document(ids=torch.randint(2, 97, (n,), generator=gen).tolist(), target_bytes=n, words=1)
+            for n in (5, 11, 9, 30)]
+    calls = []
+    real = perplexity._token_nll
+    monkeypatch.setattr(perplexity, "_token_nll", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    nll = score_documents(model, docs, window=10)
+    assert len(calls) == 1 + 3, calls  # the three short documents in one packed call, three windows of the long one
+    for doc, values in zip(docs[:3], nll[:3]):
+        np.testing.assert_allclose(values, hand_nll(model, doc.ids).numpy(), rtol=1e-5)
+    np.testing.assert_allclose(nll[3], score_documents(model, docs[3:], window=10)[0], rtol=0)
+
+
 def test_words_are_counted_as_lm_eval_s_wikitext_task_counts_them():
     """A split on runs of whitespace, edges included, as lm-eval's ``wikitext`` ``process_results`` counts: a
     document that starts with a newline has one more "word"."""

@@ -27,7 +27,8 @@ documents), longer documents run through the decoding cache in chunks of ``chunk
 GDN keeps memory constant and for Transformer++ holds all keys and values. ``window=W`` with ``stride=S``
 (default ``S = W``: non-overlapping chunks) is the sliding window: windows of ``W`` tokens start every ``S``
 tokens, each scores the targets the previous window did not, so every target after the first window sees at
-least ``W - S`` tokens of context.
+least ``W - S`` tokens of context. A document of at most ``W`` targets fits one window, which is its whole
+document: it is scored as in the default mode (packed with others), the same function in far fewer calls.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def score_documents(model: HolaTitanLM, documents: list[Document], *, window: in
         doc = documents[index].ids
         if len(doc) < 2:
             results[index] = np.zeros(0)
-        elif window is not None:
+        elif window is not None and len(doc) - 1 > window:
             results[index] = _score_windows(model, doc, device, window, stride)
         elif len(doc) - 1 > chunk:
             results[index] = _score_streamed(model, doc, device, chunk)
