@@ -180,8 +180,11 @@ def corpus_files(recipe: Recipe, corpus: Path) -> tuple[Path, Path]:
 # only (the cache-off ablation: what the state path predicts alone); ppl_window: the same split as ppl_cache_off
 # scored in windows of the training length (lm-eval's rolling windows, the context of the papers' "Wiki. ppl": no
 # target sees more than training showed; the default gives every target its whole document, which can be 100x the
-# training length); niah: S-NIAH-1/2.
-EVALS = ("ppl", "ppl_heldout", "ppl_cache_off", "ppl_window", "niah")
+# training length); cache_ages: how old the entries a HOLA flavour's cache holds are over the longest documents of
+# that split (``hola_titan.eval cache --data``, up to 16x the training length); niah: S-NIAH-1/2.
+EVALS = ("ppl", "ppl_heldout", "ppl_cache_off", "ppl_window", "cache_ages", "niah")
+CACHE_AGE_LENGTH_FACTOR = 16
+"""``cache_ages`` reads up to this many training lengths of each of the 4 longest documents."""
 CACHE_OFF = "_cache_off"
 """The suffix of the split name under which the merge keeps the cache-off scores (``eval_heldout_cache_off``)."""
 WINDOW = "_window"
@@ -239,6 +242,13 @@ def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out:
         todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(splits[split]), "--out",
                       str(folder_win), "--no-progress", "--chunk", str(EVAL_CHUNK), "--window", str(seq_len)],
                      folder_win / f"ppl_{name}.json"))
+    if "cache_ages" in evals and has_cache:
+        splits = eval_splits(recipe, corpus)
+        split = "heldout" if "heldout" in splits else "validation"
+        todo.append(([*evaluate, "cache", "--checkpoint", str(export), "--data", str(splits[split]), "--out",
+                      str(out / "eval_cache"), "--no-progress", "--max-documents", "4", "--max-tokens",
+                      str(CACHE_AGE_LENGTH_FACTOR * seq_len)],
+                     out / "eval_cache" / f"cache_{name}.json"))
     if "niah" in evals:
         lengths = ",".join(str(f * seq_len) for f in NIAH_LENGTH_FACTORS)
         todo.append(([*evaluate, "niah", "--checkpoint", str(export), "--out", str(out / "eval_niah"),
@@ -567,15 +577,59 @@ def load_evaluations(folders: list[Path], curves: dict[str, Curve] | None = None
 def load_niah(folders: list[Path], curves: dict[str, Curve] | None = None) -> dict[str, dict[str, float]]:
     """``--evaluate niah`` results: run name -> {``<task>@<length>``: accuracy} (later folders win; ``curves`` as
     for :func:`load_evaluations`)."""
-    found: dict[str, dict[str, float]] = {}
+    return {name: dict(result["summary"])
+            for name, result in _run_results(folders, curves, "eval_niah", "niah_").items()}
+
+
+def _run_results(folders: list[Path], curves: dict[str, Curve] | None, sub: str, prefix: str) -> dict[str, dict]:
+    """``<folder>/<sub>/<prefix><run>.json`` of every folder: run name -> parsed result (later folders win; with
+    ``curves``, a result counts only from a folder of its run's corpus build)."""
+    found: dict[str, dict] = {}
     for folder in folders:
         build = folder_build(folder)
-        for path in sorted(folder.glob("eval_niah/niah_*.json")):
-            name = path.stem.removeprefix("niah_")
+        for path in sorted(folder.glob(f"{sub}/{prefix}*.json")):
+            name = path.stem.removeprefix(prefix)
             if curves is not None and name in curves and _other_build(curves[name].corpus, build):
                 continue
-            found[name] = dict(json.loads(path.read_text())["summary"])
+            found[name] = json.loads(path.read_text())
     return found
+
+
+def load_cache_ages(folders: list[Path], curves: dict[str, Curve] | None = None) -> dict[str, dict]:
+    """``--evaluate cache_ages`` results: run name -> the eval's ``details`` (later folders win; ``curves`` as for
+    :func:`load_evaluations`)."""
+    return {name: result["details"] for name, result in _run_results(folders, curves, "eval_cache", "cache_").items()}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def cache_age_lines(curves: dict[str, Curve], variants: list[str], ages: dict[str, dict]) -> list[str]:
+    """How old the held entries are on the longest held-out documents: per variant, the share from the first 1/8
+    of the prefix and the mean relative age, overall and where the reading position passes the training length
+    (each a mean over layers, then mean [min, max] over seeds)."""
+    if not ages:
+        return []
+    first = next(iter(ages.values()))
+    lines = ["", f"How old the cache's entries are (`hola_titan.eval cache --data`, the {len(first['documents'])} "
+             f"longest documents of the split, up to {max(first['documents']):,} tokens): the share of held slots "
+             f"from the first 1/{first['early']} of the prefix (a uniform sample of it: {1 / first['early']:.3f}; "
+             "recency: 0) and their mean relative age ((r - p) / r for an entry p read at r; uniform: 0.5), mean "
+             "over the layers; the last columns for the reading positions of the last bin:", "",
+             "| variant | early share | mean relative age | last bin | early share there |", "|---|---|---|---|---|"]
+    for v in variants:
+        found = [ages[run_name(v, c.seed)] for c in curves.values()
+                 if c.variant == v and run_name(v, c.seed) in ages]
+        if not found:
+            continue
+        early = [_mean([layer["early_share"] for layer in d["layers"].values()]) for d in found]
+        age = [_mean([layer["mean_relative_age"] for layer in d["layers"].values()]) for d in found]
+        last = [list(d["layers"].values())[0]["bins"][-1] for d in found]
+        late = [_mean([layer["bins"][-1]["early_share"] for layer in d["layers"].values()]) for d in found]
+        lines.append(f"| {v} | {spread(early, 3)} | {spread(age, 3)} | {last[0]['from']:,}-{last[0]['to']:,} | "
+                     f"{spread(late, 3)} |")
+    return lines
 
 
 def smooth(steps: list[int], values: list[float], width: int) -> tuple[list[int], list[float]]:
@@ -659,12 +713,17 @@ def merge(args) -> int:
                                                  for s in sorted({t for c in runs for t in c.gammas})}}
     evals = load_evaluations([Path(f) for f in args.merge], curves)
     niah = load_niah([Path(f) for f in args.merge], curves)
+    ages = load_cache_ages([Path(f) for f in args.merge], curves)
     for v in variants:
         runs = [by[(v, s)] for s in seeds if (v, s) in by]
         summary[v]["evaluations"] = {
             split: {str(c.seed): results.get(run_name(v, c.seed)) for c in runs} for split, results in evals.items()}
         if niah:
             summary[v]["niah"] = {str(c.seed): niah.get(run_name(v, c.seed)) for c in runs}
+        if ages:
+            summary[v]["cache_ages"] = {str(c.seed): {name: {k: layer[k] for k in ("early_share", "mean_relative_age")}
+                                                      for name, layer in ages[run_name(v, c.seed)]["layers"].items()}
+                                        for c in runs if run_name(v, c.seed) in ages}
     devices = sorted({s["device"] for s in statuses})
     lines = [f"# Ablations of the HOLA layer, recipe {names[0]} ({', '.join(devices)})", "",
              f"{recipe.about} (one step: {tokens_per_step / 1e6:.3f}M tokens), a {statuses[0]['steps']}-step cosine "
@@ -718,6 +777,7 @@ def merge(args) -> int:
                           spread(rel, 1, signed=True) + "%" if rel and v != "gdn" else "-"]
             lines.append(f"| {v} | " + " | ".join(cells) + " |")
     lines += niah_lines(curves, variants, niah)
+    lines += cache_age_lines(curves, variants, ages)
     lines += gate_lines(curves, variants)
     lines += gate_lines(curves, variants, "gammas")
     lines += ordering_lines(curves, variants, evals, niah)
@@ -969,7 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="--run: comma-separated, from: " + ", ".join(EVALS) + "; each finished run is exported and "
                    "evaluated (ppl on the corpus's held-out and validation splits, ppl_heldout on the held-out one "
                    "alone, ppl_cache_off the held-out one with every cache gate at zero, HOLA flavours only; "
-                   "ppl_window the held-out one in windows of the training length; "
+                   "ppl_window the held-out one in windows of the training length; cache_ages the age of the "
+                   "cache's entries over its longest documents, HOLA flavours only; "
                    "S-NIAH-1/2 at 1-4x the training length) as soon as its training ends, results under --out/eval_*")
     p.add_argument("--report", help="--merge: folder for ablations.md, ablations.json and the PNGs")
     p.add_argument("--window", type=int, default=25, help="--merge: steps per point of the plotted curves")

@@ -199,6 +199,15 @@ def test_the_evaluations_of_a_finished_run_are_listed_and_what_exists_is_left_ou
                                  out=tmp_path / "o6", steps=1500, seq_len=1024, evals=["ppl_window"])
     assert [t.parent.name for _, t in small] == ["hola_s0", "eval_validation_window"]
     assert small[-1][0][-2:] == ["--window", "1024"]
+    # The cache's ages over the 4 longest held-out documents, up to 16 training lengths: HOLA flavours only.
+    ages = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=tmp_path / "o7",
+                                steps=r.steps, seq_len=r.seq_len, evals=["cache_ages"])
+    assert [t for _, t in ages][1:] == [tmp_path / "o7" / "eval_cache" / "cache_hola_s0.json"]
+    assert ages[-1][0][-4:] == ["--max-documents", "4", "--max-tokens", "65536"]
+    assert ages[-1][0][3] == "cache" and str(corpus / "heldout") in ages[-1][0]
+    assert [t.parent.name for _, t in ablate.eval_commands(
+        "gdn_s0", recipe=r, folder=tmp_path / "work" / "gdn_s0", corpus=corpus, out=tmp_path / "o7", steps=r.steps,
+        seq_len=r.seq_len, evals=["cache_ages"], has_cache=False)] == ["gdn_s0"]
 
 
 def test_heldout_perplexity_alone_needs_a_corpus_with_a_heldout_split(tmp_path, capsys):
@@ -329,6 +338,26 @@ def test_the_merge_tables_windowed_perplexity_apart_from_whole_documents(tmp_pat
     assert "| hola | 32.00 [31.00, 33.00] | +5.0 [+0.0, +10.0]% |" in whole
     assert "| hola | 18.50 [18.00, 19.00] | -7.5 [-10.0, -5.0]% |" in windowed
     assert "| `heldout_window` perplexity | hola > gdn |" in text
+
+
+def test_the_merge_tables_how_old_the_cache_s_entries_are(tmp_path):
+    _write_run_folder(tmp_path / "a", {"gdn": 0.0, "hola": -0.2}, steps=100, recipe="46M")
+    (tmp_path / "a" / "eval_cache").mkdir()
+    for seed, (early, age) in enumerate(((0.10, 0.4), (0.30, 0.6))):
+        bins = [{"from": 256, "to": 4095, "slots": 10, "mean_relative_age": age, "early_share": early},
+                {"from": 4096, "to": 65536, "slots": 10, "mean_relative_age": age, "early_share": 2 * early}]
+        layers = {"0": {"early_share": early, "mean_relative_age": age, "bins": bins},
+                  "1": {"early_share": early + 0.1, "mean_relative_age": age, "bins": bins}}
+        (tmp_path / "a" / "eval_cache" / f"cache_{ablate.run_name('hola', seed)}.json").write_text(json.dumps(
+            {"details": {"mode": "text", "layers": layers, "documents": [65536, 9000], "early": 8}}))
+    assert ablate.main(["--merge", str(tmp_path / "a"), "--report", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "ablations.md").read_text()
+    table = text.split("How old the cache's entries are", 1)[1].split("\n\n")[1]
+    # Early share per seed, mean over the layers: 0.15 and 0.35; the last bin's: 0.20 and 0.60.
+    assert "| hola | 0.250 [0.150, 0.350] | 0.500 [0.400, 0.600] | 4,096-65,536 | 0.400 [0.200, 0.600] |" in table
+    assert "| gdn |" not in table
+    result = json.loads((tmp_path / "r" / "ablations.json").read_text())
+    assert result["variants"]["hola"]["cache_ages"]["1"]["1"]["early_share"] == pytest.approx(0.4)
 
 
 def test_the_merge_tables_and_orders_the_niah_accuracies(tmp_path):

@@ -107,3 +107,65 @@ def test_perplexity_with_the_cache_off_is_written_beside_the_cache_on_result(tmp
     assert off["summary"]["perplexity"] != on["summary"]["perplexity"]  # the cache read took part in the first
     assert eval_main(["ppl", "--checkpoint", "init:gdn", "--max-documents", "3", "--cache", "off", "--out",
                       str(tmp_path), "--no-progress"]) == 2
+
+
+def test_text_ages_of_recency_are_the_window_just_before_each_block():
+    """Recency holds positions r-3..r-1 when block b reads at r = 4 (b + 1): never early, relative ages (1..3) / r."""
+    from hola_titan.eval.cache_inspect import inspect_text
+
+    gen = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (41, 17)]
+    out = inspect_text(_model("hola_recency"), docs, bins=4)
+    assert out["documents"] == [41, 17] and out["mode"] == "text"
+    readers = [4 * (b + 1) for n in (41, 17) for b in range(-(-n // 4) - 1) if 4 * (b + 1) < n]
+    ages = [a / r for r in readers for a in (1, 2, 3) for _ in range(2)]  # two heads
+    for layer in out["layers"].values():
+        assert layer["early_share"] == 0.0
+        assert layer["mean_relative_age"] == pytest.approx(float(np.mean(ages)))
+        assert sum(b["slots"] for b in layer["bins"]) == len(ages)
+
+
+def test_text_ages_count_every_held_slot_of_every_document_once():
+    from hola_titan.eval.cache_inspect import EARLY, inspect_text
+
+    model = _model("hola")
+    gen = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (60, 9, 33)]
+    out = inspect_text(model, docs, bins=5)
+    for name, layer in out["layers"].items():
+        early, ages = [], []
+        for ids in docs:
+            pos = cache_selections(model, torch.tensor(ids)[None])[name]
+            for b in range(pos.shape[0]):
+                r = 4 * (b + 1)
+                for p in pos[b].ravel():
+                    if p >= 0:
+                        early.append(p * EARLY < r)
+                        ages.append((r - p) / r)
+        assert layer["early_share"] == pytest.approx(float(np.mean(early)))
+        assert layer["mean_relative_age"] == pytest.approx(float(np.mean(ages)))
+        assert sum(b["slots"] for b in layer["bins"]) == len(ages)
+        assert all(b["from"] <= b["to"] for b in layer["bins"])
+    assert np.array(out["positions"]["0"]).shape == (14, 2, 3)  # the first document: 14 reading blocks of 60 tokens
+    with pytest.raises(EvalError, match="more than one block of 4 tokens"):
+        inspect_text(model, [list(range(10)), [1, 2, 3]])
+    with pytest.raises(EvalError, match="no document"):
+        inspect_text(model, [])
+
+
+def test_text_mode_of_the_cli_reads_the_longest_documents_and_writes_files(tmp_path, capsys):
+    data = tmp_path / "docs.jsonl"
+    words = "the cache keeps what wrote most to the state regardless of distance".split()
+    lines = [" ".join(words[i % len(words)] for i in range(n)) for n in (30, 400, 5, 250)]
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    out = tmp_path / "out"
+    assert eval_main(["cache", "--checkpoint", "init:hola", "--data", str(data), "--max-documents", "2",
+                      "--max-tokens", "300", "--out", str(out), "--no-progress"]) == 0
+    result = json.loads((out / "cache_init-hola.json").read_text())
+    assert result["details"]["mode"] == "text" and len(result["details"]["documents"]) == 2
+    assert max(result["details"]["documents"]) == 300  # the longest, cut to --max-tokens
+    assert {"early_share@layer0", "mean_relative_age@layer1"} <= set(result["summary"])
+    assert (out / "cache_init-hola_layer0.png").stat().st_size > 0
+    assert "held entries over 2 documents" in capsys.readouterr().out
+    assert eval_main(["cache", "--checkpoint", "init:hola", "--data", str(data), "--max-documents", "0",
+                      "--out", str(out), "--no-progress"]) == 2

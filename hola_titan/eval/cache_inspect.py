@@ -8,6 +8,13 @@ with its MQAR kind: ``key`` and ``value`` of the context pairs, ``query`` (a que
 after it), ``filler``. The result gives, per layer, the share of selected slots of each kind against that kind's
 share of the tokens the cache could have held (the base rate), so a score that keeps keys and values shows as
 shares far above their base rate; the plot draws, per layer and head, the selected positions against the block.
+
+On text (:func:`inspect_text`: the longest documents of a file) the question is how old the held entries are. For
+block ``b`` read at position ``r = b * C``, a held position ``p`` has relative age ``(r - p) / r`` (0: just before
+the block, 1: the document's first token), and it is *early* when ``p < r / 8``. A cache that kept a uniform
+sample of the prefix would hold 1/8 early entries at mean relative age 1/2; recency holds none at about ``W / r``.
+Both are given per layer and per bin of ``r`` (log-spaced), so a cache that fills with the first blocks' outliers
+as the document grows shows as an early share rising with ``r``.
 """
 
 from __future__ import annotations
@@ -84,3 +91,47 @@ def inspect_mqar(model: HolaTitanLM, *, seq_len: int, num_pairs: int, vocab_size
     return {"layers": layers, "positions": {name: pos.tolist() for name, pos in selections.items()},
             "kinds": kinds.tolist(), "block": block, "window": model.args.window, "evict": model.args.evict,
             "seq_len": seq_len, "pairs": num_pairs}
+
+
+EARLY = 8
+"""A held position ``p`` read at ``r`` is early when ``p < r / EARLY`` (a uniform sample of the prefix: 1 / EARLY)."""
+
+
+def inspect_text(model: HolaTitanLM, documents: list[list[int]], *, bins: int = 8) -> dict:
+    """Ages of the held entries over text ``documents`` (token ids; each longer than one block), per layer: overall
+    and per log-spaced bin of the reading position (module docstring). ``positions`` keeps the first (longest)
+    document's selections for the plot."""
+    if not documents:
+        raise EvalError("cache: no document to inspect")
+    block = model.args.block
+    short = [len(ids) for ids in documents if len(ids) <= block]
+    if short:
+        raise EvalError(f"cache: every document needs more than one block of {block} tokens (got {short[:4]})")
+    device = next(model.parameters()).device
+    per_doc = [cache_selections(model, torch.tensor(ids, device=device)[None]) for ids in documents]
+    longest = max(len(ids) for ids in documents)
+    edges = np.unique(np.geomspace(block, longest + 1, num=bins + 1).astype(np.int64))  # r runs from C up
+    layers = {}
+    for name in per_doc[0]:
+        readers, ages, early = [], [], []
+        for pos in (sel[name] for sel in per_doc):
+            # Row b of the selections is what block b + 1 reads, at r = (b + 1) * C.
+            r = (np.arange(pos.shape[0]) + 1)[:, None, None] * block
+            held = pos >= 0
+            r_slot = np.broadcast_to(r, pos.shape)
+            readers.append(r_slot[held])
+            ages.append((r_slot[held] - pos[held]) / r_slot[held])
+            early.append(pos[held] * EARLY < r_slot[held])
+        readers, ages, early = np.concatenate(readers), np.concatenate(ages), np.concatenate(early)
+        which = np.clip(np.searchsorted(edges, readers, side="right") - 1, 0, len(edges) - 2)
+        rows = []
+        for i in range(len(edges) - 1):
+            at = which == i
+            if at.any():
+                rows.append({"from": int(edges[i]), "to": int(edges[i + 1]) - 1, "slots": int(at.sum()),
+                             "mean_relative_age": float(ages[at].mean()), "early_share": float(early[at].mean())})
+        layers[name] = {"mean_relative_age": float(ages.mean()), "early_share": float(early.mean()), "bins": rows}
+    return {"mode": "text", "layers": layers,
+            "positions": {name: pos.tolist() for name, pos in per_doc[0].items()},
+            "documents": [len(ids) for ids in documents], "block": block, "window": model.args.window,
+            "evict": model.args.evict, "early": EARLY}

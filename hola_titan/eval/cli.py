@@ -162,7 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
                            "path holds alone); HOLA flavours only")
 
     cache = evals.add_parser("cache", parents=[common],
-                             help="which positions each layer's HOLA cache selects over an MQAR row, by token kind")
+                             help="which positions each layer's HOLA cache selects over an MQAR row, by token kind, "
+                                  "or over the longest documents of a text (--data): how old the held entries are")
+    cache.add_argument("--data", default=None,
+                       help="text mode: a local .txt/.jsonl/.json/.parquet file, folder or glob, bundled, or a hub "
+                            "dataset (as for ppl); its --max-documents longest documents are read")
+    cache.add_argument("--split", default="validation", help="text mode: the split of --data")
+    cache.add_argument("--text-field", default="text", help="text mode: the field holding the text")
+    cache.add_argument("--max-documents", type=int, default=4, help="text mode: the longest documents to read")
+    cache.add_argument("--max-tokens", type=int, default=65536, help="text mode: tokens read of each document")
     cache.add_argument("--pairs", type=int, default=16, help="key-value pairs of the row")
     cache.add_argument("--seq-len", type=int, default=256, help="tokens of the row")
     cache.add_argument("--vocab", type=int, default=None, help="MQAR vocabulary (default: the model's)")
@@ -191,33 +199,44 @@ def _apply_cache_choice(loaded: LoadedModel, cache: str) -> None:
         raise EvalError(f"--cache off: {loaded.model.args.flavour} has no cache to switch off")
 
 
-def run_ppl(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict, dict]:
+def _read_text(loaded: LoadedModel, data: str, *, split: str, text_field: str, dataset_config: str | None,
+               txt_documents: str, max_tokens: int | None, max_documents: int | None, convention: str):
+    """``(documents, max_tokens)``: the documents of ``--data`` encoded (``perplexity.encode_documents``); from a
+    hub dataset at most 2^20 tokens unless a bound is given. Errors name ``--data``."""
     from hola_titan.data.sources import hub_documents, read_documents, resolve_source
-    from hola_titan.eval.perplexity import encode_documents, score_documents, summarise
+    from hola_titan.eval.perplexity import encode_documents
+
+    try:
+        source = resolve_source(data, split=split, text_field=text_field, dataset_config=dataset_config,
+                                txt_documents=txt_documents)
+    except (OSError, ValueError) as error:
+        raise EvalError(f"--data {data!r}: {error}") from None
+    if source.kind == "hub" and max_tokens is None and max_documents is None:
+        max_tokens = 1 << 20
+        print(f"note: hub dataset {data!r}: reading the first {max_tokens} tokens (--max-tokens)", file=sys.stderr)
+    try:
+        texts = read_documents(source) if source.kind != "hub" else hub_documents(source, streaming=True)
+        documents = encode_documents(texts, loaded.tokenizer, max_tokens=max_tokens, max_documents=max_documents,
+                                     convention=convention)
+    except EvalError:
+        raise
+    except Exception as error:  # noqa: BLE001  (file, parquet and hub readers raise many kinds; all mean the same)
+        raise EvalError(f"--data {data!r} cannot be read: {type(error).__name__}: {error}") from None
+    if not documents:
+        raise EvalError(f"--data {data!r}: no document with text")
+    return documents, max_tokens
+
+
+def run_ppl(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    from hola_titan.eval.perplexity import score_documents, summarise
 
     if args.window < 0:
         raise EvalError(f"--window must be >= 0, got {args.window}")
     _apply_cache_choice(loaded, args.cache)
-    try:
-        source = resolve_source(args.data, split=args.split, text_field=args.text_field,
-                                dataset_config=args.dataset_config, txt_documents=args.txt_documents)
-    except (OSError, ValueError) as error:
-        raise EvalError(f"--data {args.data!r}: {error}") from None
-    max_tokens = args.max_tokens
-    if source.kind == "hub" and max_tokens is None and args.max_documents is None:
-        max_tokens = 1 << 20
-        print(f"note: hub dataset {args.data!r}: scoring the first {max_tokens} tokens (--max-tokens)",
-              file=sys.stderr)
-    try:
-        texts = read_documents(source) if source.kind != "hub" else hub_documents(source, streaming=True)
-        documents = encode_documents(texts, loaded.tokenizer, max_tokens=max_tokens,
-                                     max_documents=args.max_documents, convention=args.convention)
-    except EvalError:
-        raise
-    except Exception as error:  # noqa: BLE001  (file, parquet and hub readers raise many kinds; all mean the same)
-        raise EvalError(f"--data {args.data!r} cannot be read: {type(error).__name__}: {error}") from None
-    if not documents:
-        raise EvalError(f"--data {args.data!r}: no document with text")
+    documents, max_tokens = _read_text(loaded, args.data, split=args.split, text_field=args.text_field,
+                                       dataset_config=args.dataset_config, txt_documents=args.txt_documents,
+                                       max_tokens=args.max_tokens, max_documents=args.max_documents,
+                                       convention=args.convention)
     window = args.window or None
     _warn_length(loaded, window or max(len(d.ids) for d in documents), "context length")
     nll = score_documents(loaded.model, documents, window=window, stride=args.stride, chunk=args.chunk,
@@ -310,8 +329,25 @@ def run_mqar(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict,
 
 
 def run_cache(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict, dict]:
-    from hola_titan.eval.cache_inspect import inspect_mqar
+    from hola_titan.eval.cache_inspect import inspect_mqar, inspect_text
 
+    if args.data is not None:
+        if args.max_documents < 1 or args.max_tokens < 2:
+            raise EvalError(f"--max-documents {args.max_documents} --max-tokens {args.max_tokens}: need >= 1 and >= 2")
+        # Every document of the source is encoded to find the longest (a hub dataset: its first 2^20 tokens).
+        documents, _ = _read_text(loaded, args.data, split=args.split, text_field=args.text_field,
+                                  dataset_config=None, txt_documents="paragraph", max_tokens=None, max_documents=None,
+                                  convention="hola_titan")
+        longest = sorted((d.ids[:args.max_tokens] for d in documents), key=len, reverse=True)[:args.max_documents]
+        _warn_length(loaded, len(longest[0]), "document length")
+        details = inspect_text(loaded.model, longest)
+        summary = {}
+        for name, layer in details["layers"].items():
+            summary[f"early_share@layer{name}"] = layer["early_share"]
+            summary[f"mean_relative_age@layer{name}"] = layer["mean_relative_age"]
+        settings = {"data": args.data, "split": args.split, "max_documents": args.max_documents,
+                    "max_tokens": args.max_tokens}
+        return settings, summary, details
     details = inspect_mqar(loaded.model, seq_len=args.seq_len, num_pairs=args.pairs, vocab_size=args.vocab,
                            power_a=args.power_a, seed=args.seed)
     summary = {}
@@ -351,6 +387,13 @@ def _print_result(result: dict) -> None:
         if details["memory"]:
             state = "constant" if details["cache_bytes_constant"] else "growing"
             print(f"  cache size is {state} in context length")
+    elif name == "cache" and details.get("mode") == "text":
+        print(f"cache {label}: held entries over {len(details['documents'])} documents "
+              f"({', '.join(map(str, details['documents']))} tokens): share from the first 1/{details['early']} of the "
+              "prefix (a uniform sample: {:.3f}), mean relative age (uniform: 0.5)".format(1 / details["early"]))
+        for layer, values in details["layers"].items():
+            print(f"  {layer}: {values['early_share']:.3f}, {values['mean_relative_age']:.3f}; by reading position: "
+                  + ", ".join(f"{b['from']}-{b['to']} {b['early_share']:.2f}" for b in values["bins"]))
     elif name == "cache":
         print(f"cache {label}: share of selected slots holding keys, values, queries or answers (base rate):")
         for key in summary:

@@ -145,7 +145,8 @@ def plot_cache(result: dict, path: Path) -> Path:
     from hola_titan.eval.cache_inspect import KINDS
 
     details = result["details"]
-    kinds = details["kinds"]
+    text = details.get("mode") == "text"  # text: one colour (no token kinds), the first document's selections
+    kinds = None if text else details["kinds"]
     colours = {"key": "tab:blue", "value": "tab:orange", "query": "tab:green", "answer": "tab:red",
                "filler": "lightgray"}
     names = list(details["positions"])
@@ -153,14 +154,14 @@ def plot_cache(result: dict, path: Path) -> Path:
     def draw(axes_row, name):
         pos = details["positions"][name]  # [blocks, H, W]
         for head, ax in enumerate(axes_row):
-            for kind in KINDS:
+            for kind in ("held",) if text else KINDS:
                 xs, ys = [], []
                 for b, heads in enumerate(pos):
                     for p in heads[head]:
-                        if p >= 0 and KINDS[kinds[p]] == kind:
+                        if p >= 0 and (text or KINDS[kinds[p]] == kind):
                             xs.append((b + 1) * details["block"])
                             ys.append(p)
-                ax.scatter(xs, ys, s=6, c=colours[kind], label=kind)
+                ax.scatter(xs, ys, s=6 if not text else 2, c="tab:blue" if text else colours[kind], label=kind)
             ax.set(xlabel="reading block starts at", ylabel="selected position", title=f"layer {name} head {head}")
         axes_row[0].legend(fontsize=6, markerscale=2)
 
