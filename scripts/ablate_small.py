@@ -210,12 +210,25 @@ def eval_splits(recipe: Recipe, corpus: Path) -> dict[str, Path]:
     return {split: corpus / split for split in ("heldout", "validation") if (corpus / split).exists()}
 
 
+def window_of(overrides: list[str]) -> int | None:
+    """The last ``--model.window`` of trainer overrides (``--key value`` or ``--key=value``), or None."""
+    window = None
+    for i, item in enumerate(overrides):
+        if item == "--model.window" and i + 1 < len(overrides):
+            window = int(overrides[i + 1])
+        elif item.startswith("--model.window="):
+            window = int(item.split("=", 1)[1])
+    return window
+
+
 def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out: Path, steps: int,
-                  seq_len: int, evals: list[str], has_cache: bool = True) -> list[tuple[list[str], Path]]:
+                  seq_len: int, evals: list[str], has_cache: bool = True,
+                  holds_entries: bool = True) -> list[tuple[list[str], Path]]:
     """What ``--evaluate`` still has to run for a finished run: ``(command, file it writes)`` in order, those whose
     file exists left out (a later ``--run`` picks up what a budget cut short). The export folder is named after
     the run, which the evaluations take as their label. ``has_cache``: the run's flavour reads a cache (the
-    cache-off ablation applies to it)."""
+    cache-off ablation applies to it); ``holds_entries``: its cache keeps entries of earlier blocks (not window 0),
+    whose ages ``cache_ages`` measures."""
     export = folder / name
     todo = [([sys.executable, "scripts/convert_to_safetensors.py", str(folder / "checkpoint" / f"step-{steps}"),
               str(export)], export / "model.safetensors")]
@@ -242,7 +255,7 @@ def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out:
         todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(splits[split]), "--out",
                       str(folder_win), "--no-progress", "--chunk", str(EVAL_CHUNK), "--window", str(seq_len)],
                      folder_win / f"ppl_{name}.json"))
-    if "cache_ages" in evals and has_cache:
+    if "cache_ages" in evals and has_cache and holds_entries:
         splits = eval_splits(recipe, corpus)
         split = "heldout" if "heldout" in splits else "validation"
         todo.append(([*evaluate, "cache", "--checkpoint", str(export), "--data", str(splits[split]), "--out",
@@ -349,6 +362,8 @@ def run(args) -> int:
     runs = [(v, s) for v in args.variants for s in args.seeds]
     flavours = _by_path("models.flavours")  # the registry says which flavours read a cache
     has_cache = {run_name(v, s): flavours.get(VARIANTS[v].flavour).evict not in (None, "none") for v, s in runs}
+    holds_entries = {run_name(v, s): window_of(list(VARIANTS[v].overrides) + list(args.extra or [])) != 0
+                     for v, s in runs}
     children: dict[str, subprocess.Popen] = {}
     commands, started = {}, time.time()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -376,7 +391,8 @@ def run(args) -> int:
                 last_step(read_jsonl(work / name / "metrics.jsonl")) >= args.steps:
             pending[name] = eval_commands(name, recipe=recipe, folder=work / name, corpus=corpus, out=out,
                                           steps=args.steps, seq_len=recipe.seq_len,
-                                          evals=args.evaluate, has_cache=has_cache[name])
+                                          evals=args.evaluate, has_cache=has_cache[name],
+                                          holds_entries=holds_entries[name])
 
     def step_evaluations() -> None:
         for name, todo in pending.items():
@@ -619,8 +635,9 @@ def cache_age_lines(curves: dict[str, Curve], variants: list[str], ages: dict[st
              "over the layers; the last columns for the reading positions of the last bin:", "",
              "| variant | early share | mean relative age | last bin | early share there |", "|---|---|---|---|---|"]
     for v in variants:
-        found = [ages[run_name(v, c.seed)] for c in curves.values()
-                 if c.variant == v and run_name(v, c.seed) in ages]
+        found = [ages[run_name(v, c.seed)] for c in curves.values()  # a run whose cache held nothing: no bins
+                 if c.variant == v and ages.get(run_name(v, c.seed), {}).get("layers")
+                 and all(layer["bins"] for layer in ages[run_name(v, c.seed)]["layers"].values())]
         if not found:
             continue
         early = [_mean([layer["early_share"] for layer in d["layers"].values()]) for d in found]

@@ -208,6 +208,14 @@ def test_the_evaluations_of_a_finished_run_are_listed_and_what_exists_is_left_ou
     assert [t.parent.name for _, t in ablate.eval_commands(
         "gdn_s0", recipe=r, folder=tmp_path / "work" / "gdn_s0", corpus=corpus, out=tmp_path / "o7", steps=r.steps,
         seq_len=r.seq_len, evals=["cache_ages"], has_cache=False)] == ["gdn_s0"]
+    # Window 0 keeps no entries of earlier blocks: nothing to age (its cache-off score still applies).
+    w0 = ablate.eval_commands("hola_w0_s0", recipe=r, folder=tmp_path / "work" / "hola_w0_s0", corpus=corpus,
+                              out=tmp_path / "o7", steps=r.steps, seq_len=r.seq_len,
+                              evals=["cache_ages", "ppl_cache_off"], holds_entries=False)
+    assert [t.parent.name for _, t in w0] == ["hola_w0_s0", "eval_heldout_cache_off"]
+    assert ablate.window_of(list(ablate.VARIANTS["hola_w0"].overrides)) == 0
+    assert ablate.window_of(["--model.window", "0", "--model.window=16"]) == 16
+    assert ablate.window_of(list(ablate.VARIANTS["hola"].overrides)) is None
 
 
 def test_heldout_perplexity_alone_needs_a_corpus_with_a_heldout_split(tmp_path, capsys):
@@ -358,6 +366,12 @@ def test_the_merge_tables_how_old_the_cache_s_entries_are(tmp_path):
     assert "| gdn |" not in table
     result = json.loads((tmp_path / "r" / "ablations.json").read_text())
     assert result["variants"]["hola"]["cache_ages"]["1"]["1"]["early_share"] == pytest.approx(0.4)
+    # A run whose cache held nothing (no bins) is left out of the table, not a crash of the merge.
+    empty = {"early_share": float("nan"), "mean_relative_age": float("nan"), "bins": []}
+    (tmp_path / "a" / "eval_cache" / f"cache_{ablate.run_name('gdn', 0)}.json").write_text(json.dumps(
+        {"details": {"mode": "text", "layers": {"0": empty}, "documents": [100], "early": 8}}))
+    assert ablate.main(["--merge", str(tmp_path / "a"), "--report", str(tmp_path / "r2")]) == 0
+    assert "| gdn |" not in (tmp_path / "r2" / "ablations.md").read_text().split("How old the cache's entries", 1)[1]
 
 
 def test_the_merge_tables_and_orders_the_niah_accuracies(tmp_path):

@@ -169,3 +169,20 @@ def test_text_mode_of_the_cli_reads_the_longest_documents_and_writes_files(tmp_p
     assert "held entries over 2 documents" in capsys.readouterr().out
     assert eval_main(["cache", "--checkpoint", "init:hola", "--data", str(data), "--max-documents", "0",
                       "--out", str(out), "--no-progress"]) == 2
+    # The default 4 documents: the one of a few words (one block or less) holds nothing later read, and is left out.
+    assert eval_main(["cache", "--checkpoint", "init:hola", "--data", str(data), "--out", str(out / "all"),
+                      "--no-progress"]) == 0
+    documents = json.loads((out / "all" / "cache_init-hola.json").read_text())["details"]["documents"]
+    assert len(documents) == 3 and min(documents) > 32
+    assert eval_main(["cache", "--checkpoint", "init:hola", "--data", str(data), "--max-tokens", "32",
+                      "--out", str(out), "--no-progress"]) == 2
+    assert "more than one block of 32 tokens" in capsys.readouterr().err
+
+
+def test_text_ages_refuse_a_model_whose_window_is_zero():
+    from hola_titan.eval.cache_inspect import inspect_text
+
+    torch.manual_seed(0)
+    model = build_model(model_args("hola", "debug", vocab_size=97, window=0, block=4), device="cpu").eval()
+    with pytest.raises(EvalError, match="window is 0"):
+        inspect_text(model, [list(range(20))])

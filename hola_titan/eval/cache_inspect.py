@@ -103,6 +103,8 @@ def inspect_text(model: HolaTitanLM, documents: list[list[int]], *, bins: int = 
     document's selections for the plot."""
     if not documents:
         raise EvalError("cache: no document to inspect")
+    if model.args.window == 0:
+        raise EvalError("cache: the model's window is 0: its cache holds no entries of earlier blocks to inspect")
     block = model.args.block
     short = [len(ids) for ids in documents if len(ids) <= block]
     if short:

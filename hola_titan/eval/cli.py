@@ -169,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "dataset (as for ppl); its --max-documents longest documents are read")
     cache.add_argument("--split", default="validation", help="text mode: the split of --data")
     cache.add_argument("--text-field", default="text", help="text mode: the field holding the text")
+    cache.add_argument("--dataset-config", default=None, help="text mode: hub dataset configuration")
     cache.add_argument("--max-documents", type=int, default=4, help="text mode: the longest documents to read")
     cache.add_argument("--max-tokens", type=int, default=65536, help="text mode: tokens read of each document")
     cache.add_argument("--pairs", type=int, default=16, help="key-value pairs of the row")
@@ -213,7 +214,7 @@ def _read_text(loaded: LoadedModel, data: str, *, split: str, text_field: str, d
         raise EvalError(f"--data {data!r}: {error}") from None
     if source.kind == "hub" and max_tokens is None and max_documents is None:
         max_tokens = 1 << 20
-        print(f"note: hub dataset {data!r}: reading the first {max_tokens} tokens (--max-tokens)", file=sys.stderr)
+        print(f"note: hub dataset {data!r}: reading its first {max_tokens} tokens", file=sys.stderr)
     try:
         texts = read_documents(source) if source.kind != "hub" else hub_documents(source, streaming=True)
         documents = encode_documents(texts, loaded.tokenizer, max_tokens=max_tokens, max_documents=max_documents,
@@ -334,11 +335,18 @@ def run_cache(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict
     if args.data is not None:
         if args.max_documents < 1 or args.max_tokens < 2:
             raise EvalError(f"--max-documents {args.max_documents} --max-tokens {args.max_tokens}: need >= 1 and >= 2")
-        # Every document of the source is encoded to find the longest (a hub dataset: its first 2^20 tokens).
+        block = loaded.model.args.block
+        if args.max_tokens <= block:
+            raise EvalError(f"--max-tokens {args.max_tokens}: need more than one block of {block} tokens")
+        # Every document of the source is encoded to find the longest (a hub dataset: its first 2^20 tokens); those
+        # of one block or less hold nothing a later block reads.
         documents, _ = _read_text(loaded, args.data, split=args.split, text_field=args.text_field,
-                                  dataset_config=None, txt_documents="paragraph", max_tokens=None, max_documents=None,
-                                  convention="hola_titan")
-        longest = sorted((d.ids[:args.max_tokens] for d in documents), key=len, reverse=True)[:args.max_documents]
+                                  dataset_config=args.dataset_config, txt_documents="paragraph", max_tokens=None,
+                                  max_documents=None, convention="hola_titan")
+        longest = sorted((d.ids[:args.max_tokens] for d in documents if len(d.ids) > block), key=len,
+                         reverse=True)[:args.max_documents]
+        if not longest:
+            raise EvalError(f"--data {args.data!r}: no document longer than one block of {block} tokens")
         _warn_length(loaded, len(longest[0]), "document length")
         details = inspect_text(loaded.model, longest)
         summary = {}
