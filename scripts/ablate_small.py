@@ -210,6 +210,14 @@ def eval_splits(recipe: Recipe, corpus: Path) -> dict[str, Path]:
     return {split: corpus / split for split in ("heldout", "validation") if (corpus / split).exists()}
 
 
+def single_split(recipe: Recipe, corpus: Path) -> tuple[str, Path]:
+    """The split that the evaluations of one split (cache off, windows, cache ages) score: the held-out sources,
+    else the validation split."""
+    splits = eval_splits(recipe, corpus)
+    split = "heldout" if "heldout" in splits else "validation"
+    return split, splits[split]
+
+
 def window_of(overrides: list[str]) -> int | None:
     """The last ``--model.window`` of trainer overrides (``--key value`` or ``--key=value``), or None."""
     window = None
@@ -242,23 +250,20 @@ def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out:
                           str(out / f"eval_{split}"), "--no-progress", "--chunk", str(EVAL_CHUNK)],
                          out / f"eval_{split}" / f"ppl_{name}.json"))
     if "ppl_cache_off" in evals and has_cache:
-        splits = eval_splits(recipe, corpus)
-        split = "heldout" if "heldout" in splits else "validation"
+        split, data = single_split(recipe, corpus)
         folder_off = out / f"eval_{split}{CACHE_OFF}"
-        todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(splits[split]), "--out",
+        todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out",
                       str(folder_off), "--no-progress", "--chunk", str(EVAL_CHUNK), "--cache", "off"],
                      folder_off / f"ppl_{name}{CACHE_OFF_LABEL}.json"))
     if "ppl_window" in evals:
-        splits = eval_splits(recipe, corpus)
-        split = "heldout" if "heldout" in splits else "validation"
+        split, data = single_split(recipe, corpus)
         folder_win = out / f"eval_{split}{WINDOW}"
-        todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(splits[split]), "--out",
+        todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out",
                       str(folder_win), "--no-progress", "--chunk", str(EVAL_CHUNK), "--window", str(seq_len)],
                      folder_win / f"ppl_{name}.json"))
     if "cache_ages" in evals and has_cache and holds_entries:
-        splits = eval_splits(recipe, corpus)
-        split = "heldout" if "heldout" in splits else "validation"
-        todo.append(([*evaluate, "cache", "--checkpoint", str(export), "--data", str(splits[split]), "--out",
+        split, data = single_split(recipe, corpus)
+        todo.append(([*evaluate, "cache", "--checkpoint", str(export), "--data", str(data), "--out",
                       str(out / "eval_cache"), "--no-progress", "--max-documents", "4", "--max-tokens",
                       str(CACHE_AGE_LENGTH_FACTOR * seq_len)],
                      out / "eval_cache" / f"cache_{name}.json"))
@@ -614,7 +619,10 @@ def _run_results(folders: list[Path], curves: dict[str, Curve] | None, sub: str,
 def load_cache_ages(folders: list[Path], curves: dict[str, Curve] | None = None) -> dict[str, dict]:
     """``--evaluate cache_ages`` results: run name -> the eval's ``details`` (later folders win; ``curves`` as for
     :func:`load_evaluations`)."""
-    return {name: result["details"] for name, result in _run_results(folders, curves, "eval_cache", "cache_").items()}
+    found = {name: result["details"] for name, result in _run_results(folders, curves, "eval_cache", "cache_").items()}
+    # A run whose cache held nothing has no bins (and NaN shares): nothing to table.
+    return {name: d for name, d in found.items()
+            if d.get("layers") and all(layer["bins"] for layer in d["layers"].values())}
 
 
 def _mean(values: list[float]) -> float:
@@ -623,8 +631,8 @@ def _mean(values: list[float]) -> float:
 
 def cache_age_lines(curves: dict[str, Curve], variants: list[str], ages: dict[str, dict]) -> list[str]:
     """How old the held entries are on the longest held-out documents: per variant, the share from the first 1/8
-    of the prefix and the mean relative age, overall and where the reading position passes the training length
-    (each a mean over layers, then mean [min, max] over seeds)."""
+    of the prefix and the mean relative age, overall and in the last bin of reading positions (each a mean over
+    layers, then mean [min, max] over seeds)."""
     if not ages:
         return []
     first = next(iter(ages.values()))
@@ -635,16 +643,14 @@ def cache_age_lines(curves: dict[str, Curve], variants: list[str], ages: dict[st
              "over the layers; the last columns for the reading positions of the last bin:", "",
              "| variant | early share | mean relative age | last bin | early share there |", "|---|---|---|---|---|"]
     for v in variants:
-        found = [ages[run_name(v, c.seed)] for c in curves.values()  # a run whose cache held nothing: no bins
-                 if c.variant == v and ages.get(run_name(v, c.seed), {}).get("layers")
-                 and all(layer["bins"] for layer in ages[run_name(v, c.seed)]["layers"].values())]
+        found = [ages[run_name(v, c.seed)] for c in curves.values() if c.variant == v and run_name(v, c.seed) in ages]
         if not found:
             continue
         early = [_mean([layer["early_share"] for layer in d["layers"].values()]) for d in found]
         age = [_mean([layer["mean_relative_age"] for layer in d["layers"].values()]) for d in found]
-        last = [list(d["layers"].values())[0]["bins"][-1] for d in found]
         late = [_mean([layer["bins"][-1]["early_share"] for layer in d["layers"].values()]) for d in found]
-        lines.append(f"| {v} | {spread(early, 3)} | {spread(age, 3)} | {last[0]['from']:,}-{last[0]['to']:,} | "
+        last = next(iter(found[0]["layers"].values()))["bins"][-1]
+        lines.append(f"| {v} | {spread(early, 3)} | {spread(age, 3)} | {last['from']:,}-{last['to']:,} | "
                      f"{spread(late, 3)} |")
     return lines
 

@@ -118,12 +118,12 @@ def inspect_text(model: HolaTitanLM, documents: list[list[int]], *, bins: int = 
         readers, ages, early = [], [], []
         for pos in (sel[name] for sel in per_doc):
             # Row b of the selections is what block b + 1 reads, at r = (b + 1) * C.
-            r = (np.arange(pos.shape[0]) + 1)[:, None, None] * block
             held = pos >= 0
-            r_slot = np.broadcast_to(r, pos.shape)
-            readers.append(r_slot[held])
-            ages.append((r_slot[held] - pos[held]) / r_slot[held])
-            early.append(pos[held] * EARLY < r_slot[held])
+            r = np.broadcast_to((np.arange(pos.shape[0]) + 1)[:, None, None] * block, pos.shape)[held]
+            p = pos[held]
+            readers.append(r)
+            ages.append((r - p) / r)
+            early.append(p * EARLY < r)
         readers, ages, early = np.concatenate(readers), np.concatenate(ages), np.concatenate(early)
         which = np.clip(np.searchsorted(edges, readers, side="right") - 1, 0, len(edges) - 2)
         rows = []

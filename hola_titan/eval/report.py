@@ -148,7 +148,7 @@ def plot_cache(result: dict, path: Path) -> Path:
     text = details.get("mode") == "text"  # text: one colour (no token kinds), the first document's selections
     kinds = None if text else details["kinds"]
     colours = {"key": "tab:blue", "value": "tab:orange", "query": "tab:green", "answer": "tab:red",
-               "filler": "lightgray"}
+               "filler": "lightgray", "held": "tab:blue"}
     names = list(details["positions"])
 
     def draw(axes_row, name):
@@ -161,7 +161,7 @@ def plot_cache(result: dict, path: Path) -> Path:
                         if p >= 0 and (text or KINDS[kinds[p]] == kind):
                             xs.append((b + 1) * details["block"])
                             ys.append(p)
-                ax.scatter(xs, ys, s=6 if not text else 2, c="tab:blue" if text else colours[kind], label=kind)
+                ax.scatter(xs, ys, s=2 if text else 6, c=colours[kind], label=kind)
             ax.set(xlabel="reading block starts at", ylabel="selected position", title=f"layer {name} head {head}")
         axes_row[0].legend(fontsize=6, markerscale=2)
 
