@@ -95,16 +95,17 @@ class Variant:
 
 VARIANTS = {
     "gdn": Variant("gdn", ("state_read", "mixing", "eviction", "span", "cache_scalars", "flavours", "gate", "sink",
-                           "span_defaults"),
+                           "span_defaults", "mixing_lr", "span_256"),
                    (),
                    "Gated DeltaNet, no cache"),
-    "hola": Variant("hola", ("state_read", "mixing", "flavours", "gate", "sink", "span_defaults"), (),
+    "hola": Variant("hola", ("state_read", "mixing", "flavours", "gate", "sink", "span_defaults", "mixing_lr",
+                             "span_256"), (),
                     "the first defaults: s = D^-1/2, gate init -4, cache params decayed"),
     "hola_s1": Variant("hola", ("state_read", "eviction", "span", "cache_scalars"),
                        ("--model.state_read_scale", "one"), "the state read as the paper writes it: q^T S (s = 1)"),
     "hola_after_norm": Variant("hola", ("mixing",), ("--model.cache_mix", "after_norm"),
                                "s = D^-1/2, the cache read added after the output norm: o_norm(o_state) + l o_cache"),
-    "hola_per_path": Variant("hola", ("mixing",), ("--model.cache_mix", "per_path_norm"),
+    "hola_per_path": Variant("hola", ("mixing", "mixing_lr"), ("--model.cache_mix", "per_path_norm"),
                              "s = D^-1/2, one norm per path: o_norm(o_state) + l o_norm(o_cache)"),
     "hola_recency_s1": Variant("hola_recency", ("eviction",), ("--model.state_read_scale", "one"),
                                "HOLA+recency with s = 1"),
@@ -129,7 +130,7 @@ VARIANTS = {
     # the first screen measured and set aside (docs/LOG.md, 2026-12-05).
     "hola_w0": Variant("hola", ("span_defaults",), ("--model.window", "0"),
                        "window 0: the causal block and the sink only (no cache entries from earlier blocks)"),
-    "hola_c256": Variant("hola", ("span_defaults",), ("--model.block", "256"),
+    "hola_c256": Variant("hola", ("span_defaults", "span_256"), ("--model.block", "256"),
                          "block 256 (the paper's C) against the small recipe's 64 (the 46M recipe's block is "
                          "256 already: there it is the defaults)"),
     "hola_nodecay": Variant("hola", ("span_defaults",), ("--optimizer.decay_cache_scalars", "false"),
@@ -137,6 +138,16 @@ VARIANTS = {
     "hola_recency": Variant("hola_recency", ("flavours", "span_defaults"), (),
                             "HOLA+recency with the defaults"),
     "transformer": Variant("transformer", ("flavours",), (), "Transformer++ (softmax attention, no recurrence)"),
+    # After the evening screen of 2026-12-07 (docs/LOG.md): window 0 beats the defaults, and with persistent entries
+    # the recurrent state learns less. Two ways to keep the entries without that: start near GDN and let the cache
+    # earn its weight (one norm per path stayed GDN at the base rate, its gate moving about one logit a run), and the
+    # in-block attention at the 46M recipe's block 256, with and without persistent entries.
+    "hola_per_path_lr10": Variant("hola", ("mixing_lr",), ("--model.cache_mix", "per_path_norm",
+                                                          "--optimizer.cache_lr_multiplier", "10"),
+                                  "one norm per path (near GDN at init), the cache's own scalars at 10x the learning "
+                                  "rate so the gate can grow"),
+    "hola_c256_w0": Variant("hola", ("span_256",), ("--model.block", "256", "--model.window", "0"),
+                            "block 256, window 0: the 46M recipe's in-block span, no persistent entries"),
 }
 DEFAULT_SEEDS = (0, 1)
 # The first screen (16 runs fit one GPU side by side); the others are run by name with --variants.
@@ -146,7 +157,11 @@ FIRST_SCREEN = ("gdn", "hola", "hola_s1", "hola_after_norm", "hola_per_path", "h
 # the span and the cache scalars' decay against the defaults that the first screen and the 46M runs kept. Block 256
 # is the 46M recipe's own, and HOLA+recency has its 46M runs, so neither takes a place here.
 SECOND_SCREEN = ("gdn", "hola", "hola_gate_m2", "hola_cache_lr10", "hola_nosink", "hola_w0", "hola_nodecay")
-SCREENS = {"first_screen": FIRST_SCREEN, "second_screen": SECOND_SCREEN}
+# The third (12 runs): what the second left unrun (no sink), block 256 with and without persistent entries, and one
+# norm per path with a gate free to grow; GDN and HOLA again (their runs repeat bit for bit, so this costs pairing
+# nothing and checks it).
+THIRD_SCREEN = ("gdn", "hola", "hola_nosink", "hola_c256", "hola_c256_w0", "hola_per_path_lr10")
+SCREENS = {"first_screen": FIRST_SCREEN, "second_screen": SECOND_SCREEN, "third_screen": THIRD_SCREEN}
 FAMILY_TITLES = {
     "state_read": "The state read's scale (before the output norm it sets the state's weight against the cache)",
     "mixing": "Where the cache read joins the state read: before the output norm, after it, one norm per path",
@@ -158,6 +173,8 @@ FAMILY_TITLES = {
     "sink": "The null sink: with it (the paper's) and without",
     "span_defaults": "With the defaults: window 0 (no entries from earlier blocks), block 256, no decay of the cache's "
                      "scalars, recency eviction",
+    "mixing_lr": "One norm per path (near GDN at init) at the base and at 10x the cache scalars' learning rate",
+    "span_256": "Block 256 (the 46M recipe's and the paper's C) with and without persistent entries",
 }
 
 

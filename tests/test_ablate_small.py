@@ -411,6 +411,13 @@ def test_the_plan_estimates_with_what_one_gpu_trains_of_the_recipe(capsys):
     out = capsys.readouterr().out
     assert f"{2 * len(ablate.SECOND_SCREEN)} runs ({len(ablate.SECOND_SCREEN)} variants" in out
     assert all(f"\n  {v} " in out for v in ablate.SECOND_SCREEN)
+    assert ablate.main(["--plan", "--variants", "third_screen"]) == 0
+    out = capsys.readouterr().out
+    assert f"{2 * len(ablate.THIRD_SCREEN)} runs ({len(ablate.THIRD_SCREEN)} variants" in out
+    # Every variant of a screen is plotted with GDN in each of its families: no family without its baseline.
+    for v in ablate.THIRD_SCREEN:
+        families = ablate.VARIANTS[v].families
+        assert all(f in ablate.VARIANTS["gdn"].families and f in ablate.FAMILY_TITLES for f in families), v
 
 
 def test_runs_on_different_builds_of_the_corpus_are_not_paired(tmp_path):
