@@ -82,10 +82,10 @@ filtering=$!
 # hola_titan.launch has the kernel kill torchrun when this script ends, even by kill -9 (no trap sees that); the
 # workers, orphaned then, stop as on SIGTERM and free the run folder.
 # The traps are set before the launch: a signal that came between the launch and the traps ended this script by
-# default (status 143: no save, and a Slurm job not requeued). One that comes before the launcher's pid is known is
-# passed on right after.
-launcher="" pending=""
-forward() { if [ -n "$launcher" ]; then pkill "-$1" -P "$launcher" 2>/dev/null || true; else pending=$1; fi; }
+# default (status 143: no save, and a Slurm job not requeued). One that comes before the launcher has workers has
+# nobody to reach (before its pid is known, the launcher has just been forked) and is dropped.
+launcher=""
+forward() { [ -z "$launcher" ] || pkill "-$1" -P "$launcher" 2>/dev/null || true; }
 trap 'forward TERM' TERM
 trap 'forward USR1' USR1
 trap 'forward INT' INT
@@ -93,7 +93,6 @@ trap 'forward INT' INT
     --max-restarts "$MAX_RESTARTS" --signals-to-handle SIGHUP,SIGQUIT --local-ranks-filter "$LOG_RANK" \
     --role rank --tee 3 -m hola_titan.train --job.config_file "$CONFIG_FILE" "${overrides[@]}" ) 2> "$work/stderr" &
 launcher=$!
-if [ -n "$pending" ]; then forward "$pending"; fi
 status=0
 while true; do
   wait "$launcher" && status=0 || status=$?
