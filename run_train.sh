@@ -93,12 +93,11 @@ trap 'forward INT' INT
     --max-restarts "$MAX_RESTARTS" --signals-to-handle SIGHUP,SIGQUIT --local-ranks-filter "$LOG_RANK" \
     --role rank --tee 3 -m hola_titan.train --job.config_file "$CONFIG_FILE" "${overrides[@]}" ) 2> "$work/stderr" &
 launcher=$!
-status=0
-while true; do
-  wait "$launcher" && status=0 || status=$?
-  # wait returns early (status > 128) when a trapped signal arrives; the launcher is still running then.
-  if ! kill -0 "$launcher" 2>/dev/null; then break; fi
-done
+# wait returns early (status > 128) when a trapped signal arrives: wait again until the launcher has ended, then read
+# its status (bash keeps it). Taking the interrupted wait's status when the launcher ended meanwhile (its workers
+# quick to save) made a clean stop exit 143, and a Slurm job was then not requeued.
+while kill -0 "$launcher" 2>/dev/null; do wait "$launcher" || true; done
+wait "$launcher" && status=0 || status=$?
 wait "$filtering" || true
 if [ -s "$HOLA_TITAN_ERROR_FILE" ]; then status=2; fi
 rm -rf "$work"
