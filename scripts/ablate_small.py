@@ -19,9 +19,10 @@ Usage::
 process with its run folder under ``--work``; a run resumes from its last checkpoint. Before the budget ends it
 sends SIGTERM, on which the trainer saves a checkpoint and exits, so the next ``--run`` on the same machine (with the
 same ``--work``) goes on where this one stopped. It copies every run's ``metrics.jsonl`` and the end of its log to
-``--out`` with ``status.json`` (steps reached, device, versions, the commands). With ``--evaluate ppl,niah``
-each run that reaches ``--steps`` is exported and evaluated as soon as its training ends (perplexity on the
-corpus's validation and held-out splits, S-NIAH-1/2 at 1-4x the training length), results under
+``--out`` with ``status.json`` (steps reached, device, versions, the commands), every minute while it runs and
+once more at its end (``"final": true``), so a machine lost mid-run leaves a folder that merges. With ``--evaluate
+ppl,niah`` each run that reaches ``--steps`` is exported and evaluated, in the order named, as soon as its training
+ends (perplexity on the corpus's validation and held-out splits, S-NIAH-1/2 at 1-4x the training length), results under
 ``--out/eval_*``; the merge tables the perplexities against GDN's of the same seed. ``--merge`` reads any number of
 such folders (a resumed run logs the steps after its checkpoint again: the last attempt's record of a step
 wins).
@@ -83,6 +84,7 @@ RECIPES = {
                   300_000.0),
 }
 STOP_GRACE_S = 90.0  # what a stopped run gets to save its checkpoint before it is killed
+STATUS_EVERY_S = 60.0  # how often --run rewrites --out while it runs (what a lost machine leaves behind)
 
 
 @dataclass(frozen=True)
@@ -249,46 +251,48 @@ def window_of(overrides: list[str]) -> int | None:
 def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out: Path, steps: int,
                   seq_len: int, evals: list[str], has_cache: bool = True,
                   holds_entries: bool = True) -> list[tuple[list[str], Path]]:
-    """What ``--evaluate`` still has to run for a finished run: ``(command, file it writes)`` in order, those whose
-    file exists left out (a later ``--run`` picks up what a budget cut short). The export folder is named after
-    the run, which the evaluations take as their label. ``has_cache``: the run's flavour reads a cache (the
-    cache-off ablation applies to it); ``holds_entries``: its cache keeps entries of earlier blocks (not window 0),
-    whose ages ``cache_ages`` measures."""
+    """What ``--evaluate`` still has to run for a finished run: ``(command, file it writes)``, the export first and
+    then the evaluations in the order ``evals`` names them (a budget that ends early cuts the last named, so name
+    first what matters most), those whose file exists left out (a later ``--run`` picks up what a budget cut
+    short). The export folder is named after the run, which the evaluations take as their label. ``has_cache``:
+    the run's flavour reads a cache (the cache-off ablation applies to it); ``holds_entries``: its cache keeps
+    entries of earlier blocks (not window 0), whose ages ``cache_ages`` measures."""
     export = folder / name
-    todo = [([sys.executable, "scripts/convert_to_safetensors.py", str(folder / "checkpoint" / f"step-{steps}"),
-              str(export)], export / "model.safetensors")]
     evaluate = [sys.executable, "-m", "hola_titan.eval"]
+    by_eval: dict[str, list[tuple[list[str], Path]]] = {}
     if "ppl" in evals or "ppl_heldout" in evals:
         splits = eval_splits(recipe, corpus)
         if "ppl" not in evals:
             splits = {split: data for split, data in splits.items() if split == "heldout"}  # run() checked it
-        for split, data in splits.items():
-            todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out",
-                          str(out / f"eval_{split}"), "--no-progress", "--chunk", str(EVAL_CHUNK)],
-                         out / f"eval_{split}" / f"ppl_{name}.json"))
+        by_eval["ppl" if "ppl" in evals else "ppl_heldout"] = [
+            ([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out", str(out / f"eval_{split}"),
+              "--no-progress", "--chunk", str(EVAL_CHUNK)], out / f"eval_{split}" / f"ppl_{name}.json")
+            for split, data in splits.items()]
     if "ppl_cache_off" in evals and has_cache:
         split, data = single_split(recipe, corpus)
         folder_off = out / f"eval_{split}{CACHE_OFF}"
-        todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out",
-                      str(folder_off), "--no-progress", "--chunk", str(EVAL_CHUNK), "--cache", "off"],
-                     folder_off / f"ppl_{name}{CACHE_OFF_LABEL}.json"))
+        by_eval["ppl_cache_off"] = [([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out",
+                                      str(folder_off), "--no-progress", "--chunk", str(EVAL_CHUNK), "--cache", "off"],
+                                     folder_off / f"ppl_{name}{CACHE_OFF_LABEL}.json")]
     if "ppl_window" in evals:
         split, data = single_split(recipe, corpus)
         folder_win = out / f"eval_{split}{WINDOW}"
-        todo.append(([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out",
-                      str(folder_win), "--no-progress", "--chunk", str(EVAL_CHUNK), "--window", str(seq_len)],
-                     folder_win / f"ppl_{name}.json"))
+        by_eval["ppl_window"] = [([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out",
+                                   str(folder_win), "--no-progress", "--chunk", str(EVAL_CHUNK), "--window",
+                                   str(seq_len)], folder_win / f"ppl_{name}.json")]
     if "cache_ages" in evals and has_cache and holds_entries:
         split, data = single_split(recipe, corpus)
-        todo.append(([*evaluate, "cache", "--checkpoint", str(export), "--data", str(data), "--out",
-                      str(out / "eval_cache"), "--no-progress", "--max-documents", "4", "--max-tokens",
-                      str(CACHE_AGE_LENGTH_FACTOR * seq_len)],
-                     out / "eval_cache" / f"cache_{name}.json"))
+        by_eval["cache_ages"] = [([*evaluate, "cache", "--checkpoint", str(export), "--data", str(data), "--out",
+                                   str(out / "eval_cache"), "--no-progress", "--max-documents", "4", "--max-tokens",
+                                   str(CACHE_AGE_LENGTH_FACTOR * seq_len)], out / "eval_cache" / f"cache_{name}.json")]
     if "niah" in evals:
         lengths = ",".join(str(f * seq_len) for f in NIAH_LENGTH_FACTORS)
-        todo.append(([*evaluate, "niah", "--checkpoint", str(export), "--out", str(out / "eval_niah"),
-                      "--no-progress", "--tasks", NIAH_TASKS, "--lengths", lengths, "--samples", "4"],
-                     out / "eval_niah" / f"niah_{name}.json"))
+        by_eval["niah"] = [([*evaluate, "niah", "--checkpoint", str(export), "--out", str(out / "eval_niah"),
+                             "--no-progress", "--tasks", NIAH_TASKS, "--lengths", lengths, "--samples", "4"],
+                            out / "eval_niah" / f"niah_{name}.json")]
+    todo = [([sys.executable, "scripts/convert_to_safetensors.py", str(folder / "checkpoint" / f"step-{steps}"),
+              str(export)], export / "model.safetensors")]
+    todo += [item for e in evals for item in by_eval.get(e, [])]
     return [(command, target) for command, target in todo if not target.exists()]
 
 
@@ -434,11 +438,47 @@ def run(args) -> int:
                                                     start_new_session=True)
                 eval_log.setdefault(name, []).append({"command": command[1:4], "rc": None})
 
+    def write_status(final: bool) -> dict:
+        """``--out``: every run's metrics, the end of its log and ``status.json``. Written at the end and every
+        STATUS_EVERY_S before it, so a machine lost mid-run (a lease taken back) leaves a folder that merges as it
+        is; ``final`` says whether the driver ended (``rc`` is None for a child still running)."""
+        status = {"format": FORMAT, "started": started, "wall_s": time.time() - started, "final": final,
+                  "budget_min": args.budget_min, "steps": args.steps, "warmup_steps": args.warmup,
+                  "tokens_per_step": recipe.tokens_per_step, "recipe": args.recipe, "config": recipe.config,
+                  "device": device, "host": platform.node(), "versions": versions,
+                  "corpus": corpus_id, "runs": {}}
+        for variant, seed in runs:
+            name = run_name(variant, seed)
+            folder = work / name
+            rows = read_jsonl(folder / "metrics.jsonl")
+            if (folder / "metrics.jsonl").is_file():
+                shutil.copyfile(folder / "metrics.jsonl", out / f"{name}.jsonl")
+            log = folder / "train.log"
+            if log.is_file():
+                (out / f"{name}.log").write_text("\n".join(log.read_text(errors="replace").splitlines()[-40:]) + "\n")
+            p = children.get(name)
+            status["runs"][name] = {"variant": variant, "seed": seed, "flavour": VARIANTS[variant].flavour,
+                                    "overrides": list(VARIANTS[variant].overrides), "step": last_step(rows),
+                                    "finished": last_step(rows) >= args.steps,
+                                    "rc": None if p is None else p.poll(), "stopped": name in stopped,
+                                    "evaluations": eval_log.get(name, []),
+                                    "command": [str(c).replace(str(work), "<work>").replace(str(REPO), "<repo>")
+                                                for c in commands.get(name, [])]}
+        tmp = out / "status.json.tmp"
+        tmp.write_text(json.dumps(status, indent=1) + "\n")
+        tmp.replace(out / "status.json")  # a snapshot taken mid-write reads the previous status, never half of one
+        return status
+
+    device, versions, corpus_id = _device(), _versions(), corpus_identity(recipe, corpus)
+    stopped: set[str] = set()
+    next_status = time.monotonic() + STATUS_EVERY_S
     for variant, seed in runs:
         if run_name(variant, seed) not in children:
             queue_evaluations(run_name(variant, seed))
-    stopped = set()
     while True:
+        if time.monotonic() >= next_status:
+            write_status(final=False)
+            next_status = time.monotonic() + STATUS_EVERY_S
         for name, p in children.items():
             if p.poll() == 0:
                 queue_evaluations(name)
@@ -469,28 +509,7 @@ def run(args) -> int:
             os.killpg(p.pid, signal.SIGKILL)  # cut by the budget: the next --run evaluates it again
     for p in [*children.values(), *evaluating.values()]:
         p.wait()
-    status = {"format": FORMAT, "started": started, "wall_s": time.time() - started, "budget_min": args.budget_min,
-              "steps": args.steps, "warmup_steps": args.warmup, "tokens_per_step": recipe.tokens_per_step,
-              "recipe": args.recipe, "config": recipe.config, "device": _device(), "host": platform.node(),
-              "versions": _versions(), "corpus": corpus_identity(recipe, corpus), "runs": {}}
-    for variant, seed in runs:
-        name = run_name(variant, seed)
-        folder = work / name
-        rows = read_jsonl(folder / "metrics.jsonl")
-        if (folder / "metrics.jsonl").is_file():
-            shutil.copyfile(folder / "metrics.jsonl", out / f"{name}.jsonl")
-        log = folder / "train.log"
-        if log.is_file():
-            (out / f"{name}.log").write_text("\n".join(log.read_text(errors="replace").splitlines()[-40:]) + "\n")
-        p = children.get(name)
-        status["runs"][name] = {"variant": variant, "seed": seed, "flavour": VARIANTS[variant].flavour,
-                                "overrides": list(VARIANTS[variant].overrides), "step": last_step(rows),
-                                "finished": last_step(rows) >= args.steps,
-                                "rc": None if p is None else p.returncode, "stopped": name in stopped,
-                                "evaluations": eval_log.get(name, []),
-                                "command": [str(c).replace(str(work), "<work>").replace(str(REPO), "<repo>")
-                                            for c in commands.get(name, [])]}
-    (out / "status.json").write_text(json.dumps(status, indent=1) + "\n")
+    status = write_status(final=True)
     for name, r in status["runs"].items():
         print(f"{name:24s} step {r['step']:5d}{'  finished' if r['finished'] else ''}  rc {r['rc']}")
     failed = [n for n, r in status["runs"].items() if r["rc"] not in (None, 0) and not r["stopped"]]
@@ -769,6 +788,10 @@ def merge(args) -> int:
              f"{recipe.about} (one step: {tokens_per_step / 1e6:.3f}M tokens), a {statuses[0]['steps']}-step cosine "
              f"schedule, warmup {statuses[0]['warmup_steps']}, `{recipe.config}` with each variant's keys; seeds "
              f"{', '.join(map(str, seeds))}.",
+             *([] if all(st.get("final", True) for st in statuses) else
+               ["", f"{sum(not st.get('final', True) for st in statuses)} of the {len(statuses)} folders are snapshots "
+                "taken before their driver ended (`\"final\": false` in `status.json`): their runs stop where the "
+                "snapshot found them (steps reached: below)."]),
              "", "Runs of one seed on one build of the corpus read the same batches in the same order, so each cell "
              "is the variant's training loss minus GDN's on the same batches, averaged over the window (mean [min, "
              "max] over the seeds whose GDN run read the same build; negative: better than GDN).", "",
@@ -1071,7 +1094,8 @@ def main(argv: list[str] | None = None) -> int:
                    "alone, ppl_cache_off the held-out one with every cache gate at zero, HOLA flavours only; "
                    "ppl_window the held-out one in windows of the training length; cache_ages the age of the "
                    "cache's entries over its longest documents, HOLA flavours only; "
-                   "S-NIAH-1/2 at 1-4x the training length) as soon as its training ends, results under --out/eval_*")
+                   "S-NIAH-1/2 at 1-4x the training length) as soon as its training ends, in the order named (a "
+                   "budget that ends early cuts the last named), results under --out/eval_*")
     p.add_argument("--report", help="--merge: folder for ablations.md, ablations.json and the PNGs")
     p.add_argument("--window", type=int, default=25, help="--merge: steps per point of the plotted curves")
     p.add_argument("--span", type=int, default=100, help="--merge: steps per column of the table of differences")

@@ -213,6 +213,15 @@ def test_the_evaluations_of_a_finished_run_are_listed_and_what_exists_is_left_ou
                               out=tmp_path / "o7", steps=r.steps, seq_len=r.seq_len,
                               evals=["cache_ages", "ppl_cache_off"], holds_entries=False)
     assert [t.parent.name for _, t in w0] == ["hola_w0_s0", "eval_heldout_cache_off"]
+    # The evaluations run in the order --evaluate names them (a short budget cuts the last named), the export first.
+    order = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=tmp_path / "o8",
+                                 steps=r.steps, seq_len=r.seq_len,
+                                 evals=["ppl_window", "cache_ages", "ppl_heldout", "ppl_cache_off"])
+    assert [t.parent.name for _, t in order] == ["hola_s0", "eval_heldout_window", "eval_cache", "eval_heldout",
+                                                 "eval_heldout_cache_off"]
+    reverse = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=tmp_path / "o8",
+                                   steps=r.steps, seq_len=r.seq_len, evals=["niah", "ppl"])
+    assert [t.parent.name for _, t in reverse] == ["hola_s0", "eval_niah", "eval_heldout", "eval_validation"]
     assert ablate.window_of(list(ablate.VARIANTS["hola_w0"].overrides)) == 0
     assert ablate.window_of(["--model.window", "0", "--model.window=16"]) == 16
     assert ablate.window_of(list(ablate.VARIANTS["hola"].overrides)) is None
@@ -276,6 +285,48 @@ def test_run_trains_then_evaluates_each_finished_run_and_the_merge_tables_the_pe
     assert "| hola | 9.00 | - | - | - |" in text  # validation: no GDN result to pair, no words in either
     result = json.loads((tmp_path / "r" / "ablations.json").read_text())
     assert result["variants"]["hola"]["evaluations"]["validation"]["0"]["perplexity"] == 9.0
+
+
+def test_run_writes_its_status_while_the_runs_train(tmp_path, monkeypatch):
+    """A machine lost mid-run leaves --out as the last snapshot found it: status.json and the metrics must be
+    there before the driver ends, not only after. The stand-in trainer logs step 5, waits for the driver's
+    status, keeps a copy of it, then logs its last step."""
+    corpus = tmp_path / "corpus"
+    for split in ("train", "validation", "heldout"):
+        (corpus / split).mkdir(parents=True)
+    out = tmp_path / "o"
+
+    def train_command(variant, seed, *, folder, steps, **_):
+        code = (f"import json, pathlib, shutil, time\n"
+                f"m = pathlib.Path({str(folder / 'metrics.jsonl')!r}); s = pathlib.Path({str(out / 'status.json')!r})\n"
+                f"m.write_text(json.dumps({{'step': 5, 'loss': 2.0}}) + '\\n')\n"
+                f"end = time.time() + 30\n"
+                f"while time.time() < end and not (s.exists() and json.loads(s.read_text())['runs']"
+                f"['hola_s0']['step'] == 5):\n    time.sleep(0.05)\n"
+                f"shutil.copyfile(s, s.with_name('seen_mid_run.json'))\n"
+                f"m.write_text(m.read_text() + json.dumps({{'step': {steps}, 'loss': 1.0}}) + '\\n')\n")
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(ablate, "train_command", train_command)
+    monkeypatch.setattr(ablate, "STATUS_EVERY_S", 0.1)
+    args = ["--run", "--recipe", "46M", "--variants", "hola", "--seeds", "0", "--work", str(tmp_path / "w"),
+            "--out", str(out), "--corpus", str(corpus), "--budget-min", "2.5"]
+    assert ablate.main(args) == 0
+    mid = json.loads((out / "seen_mid_run.json").read_text())
+    assert mid["final"] is False and mid["runs"]["hola_s0"]["step"] == 5 and mid["runs"]["hola_s0"]["rc"] is None
+    final = json.loads((out / "status.json").read_text())
+    assert final["final"] is True and final["runs"]["hola_s0"]["step"] == 1600 and final["runs"]["hola_s0"]["rc"] == 0
+    assert (out / "hola_s0.jsonl").read_text().count("\n") == 2
+    assert not (out / "status.json.tmp").exists()
+    # A snapshot's folder merges, and the report says it is one.
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / "status.json").write_text(json.dumps(mid))
+    (snap / "hola_s0.jsonl").write_text(json.dumps({"step": 5, "loss": 2.0}) + "\n")
+    assert ablate.main(["--merge", str(snap), "--report", str(tmp_path / "r")]) == 0
+    assert "1 of the 1 folders are snapshots" in (tmp_path / "r" / "ablations.md").read_text()
+    assert ablate.main(["--merge", str(out), "--report", str(tmp_path / "r2")]) == 0
+    assert "snapshots" not in (tmp_path / "r2" / "ablations.md").read_text()
 
 
 def test_the_merge_orders_the_variants_beyond_the_seed_spread(tmp_path):
