@@ -200,7 +200,8 @@ def corpus_files(recipe: Recipe, corpus: Path) -> tuple[Path, Path]:
 # scored in windows of the training length (lm-eval's rolling windows, the context of the papers' "Wiki. ppl": no
 # target sees more than training showed; the default gives every target its whole document, which can be 100x the
 # training length); cache_ages: how old the entries a HOLA flavour's cache holds are over the longest documents of
-# that split (``hola_titan.eval cache --data``, up to 16x the training length); niah: S-NIAH-1/2.
+# that split, and where its read's softmax mass goes (entries of earlier blocks, in-block tokens, sink: window 0 has
+# only the latter) (``hola_titan.eval cache --data``, up to 16x the training length); niah: S-NIAH-1/2.
 EVALS = ("ppl", "ppl_heldout", "ppl_cache_off", "ppl_window", "cache_ages", "niah")
 CACHE_AGE_LENGTH_FACTOR = 16
 """``cache_ages`` reads up to this many training lengths of each of the 4 longest documents."""
@@ -237,26 +238,13 @@ def single_split(recipe: Recipe, corpus: Path) -> tuple[str, Path]:
     return split, splits[split]
 
 
-def window_of(overrides: list[str]) -> int | None:
-    """The last ``--model.window`` of trainer overrides (``--key value`` or ``--key=value``), or None."""
-    window = None
-    for i, item in enumerate(overrides):
-        if item == "--model.window" and i + 1 < len(overrides):
-            window = int(overrides[i + 1])
-        elif item.startswith("--model.window="):
-            window = int(item.split("=", 1)[1])
-    return window
-
-
 def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out: Path, steps: int,
-                  seq_len: int, evals: list[str], has_cache: bool = True,
-                  holds_entries: bool = True) -> list[tuple[list[str], Path]]:
+                  seq_len: int, evals: list[str], has_cache: bool = True) -> list[tuple[list[str], Path]]:
     """What ``--evaluate`` still has to run for a finished run: ``(command, file it writes)``, the export first and
     then the evaluations in the order ``evals`` names them (a budget that ends early cuts the last named, so name
     first what matters most), those whose file exists left out (a later ``--run`` picks up what a budget cut
     short). The export folder is named after the run, which the evaluations take as their label. ``has_cache``:
-    the run's flavour reads a cache (the cache-off ablation applies to it); ``holds_entries``: its cache keeps
-    entries of earlier blocks (not window 0), whose ages ``cache_ages`` measures."""
+    the run's flavour reads a cache (the cache-off ablation and ``cache_ages`` apply to it)."""
     export = folder / name
     evaluate = [sys.executable, "-m", "hola_titan.eval"]
     by_eval: dict[str, list[tuple[list[str], Path]]] = {}
@@ -280,7 +268,7 @@ def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out:
         by_eval["ppl_window"] = [([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out",
                                    str(folder_win), "--no-progress", "--chunk", str(EVAL_CHUNK), "--window",
                                    str(seq_len)], folder_win / f"ppl_{name}.json")]
-    if "cache_ages" in evals and has_cache and holds_entries:
+    if "cache_ages" in evals and has_cache:
         split, data = single_split(recipe, corpus)
         by_eval["cache_ages"] = [([*evaluate, "cache", "--checkpoint", str(export), "--data", str(data), "--out",
                                    str(out / "eval_cache"), "--no-progress", "--max-documents", "4", "--max-tokens",
@@ -388,8 +376,6 @@ def run(args) -> int:
     runs = [(v, s) for v in args.variants for s in args.seeds]
     flavours = _by_path("models.flavours")  # the registry says which flavours read a cache
     has_cache = {run_name(v, s): flavours.get(VARIANTS[v].flavour).evict not in (None, "none") for v, s in runs}
-    holds_entries = {run_name(v, s): window_of(list(VARIANTS[v].overrides) + list(args.extra or [])) != 0
-                     for v, s in runs}
     children: dict[str, subprocess.Popen] = {}
     commands, started = {}, time.time()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -417,8 +403,7 @@ def run(args) -> int:
                 last_step(read_jsonl(work / name / "metrics.jsonl")) >= args.steps:
             pending[name] = eval_commands(name, recipe=recipe, folder=work / name, corpus=corpus, out=out,
                                           steps=args.steps, seq_len=recipe.seq_len,
-                                          evals=args.evaluate, has_cache=has_cache[name],
-                                          holds_entries=holds_entries[name])
+                                          evals=args.evaluate, has_cache=has_cache[name])
 
     def step_evaluations() -> None:
         for name, todo in pending.items():
@@ -661,6 +646,13 @@ def load_cache_ages(folders: list[Path], curves: dict[str, Curve] | None = None)
             if d.get("layers") and all(layer["bins"] for layer in d["layers"].values())}
 
 
+def load_cache_reads(folders: list[Path], curves: dict[str, Curve] | None = None) -> dict[str, dict]:
+    """The same results' ``reads`` (where the cache read's softmax mass goes; window 0 runs have these alone): run
+    name -> ``details["reads"]``."""
+    found = _run_results(folders, curves, "eval_cache", "cache_")
+    return {name: result["details"]["reads"] for name, result in found.items() if result["details"].get("reads")}
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
@@ -688,6 +680,37 @@ def cache_age_lines(curves: dict[str, Curve], variants: list[str], ages: dict[st
         last = next(iter(found[0]["layers"].values()))["bins"][-1]
         lines.append(f"| {v} | {spread(early, 3)} | {spread(age, 3)} | {last['from']:,}-{last['to']:,} | "
                      f"{spread(late, 3)} |")
+    return lines
+
+
+def cache_read_lines(curves: dict[str, Curve], variants: list[str], reads: dict[str, dict]) -> list[str]:
+    """Where each variant's cache read puts its softmax mass on the longest held-out documents (from the second
+    block on): the entries of earlier blocks, the sink, and the gated read's size beside the state read; means over
+    the layers, then mean [min, max] over seeds; the last columns for the positions of the last bin."""
+    if not reads:
+        return []
+    first = next(iter(reads.values()))
+    lines = ["", f"Where the cache read's mass goes (`hola_titan.eval cache --data`, the same documents, up to "
+             f"{max(first['documents']):,} tokens, every token from the second block on): the softmax mass on the "
+             "entries of earlier blocks and on the sink (the rest is on the in-block tokens), and "
+             "`|sigmoid(gate) o_cache| / |o_state|`, the cache read's size beside the state read where they are "
+             "summed; means over the layers:", "",
+             "| variant | mass on earlier entries | on the sink | cache / state | last bin | earlier entries there | "
+             "cache / state there |", "|---|---|---|---|---|---|---|"]
+    for v in variants:
+        found = [reads[run_name(v, c.seed)] for c in curves.values() if c.variant == v and run_name(v, c.seed) in reads]
+        if not found:
+            continue
+
+        def over_layers(d: dict, key: str, last: bool = False) -> float:
+            return _mean([(layer["bins"][-1] if last else layer)[key] for layer in d["layers"].values()])
+
+        cols = [[over_layers(d, key, last) for d in found] for key, last in
+                (("persistent", False), ("sink", False), ("cache_to_state", False), ("persistent", True),
+                 ("cache_to_state", True))]
+        last_bin = next(iter(found[0]["layers"].values()))["bins"][-1]
+        lines.append(f"| {v} | {spread(cols[0], 3)} | {spread(cols[1], 3)} | {spread(cols[2], 3)} | "
+                     f"{last_bin['from']:,}-{last_bin['to']:,} | {spread(cols[3], 3)} | {spread(cols[4], 3)} |")
     return lines
 
 
@@ -773,6 +796,7 @@ def merge(args) -> int:
     evals = load_evaluations([Path(f) for f in args.merge], curves)
     niah = load_niah([Path(f) for f in args.merge], curves)
     ages = load_cache_ages([Path(f) for f in args.merge], curves)
+    reads = load_cache_reads([Path(f) for f in args.merge], curves)
     for v in variants:
         runs = [by[(v, s)] for s in seeds if (v, s) in by]
         summary[v]["evaluations"] = {
@@ -783,6 +807,11 @@ def merge(args) -> int:
             summary[v]["cache_ages"] = {str(c.seed): {name: {k: layer[k] for k in ("early_share", "mean_relative_age")}
                                                       for name, layer in ages[run_name(v, c.seed)]["layers"].items()}
                                         for c in runs if run_name(v, c.seed) in ages}
+        if reads:
+            summary[v]["cache_reads"] = {str(c.seed): {name: {k: layer[k] for k in ("persistent", "block", "sink",
+                                                                                    "cache_to_state")}
+                                                       for name, layer in reads[run_name(v, c.seed)]["layers"].items()}
+                                         for c in runs if run_name(v, c.seed) in reads}
     devices = sorted({s["device"] for s in statuses})
     lines = [f"# Ablations of the HOLA layer, recipe {names[0]} ({', '.join(devices)})", "",
              f"{recipe.about} (one step: {tokens_per_step / 1e6:.3f}M tokens), a {statuses[0]['steps']}-step cosine "
@@ -841,6 +870,7 @@ def merge(args) -> int:
             lines.append(f"| {v} | " + " | ".join(cells) + " |")
     lines += niah_lines(curves, variants, niah)
     lines += cache_age_lines(curves, variants, ages)
+    lines += cache_read_lines(curves, variants, reads)
     lines += gate_lines(curves, variants)
     lines += gate_lines(curves, variants, "gammas")
     lines += ordering_lines(curves, variants, evals, niah)

@@ -208,11 +208,11 @@ def test_the_evaluations_of_a_finished_run_are_listed_and_what_exists_is_left_ou
     assert [t.parent.name for _, t in ablate.eval_commands(
         "gdn_s0", recipe=r, folder=tmp_path / "work" / "gdn_s0", corpus=corpus, out=tmp_path / "o7", steps=r.steps,
         seq_len=r.seq_len, evals=["cache_ages"], has_cache=False)] == ["gdn_s0"]
-    # Window 0 keeps no entries of earlier blocks: nothing to age (its cache-off score still applies).
+    # Window 0 keeps no entries of earlier blocks, but its read's shares (in-block tokens, sink) are measured too.
     w0 = ablate.eval_commands("hola_w0_s0", recipe=r, folder=tmp_path / "work" / "hola_w0_s0", corpus=corpus,
                               out=tmp_path / "o7", steps=r.steps, seq_len=r.seq_len,
-                              evals=["cache_ages", "ppl_cache_off"], holds_entries=False)
-    assert [t.parent.name for _, t in w0] == ["hola_w0_s0", "eval_heldout_cache_off"]
+                              evals=["cache_ages", "ppl_cache_off"])
+    assert [t.parent.name for _, t in w0] == ["hola_w0_s0", "eval_cache", "eval_heldout_cache_off"]
     # The evaluations run in the order --evaluate names them (a short budget cuts the last named), the export first.
     order = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=tmp_path / "o8",
                                  steps=r.steps, seq_len=r.seq_len,
@@ -222,9 +222,6 @@ def test_the_evaluations_of_a_finished_run_are_listed_and_what_exists_is_left_ou
     reverse = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=tmp_path / "o8",
                                    steps=r.steps, seq_len=r.seq_len, evals=["niah", "ppl"])
     assert [t.parent.name for _, t in reverse] == ["hola_s0", "eval_niah", "eval_heldout", "eval_validation"]
-    assert ablate.window_of(list(ablate.VARIANTS["hola_w0"].overrides)) == 0
-    assert ablate.window_of(["--model.window", "0", "--model.window=16"]) == 16
-    assert ablate.window_of(list(ablate.VARIANTS["hola"].overrides)) is None
 
 
 def test_heldout_perplexity_alone_needs_a_corpus_with_a_heldout_split(tmp_path, capsys):
@@ -423,6 +420,36 @@ def test_the_merge_tables_how_old_the_cache_s_entries_are(tmp_path):
         {"details": {"mode": "text", "layers": {"0": empty}, "documents": [100], "early": 8}}))
     assert ablate.main(["--merge", str(tmp_path / "a"), "--report", str(tmp_path / "r2")]) == 0
     assert "| gdn |" not in (tmp_path / "r2" / "ablations.md").read_text().split("How old the cache's entries", 1)[1]
+
+
+def test_the_merge_tables_where_the_cache_read_s_mass_goes(tmp_path):
+    _write_run_folder(tmp_path / "a", {"gdn": 0.0, "hola": -0.2, "hola_w0": -0.3}, steps=100, recipe="46M")
+    (tmp_path / "a" / "eval_cache").mkdir()
+
+    def reads(persistent, ratio):
+        bins = [{"from": 256, "to": 4095, "tokens": 9, "persistent": persistent, "block": 0.5, "sink": 0.1,
+                 "cache_to_state": ratio},
+                {"from": 4096, "to": 65536, "tokens": 9, "persistent": 2 * persistent, "block": 0.4, "sink": 0.1,
+                 "cache_to_state": 2 * ratio}]
+        layer = {"persistent": persistent, "block": 0.9 - persistent, "sink": 0.1, "cache_to_state": ratio,
+                 "bins": bins, "per_head": {}}
+        return {"layers": {"0": layer, "1": {**layer, "persistent": persistent + 0.1}}, "documents": [65536, 900],
+                "block": 256, "window": 64, "evict": "score"}
+
+    for name, details in ((ablate.run_name("hola", 0), {"mode": "text", "layers": {}, "reads": reads(0.2, 1.5)}),
+                          (ablate.run_name("hola", 1), {"mode": "text", "layers": {}, "reads": reads(0.4, 2.5)}),
+                          (ablate.run_name("hola_w0", 0), {"mode": "text", "layers": {}, "reads": reads(0.0, 1.0)})):
+        (tmp_path / "a" / "eval_cache" / f"cache_{name}.json").write_text(json.dumps({"details": details}))
+    assert ablate.main(["--merge", str(tmp_path / "a"), "--report", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "ablations.md").read_text()
+    assert "How old the cache's entries are" not in text  # no ages: window 0 and these stand-ins hold none
+    table = text.split("Where the cache read's mass goes", 1)[1].split("\n\n")[1]
+    # Mass on earlier entries per seed, mean over the layers: 0.25, 0.45; in the last bin (both layers): 0.4, 0.8.
+    assert ("| hola | 0.350 [0.250, 0.450] | 0.100 [0.100, 0.100] | 2.000 [1.500, 2.500] | 4,096-65,536 | "
+            "0.600 [0.400, 0.800] | 4.000 [3.000, 5.000] |") in table
+    assert "| hola_w0 | 0.050 |" in table and "| gdn |" not in table
+    result = json.loads((tmp_path / "r" / "ablations.json").read_text())
+    assert result["variants"]["hola"]["cache_reads"]["1"]["1"]["persistent"] == pytest.approx(0.5)
 
 
 def test_the_merge_tables_and_orders_the_niah_accuracies(tmp_path):

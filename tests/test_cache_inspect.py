@@ -166,7 +166,11 @@ def test_text_mode_of_the_cli_reads_the_longest_documents_and_writes_files(tmp_p
     assert max(result["details"]["documents"]) == 300  # the longest, cut to --max-tokens
     assert {"early_share@layer0", "mean_relative_age@layer1"} <= set(result["summary"])
     assert (out / "cache_init-hola_layer0.png").stat().st_size > 0
-    assert "held entries over 2 documents" in capsys.readouterr().out
+    assert {"persistent@layer0", "block@layer1", "sink@layer0", "cache_to_state@layer1"} <= set(result["summary"])
+    assert result["details"]["reads"]["documents"] == result["details"]["documents"]
+    assert (out / "cache_init-hola_reads.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "held entries over 2 documents" in printed and "the read's softmax mass" in printed
     assert eval_main(["cache", "--checkpoint", "init:hola", "--data", str(data), "--max-documents", "0",
                       "--out", str(out), "--no-progress"]) == 2
     # The default 4 documents: the one of a few words (one block or less) holds nothing later read, and is left out.
@@ -186,3 +190,78 @@ def test_text_ages_refuse_a_model_whose_window_is_zero():
     model = build_model(model_args("hola", "debug", vocab_size=97, window=0, block=4), device="cpu").eval()
     with pytest.raises(EvalError, match="window is 0"):
         inspect_text(model, [list(range(20))])
+
+
+def _perturbed(flavour, **kw):
+    """A debug model whose cache scalars are off their init (gate, sink, gammas), so that a read split wrongly
+    shows in the rebuilt output."""
+    torch.manual_seed(0)
+    model = build_model(model_args(flavour, "debug", vocab_size=97, block=4, **kw), device="cpu").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.rsplit(".", 1)[-1] in ("gate", "sink", "gamma_q", "gamma_k"):
+                p.copy_(torch.randn_like(p) * 0.7 + (1.0 if "gamma" in name else 0.0))
+    return model
+
+
+@pytest.mark.parametrize("flavour, kw", [("hola", {"window": 3}), ("hola_recency", {"window": 3}),
+                                         ("hola", {"window": 0}), ("hola", {"window": 5}),
+                                         ("hola", {"window": 3, "state_read_scale": "one"}),
+                                         ("hola", {"window": 3, "cache_mix": "per_path_norm"})])
+def test_read_shares_rebuild_the_layer_output_and_sum_to_one(flavour, kw):
+    """The split of the cache read (persistent entries, in-block tokens, sink) is of the read that ran: the
+    output rebuilt from it equals hola_attention's, at every layer, and the three shares sum to one."""
+    from hola_titan.eval.cache_inspect import _each_read, read_shares
+
+    model = _perturbed(flavour, **kw)
+    calls = []
+    with torch.inference_mode(), _each_read(model, lambda name, a, o: calls.append((name, dict(a), o))):
+        model.hidden_states(torch.randint(0, 97, (1, 27)))  # 6 full blocks and a ragged seventh
+    assert [name for name, _, _ in calls] == list(model.layers)
+    for _, a, o in calls:
+        shares = read_shares(a["q"], a["k"], a["v"], a["g"], a["beta"], a["gamma_q"], a["gamma_k"], a["sink"],
+                             a["gate"], window=a["window"], block=a["block"], evict=a["evict"], scale=a["scale"],
+                             mix=a["mix"])
+        torch.testing.assert_close(shares["o"].to(o.dtype), o[0], rtol=1e-5, atol=1e-5)
+        total = shares["persistent"] + shares["block"] + shares["sink"]
+        torch.testing.assert_close(total, torch.ones_like(total))
+        assert (shares["persistent"][:4] == 0).all()  # the first block reads no earlier entries
+        if a["window"] == 0:
+            assert (shares["persistent"] == 0).all()
+        else:
+            assert (shares["persistent"][4:] > 0).all()
+        assert (shares["cache_to_state"] >= 0).all()
+
+
+def test_read_shares_of_text_by_layer_and_position(tmp_path, capsys):
+    from hola_titan.eval.cache_inspect import inspect_reads
+
+    model = _perturbed("hola", window=3)
+    docs = [list(np.random.default_rng(0).integers(0, 97, 40)), list(np.random.default_rng(1).integers(0, 97, 9))]
+    out = inspect_reads(model, docs, bins=3)
+    assert set(out["layers"]) == set(model.layers) and out["documents"] == [40, 9]
+    for layer in out["layers"].values():
+        assert layer["persistent"] + layer["block"] + layer["sink"] == pytest.approx(1.0)
+        assert len(layer["per_head"]["sink"]) == 2
+        assert sum(b["tokens"] for b in layer["bins"]) == 36 + 5  # every token from the second block on
+    w0 = inspect_reads(_perturbed("hola", window=0), docs)
+    assert all(layer["persistent"] == 0 for layer in w0["layers"].values())
+    with pytest.raises(EvalError, match="more than one block"):
+        inspect_reads(model, [[1, 2, 3]])
+    gdn = build_model(model_args("gdn", "debug", vocab_size=97), device="cpu").eval()
+    with pytest.raises(EvalError, match="no HOLA cache"):
+        inspect_reads(gdn, docs)
+
+
+def test_text_cache_of_window_0_has_read_shares_and_no_ages(tmp_path):
+    from hola_titan.eval import report
+    from hola_titan.eval.cache_inspect import inspect_text_cache
+
+    docs = [list(np.random.default_rng(0).integers(0, 97, 30))]
+    w0 = inspect_text_cache(_perturbed("hola", window=0), docs)
+    assert w0["layers"] == {} and w0["positions"] == {} and w0["window"] == 0
+    assert all(layer["persistent"] == 0 and layer["block"] > 0 for layer in w0["reads"]["layers"].values())
+    png = report.plot_cache({"details": w0, "label": "w0"}, tmp_path / "cache_w0.png")
+    assert png.name == "cache_w0_reads.png" and png.stat().st_size > 0
+    held = inspect_text_cache(_perturbed("hola", window=3), docs)
+    assert set(held["layers"]) == set(held["reads"]["layers"]) and held["reads"]["window"] == 3

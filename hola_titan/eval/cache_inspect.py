@@ -15,9 +15,20 @@ the block, 1: the document's first token), and it is *early* when ``p < r / 8``.
 sample of the prefix would hold 1/8 early entries at mean relative age 1/2; recency holds none at about ``W / r``.
 Both are given per layer and per bin of ``r`` (log-spaced), so a cache that fills with the first blocks' outliers
 as the document grows shows as an early share rising with ``r``.
+
+What the read does with them (:func:`inspect_reads`): each layer's read of a whole document is recomputed from the
+arguments of its ``hola_attention`` call with the reference's pieces, and its softmax split into the mass on the
+entries of earlier blocks, on the in-block tokens and on the sink, beside ``|sigmoid(gate) o_cache| / |o_state|``
+(how much the cache read weighs where it joins the state read). The output rebuilt from the split is tested against
+the op's own, so the split is of the read that ran.
 """
 
 from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import math
 
 import numpy as np
 import torch
@@ -137,3 +148,163 @@ def inspect_text(model: HolaTitanLM, documents: list[list[int]], *, bins: int = 
             "positions": {name: pos.tolist() for name, pos in per_doc[0].items()},
             "documents": [len(ids) for ids in documents], "block": block, "window": model.args.window,
             "evict": model.args.evict, "early": EARLY}
+
+
+# Where the cache read's softmax mass goes, and how large the gated read is beside the state read.
+
+def read_shares(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                gamma_q: torch.Tensor, gamma_k: torch.Tensor, sink: torch.Tensor, gate: torch.Tensor, *,
+                window: int, block: int, evict: str, scale: float | None, mix: str) -> dict[str, torch.Tensor]:
+    """One HOLA layer's read of one sequence (``hola_attention``'s inputs, ``[1, T, H, D]``, no initial state or
+    cache), recomputed with the reference's pieces so that its softmax can be split by where the mass goes:
+    ``persistent`` (the W entries of earlier blocks), ``block`` (the causal in-block tokens) and ``sink``, each
+    ``[T, H]`` summing to 1; ``cache_to_state`` ``[T, H]``: ``|sigmoid(gate) o_cache| / |o_state|``, the cache
+    read's weight beside the state read at the mixing point; ``o``: the layer's output rebuilt from the two reads
+    (the tests hold it to ``hola_attention``'s, so the split is of the read that ran)."""
+    from hola_titan.kernels.hola_reference import (_top_w_merge, compute_dtype, gated_delta_chunked, l2norm,
+                                                   merge_read, rms_norm)
+
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise EvalError(f"cache: read shares need one sequence [1, T, H, D], got {list(q.shape)}")
+    if evict not in ("score", "recency"):
+        raise EvalError(f"cache: evict {evict!r} has no cache read to split")
+    cdt = compute_dtype(q.dtype)
+    q, k, v = (x[0].to(cdt) for x in (q, k, v))  # [T, H, D]
+    g, beta = g[0].to(cdt), beta[0].to(cdt)
+    seq_len, h, d = q.shape
+    device = q.device
+    o_state, e, _ = gated_delta_chunked(l2norm(q)[None], l2norm(k)[None], v[None], g[None], beta[None],
+                                        torch.zeros(1, h, d, d, dtype=cdt, device=device),
+                                        d ** -0.5 if scale is None else scale)
+    o_state, e = o_state[0], e[0]  # [T, H, D]
+    nb = -(-seq_len // block)
+    r_pad = nb * block
+
+    def rows(x, fill=0.0):  # [T, H, ...] -> [H, R, ...], padded after the last token
+        x = x.transpose(0, 1)
+        pad = x.new_full((h, r_pad - seq_len, *x.shape[2:]), fill)
+        return torch.cat([x, pad], dim=1)
+
+    qc, kc, vr = rows(rms_norm(q, gamma_q.to(cdt))), rows(rms_norm(k, gamma_k.to(cdt))), rows(v)
+    valid = torch.arange(r_pad, device=device) < seq_len
+    q_b, k_b, v_b = (x.view(h, nb, block, d) for x in (qc, kc, vr))
+    causal = torch.ones(block, block, dtype=torch.bool, device=device).tril()
+    if window > 0:
+        if evict == "score":
+            key_rows = rows((e.norm(dim=-1) * beta), float("-inf"))  # m_t = beta_t |e_t|, [H, R]
+            empty = float("-inf")
+        else:
+            key_rows = torch.where(valid, torch.arange(r_pad, device=device, dtype=cdt), -1.0).expand(h, r_pad)
+            empty = -1.0
+        cand_key = torch.cat([key_rows.new_full((h, window), empty), key_rows], dim=-1)[None]
+        history = _top_w_merge(cand_key, window, block, nb)[:nb]  # P_b for every block b
+        sel = torch.stack(history, dim=2)[0] - window  # [H, nb, W] row positions (< 0: an empty slot)
+        sel_valid = sel >= 0
+        sel = sel.clamp(min=0)
+        kc_sel = kc.gather(1, sel.reshape(h, -1, 1).expand(h, nb * window, d)).view(h, nb, window, d)
+        v_sel = vr.gather(1, sel.reshape(h, -1, 1).expand(h, nb * window, d)).view(h, nb, window, d)
+        keys, values = torch.cat([kc_sel, k_b], dim=2), torch.cat([v_sel, v_b], dim=2)
+        mask = torch.cat([sel_valid[:, :, None, :].expand(h, nb, block, window),
+                          causal.expand(h, nb, block, block)], dim=-1)
+    else:
+        keys, values, mask = k_b, v_b, causal.expand(h, nb, block, block)
+    logits = (q_b @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+    logits = logits.masked_fill(~mask, float("-inf"))
+    sink_logit = sink.to(cdt).view(h, 1, 1, 1).expand(h, nb, block, 1)
+    probs = torch.softmax(torch.cat([logits, sink_logit], dim=-1), dim=-1)
+    o_cache = (probs[..., :-1] @ values).view(h, r_pad, d)[:, :seq_len].transpose(0, 1)  # [T, H, D]
+
+    def tokens(x):  # [H, nb, C] -> [T, H]
+        return x.reshape(h, r_pad)[:, :seq_len].transpose(0, 1)
+
+    gated = torch.sigmoid(gate.to(cdt))[None, :, None] * o_cache
+    return {"persistent": tokens(probs[..., :window].sum(-1)),
+            "block": tokens(probs[..., window:-1].sum(-1)),
+            "sink": tokens(probs[..., -1]),
+            "cache_to_state": gated.norm(dim=-1) / o_state.norm(dim=-1).clamp_min(torch.finfo(cdt).tiny),
+            "o": merge_read(o_state, gated, mix)}
+
+
+@contextlib.contextmanager
+def _each_read(model: HolaTitanLM, record):
+    """Calls ``record(name, arguments, output)`` for every layer's ``hola_attention`` call (its arguments bound to
+    the signature, defaults applied): each forward calls every layer once, in order, so the names cycle."""
+    import hola_titan.models.model as model_module
+
+    original = model_module.hola_attention
+    signature = inspect.signature(original)
+    names = itertools.cycle(list(model.layers))
+
+    def wrapped(*args, **kwargs):
+        result = original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        record(next(names), bound.arguments, result[0])
+        return result
+
+    model_module.hola_attention = wrapped
+    try:
+        yield
+    finally:
+        model_module.hola_attention = original
+
+
+SHARES = ("persistent", "block", "sink", "cache_to_state")
+
+
+@torch.inference_mode()
+def inspect_reads(model: HolaTitanLM, documents: list[list[int]], *, bins: int = 8) -> dict:
+    """Where each layer's cache read puts its softmax mass over text ``documents`` (read_shares), per layer: the
+    mean over heads and every token from the second block on (the first has no entries of earlier blocks), per
+    head, and per log-spaced bin of the position; ``cache_to_state`` likewise."""
+    args = model.args
+    if not args.is_recurrent or args.evict == "none":
+        raise EvalError(f"cache: {args.flavour} has no HOLA cache to inspect (HOLA or HOLA+recency)")
+    block = args.block
+    short = [len(ids) for ids in documents if len(ids) <= block]
+    if not documents or short:
+        raise EvalError(f"cache: every document needs more than one block of {block} tokens (got {short[:4]})")
+    device = next(model.parameters()).device
+    longest = max(len(ids) for ids in documents)
+    edges = np.unique(np.geomspace(block, longest + 1, num=bins + 1).astype(np.int64))
+    per_layer: dict[str, dict[str, list[np.ndarray]]] = {name: {s: [] for s in SHARES} for name in model.layers}
+
+    def record(name, a, _output):
+        shares = read_shares(a["q"], a["k"], a["v"], a["g"], a["beta"], a["gamma_q"], a["gamma_k"], a["sink"],
+                             a["gate"], window=a["window"], block=a["block"], evict=a["evict"], scale=a["scale"],
+                             mix=a["mix"])
+        for s in SHARES:
+            per_layer[name][s].append(shares[s][block:].float().cpu().numpy())  # [T - C, H]
+
+    with _each_read(model, record):
+        for ids in documents:
+            model.hidden_states(torch.tensor(ids, device=device)[None])
+    positions = np.concatenate([np.arange(block, len(ids)) for ids in documents])
+    which = np.clip(np.searchsorted(edges, positions, side="right") - 1, 0, len(edges) - 2)
+    layers = {}
+    for name, found in per_layer.items():
+        if not found["sink"]:
+            raise EvalError(f"cache: layer {name} made no cache read")
+        cat = {s: np.concatenate(found[s]) for s in SHARES}  # [tokens, H]
+        bins_out = []
+        for i in range(len(edges) - 1):
+            at = which == i
+            if at.any():
+                bins_out.append({"from": int(edges[i]), "to": int(edges[i + 1]) - 1, "tokens": int(at.sum()),
+                                 **{s: float(cat[s][at].mean()) for s in SHARES}})
+        layers[name] = {**{s: float(cat[s].mean()) for s in SHARES},
+                        "per_head": {s: cat[s].mean(axis=0).tolist() for s in SHARES}, "bins": bins_out}
+    return {"layers": layers, "documents": [len(ids) for ids in documents], "block": block,
+            "window": args.window, "evict": args.evict}
+
+
+def inspect_text_cache(model: HolaTitanLM, documents: list[list[int]]) -> dict:
+    """``eval cache --data``: the held entries' ages (:func:`inspect_text`; none for window 0, which holds no entries
+    of earlier blocks) and where the read's mass goes (:func:`inspect_reads`, under ``reads``)."""
+    if model.args.is_recurrent and model.args.evict != "none" and model.args.window == 0:
+        details = {"mode": "text", "layers": {}, "positions": {}, "documents": [len(ids) for ids in documents],
+                   "block": model.args.block, "window": 0, "evict": model.args.evict, "early": EARLY}
+    else:
+        details = inspect_text(model, documents)
+    details["reads"] = inspect_reads(model, documents)
+    return details

@@ -330,7 +330,7 @@ def run_mqar(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict,
 
 
 def run_cache(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict, dict]:
-    from hola_titan.eval.cache_inspect import inspect_mqar, inspect_text
+    from hola_titan.eval.cache_inspect import SHARES, inspect_mqar, inspect_text_cache
 
     if args.data is not None:
         if args.max_documents < 1:
@@ -348,11 +348,13 @@ def run_cache(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict
         if not longest:
             raise EvalError(f"--data {args.data!r}: no document longer than one block of {block} tokens")
         _warn_length(loaded, len(longest[0]), "document length")
-        details = inspect_text(loaded.model, longest)
+        details = inspect_text_cache(loaded.model, longest)
         summary = {}
         for name, layer in details["layers"].items():
             summary[f"early_share@layer{name}"] = layer["early_share"]
             summary[f"mean_relative_age@layer{name}"] = layer["mean_relative_age"]
+        for name, layer in details["reads"]["layers"].items():
+            summary.update({f"{share}@layer{name}": layer[share] for share in SHARES})
         settings = {"data": args.data, "split": args.split, "max_documents": args.max_documents,
                     "max_tokens": args.max_tokens}
         return settings, summary, details
@@ -396,12 +398,19 @@ def _print_result(result: dict) -> None:
             state = "constant" if details["cache_bytes_constant"] else "growing"
             print(f"  cache size is {state} in context length")
     elif name == "cache" and details.get("mode") == "text":
-        print(f"cache {label}: held entries over {len(details['documents'])} documents "
-              f"({', '.join(map(str, details['documents']))} tokens): share from the first 1/{details['early']} of the "
-              "prefix (a uniform sample: {:.3f}), mean relative age (uniform: 0.5)".format(1 / details["early"]))
+        if details["layers"]:  # none for window 0
+            print(f"cache {label}: held entries over {len(details['documents'])} documents "
+                  f"({', '.join(map(str, details['documents']))} tokens): share from the first "
+                  f"1/{details['early']} of the prefix (a uniform sample: {1 / details['early']:.3f}), mean relative "
+                  "age (uniform: 0.5)")
         for layer, values in details["layers"].items():
             print(f"  {layer}: {values['early_share']:.3f}, {values['mean_relative_age']:.3f}; by reading position: "
                   + ", ".join(f"{b['from']}-{b['to']} {b['early_share']:.2f}" for b in values["bins"]))
+        print(f"cache {label}: the read's softmax mass on the entries of earlier blocks, the in-block tokens and the "
+              "sink, and |sigmoid(gate) o_cache| / |o_state|, from the second block on:")
+        for layer, values in details["reads"]["layers"].items():
+            print(f"  {layer}: {values['persistent']:.3f}, {values['block']:.3f}, {values['sink']:.3f}; "
+                  f"{values['cache_to_state']:.3f}")
     elif name == "cache":
         print(f"cache {label}: share of selected slots holding keys, values, queries or answers (base rate):")
         for key in summary:

@@ -146,6 +146,9 @@ def plot_cache(result: dict, path: Path) -> Path:
 
     details = result["details"]
     text = details.get("mode") == "text"  # text: one colour (no token kinds), the first document's selections
+    reads = plot_cache_reads(result, path.with_name(f"{path.stem}_reads.png")) if "reads" in details else None
+    if not details["positions"]:  # window 0: no entries of earlier blocks, only the read's shares
+        return reads
     kinds = None if text else details["kinds"]
     colours = {"key": "tab:blue", "value": "tab:orange", "query": "tab:green", "answer": "tab:red",
                "filler": "lightgray", "held": "tab:blue"}
@@ -175,6 +178,27 @@ def plot_cache(result: dict, path: Path) -> Path:
         draw(row, name)
     fig.suptitle(f"cache selections ({details['evict']}, W {details['window']}, C {details['block']}): "
                  f"{result['label']}")
+    return _save(fig, path)
+
+
+def plot_cache_reads(result: dict, path: Path) -> Path:
+    """The cache read's softmax mass on the entries of earlier blocks, the in-block tokens and the sink, and the
+    gated read's size beside the state read, per layer against the position (``eval cache --data``)."""
+    reads = result["details"]["reads"]
+    names = list(reads["layers"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for name in names:
+        bins = reads["layers"][name]["bins"]
+        mid = [(b["from"] + b["to"]) / 2 for b in bins]
+        line, = axes[0].plot(mid, [b["persistent"] for b in bins], marker="o", label=f"layer {name}")
+        axes[0].plot(mid, [b["sink"] for b in bins], linestyle=":", color=line.get_color())
+        axes[1].plot(mid, [b["cache_to_state"] for b in bins], marker="o", color=line.get_color())
+    axes[0].set(xscale="log", xlabel="position", ylabel="mass",
+                title="entries of earlier blocks (solid), sink (dotted)")
+    axes[1].set(xscale="log", yscale="log", xlabel="position", ylabel="ratio",
+                title="|sigmoid(gate) o_cache| / |o_state|")
+    axes[0].legend(fontsize=6, ncol=2)
+    fig.suptitle(f"cache reads ({reads['evict']}, W {reads['window']}, C {reads['block']}): {result['label']}")
     return _save(fig, path)
 
 
