@@ -252,7 +252,7 @@ def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out:
         splits = eval_splits(recipe, corpus)
         if "ppl" not in evals:
             splits = {split: data for split, data in splits.items() if split == "heldout"}  # run() checked it
-        by_eval["ppl" if "ppl" in evals else "ppl_heldout"] = [
+        by_eval["ppl"] = [
             ([*evaluate, "ppl", "--checkpoint", str(export), "--data", str(data), "--out", str(out / f"eval_{split}"),
               "--no-progress", "--chunk", str(EVAL_CHUNK)], out / f"eval_{split}" / f"ppl_{name}.json")
             for split, data in splits.items()]
@@ -280,7 +280,9 @@ def eval_commands(name: str, *, recipe: Recipe, folder: Path, corpus: Path, out:
                             out / "eval_niah" / f"niah_{name}.json")]
     todo = [([sys.executable, "scripts/convert_to_safetensors.py", str(folder / "checkpoint" / f"step-{steps}"),
               str(export)], export / "model.safetensors")]
-    todo += [item for e in evals for item in by_eval.get(e, [])]
+    # ppl and ppl_heldout are one block (the held-out split alone when ppl is not named), at the first one named.
+    order = dict.fromkeys("ppl" if e in ("ppl", "ppl_heldout") else e for e in evals)
+    todo += [item for e in order for item in by_eval.get(e, [])]
     return [(command, target) for command, target in todo if not target.exists()]
 
 
@@ -376,6 +378,8 @@ def run(args) -> int:
     runs = [(v, s) for v in args.variants for s in args.seeds]
     flavours = _by_path("models.flavours")  # the registry says which flavours read a cache
     has_cache = {run_name(v, s): flavours.get(VARIANTS[v].flavour).evict not in (None, "none") for v, s in runs}
+    # Before any trainer starts: a status written mid-run needs them, and an error here loses no training.
+    device, versions, corpus_id = _device(), _versions(), corpus_identity(recipe, corpus)
     children: dict[str, subprocess.Popen] = {}
     commands, started = {}, time.time()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -437,7 +441,8 @@ def run(args) -> int:
             folder = work / name
             rows = read_jsonl(folder / "metrics.jsonl")
             if (folder / "metrics.jsonl").is_file():
-                shutil.copyfile(folder / "metrics.jsonl", out / f"{name}.jsonl")
+                shutil.copyfile(folder / "metrics.jsonl", out / f"{name}.jsonl.tmp")
+                (out / f"{name}.jsonl.tmp").replace(out / f"{name}.jsonl")  # a snapshot never finds half a copy
             log = folder / "train.log"
             if log.is_file():
                 (out / f"{name}.log").write_text("\n".join(log.read_text(errors="replace").splitlines()[-40:]) + "\n")
@@ -454,16 +459,25 @@ def run(args) -> int:
         tmp.replace(out / "status.json")  # a snapshot taken mid-write reads the previous status, never half of one
         return status
 
-    device, versions, corpus_id = _device(), _versions(), corpus_identity(recipe, corpus)
     stopped: set[str] = set()
-    next_status = time.monotonic() + STATUS_EVERY_S
+    next_status = 0.0
+
+    def snapshot() -> None:
+        """A mid-run status, at most every STATUS_EVERY_S. One that cannot be written (a full disk) is reported and
+        skipped: the driver must go on to stop the trainers in time and evaluate them."""
+        nonlocal next_status
+        if time.monotonic() < next_status:
+            return
+        next_status = time.monotonic() + STATUS_EVERY_S
+        try:
+            write_status(final=False)
+        except OSError as err:
+            print(f"warning: the status snapshot in {out} was not written ({err}); the runs go on", flush=True)
     for variant, seed in runs:
         if run_name(variant, seed) not in children:
             queue_evaluations(run_name(variant, seed))
     while True:
-        if time.monotonic() >= next_status:
-            write_status(final=False)
-            next_status = time.monotonic() + STATUS_EVERY_S
+        snapshot()
         for name, p in children.items():
             if p.poll() == 0:
                 queue_evaluations(name)
@@ -477,6 +491,7 @@ def run(args) -> int:
             end = time.monotonic() + STOP_GRACE_S - 5
             while time.monotonic() < end and any(p.poll() is None for p in children.values()):
                 step_evaluations()
+                snapshot()
                 time.sleep(1)
             for p in children.values():
                 if p.poll() is None:
@@ -502,6 +517,15 @@ def run(args) -> int:
 
 
 def _device() -> str:
+    """The GPU's name (as torch gives it), read through nvidia-smi where there is one: the driver runs beside the
+    trainers, and a CUDA context of its own would take GPU memory from them."""
+    try:
+        found = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                               capture_output=True, text=True, timeout=30)
+        if found.returncode == 0 and found.stdout.strip():
+            return found.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
     try:
         import torch
         return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -705,7 +729,8 @@ def cache_read_lines(curves: dict[str, Curve], variants: list[str], reads: dict[
         def over_layers(d: dict, key: str, last: bool = False) -> float:
             return _mean([(layer["bins"][-1] if last else layer)[key] for layer in d["layers"].values()])
 
-        cols = [[over_layers(d, key, last) for d in found] for key, last in
+        # NaN (cache_to_state of a variant that normalises each read before the sum: not their weight there): "-".
+        cols = [[x for x in (over_layers(d, key, last) for d in found) if not math.isnan(x)] for key, last in
                 (("persistent", False), ("sink", False), ("cache_to_state", False), ("persistent", True),
                  ("cache_to_state", True))]
         last_bin = next(iter(found[0]["layers"].values()))["bins"][-1]

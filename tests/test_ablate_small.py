@@ -222,6 +222,10 @@ def test_the_evaluations_of_a_finished_run_are_listed_and_what_exists_is_left_ou
     reverse = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=tmp_path / "o8",
                                    steps=r.steps, seq_len=r.seq_len, evals=["niah", "ppl"])
     assert [t.parent.name for _, t in reverse] == ["hola_s0", "eval_niah", "eval_heldout", "eval_validation"]
+    # Named twice, run once; ppl_heldout's place holds when ppl comes later.
+    twice = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=tmp_path / "o8",
+                                 steps=r.steps, seq_len=r.seq_len, evals=["ppl_heldout", "niah", "ppl", "niah"])
+    assert [t.parent.name for _, t in twice] == ["hola_s0", "eval_heldout", "eval_validation", "eval_niah"]
 
 
 def test_heldout_perplexity_alone_needs_a_corpus_with_a_heldout_split(tmp_path, capsys):
@@ -314,7 +318,7 @@ def test_run_writes_its_status_while_the_runs_train(tmp_path, monkeypatch):
     final = json.loads((out / "status.json").read_text())
     assert final["final"] is True and final["runs"]["hola_s0"]["step"] == 1600 and final["runs"]["hola_s0"]["rc"] == 0
     assert (out / "hola_s0.jsonl").read_text().count("\n") == 2
-    assert not (out / "status.json.tmp").exists()
+    assert not (out / "status.json.tmp").exists() and not list(out.glob("*.jsonl.tmp"))
     # A snapshot's folder merges, and the report says it is one.
     snap = tmp_path / "snap"
     snap.mkdir()
@@ -324,6 +328,38 @@ def test_run_writes_its_status_while_the_runs_train(tmp_path, monkeypatch):
     assert "1 of the 1 folders are snapshots" in (tmp_path / "r" / "ablations.md").read_text()
     assert ablate.main(["--merge", str(out), "--report", str(tmp_path / "r2")]) == 0
     assert "snapshots" not in (tmp_path / "r2" / "ablations.md").read_text()
+
+
+def test_a_status_snapshot_that_cannot_be_written_does_not_stop_the_driver(tmp_path, monkeypatch, capsys):
+    """A full disk mid-run: the snapshot is skipped with a warning; the runs train to the end and the final status
+    is written once the disk takes it again."""
+    corpus = tmp_path / "corpus"
+    for split in ("train", "validation", "heldout"):
+        (corpus / split).mkdir(parents=True)
+
+    def train_command(variant, seed, *, folder, steps, **_):
+        code = (f"import json, pathlib, time; time.sleep(1.0); pathlib.Path({str(folder / 'metrics.jsonl')!r})"
+                f".write_text(json.dumps({{'step': {steps}, 'loss': 1.0}}) + '\\n')")
+        return [sys.executable, "-c", code]
+
+    writes = {"n": 0}
+    real_write_text = Path.write_text
+
+    def full_disk_once(self, *args, **kwargs):
+        if self.name == "status.json.tmp" and writes["n"] == 0:
+            writes["n"] += 1
+            raise OSError(28, "No space left on device")
+        return real_write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(ablate, "train_command", train_command)
+    monkeypatch.setattr(ablate, "STATUS_EVERY_S", 0.1)
+    monkeypatch.setattr(Path, "write_text", full_disk_once)
+    args = ["--run", "--recipe", "46M", "--variants", "hola", "--seeds", "0", "--work", str(tmp_path / "w"),
+            "--out", str(tmp_path / "o"), "--corpus", str(corpus), "--budget-min", "2.5"]
+    assert ablate.main(args) == 0
+    assert writes["n"] == 1 and "status snapshot" in capsys.readouterr().out
+    final = json.loads((tmp_path / "o" / "status.json").read_text())
+    assert final["final"] is True and final["runs"]["hola_s0"]["step"] == 1600
 
 
 def test_the_merge_orders_the_variants_beyond_the_seed_spread(tmp_path):

@@ -159,8 +159,10 @@ def read_shares(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     cache), recomputed with the reference's pieces so that its softmax can be split by where the mass goes:
     ``persistent`` (the W entries of earlier blocks), ``block`` (the causal in-block tokens) and ``sink``, each
     ``[T, H]`` summing to 1; ``cache_to_state`` ``[T, H]``: ``|sigmoid(gate) o_cache| / |o_state|``, the cache
-    read's weight beside the state read at the mixing point; ``o``: the layer's output rebuilt from the two reads
-    (the tests hold it to ``hola_attention``'s, so the split is of the read that ran)."""
+    read's weight beside the state read where the two are summed (``mix="sum"``, the layer's default mixing
+    before the output norm; NaN for ``"parts"``, whose parts the layer normalises before it sums them, so the raw
+    reads' ratio is not their weight there); ``o``: the op's output rebuilt from the two reads (the tests hold it
+    to ``hola_attention``'s, and :func:`inspect_reads` records how far it is from the output that ran)."""
     from hola_titan.kernels.hola_reference import (_top_w_merge, compute_dtype, gated_delta_chunked, l2norm,
                                                    merge_read, rms_norm)
 
@@ -218,10 +220,11 @@ def read_shares(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         return x.reshape(h, r_pad)[:, :seq_len].transpose(0, 1)
 
     gated = torch.sigmoid(gate.to(cdt))[None, :, None] * o_cache
+    ratio = gated.norm(dim=-1) / o_state.norm(dim=-1).clamp_min(torch.finfo(cdt).tiny)
     return {"persistent": tokens(probs[..., :window].sum(-1)),
             "block": tokens(probs[..., window:-1].sum(-1)),
             "sink": tokens(probs[..., -1]),
-            "cache_to_state": gated.norm(dim=-1) / o_state.norm(dim=-1).clamp_min(torch.finfo(cdt).tiny),
+            "cache_to_state": ratio if mix == "sum" else torch.full_like(ratio, float("nan")),
             "o": merge_read(o_state, gated, mix)}
 
 
@@ -256,7 +259,9 @@ SHARES = ("persistent", "block", "sink", "cache_to_state")
 def inspect_reads(model: HolaTitanLM, documents: list[list[int]], *, bins: int = 8) -> dict:
     """Where each layer's cache read puts its softmax mass over text ``documents`` (read_shares), per layer: the
     mean over heads and every token from the second block on (the first has no entries of earlier blocks), per
-    head, and per log-spaced bin of the position; ``cache_to_state`` likewise."""
+    head, and per log-spaced bin of the position; ``cache_to_state`` likewise; ``rebuilt_error``: the recomputed
+    read's largest distance from the output that ran, relative to that output's largest value (on a GPU the
+    backend's own scores and selection ran, in bf16: a large value says the split is not of that read)."""
     args = model.args
     if not args.is_recurrent or args.evict == "none":
         raise EvalError(f"cache: {args.flavour} has no HOLA cache to inspect (HOLA or HOLA+recency)")
@@ -269,12 +274,18 @@ def inspect_reads(model: HolaTitanLM, documents: list[list[int]], *, bins: int =
     edges = np.unique(np.geomspace(block, longest + 1, num=bins + 1).astype(np.int64))
     per_layer: dict[str, dict[str, list[np.ndarray]]] = {name: {s: [] for s in SHARES} for name in model.layers}
 
-    def record(name, a, _output):
+    rebuilt: dict[str, list[float]] = {name: [] for name in model.layers}
+
+    def record(name, a, output):
         shares = read_shares(a["q"], a["k"], a["v"], a["g"], a["beta"], a["gamma_q"], a["gamma_k"], a["sink"],
                              a["gate"], window=a["window"], block=a["block"], evict=a["evict"], scale=a["scale"],
                              mix=a["mix"])
         for s in SHARES:
             per_layer[name][s].append(shares[s][block:].float().cpu().numpy())  # [T - C, H]
+        # How far the recomputed read is from the one that ran (a GPU backend's own scores and selection: near-ties
+        # may select other entries; bf16): relative to the output's largest value.
+        ran = output[0].float()
+        rebuilt[name].append(float((shares["o"].float() - ran).abs().max() / ran.abs().max().clamp_min(1e-30)))
 
     with _each_read(model, record):
         for ids in documents:
@@ -293,7 +304,8 @@ def inspect_reads(model: HolaTitanLM, documents: list[list[int]], *, bins: int =
                 bins_out.append({"from": int(edges[i]), "to": int(edges[i + 1]) - 1, "tokens": int(at.sum()),
                                  **{s: float(cat[s][at].mean()) for s in SHARES}})
         layers[name] = {**{s: float(cat[s].mean()) for s in SHARES},
-                        "per_head": {s: cat[s].mean(axis=0).tolist() for s in SHARES}, "bins": bins_out}
+                        "per_head": {s: cat[s].mean(axis=0).tolist() for s in SHARES}, "bins": bins_out,
+                        "rebuilt_error": max(rebuilt[name])}
     return {"layers": layers, "documents": [len(ids) for ids in documents], "block": block,
             "window": args.window, "evict": args.evict}
 

@@ -354,7 +354,7 @@ def run_cache(loaded: LoadedModel, args: argparse.Namespace) -> tuple[dict, dict
             summary[f"early_share@layer{name}"] = layer["early_share"]
             summary[f"mean_relative_age@layer{name}"] = layer["mean_relative_age"]
         for name, layer in details["reads"]["layers"].items():
-            summary.update({f"{share}@layer{name}": layer[share] for share in SHARES})
+            summary.update({f"{share}@layer{name}": layer[share] for share in (*SHARES, "rebuilt_error")})
         settings = {"data": args.data, "split": args.split, "max_documents": args.max_documents,
                     "max_tokens": args.max_tokens}
         return settings, summary, details
@@ -407,10 +407,11 @@ def _print_result(result: dict) -> None:
             print(f"  {layer}: {values['early_share']:.3f}, {values['mean_relative_age']:.3f}; by reading position: "
                   + ", ".join(f"{b['from']}-{b['to']} {b['early_share']:.2f}" for b in values["bins"]))
         print(f"cache {label}: the read's softmax mass on the entries of earlier blocks, the in-block tokens and the "
-              "sink, and |sigmoid(gate) o_cache| / |o_state|, from the second block on:")
+              "sink, and |sigmoid(gate) o_cache| / |o_state|, from the second block on (the recomputed read's largest "
+              "distance from the output that ran, relative):")
         for layer, values in details["reads"]["layers"].items():
             print(f"  {layer}: {values['persistent']:.3f}, {values['block']:.3f}, {values['sink']:.3f}; "
-                  f"{values['cache_to_state']:.3f}")
+                  f"{values['cache_to_state']:.3f} ({values['rebuilt_error']:.1e})")
     elif name == "cache":
         print(f"cache {label}: share of selected slots holding keys, values, queries or answers (base rate):")
         for key in summary:
