@@ -19,6 +19,23 @@ from helpers import load_script
 ablate = load_script("ablate_small")
 
 
+def _split_corpus(tmp_path: Path) -> Path:
+    """An empty corpus of the 46M layout: what --run checks before it starts anything."""
+    corpus = tmp_path / "corpus"
+    for split in ("train", "validation", "heldout"):
+        (corpus / split).mkdir(parents=True)
+    return corpus
+
+
+def _last_step_trainer(pause_s: float):
+    """A stand-in for ``train_command``: a process that waits ``pause_s``, then logs the run's last step."""
+    def train_command(variant, seed, *, folder, steps, **_):
+        code = (f"import json, pathlib, time; time.sleep({pause_s}); pathlib.Path({str(folder / 'metrics.jsonl')!r})"
+                f".write_text(json.dumps({{'step': {steps}, 'loss': 1.0}}) + '\\n')")
+        return [sys.executable, "-c", code]
+    return train_command
+
+
 @pytest.mark.parametrize("recipe", list(ablate.RECIPES))
 @pytest.mark.parametrize("variant", list(ablate.VARIANTS))
 def test_every_variant_is_a_valid_config(variant, recipe, tmp_path):
@@ -153,9 +170,7 @@ def test_the_command_line_refuses_what_it_cannot_run(capsys):
 
 
 def test_the_evaluations_of_a_finished_run_are_listed_and_what_exists_is_left_out(tmp_path):
-    corpus = tmp_path / "corpus"
-    for split in ("train", "validation", "heldout"):
-        (corpus / split).mkdir(parents=True)
+    corpus = _split_corpus(tmp_path)
     r = ablate.RECIPES["46M"]
     out, folder = tmp_path / "out", tmp_path / "work" / "hola_s0"
     todo = ablate.eval_commands("hola_s0", recipe=r, folder=folder, corpus=corpus, out=out, steps=r.steps,
@@ -241,14 +256,9 @@ def test_heldout_perplexity_alone_needs_a_corpus_with_a_heldout_split(tmp_path, 
 def test_run_trains_then_evaluates_each_finished_run_and_the_merge_tables_the_perplexities(tmp_path, monkeypatch):
     """The --run loop with stand-ins: a 'trainer' that logs its last step and 'evaluations' that write their
     files; the GDN stand-in's export fails, so its evaluations do not run."""
-    corpus = tmp_path / "corpus"
-    for split in ("train", "validation", "heldout"):
-        (corpus / split).mkdir(parents=True)
+    corpus = _split_corpus(tmp_path)
 
-    def train_command(variant, seed, *, folder, steps, **_):
-        code = (f"import json, pathlib; pathlib.Path({str(folder / 'metrics.jsonl')!r}).write_text("
-                f"json.dumps({{'step': {steps}, 'loss': 1.0}}) + '\\n')")
-        return [sys.executable, "-c", code]
+    train_command = _last_step_trainer(pause_s=0.0)
 
     def eval_commands(name, *, out, **_):
         todo = []
@@ -292,9 +302,7 @@ def test_run_writes_its_status_while_the_runs_train(tmp_path, monkeypatch):
     """A machine lost mid-run leaves --out as the last snapshot found it: status.json and the metrics must be
     there before the driver ends, not only after. The stand-in trainer logs step 5, waits for the driver's
     status, keeps a copy of it, then logs its last step."""
-    corpus = tmp_path / "corpus"
-    for split in ("train", "validation", "heldout"):
-        (corpus / split).mkdir(parents=True)
+    corpus = _split_corpus(tmp_path)
     out = tmp_path / "o"
 
     def train_command(variant, seed, *, folder, steps, **_):
@@ -333,14 +341,9 @@ def test_run_writes_its_status_while_the_runs_train(tmp_path, monkeypatch):
 def test_a_status_snapshot_that_cannot_be_written_does_not_stop_the_driver(tmp_path, monkeypatch, capsys):
     """A full disk mid-run: the snapshot is skipped with a warning; the runs train to the end and the final status
     is written once the disk takes it again."""
-    corpus = tmp_path / "corpus"
-    for split in ("train", "validation", "heldout"):
-        (corpus / split).mkdir(parents=True)
+    corpus = _split_corpus(tmp_path)
 
-    def train_command(variant, seed, *, folder, steps, **_):
-        code = (f"import json, pathlib, time; time.sleep(1.0); pathlib.Path({str(folder / 'metrics.jsonl')!r})"
-                f".write_text(json.dumps({{'step': {steps}, 'loss': 1.0}}) + '\\n')")
-        return [sys.executable, "-c", code]
+    train_command = _last_step_trainer(pause_s=1.0)
 
     writes = {"n": 0}
     real_write_text = Path.write_text
