@@ -38,7 +38,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -379,6 +378,7 @@ def run(args) -> int:
     flavours = _by_path("models.flavours")  # the registry says which flavours read a cache
     has_cache = {run_name(v, s): flavours.get(VARIANTS[v].flavour).evict not in (None, "none") for v, s in runs}
     # Before any trainer starts: a status written mid-run needs them, and an error here loses no training.
+    staging = _by_path("staging")  # the atomic writes of the status (standard library only)
     device, versions, corpus_id = _device(), _versions(), corpus_identity(recipe, corpus)
     children: dict[str, subprocess.Popen] = {}
     commands, started = {}, time.time()
@@ -440,12 +440,13 @@ def run(args) -> int:
             name = run_name(variant, seed)
             folder = work / name
             rows = read_jsonl(folder / "metrics.jsonl")
+            # Each file renamed into place: a snapshot of the machine never finds half a copy.
             if (folder / "metrics.jsonl").is_file():
-                shutil.copyfile(folder / "metrics.jsonl", out / f"{name}.jsonl.tmp")
-                (out / f"{name}.jsonl.tmp").replace(out / f"{name}.jsonl")  # a snapshot never finds half a copy
+                staging.write_bytes_atomic(out / f"{name}.jsonl", (folder / "metrics.jsonl").read_bytes())
             log = folder / "train.log"
             if log.is_file():
-                (out / f"{name}.log").write_text("\n".join(log.read_text(errors="replace").splitlines()[-40:]) + "\n")
+                staging.write_text_atomic(out / f"{name}.log",
+                                          "\n".join(log.read_text(errors="replace").splitlines()[-40:]) + "\n")
             p = children.get(name)
             status["runs"][name] = {"variant": variant, "seed": seed, "flavour": VARIANTS[variant].flavour,
                                     "overrides": list(VARIANTS[variant].overrides), "step": last_step(rows),
@@ -454,9 +455,7 @@ def run(args) -> int:
                                     "evaluations": eval_log.get(name, []),
                                     "command": [str(c).replace(str(work), "<work>").replace(str(REPO), "<repo>")
                                                 for c in commands.get(name, [])]}
-        tmp = out / "status.json.tmp"
-        tmp.write_text(json.dumps(status, indent=1) + "\n")
-        tmp.replace(out / "status.json")  # a snapshot taken mid-write reads the previous status, never half of one
+        staging.write_text_atomic(out / "status.json", json.dumps(status, indent=1) + "\n")
         return status
 
     stopped: set[str] = set()
@@ -661,20 +660,16 @@ def _run_results(folders: list[Path], curves: dict[str, Curve] | None, sub: str,
     return found
 
 
-def load_cache_ages(folders: list[Path], curves: dict[str, Curve] | None = None) -> dict[str, dict]:
-    """``--evaluate cache_ages`` results: run name -> the eval's ``details`` (later folders win; ``curves`` as for
-    :func:`load_evaluations`)."""
+def load_cache_results(folders: list[Path],
+                       curves: dict[str, Curve] | None = None) -> tuple[dict[str, dict], dict[str, dict]]:
+    """``--evaluate cache_ages`` results, each file read once (later folders win; ``curves`` as for
+    :func:`load_evaluations`): run name -> the eval's ``details`` where it holds the entries' ages, and run name ->
+    ``details["reads"]`` (where the cache read's softmax mass goes; window 0 runs have these alone)."""
     found = {name: result["details"] for name, result in _run_results(folders, curves, "eval_cache", "cache_").items()}
-    # A run whose cache held nothing has no bins (and NaN shares): nothing to table.
-    return {name: d for name, d in found.items()
+    # A run whose cache held nothing has no bins (and NaN shares): no ages to table.
+    ages = {name: d for name, d in found.items()
             if d.get("layers") and all(layer["bins"] for layer in d["layers"].values())}
-
-
-def load_cache_reads(folders: list[Path], curves: dict[str, Curve] | None = None) -> dict[str, dict]:
-    """The same results' ``reads`` (where the cache read's softmax mass goes; window 0 runs have these alone): run
-    name -> ``details["reads"]``."""
-    found = _run_results(folders, curves, "eval_cache", "cache_")
-    return {name: result["details"]["reads"] for name, result in found.items() if result["details"].get("reads")}
+    return ages, {name: d["reads"] for name, d in found.items() if d.get("reads")}
 
 
 def _mean(values: list[float]) -> float:
@@ -820,8 +815,7 @@ def merge(args) -> int:
                                                  for s in sorted({t for c in runs for t in c.gammas})}}
     evals = load_evaluations([Path(f) for f in args.merge], curves)
     niah = load_niah([Path(f) for f in args.merge], curves)
-    ages = load_cache_ages([Path(f) for f in args.merge], curves)
-    reads = load_cache_reads([Path(f) for f in args.merge], curves)
+    ages, reads = load_cache_results([Path(f) for f in args.merge], curves)
     for v in variants:
         runs = [by[(v, s)] for s in seeds if (v, s) in by]
         summary[v]["evaluations"] = {
@@ -1148,7 +1142,8 @@ def main(argv: list[str] | None = None) -> int:
                    "evaluated (ppl on the corpus's held-out and validation splits, ppl_heldout on the held-out one "
                    "alone, ppl_cache_off the held-out one with every cache gate at zero, HOLA flavours only; "
                    "ppl_window the held-out one in windows of the training length; cache_ages the age of the "
-                   "cache's entries over its longest documents, HOLA flavours only; "
+                   "cache's entries over its longest documents and where its read's softmax mass goes, HOLA flavours "
+                   "only; "
                    "S-NIAH-1/2 at 1-4x the training length) as soon as its training ends, in the order named (a "
                    "budget that ends early cuts the last named), results under --out/eval_*")
     p.add_argument("--report", help="--merge: folder for ablations.md, ablations.json and the PNGs")

@@ -326,7 +326,7 @@ def test_run_writes_its_status_while_the_runs_train(tmp_path, monkeypatch):
     final = json.loads((out / "status.json").read_text())
     assert final["final"] is True and final["runs"]["hola_s0"]["step"] == 1600 and final["runs"]["hola_s0"]["rc"] == 0
     assert (out / "hola_s0.jsonl").read_text().count("\n") == 2
-    assert not (out / "status.json.tmp").exists() and not list(out.glob("*.jsonl.tmp"))
+    assert not [f.name for f in out.iterdir() if f.name.endswith(".tmp")]  # no temporary file left behind
     # A snapshot's folder merges, and the report says it is one.
     snap = tmp_path / "snap"
     snap.mkdir()
@@ -346,17 +346,17 @@ def test_a_status_snapshot_that_cannot_be_written_does_not_stop_the_driver(tmp_p
     train_command = _last_step_trainer(pause_s=1.0)
 
     writes = {"n": 0}
-    real_write_text = Path.write_text
+    real_write_bytes = Path.write_bytes
 
-    def full_disk_once(self, *args, **kwargs):
-        if self.name == "status.json.tmp" and writes["n"] == 0:
+    def full_disk_once(self, *args, **kwargs):  # the status's temporary sibling (staging.write_bytes_atomic)
+        if self.name.startswith(".status.json.") and writes["n"] == 0:
             writes["n"] += 1
             raise OSError(28, "No space left on device")
-        return real_write_text(self, *args, **kwargs)
+        return real_write_bytes(self, *args, **kwargs)
 
     monkeypatch.setattr(ablate, "train_command", train_command)
     monkeypatch.setattr(ablate, "STATUS_EVERY_S", 0.1)
-    monkeypatch.setattr(Path, "write_text", full_disk_once)
+    monkeypatch.setattr(Path, "write_bytes", full_disk_once)
     args = ["--run", "--recipe", "46M", "--variants", "hola", "--seeds", "0", "--work", str(tmp_path / "w"),
             "--out", str(tmp_path / "o"), "--corpus", str(corpus), "--budget-min", "2.5"]
     assert ablate.main(args) == 0
