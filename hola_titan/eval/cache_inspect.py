@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-import math
 
 import numpy as np
 import torch
@@ -163,8 +162,8 @@ def read_shares(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     before the output norm; NaN for ``"parts"``, whose parts the layer normalises before it sums them, so the raw
     reads' ratio is not their weight there); ``o``: the op's output rebuilt from the two reads (the tests hold it
     to ``hola_attention``'s, and :func:`inspect_reads` records how far it is from the output that ran)."""
-    from hola_titan.kernels.hola_reference import (_top_w_merge, compute_dtype, gated_delta_chunked, l2norm,
-                                                   merge_read, rms_norm)
+    from hola_titan.kernels.hola_reference import (_top_w_merge, cache_read_probs, compute_dtype,
+                                                   gated_delta_chunked, l2norm, merge_read, rms_norm)
 
     if q.dim() != 4 or q.shape[0] != 1:
         raise EvalError(f"cache: read shares need one sequence [1, T, H, D], got {list(q.shape)}")
@@ -182,39 +181,29 @@ def read_shares(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     nb = -(-seq_len // block)
     r_pad = nb * block
 
-    def rows(x, fill=0.0):  # [T, H, ...] -> [H, R, ...], padded after the last token
+    def rows(x, fill=0.0):  # [T, H, ...] -> [1, H, R, ...], padded after the last token
         x = x.transpose(0, 1)
         pad = x.new_full((h, r_pad - seq_len, *x.shape[2:]), fill)
-        return torch.cat([x, pad], dim=1)
+        return torch.cat([x, pad], dim=1)[None]
 
-    qc, kc, vr = rows(rms_norm(q, gamma_q.to(cdt))), rows(rms_norm(k, gamma_k.to(cdt))), rows(v)
-    valid = torch.arange(r_pad, device=device) < seq_len
-    q_b, k_b, v_b = (x.view(h, nb, block, d) for x in (qc, kc, vr))
-    causal = torch.ones(block, block, dtype=torch.bool, device=device).tril()
+    # The reference's layout with no initial cache: W empty cache slots, then the row's positions.
+    valid = (torch.arange(r_pad, device=device) < seq_len)[None]
+    history = []
     if window > 0:
         if evict == "score":
-            key_rows = rows((e.norm(dim=-1) * beta), float("-inf"))  # m_t = beta_t |e_t|, [H, R]
-            empty = float("-inf")
+            key_rows, empty = rows(e.norm(dim=-1) * beta, float("-inf")), float("-inf")  # m_t = beta_t |e_t|
         else:
-            key_rows = torch.where(valid, torch.arange(r_pad, device=device, dtype=cdt), -1.0).expand(h, r_pad)
-            empty = -1.0
-        cand_key = torch.cat([key_rows.new_full((h, window), empty), key_rows], dim=-1)[None]
-        history = _top_w_merge(cand_key, window, block, nb)[:nb]  # P_b for every block b
-        sel = torch.stack(history, dim=2)[0] - window  # [H, nb, W] row positions (< 0: an empty slot)
-        sel_valid = sel >= 0
-        sel = sel.clamp(min=0)
-        kc_sel = kc.gather(1, sel.reshape(h, -1, 1).expand(h, nb * window, d)).view(h, nb, window, d)
-        v_sel = vr.gather(1, sel.reshape(h, -1, 1).expand(h, nb * window, d)).view(h, nb, window, d)
-        keys, values = torch.cat([kc_sel, k_b], dim=2), torch.cat([v_sel, v_b], dim=2)
-        mask = torch.cat([sel_valid[:, :, None, :].expand(h, nb, block, window),
-                          causal.expand(h, nb, block, block)], dim=-1)
-    else:
-        keys, values, mask = k_b, v_b, causal.expand(h, nb, block, block)
-    logits = (q_b @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))
-    logits = logits.masked_fill(~mask, float("-inf"))
-    sink_logit = sink.to(cdt).view(h, 1, 1, 1).expand(h, nb, block, 1)
-    probs = torch.softmax(torch.cat([logits, sink_logit], dim=-1), dim=-1)
-    o_cache = (probs[..., :-1] @ values).view(h, r_pad, d)[:, :seq_len].transpose(0, 1)  # [T, H, D]
+            key_rows, empty = torch.where(valid, torch.arange(r_pad, device=device, dtype=cdt), -1.0), -1.0
+            key_rows = key_rows[:, None].expand(1, h, r_pad)
+        history = _top_w_merge(torch.cat([key_rows.new_full((1, h, window), empty), key_rows], dim=-1), window,
+                               block, nb)
+    no_entries = torch.zeros(1, h, window, d, dtype=cdt, device=device)
+    probs, values = cache_read_probs(rows(rms_norm(q, gamma_q.to(cdt))), rows(rms_norm(k, gamma_k.to(cdt))), rows(v),
+                                     valid, no_entries, no_entries,
+                                     torch.zeros(1, h, window, dtype=torch.bool, device=device), sink.to(cdt),
+                                     block=block, window=window, history=history)
+    probs = probs[0]  # [H, nb, C, W + C + 1]
+    o_cache = (probs[..., :-1] @ values[0]).view(h, r_pad, d)[:, :seq_len].transpose(0, 1)  # [T, H, D]
 
     def tokens(x):  # [H, nb, C] -> [T, H]
         return x.reshape(h, r_pad)[:, :seq_len].transpose(0, 1)

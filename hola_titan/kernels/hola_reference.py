@@ -188,9 +188,11 @@ def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(2, idx[..., None].expand(*idx.shape, x.shape[-1]))
 
 
-def cache_read(q_rows, kc_rows, v_rows, row_valid, cache_kc, cache_v, cache_valid, sink, *, block: int, window: int,
-               history: list[torch.Tensor]) -> torch.Tensor:
-    """Read [P_b | causal block | sink] for every block: the cache-path output on rows [N, H, R, D]."""
+def cache_read_probs(q_rows, kc_rows, v_rows, row_valid, cache_kc, cache_v, cache_valid, sink, *, block: int,
+                     window: int, history: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax of every block's read over [P_b | causal block | sink] on rows [N, H, R, D]: ``(probs [N, H, NB,
+    C, W + C + 1], the sink's column last; values [N, H, NB, W + C, D])`` (no P_b columns with window 0). What
+    :func:`cache_read` sums, kept apart for ``hola_titan.eval``'s split of the read by where its mass goes."""
     n, h, r, d = q_rows.shape
     nb = r // block
     if window > 0:
@@ -215,8 +217,15 @@ def cache_read(q_rows, kc_rows, v_rows, row_valid, cache_kc, cache_v, cache_vali
     logits = (q_b @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))
     logits = logits.masked_fill(~mask, float("-inf"))
     sink_logit = sink.to(logits.dtype).view(1, h, 1, 1, 1).expand(n, h, nb, block, 1)
-    probs = torch.softmax(torch.cat([logits, sink_logit], dim=-1), dim=-1)[..., :-1]
-    return (probs @ values).view(n, h, r, d)
+    return torch.softmax(torch.cat([logits, sink_logit], dim=-1), dim=-1), values
+
+
+def cache_read(q_rows, kc_rows, v_rows, row_valid, cache_kc, cache_v, cache_valid, sink, *, block: int, window: int,
+               history: list[torch.Tensor]) -> torch.Tensor:
+    """Read [P_b | causal block | sink] for every block: the cache-path output on rows [N, H, R, D]."""
+    probs, values = cache_read_probs(q_rows, kc_rows, v_rows, row_valid, cache_kc, cache_v, cache_valid, sink,
+                                     block=block, window=window, history=history)
+    return (probs[..., :-1] @ values).view(q_rows.shape)
 
 
 # Inductor (torch 2.13, CPU) compiles this function to wrong gradients for k, g and beta (relative error ~1,
