@@ -7,7 +7,9 @@ one of them through its config key; the runs share everything else, the recipe (
 (``train_configs/small_hola_text.toml``: the ``small`` width, 16 x 1,024 tokens a step, AdamW lr 3e-3, on the offline
 corpus of ``build_small_corpus.py``) or ``46M`` (``train_configs/<flavour>_46M.toml``: the paper's ablation size,
 16 x 4,096 tokens a step, on the 120M-token corpus of ``build_corpus.py``; with ``--variants
-gdn,hola,hola_recency,transformer`` it is the comparison of the four flavours).
+gdn,hola,hola_recency,transformer`` it is the comparison of the four flavours) or ``micro``
+(``train_configs/micro_text.toml``: the debug width on the same corpus, 8 x 512 tokens a step, a CPU proxy that
+gives a hypothesis its first test on two cores in under an hour).
 
 Usage::
 
@@ -63,9 +65,10 @@ class Recipe:
     corpus: str
     corpus_layout: str  # "gzip_pair": build_small_corpus.py --gzip; "split_folders": build_corpus.py
     about: str
-    gpu_tokens_per_s: float
-    """The tokens a second one GPU trains of this recipe in all, whether one run or several side by side (the
+    tokens_per_s: float
+    """The tokens a second ``machine`` trains of this recipe in all, whether one run or several side by side (the
     runs share it): what ``--plan`` estimates with."""
+    machine: str = "one GPU"
 
 
 RECIPES = {
@@ -81,6 +84,14 @@ RECIPES = {
                   # One H100, 2026-12-06: GDN and HOLA side by side 161k + 144k tokens/s, HOLA alone 330k; three runs
                   # (with one norm per path) 107k + 99k + 78k.
                   300_000.0),
+    # The CPU proxy: the debug width at the small recipe's block and window, so a hypothesis gets a first test in
+    # minutes while no GPU is lent (train_configs/micro_text.toml).
+    "micro": Recipe("train_configs/micro_text.toml", 512, 8 * 512, 1000, 100, 250, 250, "data/corpus_100m",
+                    "split_folders", "the debug width (1.6M parameters, d_model 128, 2 layers, 2 heads of 64), 8 x 512 "
+                    "tokens a step, block 64, window 64, AdamW lr 3e-3 to 0.1x, weight decay 0.01, on "
+                    "build_corpus.py's 120M-token corpus",
+                    # Two CPU cores, 2026-12-07: GDN and HOLA side by side, 1,000 steps each in 22 minutes.
+                    2 * 1000 * 8 * 512 / (22 * 60), "2 CPU cores"),
 }
 STOP_GRACE_S = 90.0  # what a stopped run gets to save its checkpoint before it is killed
 STATUS_EVERY_S = 60.0  # how often --run rewrites --out while it runs (what a lost machine leaves behind)
@@ -1109,9 +1120,10 @@ def plan(args) -> int:
     tokens = n * args.steps * recipe.tokens_per_step
     print(f"recipe {args.recipe}: {recipe.about}")
     print(f"{n} runs ({len(args.variants)} variants x seeds {', '.join(map(str, args.seeds))}), {args.steps} steps "
-          f"of {recipe.tokens_per_step:,} tokens: {tokens / 1e6:.0f}M tokens; at the {recipe.gpu_tokens_per_s:,.0f} "
-          f"tokens/s one GPU trains of this recipe, side by side or not, about "
-          f"{tokens / recipe.gpu_tokens_per_s / 60:.1f} GPU minutes of training (start-up and evaluations aside)")
+          f"of {recipe.tokens_per_step:,} tokens: {tokens / 1e6:.1f}M tokens; at {recipe.tokens_per_s:,.0f} tokens/s "
+          f"(what {recipe.machine} trains of this recipe in all, side by side or not), about "
+          f"{tokens / recipe.tokens_per_s / 60:.1f} minutes of training on {recipe.machine} (start-up and evaluations "
+          f"aside)")
     for v in args.variants:
         variant = VARIANTS[v]
         print(f"  {v:18s} {variant.flavour:13s} {' '.join(variant.overrides) or '(defaults)':60s} "

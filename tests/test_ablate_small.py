@@ -54,6 +54,10 @@ def test_every_variant_is_a_valid_config(variant, recipe, tmp_path):
     assert config.data.dataset == str(train) and config.validation.dataset == str(validation)
     if recipe == "46M":
         assert config.model.size == "46M" and config.lr_scheduler.warmup_steps == 100
+    if recipe == "micro":  # the small recipe's block and window, at the debug width
+        assert config.model.size == "debug" and config.lr_scheduler.warmup_steps == 100
+        if not ablate.VARIANTS[variant].overrides:
+            assert (config.model.block, config.model.window) == (64, 64)
 
 
 def test_a_corpus_of_split_folders_is_read_by_split_with_nothing_held_out(tmp_path):
@@ -521,8 +525,16 @@ def test_the_plan_estimates_with_what_one_gpu_trains_of_the_recipe(capsys):
     """Runs side by side share one GPU: the estimate is the runs' tokens over the recipe's tokens a second."""
     assert ablate.main(["--plan", "--recipe", "46M", "--variants", "gdn,hola", "--seeds", "1"]) == 0
     out = capsys.readouterr().out
-    minutes = 2 * 1600 * 16 * 4096 / ablate.RECIPES["46M"].gpu_tokens_per_s / 60
-    assert "2 runs" in out and f"about {minutes:.1f} GPU minutes" in out and minutes == pytest.approx(11.65, abs=0.01)
+    minutes = 2 * 1600 * 16 * 4096 / ablate.RECIPES["46M"].tokens_per_s / 60
+    assert "2 runs" in out and f"about {minutes:.1f} minutes of training on one GPU" in out
+    assert minutes == pytest.approx(11.65, abs=0.01)
+    # The CPU proxy says so: its rate is two cores', and its estimate is in their minutes.
+    assert ablate.main(["--plan", "--recipe", "micro", "--variants", "gdn,hola,hola_w0,hola_recency",
+                        "--seeds", "0"]) == 0
+    out = capsys.readouterr().out
+    minutes = 4 * 1000 * 8 * 512 / ablate.RECIPES["micro"].tokens_per_s / 60
+    assert "1000 steps of 4,096 tokens: 16.4M tokens" in out and minutes == pytest.approx(44.0, abs=0.1)
+    assert f"about {minutes:.1f} minutes of training on 2 CPU cores" in out
     # A screen by its name: its variants, each with the recipe's seeds.
     assert ablate.main(["--plan", "--variants", "second_screen"]) == 0
     out = capsys.readouterr().out
