@@ -285,8 +285,8 @@ def recipe_selections(head_dim_of) -> dict[str, list[tuple[int, int]]]:
     for recipe in sorted((ROOT / "train_configs").glob("*.toml")):
         config = parse_config(["--job.config_file", str(recipe)])
         margs = build_model_args(config, 8192)  # the vocabulary plays no part here
-        if not margs.is_recurrent or margs.evict != "score":
-            continue
+        if not margs.is_recurrent or margs.evict != "score" or config.training.device == "cpu":
+            continue  # a recipe pinned to the CPU (micro_text.toml) never takes a GPU's plan
         dtype = "bfloat16" if config.training.mixed_precision_param == "bfloat16" else "float32"
         shapes = found.setdefault(plan_key(margs.flavour, head_dim_of(margs.head_dim), margs.n_heads, dtype,
                                            config.data.varlen), [])
