@@ -44,6 +44,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -331,6 +332,18 @@ def train_command(variant: str, seed: int, *, recipe: Recipe, folder: Path, corp
             "--data.dataset", str(train), "--validation.dataset", str(validation), *v.overrides, *extra]
 
 
+def pinned_device(recipe: Recipe, variant: str, extra: list[str]) -> str:
+    """``training.device`` as :func:`train_command` gives it to the runs: ``extra``'s, else the recipe's config's
+    (the configs of one recipe differ only in the flavour)."""
+    for i, arg in enumerate(extra):
+        if arg == "--training.device" and i + 1 < len(extra):
+            return extra[i + 1]
+        if arg.startswith("--training.device="):
+            return arg.split("=", 1)[1]
+    with open(REPO / recipe.config.format(flavour=VARIANTS[variant].flavour), "rb") as f:
+        return tomllib.load(f).get("training", {}).get("device", "auto")
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """A run's ``metrics.jsonl`` (or its copy) as its history: a resumed run logs the steps after its checkpoint
     again, and the last attempt's record of each step is kept (hola_titan/metrics_records.py); none when absent."""
@@ -390,7 +403,8 @@ def run(args) -> int:
     has_cache = {run_name(v, s): flavours.get(VARIANTS[v].flavour).evict not in (None, "none") for v, s in runs}
     # Before any trainer starts: a status written mid-run needs them, and an error here loses no training.
     staging = _by_path("staging")  # the atomic writes of the status (standard library only)
-    device, versions, corpus_id = _device(), _versions(), corpus_identity(recipe, corpus)
+    device = _device(pinned_device(recipe, args.variants[0], args.extra))
+    versions, corpus_id = _versions(), corpus_identity(recipe, corpus)
     children: dict[str, subprocess.Popen] = {}
     commands, started = {}, time.time()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -526,9 +540,12 @@ def run(args) -> int:
     return 1 if failed else 0
 
 
-def _device() -> str:
-    """The GPU's name (as torch gives it), read through nvidia-smi where there is one: the driver runs beside the
-    trainers, and a CUDA context of its own would take GPU memory from them."""
+def _device(pinned: str = "auto") -> str:
+    """What the runs train on: "cpu" where their ``training.device`` pins the CPU (:func:`pinned_device`; the
+    micro recipe on a GPU machine), else the GPU's name (as torch gives it), read through nvidia-smi where there is
+    one: the driver runs beside the trainers, and a CUDA context of its own would take GPU memory from them."""
+    if pinned == "cpu":
+        return "cpu"
     try:
         found = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
                                capture_output=True, text=True, timeout=30)

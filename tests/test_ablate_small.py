@@ -619,3 +619,18 @@ def test_a_run_name_on_another_build_replaces_the_earlier_run(tmp_path):
     curves, _ = ablate.load_curves([tmp_path / "a", tmp_path / "b"])
     assert max(curves["hola_s0"].steps) == 100 and curves["hola_s0"].corpus == "build-two"
     assert max(curves["hola_s0"].val) == 100
+
+
+def test_a_recipe_pinned_to_the_cpu_records_the_cpu_as_its_device(monkeypatch):
+    """The micro recipe trains on the CPU even on a GPU machine: its status must not name the machine's GPU."""
+    micro, small = ablate.RECIPES["micro"], ablate.RECIPES["small"]
+    assert ablate.pinned_device(micro, "hola", []) == "cpu" and ablate.pinned_device(small, "gdn", []) == "auto"
+    # --extra is appended last to every run's command, so its value is the one the runs take, in either form.
+    assert ablate.pinned_device(micro, "hola", ["--training.device", "cuda"]) == "cuda"
+    assert ablate.pinned_device(small, "hola", ["--compile.enable", "true", "--training.device=cpu"]) == "cpu"
+
+    def a_gpu_machine(*args, **kwargs):
+        return ablate.subprocess.CompletedProcess(args, 0, stdout="NVIDIA H100 80GB HBM3\n", stderr="")
+
+    monkeypatch.setattr(ablate.subprocess, "run", a_gpu_machine)
+    assert ablate._device("cpu") == "cpu" and ablate._device("auto") == "NVIDIA H100 80GB HBM3"
