@@ -60,6 +60,22 @@ def test_every_variant_is_a_valid_config(variant, recipe, tmp_path):
             assert (config.model.block, config.model.window) == (64, 64)
 
 
+def test_the_small_screen_keeps_block_64_while_the_configs_hold_the_paper_s_256(tmp_path):
+    """Every small screen since 2026-12-05 ran at block 64; the configs now hold 256 (measured better), and the
+    recipe pins 64 so a variant's name keeps its meaning, while a variant's own block wins over the pin."""
+    r = ablate.RECIPES["small"]
+
+    def block_of(variant: str) -> int:
+        command = ablate.train_command(variant, 0, recipe=r, folder=tmp_path / variant, corpus=tmp_path / "corpus",
+                                       steps=r.steps, warmup=r.warmup, extra=[])
+        return parse_config(command[3:]).model.block
+
+    assert parse_config(["--job.config_file", r.config]).model.block == 256
+    assert block_of("hola") == block_of("hola_w0") == block_of("gdn") == 64
+    assert block_of("hola_c256") == block_of("hola_c256_w0") == 256
+    assert all(not ablate.RECIPES[name].base for name in ("46M", "micro"))
+
+
 def test_a_corpus_of_split_folders_is_read_by_split_with_nothing_held_out(tmp_path):
     corpus = tmp_path / "corpus"
     for split in ("train", "validation"):
