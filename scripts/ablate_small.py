@@ -470,6 +470,7 @@ def run(args) -> int:
         STATUS_EVERY_S before it, so a machine lost mid-run (a lease taken back) leaves a folder that merges as it
         is; ``final`` says whether the driver ended (``rc`` is None for a child still running)."""
         status = {"format": FORMAT, "started": started, "wall_s": time.time() - started, "final": final,
+                  "base": list(recipe.base),
                   "budget_min": args.budget_min, "steps": args.steps, "warmup_steps": args.warmup,
                   "tokens_per_step": recipe.tokens_per_step, "recipe": args.recipe, "config": recipe.config,
                   "device": device, "host": platform.node(), "versions": versions,
@@ -877,6 +878,11 @@ def merge(args) -> int:
              f"{recipe.about} (one step: {tokens_per_step / 1e6:.3f}M tokens), a {statuses[0]['steps']}-step cosine "
              f"schedule, warmup {statuses[0]['warmup_steps']}, `{recipe.config}` with each variant's keys; seeds "
              f"{', '.join(map(str, seeds))}.",
+             *([] if not any(st.get("base") for st in statuses) else
+               ["", "Every run of the recipe also got `" + "`, `".join(sorted({" ".join(st["base"]) for st in statuses
+                                                                            if st.get("base")})) +
+                "` before its variant's keys (`status.json`'s `base`; folders written before 2026-12-08 record "
+                "none and ran at the configs' block 64 of that time)."]),
              *([] if all(st.get("final", True) for st in statuses) else
                ["", f"{sum(not st.get('final', True) for st in statuses)} of the {len(statuses)} folders are snapshots "
                 "taken before their driver ended (`\"final\": false` in `status.json`): their runs stop where the "

@@ -111,6 +111,10 @@ MQAR_STARTUP_S = 30.0
 plans (`first_step.py --procs 9`, 2026-12-02); in piece 0 the runs logged step 1 22-23 s after the
 piece started."""
 TEXT_RUNS_PER_PIECE = 6
+TEXT_PIN = ("--model.block", "64")
+"""Keys every text run gets after its config: the pieces of 2026-12-03 trained at block 64, the text configs' value
+then; the configs now hold the paper's 256, and this keeps new pieces paired with the old (and --quick's 128-token
+rows longer than a block)."""
 TEXT_STEPS_PER_S = {"hola": 2.5, "hola_recency": 2.5, "gdn": 2.5}
 """Estimate, not measured: one ``small`` text run (16 x 1024 tokens a step, bf16) of six sharing one H200, from
 the 340M rate (116k tokens/s alone, docs/LOG.md 2026-12-01) scaled by FLOPs per token and halved for host overhead."""
@@ -261,6 +265,8 @@ class Commands:
                  TASKS[run.task].config.format(flavour=run.flavour), "--job.dump_folder", str(folder / "train"),
                  "--optimizer.lr", lr, "--training.seed", str(run.seed), "--training.steps", str(sizes.steps),
                  "--lr_scheduler.warmup_steps", str(sizes.warmup_steps), "--checkpoint.interval", str(sizes.steps)]
+        if run.task == "text":
+            train += TEXT_PIN
         if self.quick:
             train += ["--training.device", "cpu", "--training.seq_len", str(sizes.seq_len),
                       "--training.local_batch_size", str(sizes.batch), "--training.mixed_precision_param", "float32",

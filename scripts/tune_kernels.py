@@ -270,6 +270,11 @@ def child(args) -> int:
     return 0
 
 
+# Recipes whose runs add keys to a config: ablate_small.py's small screens and replicate_small.py's text runs pin
+# block 64 (their earlier runs' block) on the small configs, which hold 256. A test keeps this beside the scripts'.
+PINNED_RECIPES = (("small_hola_text.toml", ("--model.block", "64")),)
+
+
 def recipe_selections(head_dim_of) -> dict[str, list[tuple[int, int]]]:
     """Compile plan key -> ``(window, block)`` of each recipe in ``train_configs/`` whose runs take that plan and
     select by score: the selection kernels take both as compile-time arguments, and a combination's steps run at
@@ -282,8 +287,10 @@ def recipe_selections(head_dim_of) -> dict[str, list[tuple[int, int]]]:
     from hola_titan.kernels.precompile import plan_key
 
     found: dict[str, list[tuple[int, int]]] = {}
-    for recipe in sorted((ROOT / "train_configs").glob("*.toml")):
-        config = parse_config(["--job.config_file", str(recipe)])
+    recipes = [(path, ()) for path in sorted((ROOT / "train_configs").glob("*.toml"))]
+    recipes += [(ROOT / "train_configs" / name, keys) for name, keys in PINNED_RECIPES]
+    for recipe, keys in recipes:
+        config = parse_config(["--job.config_file", str(recipe), *keys])
         margs = build_model_args(config, 8192)  # the vocabulary plays no part here
         if not margs.is_recurrent or margs.evict != "score" or config.training.device == "cpu":
             continue  # a recipe pinned to the CPU (micro_text.toml) never takes a GPU's plan

@@ -54,7 +54,7 @@ def test_every_variant_is_a_valid_config(variant, recipe, tmp_path):
     assert config.data.dataset == str(train) and config.validation.dataset == str(validation)
     if recipe == "46M":
         assert config.model.size == "46M" and config.lr_scheduler.warmup_steps == 100
-    if recipe == "micro":  # the small recipe's block and window, at the debug width
+    if recipe == "micro":  # the small screens' block and window, at the debug width
         assert config.model.size == "debug" and config.lr_scheduler.warmup_steps == 100
         if not ablate.VARIANTS[variant].overrides:
             assert (config.model.block, config.model.window) == (64, 64)

@@ -95,6 +95,8 @@ def test_plan_lists_pieces_that_fit_a_lent_gpu(capsys):
     train = [ln for ln in out.splitlines() if "-m hola_titan.train" in ln]
     assert "train_configs/mqar_hola.toml" in train[0] and "--training.steps 1000" in train[0]
     assert "small_hola_text.toml" in train[1] and "--data.dataset data/small_corpus/train.jsonl" in train[1]
+    # The text runs keep the 2026-12-03 pieces' block 64, which the configs no longer hold (they hold 256).
+    assert "--model.block 64" in train[1] and "--model.block" not in train[0]
     assert out.splitlines()[-1].startswith("total: 4 pieces")
 
 

@@ -656,15 +656,36 @@ def test_a_key_a_job_or_node_file_served_is_the_job_s_to_share(monkeypatch):
 def test_tune_kernels_records_the_selection_launches_of_each_recipe_of_a_combination():
     """The plan phase also launches the selection kernels at the window and block of every recipe whose runs take
     its plan (its steps run at the size's defaults): MQAR's window 16 beside the debug model's 8; on the small size's
-    plan the 46M recipe's and the small recipe's block 256, once."""
+    plan the 46M recipe's and the small configs' block 256 beside the small screens' pinned 64."""
     recipes = _tune_kernels_script().recipe_selections(lambda d: max(d, 128))  # Hopper: fla's #640 pads below 128
     assert recipes["hola/d128/h2/float32/plain"] == [(16, 32)]  # mqar_hola.toml
     assert recipes["hola/d128/h2/float32/packed"] == [(8, 32)]  # debug_model.toml
-    assert recipes["hola/d256/h2/bfloat16/packed"] == [(64, 256)]  # hola_46M and small_hola_text
+    assert recipes["hola/d256/h2/bfloat16/packed"] == [(64, 256), (64, 64)]  # hola_46M and small_hola_text; screens
     assert recipes["hola/d256/h4/bfloat16/packed"] == [(64, 256)]  # hola_340M
     assert not any(key.startswith(("gdn/", "hola_recency/")) for key in recipes)  # no score selection there
     unpadded = _tune_kernels_script().recipe_selections(lambda d: d)  # an A100: no padding
     assert unpadded["hola/d64/h2/float32/plain"] == [(16, 32)]
+
+
+def test_the_pinned_recipes_are_the_scripts_pins():
+    """tune_kernels.PINNED_RECIPES holds what ablate_small.py's recipes and replicate_small.py's text runs add to a
+    config, so the plans record the launches those runs make."""
+    import importlib.util
+    from pathlib import Path
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(f"{name}_under_test",
+                                                      Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+
+    pinned = {(name, tuple(keys)) for name, keys in _tune_kernels_script().PINNED_RECIPES}
+    ablate, replicate = load("ablate_small"), load("replicate_small")
+    wanted = {(Path(r.config.format(flavour="hola")).name, tuple(r.base)) for r in ablate.RECIPES.values() if r.base}
+    wanted.add((Path(replicate.TASKS["text"].config.format(flavour="hola")).name, tuple(replicate.TEXT_PIN)))
+    assert pinned == wanted
 
 
 
