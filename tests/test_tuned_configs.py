@@ -670,19 +670,12 @@ def test_tune_kernels_records_the_selection_launches_of_each_recipe_of_a_combina
 def test_the_pinned_recipes_are_the_scripts_pins():
     """tune_kernels.PINNED_RECIPES holds what ablate_small.py's recipes and replicate_small.py's text runs add to a
     config, so the plans record the launches those runs make."""
-    import importlib.util
     from pathlib import Path
 
-    def load(name):
-        spec = importlib.util.spec_from_file_location(f"{name}_under_test",
-                                                      Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
+    from helpers import load_script
 
     pinned = {(name, tuple(keys)) for name, keys in _tune_kernels_script().PINNED_RECIPES}
-    ablate, replicate = load("ablate_small"), load("replicate_small")
+    ablate, replicate = load_script("ablate_small"), load_script("replicate_small")
     wanted = {(Path(r.config.format(flavour="hola")).name, tuple(r.base)) for r in ablate.RECIPES.values() if r.base}
     wanted.add((Path(replicate.TASKS["text"].config.format(flavour="hola")).name, tuple(replicate.TEXT_PIN)))
     assert pinned == wanted
