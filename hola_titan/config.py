@@ -171,7 +171,7 @@ class Model:
     form ran."""
     cache_kernels: Literal["auto", "triton"] = setting("auto", resume="applied")
     """Which kernels run a HOLA layer's cache read on the Triton backend. ``auto``: the Gluon kernels (Hopper's
-    warpgroup MMA, ``hola_titan/kernels/hola_gluon_attn.py``) for fresh calls at head dim 256 in bf16/fp16 on an
+    warpgroup MMA, ``hola_titan/kernels/hola/gluon_kernels.py``) for fresh calls at head dim 256 in bf16/fp16 on an
     sm_90 GPU with Triton 3.6-3.9, the Triton kernels everywhere else; ``triton``: the Triton kernels always (to
     compare the two, e.g. with ``scripts/compare_losses.py``; the shipped compile plans list the kernels ``auto``
     runs, so the other ones compile at their first launch). The run's ``paths`` lines (``cache_forward``,
@@ -182,17 +182,17 @@ class Model:
     the reference backend then, with a warning that says why)."""
     kernels: Literal["auto", "triton", "reference"] = setting("auto", resume="applied")
     """The rest of the step: the fused q|k|v short convolution and the head's cross-entropy. ``triton``: this
-    project's Triton kernels (``hola_titan/kernels/short_conv.py``, ``hola_titan/kernels/cross_entropy.py``;
+    project's Triton kernels (``hola_titan/kernels/fused/short_conv.py``, ``hola_titan/kernels/fused/cross_entropy.py``;
     CUDA); ``reference``: the PyTorch forms they are tested against; ``auto``: ``triton`` on CUDA, ``reference``
     elsewhere. The run's log names what ran (``paths``)."""
     kernel_configs: str = setting("auto", resume="launch")
-    """Launch configurations of fla-core's autotuned kernels (``hola_titan/kernels/tuned_configs.py``): ``auto``
-    takes the file shipped for this GPU and these fla-core and Triton versions (``hola_titan/kernels/configs/``)
+    """Launch configurations of fla-core's autotuned kernels (``hola_titan/kernels/runtime/tuned_configs.py``): ``auto``
+    takes the file shipped for this GPU and these fla-core and Triton versions (``hola_titan/kernels/runtime/configs/``)
     when there is one, else autotunes (the log says which); ``off`` autotunes every kernel at its first launch (minutes
     on a fresh machine); or the path of a file written by ``scripts/tune_kernels.py``."""
     precompile_workers: int = setting(-1, resume="applied", ge=-1)
     """Worker threads that compile this run's Triton kernels side by side before the first launch, from the plan
-    that the kernel configurations file holds for this kind of run (``hola_titan/kernels/precompile.py``; CUDA,
+    that the kernel configurations file holds for this kind of run (``hola_titan/kernels/runtime/precompile.py``; CUDA,
     recurrent flavours): -1 chooses (half the CPU cores shared by the node's processes, at most 8), 0 compiles each
     kernel at its first launch instead. Workers of several runs on one node compile each kernel once."""
 

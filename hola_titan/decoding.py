@@ -4,7 +4,7 @@ Shape legend: B batch rows, V vocabulary.
 
 HOLA, HOLA+recency and GDN carry a cache of fixed size (convolution tails, the recurrent state, the HOLA top-W
 entries and unfinished block), and one token's step through it has static shapes and no host synchronisation
-(``hola_titan/kernels/hola_step.py``). So the whole step can run from fixed buffers: :class:`StaticDecoder` copies a
+(``hola_titan/kernels/hola/decode.py``). So the whole step can run from fixed buffers: :class:`StaticDecoder` copies a
 prefilled :class:`~hola_titan.models.model.ModelCache` into buffers it owns, and every :meth:`StaticDecoder.step`
 computes the model's step from them and writes the new cache back in place. Three ways to run that step, named
 by ``mode`` and recorded in :attr:`StaticDecoder.path`:
@@ -57,7 +57,7 @@ def resolve_mode(mode: str, model: HolaTitanLM, device: torch.device) -> str:
         raise ValueError(f"decode: {mode!r} needs a fixed-size cache (HOLA, HOLA+recency, GDN); "
                          f"{model.args.flavour} decodes eagerly")
     if mode in ("graph", "compile") and not _one_token_step(model):
-        raise ValueError(f"decode: {mode!r} needs the one-token step (hola_titan/kernels/hola_step.py); the model's "
+        raise ValueError(f"decode: {mode!r} needs the one-token step (hola_titan/kernels/hola/decode.py); the model's "
                          "'reference' backend runs the blocked continuation, which reads values back to the host "
                          "and cannot be captured; use 'eager' or 'buffers'")
     return mode
@@ -171,8 +171,8 @@ class StaticDecoder:
 
     @property
     def path(self) -> dict:
-        """What runs: the decoding mode, the token mixer's one-token step (``hola_titan/kernels/hola_step.py``, taken by
-        every backend but ``"reference"``, which runs its blocked continuation), the batch size and the device."""
+        """What runs: the decoding mode, the token mixer's one-token step (``hola_titan/kernels/hola/decode.py``, taken
+        by every backend but ``"reference"``, which runs its blocked continuation), the batch size and the device."""
         return dict(decode=self.mode, mixer_step="hola_step" if _one_token_step(self.model) else "reference",
                     batch_size=self.batch_size, device=str(self.device),
                     dtype=str(self.logits.dtype).replace("torch.", ""))

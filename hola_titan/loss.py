@@ -71,11 +71,11 @@ def _chunked_loss_and_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch
                             ignore_index: int, compute_grad: bool, matmul_dtype: torch.dtype, kernel: bool = False):
     """Loss sum (float32 scalar) and, with ``compute_grad``, the float32 gradients of ``h`` and ``weight``.
 
-    ``kernel``: the softmax statistics and the logit gradient by ``hola_titan/kernels/cross_entropy.py`` on the
+    ``kernel``: the softmax statistics and the logit gradient by ``hola_titan/kernels/fused/cross_entropy.py`` on the
     ``matmul_dtype`` logits, in place (needs a low-precision ``matmul_dtype``); else :func:`_logit_grads`, its
     reference, on float32 copies of the logits."""
     if kernel:
-        from hola_titan.kernels.cross_entropy import cross_entropy_rows_
+        from hola_titan.kernels.fused.cross_entropy import cross_entropy_rows_
     num_rows = h.shape[0]
     weight_vd = weight.to(matmul_dtype)
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -136,7 +136,7 @@ def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: 
         matmul_dtype: operand dtype of the head's matmuls (float32 accumulation either way); see the module
             docstring.
         kernel: compute the softmax and the logit gradient with the Triton kernel of
-            ``hola_titan.kernels.cross_entropy`` (CUDA, or Triton's interpreter), in place on the low-precision
+            ``hola_titan.kernels.fused.cross_entropy`` (CUDA, or Triton's interpreter), in place on the low-precision
             logits; needs ``matmul_dtype`` bfloat16 or float16.
 
     Returns:

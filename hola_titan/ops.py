@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hola_titan.kernels import hola_step
+from hola_titan.kernels.hola import decode
 from hola_titan.kernels.dispatch import call_path, explain_backend, resolve_backend, resolve_kernels
-from hola_titan.kernels.seqlens import Documents
-from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.hola_reference import hola_attention_reference
+from hola_titan.kernels.runtime.documents import Documents
+from hola_titan.kernels.hola.cache import HolaCache
+from hola_titan.kernels.hola.reference import hola_attention_reference
 
 if TYPE_CHECKING:  # the Triton backend's module, imported where it runs
-    from hola_titan.kernels.hola_continue import ContinuationLayout
+    from hola_titan.kernels.hola.continuation import ContinuationLayout
 
 EVICT_MODES = ("score", "recency", "none")
 # What ``o`` holds: the sum o_state + sigmoid(gate) o_cache, or both parts side by side in the last dimension
@@ -111,7 +111,7 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         evict: ``"score"`` (HOLA), ``"recency"`` (HOLA+recency) or ``"none"`` (GDN).
         cu_seqlens: ``[N + 1]`` int32/int64 document boundaries of a packed row (only with B == 1); its values
             are read on the host once per call (a synchronisation on CUDA).
-        documents: the same boundaries as a :class:`~hola_titan.kernels.seqlens.Documents`, checked once per
+        documents: the same boundaries as a :class:`~hola_titan.kernels.runtime.documents.Documents`, checked once per
             batch with their host copy: what a model passes to every layer, so that no layer reads the device.
             Give ``cu_seqlens`` or ``documents``, not both.
         initial_state: ``[N, H, D, D]`` state to start from (N = B without ``cu_seqlens``).
@@ -121,16 +121,16 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             path and selection, the cache read as one FlashAttention-4 varlen call on sm_90; never ``"auto"``'s
             choice). A decoding step (one token per row,
             no ``cu_seqlens``, continuing from a state and cache, no gradient wanted) runs the same arithmetic
-            as the reference through ``hola_titan/kernels/hola_step.py`` with every backend but ``"reference"``.
+            as the reference through ``hola_titan/kernels/hola/decode.py`` with every backend but ``"reference"``.
         overlap_backward: Triton backend on CUDA: the layer as one op whose backward overlaps the cache
-            attention's backward (a side stream) with fla's (``hola_titan/kernels/hola_triton_layer.py``); same results.
+            attention's backward (a side stream) with fla's (``hola_titan/kernels/hola/triton_layer.py``); same results.
         save_cache_output: Triton backend, a call without ``initial_cache``: keep the cache read's output
             (``[B, T, H, D]`` in the input dtype) for the backward, which then forms the softmax gradient's row
             sums from it instead of a pass over the keys (faster, one more token-sized tensor held until the
             backward). The reference and sdpa paths refuse it; decoding steps and calls continuing from a cache
             run without it (they keep nothing for a backward, or form delta over the cache's rows).
         continuation: with ``initial_cache``, the batch's
-            :class:`~hola_titan.kernels.hola_continue.ContinuationLayout` for these shapes and the cache's token
+            :class:`~hola_titan.kernels.hola.continuation.ContinuationLayout` for these shapes and the cache's token
             counts, made once for all layers (the Triton backend's index work for continuing); None: made in the
             call. The other backends do not need one.
         scale: the state read's factor ``s`` in ``o_state = s S^T qh`` (a number > 0); None: ``D^-1/2``, fla's
@@ -159,16 +159,16 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     cu_seqlens = documents.cu_seqlens if documents is not None else None
     chosen = resolve_backend(backend, q.device)  # raises for a backend that cannot run here, decoding or not
     args = (q, k, v, g, beta, gamma_q, gamma_k, sink, gate)
-    decoding = hola_step.applies(args, cu_seqlens=cu_seqlens, initial_state=initial_state,
+    decoding = decode.applies(args, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                  initial_cache=initial_cache, evict=evict)
     path, _ = call_path(backend, chosen, q, decoding=decoding, initial_cache=initial_cache)
     if save_cache_output and path in ("reference", "sdpa", "fa4"):
         raise ValueError(f"save_cache_output: only the Triton backend keeps the cache read's output; this call "
                          f"takes the {path} path")
     if path == "decode_step":
-        # Decoding: one token per row through a fixed, small set of tensor ops (hola_titan/kernels/hola_step.py); the
+        # Decoding: one token per row through a fixed, small set of tensor ops (hola_titan/kernels/hola/decode.py); the
         # blocked paths below cost about 1,500 ATen calls per layer for a single token.
-        o, final_state, final_cache = hola_step.decode_step(
+        o, final_state, final_cache = decode.decode_step(
             *args, window=window, block=block, evict=evict, initial_state=initial_state,
             initial_cache=initial_cache, output_final_state=output_final_state,
             output_final_cache=output_final_cache, scale=scale, mix=mix)
@@ -182,7 +182,7 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     if path == "reference":
         o, final_state, final_cache = hola_attention_reference(*args, initial_cache=initial_cache, **kw)
     elif path == "triton":
-        from hola_titan.kernels.hola_triton import hola_attention_triton
+        from hola_titan.kernels.hola.triton_backend import hola_attention_triton
         o, final_state, final_cache = hola_attention_triton(*args, initial_cache=initial_cache,
                                                             overlap_backward=overlap_backward,
                                                             save_cache_output=save_cache_output,
@@ -190,11 +190,11 @@ def hola_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                                                             chunk_indices=chunk_indices, block_table=block_table,
                                                             **kw)
     elif path == "fa4":
-        from hola_titan.kernels.hola_fa4 import hola_attention_fa4
+        from hola_titan.kernels.hola.fa4 import hola_attention_fa4
         o, final_state, final_cache = hola_attention_fa4(*args, chunk_indices=chunk_indices,
                                                          block_table=block_table, **kw)
     else:
-        from hola_titan.kernels.hola_sdpa import hola_attention_sdpa
+        from hola_titan.kernels.hola.sdpa import hola_attention_sdpa
         o, final_state, final_cache = hola_attention_sdpa(*args, chunk_indices=chunk_indices,
                                                           block_table=block_table, **kw)
     if output_final_cache:

@@ -50,9 +50,8 @@ from hola_titan.config import (ConfigError, JobConfig, check_compile_fullgraph, 
                                overlap_backward, parse_config, resolve_degrees, run_folders, schedule_warning, to_toml,
                                triton_cache_read_settings, validate, write_resolved)
 from hola_titan.flops import flops_per_token, measured_matmul_tflops, mfu_peak
-from hola_titan.kernels import seqlens
-from hola_titan.kernels.seqlens import Documents
-from hola_titan.kernels.fla_gdn import prepare_backward
+from hola_titan.kernels.runtime.documents import Documents, to_device
+from hola_titan.kernels.gdn.fla_bridge import prepare_backward
 from hola_titan.loss import chunked_linear_cross_entropy
 from hola_titan.memory import batch_line, describe, estimate_memory
 from hola_titan.metrics import MetricsLogger, peak_memory_gib, setup_logging
@@ -164,7 +163,7 @@ def share_autotuned(kernels: dict, *, distributed: bool, group=None, gather=None
             out = [None] * dist.get_world_size(group)
             dist.all_gather_object(out, value, group=group)
             return out
-    from hola_titan.kernels import tuned_configs
+    from hola_titan.kernels.runtime import tuned_configs
 
     merged = tuned_configs.merge([k for k in gather(kernels) if k])
     if merged:
@@ -247,7 +246,7 @@ class Trainer:
         # if the backend turns out to be the reference.
         located = self._locate_kernel_configs()
         self.precompile = self._start_precompile(located)
-        from hola_titan.kernels.precompile import stopped_on_error
+        from hola_titan.kernels.runtime.precompile import stopped_on_error
         with stopped_on_error(self.precompile, "the run's start"):
             self.attention_backend, self._backend_why = self._resolve_attention_backend()
             if self.model_args.is_recurrent:
@@ -261,7 +260,7 @@ class Trainer:
                                            f"{self.attention_backend} ({self._backend_why})")
             from hola_titan.kernels.dispatch import triton_importable
             if triton_importable():  # every run sets it: one run's choice must not carry over to the next
-                from hola_titan.kernels.hola_triton_attn import set_cache_kernels
+                from hola_titan.kernels.hola.triton_kernels import set_cache_kernels
                 set_cache_kernels(config.model.cache_kernels)  # before the paths lines that report the choice
             if self.attention_backend == "reference":
                 self.precompile.stop(f"the attention backend is the reference ({self._backend_why})")
@@ -467,7 +466,7 @@ class Trainer:
 
     def _locate_kernel_configs(self):
         """The configurations file ``model.kernel_configs`` names for this run (read, nothing installed yet)."""
-        from hola_titan.kernels.tuned_configs import Installed, locate
+        from hola_titan.kernels.runtime.tuned_configs import Installed, locate
 
         uses_fla = (self.device.type == "cuda" and self.model_args.is_recurrent
                     and self.config.model.attention_backend != "reference")
@@ -488,7 +487,7 @@ class Trainer:
         and a path names the one file to use. Every rank calls it, once, right after its first step; whether it
         gathers depends only on settings every rank shares (a rank whose kernels fell back to the reference sends
         nothing, and still takes part)."""
-        from hola_titan.kernels import tuned_configs
+        from hola_titan.kernels.runtime import tuned_configs
 
         if (self.config.model.kernel_configs != "auto" or self.device.type != "cuda"
                 or self.config.model.attention_backend == "reference" or not self.model_args.is_recurrent):
@@ -521,7 +520,7 @@ class Trainer:
 
     def _install_kernel_configs(self, located):
         """fla's launch configurations, installed before any fla kernel launches (and before the model is built)."""
-        from hola_titan.kernels.tuned_configs import Installed, install
+        from hola_titan.kernels.runtime.tuned_configs import Installed, install
 
         if located.path is None:
             return located
@@ -534,9 +533,9 @@ class Trainer:
         return torch.bfloat16 if self.config.training.mixed_precision_param == "bfloat16" else torch.float32
 
     def _plan_key(self) -> str:
-        """This run's kind as the compile plans name it (hola_titan/kernels/precompile.py: plan_key)."""
-        from hola_titan.kernels import precompile
-        from hola_titan.kernels.fla_gdn import padded_head_dim
+        """This run's kind as the compile plans name it (hola_titan/kernels/runtime/precompile.py: plan_key)."""
+        from hola_titan.kernels.runtime import precompile
+        from hola_titan.kernels.gdn.fla_bridge import padded_head_dim
 
         dtype = str(self._compute_dtype()).removeprefix("torch.")
         return precompile.plan_key(self.model_args.flavour, padded_head_dim(self.model_args.head_dim, self.device),
@@ -544,8 +543,8 @@ class Trainer:
 
     def _start_precompile(self, located):
         """Start compiling the plan for this kind of run (``model.precompile_workers``;
-        hola_titan/kernels/precompile.py)."""
-        from hola_titan.kernels import precompile
+        hola_titan/kernels/runtime/precompile.py)."""
+        from hola_titan.kernels.runtime import precompile
 
         workers = self.config.model.precompile_workers
         if located.path is None:
@@ -572,7 +571,7 @@ class Trainer:
 
     def _layer_backward(self) -> str:
         """How a HOLA layer's backward runs on the Triton backend: overlapped (one op, the cache read's backward on a
-        side stream beside fla's) or layered, and why (``model.overlap_backward``, hola_triton_layer.applies)."""
+        side stream beside fla's) or layered, and why (``model.overlap_backward``, hola/triton_layer.applies)."""
         if self.model_args.evict == "none":
             return ""
         if self.attention_backend == "fa4":
@@ -585,7 +584,7 @@ class Trainer:
             return f", layered backward ({why})"
         if self.model_args.cache_mix != "before_norm":
             return f", layered backward (model.cache_mix {self.model_args.cache_mix}: the overlapped op fuses the sum)"
-        from hola_titan.kernels.hola_triton_layer import layered_because
+        from hola_titan.kernels.hola.triton_layer import layered_because
         why = layered_because(self.model_args.head_dim, self.device)
         if why is not None:
             return f", layered backward ({why})"
@@ -602,7 +601,7 @@ class Trainer:
             paths["layer"] = self.model_args.describe_layer()
             paths["attention_backend"] = f"{self.attention_backend} ({self._backend_why})" + self._layer_backward()
             if self.model_args.evict != "none" and self.attention_backend == "triton":
-                from hola_titan.kernels.hola_triton_attn import describe_cache_backward, describe_cache_forward
+                from hola_titan.kernels.hola.triton_kernels import describe_cache_backward, describe_cache_forward
                 paths["cache_forward"] = describe_cache_forward(self.model_args.head_dim, self._compute_dtype(),
                                                                 self.device) + (
                     "; continuing context-parallel shards run the Triton kernels" if self.dims.cp > 1 else "")
@@ -612,15 +611,16 @@ class Trainer:
                     "; continuing context-parallel shards run the Triton kernels, delta over the keys"
                     if self.dims.cp > 1 else "")
             if self.model_args.evict != "none" and self.attention_backend == "fa4":
-                from hola_titan.kernels.hola_fa4 import FA4_VERSION
+                from hola_titan.kernels.hola.fa4 import FA4_VERSION
                 paths["cache_forward"] = paths["cache_backward"] = (
-                    f"FlashAttention-4 {FA4_VERSION} varlen (sm_90, hola_titan/kernels/hola_fa4.py); calls "
+                    f"FlashAttention-4 {FA4_VERSION} varlen (sm_90, hola_titan/kernels/hola/fa4.py); calls "
                     "continuing from a cache (context-parallel shards) run the reference")
-            paths["short_conv"] = ("triton (fused q|k|v, hola_titan/kernels/short_conv.py) where it applies, else "
-                                   "PyTorch" if self.kernels == "triton" else "PyTorch reference")
+            paths["short_conv"] = ("triton (fused q|k|v, hola_titan/kernels/fused/short_conv.py) where it applies, "
+                                   "else PyTorch" if self.kernels == "triton" else "PyTorch reference")
             paths["kernel_configs"] = self.kernel_configs.describe()
             paths["kernel_precompile"] = self.precompile.describe()
-        paths["cross_entropy"] = ("triton (hola_titan/kernels/cross_entropy.py, bf16 logits)" if self.loss_kernel else
+        paths["cross_entropy"] = ("triton (hola_titan/kernels/fused/cross_entropy.py, bf16 logits)"
+                                  if self.loss_kernel else
                                   f"PyTorch (chunked, {str(self.head_matmul_dtype).removeprefix('torch.')} matmuls)")
         paths["optimizer"] = ("fused AdamW (non-finite steps skipped on the device)" if self._fused_optimizer
                               else "AdamW (foreach)") + describe_cache_optimizer(self.model_args, config.optimizer)
@@ -853,7 +853,7 @@ class Trainer:
             group_mesh = submesh(self.mesh, "dp_cp")
             if group_mesh is None or group_mesh.size() == 1:
                 return max(float(local), 1.0)
-            value = seqlens.to_device(torch.tensor([float(local)], dtype=torch.float64), self.device)
+            value = to_device(torch.tensor([float(local)], dtype=torch.float64), self.device)
         else:
             value = sum((x != IGNORE_INDEX).sum() for x in labels).double().reshape(1)
         return self._all_reduce_sum(value).reshape(()).clamp_min(1.0)
@@ -1257,7 +1257,7 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A batch tensor on ``device`` without waiting for the device (host tensors go through pinned memory)."""
     if tensor.device == device or tensor.device.type != "cpu":
         return tensor.to(device, non_blocking=True)
-    return seqlens.to_device(tensor, device)
+    return to_device(tensor, device)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv=None):
-    from hola_titan.kernels.tuned_configs import CHOICE_HELP
+    from hola_titan.kernels.runtime.tuned_configs import CHOICE_HELP
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072])
     p.add_argument("--docs", type=int, default=1, help="equal documents per row")
@@ -98,7 +98,7 @@ def boundary_cache(n: int, h: int, d: int, *, window: int, block: int, evict: st
                    device: torch.device):
     """``(cache, seen)``: ``n`` sequences' caches as a shard boundary inside a block leaves them (persistent
     entries full, the block half buffered), their k and v leaves that take gradients; ``seen`` tokens each."""
-    from hola_titan.kernels.hola_cache import HolaCache
+    from hola_titan.kernels.hola.cache import HolaCache
 
     empty = HolaCache.empty(n, h, d, window=window, block=block, evict=evict, dtype=dtype, device=device)
     seen, half = 4 * block + block // 2, block // 2
@@ -243,7 +243,7 @@ def stage_timings(args, device, t: int) -> dict:
                                  device=device)
     leaves = [state, cache.k, cache.v, cache.buf_k, cache.buf_v]
     # As a context-parallel batch does: the continuing call's index layout made once, for every layer.
-    from hola_titan.kernels.hola_continue import ContinuationLayout
+    from hola_titan.kernels.hola.continuation import ContinuationLayout
     continuation = ContinuationLayout.from_host([seen], None, batch=1, seq_len=t, window=margs.window,
                                                 block=margs.block, device=device)
 
@@ -274,8 +274,8 @@ def stage_timings(args, device, t: int) -> dict:
     # The state path alone (the GDN recurrence and the score, fla's kernels on a GPU), fresh and from an incoming
     # state with its gradient: how much of the continuing mixer's extra time is the state path's own (fla's
     # state-gradient kernel took 5.1 ms against 4.0 at 64k on an H200 with its initial-state store, 2026-12-03;
-    # hola_titan/kernels/fla_gdn.py now launches it without that store).
-    from hola_titan.kernels.hola_stages import state_path
+    # hola_titan/kernels/gdn/fla_bridge.py now launches it without that store).
+    from hola_titan.kernels.hola.stages import state_path
 
     def state_only(initial: bool):
         def run():
@@ -458,7 +458,7 @@ def stack(mixer, layers: int, x: dict, do: torch.Tensor) -> None:
 def _install_kernel_configs(args, device):
     """fla's launch configurations for this process (before any fla launch; on a CPU the decision "off"), whose
     ``record()`` the JSON takes when it is written (what was served by then)."""
-    from hola_titan.kernels import tuned_configs
+    from hola_titan.kernels.runtime import tuned_configs
     installed = tuned_configs.install(args.kernel_configs, device)
     print("fla kernel configurations:", installed.describe(), flush=True)
     return installed
@@ -485,7 +485,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if use_cuda else torch.float32
     from hola_titan import hola_attention
     from hola_titan.ops import HolaSettings
-    from hola_titan.kernels.seqlens import Documents
+    from hola_titan.kernels.runtime.documents import Documents
     from hola_titan.parallelisms.context_parallel import ContextParallel, build_layout
     from hola_titan.parallelisms.parallel_dims import end_process_group
 

@@ -14,7 +14,7 @@ Rows (medians of ``triton.testing.do_bench``, CUDA events):
 - ``hola_triton_keep``: the Triton backend with ``save_cache_output=True`` (the backward forms delta from the
   kept cache-read output; its peak memory shows the extra tensor);
 - ``hola_triton_tbwd`` / ``hola_triton_keep_tbwd``: the same two with the cache-read backward pinned to the Triton
-  kernels (``hola_triton_attn.BACKWARD``), where the default runs the Gluon ones (sm_90, D 256);
+  kernels (``triton_kernels.BACKWARD``), where the default runs the Gluon ones (sm_90, D 256);
   ``hola_triton_tall``: forward and backward pinned to the Triton kernels (``FORWARD`` too);
 - ``sdpa_causal``: ``scaled_dot_product_attention(is_causal=True)`` with 16 heads x 64;
 - the forward stages of the Triton backend (state path + score, selection, cache attention) and the cache
@@ -31,7 +31,7 @@ The cache read's TFLOP/s count 4 D FLOPs per (query, key) pair it reads forward 
 cache slots of each query's block and the block's tokens up to the query) and 2.5 times that backward.
 
 Prints a table and writes JSON (``--out``). On Hopper with Triton < 3.7.1, fla's backward runs only after the
-fla #640 gradient check of :mod:`hola_titan.kernels.fla_gdn` passes (its errors are recorded in the JSON).
+fla #640 gradient check of :mod:`hola_titan.kernels.gdn.fla_bridge` passes (its errors are recorded in the JSON).
 
     python scripts/bench_hola_attention.py --out outputs/bench_hola_attention.json
 """
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 
 def parse_args():
-    from hola_titan.kernels.tuned_configs import CHOICE_HELP
+    from hola_titan.kernels.runtime.tuned_configs import CHOICE_HELP
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="outputs/bench_hola_attention.json")
     p.add_argument("--tokens", type=int, default=65536, help="B * T per call")
@@ -96,7 +96,7 @@ def peak_mib(fn):
 
 
 def make_inputs(b, t, h, d, device, dtype=torch.bfloat16, seed=0):
-    from hola_titan.kernels.fla_gdn import hola_decay
+    from hola_titan.kernels.gdn.fla_bridge import hola_decay
     gen = torch.Generator(device=device).manual_seed(seed)
     q, k, v = (torch.randn(b, t, h, d, device=device, generator=gen, dtype=dtype) for _ in range(3))
     g = hola_decay((b, t, h), device, generator=gen)
@@ -113,33 +113,34 @@ def main():
     args = parse_args()
     device = torch.device("cuda")
     from hola_titan import hola_attention
-    from hola_titan.kernels import fla_gdn, hola_triton_attn
-    from hola_titan.kernels.hola_fa4 import fa4_problem
-    from hola_titan.kernels.hola_stages import state_path
-    from hola_titan.kernels.hola_triton_ops import cache_attn_bwd_op, cache_attn_op, select_topw_op
-    from hola_titan.kernels.hola_triton_select import build_block_table
-    from hola_titan.kernels.seqlens import Documents
+    from hola_titan.kernels.gdn import fla_bridge
+    from hola_titan.kernels.hola import triton_kernels
+    from hola_titan.kernels.hola.fa4 import fa4_problem
+    from hola_titan.kernels.hola.stages import state_path
+    from hola_titan.kernels.hola.triton_ops import cache_attn_bwd_op, cache_attn_op, select_topw_op
+    from hola_titan.kernels.runtime.documents import build_block_table
+    from hola_titan.kernels.runtime.documents import Documents
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     import triton
 
     h, d, window, block = args.heads, args.dim, args.window, args.block
     meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, triton=triton.__version__,
-                fla=fla_gdn.fla_version(), python=platform.python_version(), heads=h, dim=d, window=window,
+                fla=fla_bridge.fla_version(), python=platform.python_version(), heads=h, dim=d, window=window,
                 block=block, tokens=args.tokens, date=time.strftime("%Y-%m-%d %H:%M:%S"))
-    from hola_titan.kernels import tuned_configs
+    from hola_titan.kernels.runtime import tuned_configs
     installed = tuned_configs.install(args.kernel_configs, device)
     print("fla kernel configurations:", installed.describe(), flush=True)
-    dp = fla_gdn.padded_head_dim(d, device)
+    dp = fla_bridge.padded_head_dim(d, device)
     print(f"fla #640 gradient check at head dim {dp}", flush=True)
     t0 = time.time()
-    fla_gdn.ensure_backward_checked(dp, device)
-    meta["fla_640"] = dict(guard_applies=fla_gdn.guard_applies(device), head_dim=dp,
-                           errors=fla_gdn._CHECKED.get((device.index or 0, dp)), seconds=round(time.time() - t0, 1))
-    meta["cache_forward"] = hola_triton_attn.forward_kernels(d, torch.bfloat16, device)
-    meta["cache_backward"] = hola_triton_attn.backward_kernels(d, torch.bfloat16, device)
+    fla_bridge.ensure_backward_checked(dp, device)
+    meta["fla_640"] = dict(guard_applies=fla_bridge.guard_applies(device), head_dim=dp,
+                           errors=fla_bridge._CHECKED.get((device.index or 0, dp)), seconds=round(time.time() - t0, 1))
+    meta["cache_forward"] = triton_kernels.forward_kernels(d, torch.bfloat16, device)
+    meta["cache_backward"] = triton_kernels.backward_kernels(d, torch.bfloat16, device)
     print("meta:", json.dumps(meta))
 
-    def triton_kernels(fn, tables):
+    def pinned_to_triton(fn, tables):
         """``fn`` with the cache read's kernels of ``tables`` (``FORWARD``, ``BACKWARD``) pinned to Triton."""
         def pinned(*a):
             saved = [table.get(d) for table in tables]
@@ -154,7 +155,7 @@ def main():
                     else:
                         table[d] = value
         return pinned
-    bwd_only = (hola_triton_attn.BACKWARD,)
+    bwd_only = (triton_kernels.BACKWARD,)
     results = []
     for t in args.seq_lens:
         b = max(1, args.tokens // t)
@@ -176,7 +177,7 @@ def main():
         def gdn_fla():
             o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=d ** -0.5, use_qk_l2norm_in_kernel=True,
                                           cu_seqlens=cu)
-            with fla_gdn.fla_backward_allowed(dp, device):
+            with fla_bridge.fla_backward_allowed(dp, device):
                 o.backward(do)
 
         def hola(backend, evict="score", overlap_backward=False, keep=False):
@@ -188,7 +189,7 @@ def main():
             return fn
 
         def hola_fa4_split():
-            from hola_titan.kernels.hola_fa4 import hola_attention_fa4
+            from hola_titan.kernels.hola.fa4 import hola_attention_fa4
             table = documents.block_table(block) if documents is not None else None
             o, _, _ = hola_attention_fa4(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block,
                                          evict="score", cu_seqlens=cu, block_table=table,
@@ -205,10 +206,10 @@ def main():
         items = {"gdn_fla": (gdn_fla, x[:5]), "gdn_adapter": (hola("triton", "none"), x[:5]),
                  "hola_triton": (hola("triton"), x), "hola_triton_overlap": (hola("triton", overlap_backward=True), x),
                  "hola_triton_keep": (hola("triton", keep=True), x),
-                 "hola_triton_tbwd": (triton_kernels(hola("triton"), bwd_only), x),
-                 "hola_triton_keep_tbwd": (triton_kernels(hola("triton", keep=True), bwd_only), x),
-                 "hola_triton_tall": (triton_kernels(hola("triton"), (hola_triton_attn.FORWARD,
-                                                                       hola_triton_attn.BACKWARD)), x),
+                 "hola_triton_tbwd": (pinned_to_triton(hola("triton"), bwd_only), x),
+                 "hola_triton_keep_tbwd": (pinned_to_triton(hola("triton", keep=True), bwd_only), x),
+                 "hola_triton_tall": (pinned_to_triton(hola("triton"), (triton_kernels.FORWARD,
+                                                                       triton_kernels.BACKWARD)), x),
                  "hola_sdpa": (hola("sdpa"), x), "hola_fa4": (hola("fa4"), x), "hola_fa4_split": (hola_fa4_split, x),
                  "sdpa_causal": (sdpa_causal, [qa, ka, va])}
         wanted = set(_names(args.items))
@@ -249,9 +250,9 @@ def main():
                                      table.blk_len, block, window, args.keep_output)
             out = fwd_fn()
             row["stage_cache_fwd_ms"] = bench(fwd_fn, None, args.rep_ms)
-            row["stage_cache_fwd_kernels"] = hola_triton_attn.forward_kernels(d, q.dtype, device)[0]
+            row["stage_cache_fwd_kernels"] = triton_kernels.forward_kernels(d, q.dtype, device)[0]
             if row["stage_cache_fwd_kernels"] != "triton":
-                triton_fwd_fn = triton_kernels(fwd_fn, (hola_triton_attn.FORWARD,))
+                triton_fwd_fn = pinned_to_triton(fwd_fn, (triton_kernels.FORWARD,))
                 triton_fwd_fn()
                 row["stage_cache_fwd_triton_ms"] = bench(triton_fwd_fn, None, args.rep_ms)
 
@@ -261,9 +262,9 @@ def main():
                                          out[4] if args.keep_output else None)
             bwd_fn()
             row["stage_cache_bwd_ms"] = bench(bwd_fn, None, args.rep_ms)
-            row["stage_cache_bwd_kernels"] = hola_triton_attn.backward_kernels(d, q.dtype, device)[0]
+            row["stage_cache_bwd_kernels"] = triton_kernels.backward_kernels(d, q.dtype, device)[0]
             if row["stage_cache_bwd_kernels"] != "triton":
-                triton_bwd_fn = triton_kernels(bwd_fn, bwd_only)
+                triton_bwd_fn = pinned_to_triton(bwd_fn, bwd_only)
                 triton_bwd_fn()
                 row["stage_cache_bwd_triton_ms"] = bench(triton_bwd_fn, None, args.rep_ms)
             # The read's FLOPs: 4 D per (query, key) pair read forward (q k^T and p v), 2.5 times that backward
@@ -284,8 +285,8 @@ def main():
                                       args.rep_ms))
             if (args.sweep or args.sweep_only) and t == args.seq_lens[0]:
                 # The sweep's launch tables are the Triton kernels': both directions pinned to them.
-                row["sweep"] = sweep(hola_triton_attn, triton_kernels(fwd_fn, (hola_triton_attn.FORWARD,)),
-                                     triton_kernels(bwd_fn, bwd_only), d, args.rep_ms,
+                row["sweep"] = sweep(triton_kernels, pinned_to_triton(fwd_fn, (triton_kernels.FORWARD,)),
+                                     pinned_to_triton(bwd_fn, bwd_only), d, args.rep_ms,
                                      match=args.sweep_match, kept=args.keep_output)
         if args.profile:
             profiled = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap", "hola_triton_keep",
@@ -345,7 +346,7 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None, kept=False):
     regular expression the configuration's name must match (the one in use is timed whatever it is); ``kept``: the
     functions keep the forward's output, whose backward takes its dk/dv launch from ``CONFIGS["dkdv_kept"]``."""
     split, two, sep, atomic = dict(SPLIT=2), dict(TWO_PASS=True), dict(SEPARATE=True), dict(DQ_ATOMIC=True)
-    # (BM, BN, warps, stages[, variant]): the variants (hola_titan/kernels/hola_triton_attn.py, VARIANTS) trade more
+    # (BM, BN, warps, stages[, variant]): the variants (hola_titan/kernels/hola/triton_kernels.py, VARIANTS) trade more
     # products for one half-sized or one fewer [BM, D] accumulator, i.e. fewer registers at D = 256. Compiled here for
     # sm_90a with Triton 3.6 (scripts/kernel_resources.py, docs/LOG.md 2026-12-03): the current tiles spill (forward 72
     # bytes of stack, dq 200, dk/dv 160; dq and dk/dv use no wgmma at 32-row tiles); split forward 64x32 w4, two-pass dq
@@ -400,8 +401,8 @@ def sweep(attn_mod, fwd_fn, bwd_fn, d, rep_ms, match=None, kept=False):
 def fa4_stages(q, k, v, gamma_q, gamma_k, sink, sel, table, do, block, window, pairs, rep_ms) -> dict:
     """The fa4 backend's read in parts: the FlashAttention-4 call forward and backward alone, and what the adapter
     does around it (layout, RMSNorms, the gathered K/V slots)."""
-    from hola_titan.kernels.hola_fa4 import fa4_varlen_bwd_op, fa4_varlen_op, read_rows, varlen_layout
-    from hola_titan.kernels.hola_stages import gather_head_rows
+    from hola_titan.kernels.hola.fa4 import fa4_varlen_bwd_op, fa4_varlen_op, read_rows, varlen_layout
+    from hola_titan.kernels.hola.stages import gather_head_rows
 
     b, t, h, d = q.shape
     n = b * t
@@ -429,8 +430,8 @@ def gather_stages(k, sel, table, block, window, rep_ms) -> dict:
     one of K or V), forward and backward: ``gather_head_rows`` as the backends run it, and the advanced indexing over
     an appended zero row they used before 2026-12-07, whose backward sums all empty slots into that row one by
     one. Their gap should grow with the number of documents (each document's first block has W empty slots)."""
-    from hola_titan.kernels.hola_fa4 import varlen_layout
-    from hola_titan.kernels.hola_stages import gather_head_rows
+    from hola_titan.kernels.hola.fa4 import varlen_layout
+    from hola_titan.kernels.hola.stages import gather_head_rows
 
     b, t, h, d = k.shape
     n = b * t

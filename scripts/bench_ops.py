@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from hola_titan.kernels import seqlens
+    from hola_titan.kernels.runtime.documents import to_device
     from hola_titan.models.layers import ShortConvolution, _RMSNormFunction, _SwiGLUFunction, document_positions
 
     device = torch.device("cuda")
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     n, c = args.tokens, args.dim
     cuts = sorted(set([0, n] + torch.randint(1, n, (args.docs - 1,), generator=gen).tolist()))
     host = torch.tensor(cuts, dtype=torch.int64)
-    cu = seqlens.to_device(host, device)
+    cu = to_device(host, device)
     positions = document_positions(1, n, cu, device)
 
     def bench(fn):
@@ -106,14 +106,14 @@ def main(argv=None) -> int:
     except ImportError as err:
         rows.append(dict(item="conv_fla", error=str(err)))
     try:
-        from hola_titan.kernels.short_conv import short_conv_qkv
+        from hola_titan.kernels.fused.short_conv import short_conv_qkv
 
         weight3 = [conv.weight for conv in convs]
 
         def conv_fused():
             outs = short_conv_qkv(x3, weight3, cu_seqlens=cu)
             torch.autograd.backward(list(outs), dy3)
-        row("conv_fused", conv_fused, conv_bytes, "hola_titan.kernels.short_conv, one launch each way")
+        row("conv_fused", conv_fused, conv_bytes, "hola_titan.kernels.fused.short_conv, one launch each way")
     except ImportError as err:
         rows.append(dict(item="conv_fused", error=str(err)))
 

@@ -408,10 +408,10 @@ def bench_reference(*, name: str, precision: str, seq_len: int, batch_size: int,
     if name == "fla_gdn":
         # fla 0.6.0 refuses this backward on Hopper with Triton < 3.7.1 (its issue #640). The same explicit
         # handling as our own GDN path: a gradient check on this GPU first, then the guard lifted per call.
-        from hola_titan.kernels import fla_gdn
+        from hola_titan.kernels.gdn import fla_bridge
 
-        fla_gdn.prepare_backward(256, device)
-        guard = partial(fla_gdn.fla_backward_allowed, fla_gdn.padded_head_dim(256, device), device)
+        fla_bridge.prepare_backward(256, device)
+        guard = partial(fla_bridge.fla_backward_allowed, fla_bridge.padded_head_dim(256, device), device)
 
     def backward(loss):
         with guard():
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         from hola_titan.flops import measured_matmul_tflops
         measured_tflops = measured_matmul_tflops(device)
     if device.type == "cuda" and references:
-        from hola_titan.kernels.tuned_configs import install
+        from hola_titan.kernels.runtime.tuned_configs import install
         installed = install(args.kernel_configs, device)  # the references' fla kernels (our rows install their own)
         print(f"fla kernel configurations: {installed.describe()}", flush=True)
     rows = []
@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         for index, (configs, (kind, name, size, seq_len, batch_size)) in enumerate(
                 [(c, job) for c in passes for job in jobs]):
             if index == len(jobs) and len(passes) > 1:
-                from hola_titan.kernels.tuned_configs import uninstall
+                from hola_titan.kernels.runtime.tuned_configs import uninstall
                 uninstall()  # every fla autotuner starts empty: the second pass tunes everything itself
             args.kernel_configs = configs
             base = dict(stamp, seq_len=seq_len, batch_size=batch_size, kernel_configs_pass=configs)

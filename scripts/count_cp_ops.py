@@ -49,7 +49,7 @@ class _CountByCaller(TorchDispatchMode):
 
 
 def _stub_heavy_parts() -> None:
-    import hola_titan.kernels.hola_triton as hola_triton
+    import hola_titan.kernels.hola.triton_backend as hola_triton
 
     def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_state, impl="auto", chunk_indices=None,
                    recompute_norms=False, scale=None):

@@ -89,7 +89,7 @@ def watch_compiles(phase: list[str]) -> list[dict]:
 
     from triton import knobs
 
-    from hola_titan.kernels import precompile
+    from hola_titan.kernels.runtime import precompile
 
     compiles: list[dict] = []
     starts: dict = {}
@@ -191,9 +191,9 @@ def one(out: Path, overrides: list[str]) -> int:
     phases["second_step"] = time.time() - t0
     from torch._dynamo.utils import counters
 
-    from hola_titan.kernels.tuned_configs import versions
+    from hola_titan.kernels.runtime.tuned_configs import versions
 
-    from hola_titan.kernels.precompile import plan_difference
+    from hola_titan.kernels.runtime.precompile import plan_difference
 
     plan = trainer.precompile.plan
     for record in compiles:  # which of the main thread's compiles the plan lacked, and by what

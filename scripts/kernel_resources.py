@@ -8,9 +8,9 @@ thread (bytes; spilled registers go there), shared memory, the count of ``wgmma`
 (Hopper's warpgroup matrix instructions) and of ``mma.sync`` ones (the Ampere path Triton falls back to, e.g. for
 tiles of fewer than 64 rows: every warp then reads its operands from shared memory itself), and the compile time.
 
-The kernel and its exact argument types come from a compile plan of ``hola_titan/kernels/configs/``
-(``hola_titan/kernels/precompile.py``: what a real run compiled); constexprs, warps and stages can be overridden,
-so a sweep over tiles is one command::
+The kernel and its exact argument types come from a compile plan of ``hola_titan/kernels/runtime/configs/``
+(``hola_titan/kernels/runtime/precompile.py``: what a real run compiled); constexprs, warps and stages can be
+overridden, so a sweep over tiles is one command::
 
     python scripts/kernel_resources.py --plan hola/d128/h2/bfloat16/packed --kernel _cache_fwd_kernel \\
         --sweep BM=64,128 BN=32,64 --warps 4,8 --stages 2,3 --json /tmp/fwd.json
@@ -47,7 +47,7 @@ def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", type=Path, default=None,
                         help="configurations file with plans "
-                             "(default: the H200 file under hola_titan/kernels/configs/)")
+                             "(default: the H200 file under hola_titan/kernels/runtime/configs/)")
     parser.add_argument("--plan", required=True, help="plan key, e.g. hola/d256/h4/bfloat16/packed")
     parser.add_argument("--kernel", required=True, help="kernel function name (the last part of its full name)")
     parser.add_argument("--function", default=None,
@@ -93,7 +93,7 @@ def variant_spec(spec: dict, function: str, constants: dict, aliases: dict | Non
     kernel's types, constants and attributes by name; an extra argument named in ``aliases`` (``{new: base}``)
     takes those of the kernel's argument ``base`` (a second source of the same kind, e.g. the prefix rows of a
     continuing call); any other extra argument must be a constexpr in ``constants``."""
-    from hola_titan.kernels.precompile import jit_function
+    from hola_titan.kernels.runtime.precompile import jit_function
 
     aliases = aliases or {}
     base = jit_function(spec["name"]).arg_names
@@ -148,7 +148,7 @@ def compile_resources(spec: dict, *, constants: dict, num_warps: int, num_stages
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hola_titan.kernels.precompile import jit_function
+    from hola_titan.kernels.runtime.precompile import jit_function
 
     fn = jit_function(spec["name"])
     names = fn.arg_names  # constant_keys index the kernel's arguments
@@ -189,7 +189,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="kernel_resources_"))
     # The H200 file by name (no import of torch before the arguments are known to be good).
-    path = args.configs or ROOT / "hola_titan" / "kernels" / "configs" / "NVIDIA_H200__fla-0.6.0__triton-3.6.0.json"
+    path = args.configs or (ROOT / "hola_titan" / "kernels" / "runtime" / "configs"
+                            / "NVIDIA_H200__fla-0.6.0__triton-3.6.0.json")
     spec = _find_spec(path, args.plan, args.kernel)
     sweep = {}
     for item in args.sweep:

@@ -1,5 +1,5 @@
 """Tune fla-core's kernels once on this GPU and write the configurations the trainer ships
-(``hola_titan/kernels/configs/``).
+(``hola_titan/kernels/runtime/configs/``).
 
 Every fla kernel on the training path is autotuned at the shapes of the recipes: for each size, a one-layer model
 of that width runs through the real ``Trainer`` in each recurrent flavour and compute precision the recipes of
@@ -15,11 +15,11 @@ combinations side by side (packed and plain rows, float32 and bf16 are different
 
 A second phase (``--phases plan``, on by default) runs each combination's trainer start and training steps again
 with every configuration served and records what Triton compiled: the combination's compile *plan*, which
-``hola_titan/kernels/precompile.py`` compiles in parallel at a run's start.
+``hola_titan/kernels/runtime/precompile.py`` compiles in parallel at a run's start.
 
-The winners (every autotuner's ``cache``, see ``hola_titan/kernels/tuned_configs.py``) and the plans are merged
-and written to ``hola_titan/kernels/configs/<GPU>__fla-<v>__triton-<v>.json`` with the GPU, the fla-core, Triton,
-torch and CUDA versions, the date and the command; an existing file for the same GPU and versions is merged into
+The winners (every autotuner's ``cache``, see ``hola_titan/kernels/runtime/tuned_configs.py``) and the plans are merged
+and written to ``hola_titan/kernels/runtime/configs/<GPU>__fla-<v>__triton-<v>.json`` with the GPU, the fla-core,
+Triton, torch and CUDA versions, the date and the command; an existing file for the same GPU and versions is merged into
 (new results first), and its keys are served to the children instead of tuned again, so the tuning can be spread
 over several runs.
 The trainer picks the file up by itself (``model.kernel_configs = auto``). GPU only::
@@ -70,7 +70,7 @@ def _parse_args(argv):
                              "architecture, or none) and whether it is current; exit 0 only for its own")
     parser.add_argument("--phases", default="tune,plan",
                         help="tune: autotune what the file lacks; plan: record each combination's compile plan "
-                             "(hola_titan/kernels/precompile.py) with the file served")
+                             "(hola_titan/kernels/runtime/precompile.py) with the file served")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-configs", default="off", help=argparse.SUPPRESS)
@@ -117,8 +117,8 @@ def _tune_ours(size: str, flavour: str, precision: str, rows: str, args, folder:
         "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false", "--lr_scheduler.warmup_steps", "1",
         "--model.precompile_workers", "0", "--job.cache_folder", str(folder / "cache"),
         "--job.dump_folder", str(folder / f"{size}_{flavour}_{precision}_{rows}")]))
-    from hola_titan.kernels.fla_gdn import padded_head_dim
-    from hola_titan.kernels.precompile import plan_key
+    from hola_titan.kernels.gdn.fla_bridge import padded_head_dim
+    from hola_titan.kernels.runtime.precompile import plan_key
 
     key = plan_key(flavour, padded_head_dim(trainer.model_args.head_dim, trainer.device), trainer.model_args.n_heads,
                    precision, packed=rows == "packed")
@@ -223,7 +223,7 @@ def read_child_output(phase: str, path: Path, code):
 def child(args) -> int:
     """Tune one combination (or the reference) in this process and write what the autotuners chose."""
     sys.path.insert(0, str(ROOT))
-    from hola_titan.kernels import tuned_configs
+    from hola_titan.kernels.runtime import tuned_configs
     from hola_titan.metrics import setup_logging
 
     setup_logging(0)
@@ -281,10 +281,10 @@ def recipe_selections(head_dim_of) -> dict[str, list[tuple[int, int]]]:
     its size's defaults, so its plan also records these (a recipe with another window or block would otherwise
     compile both kernels on its main thread). Recipes of sizes this script does not step (46M shares the small
     size's plan) count too. ``head_dim_of``: the head dim fla's kernels see on this GPU
-    (``fla_gdn.padded_head_dim``)."""
+    (``fla_bridge.padded_head_dim``)."""
     from hola_titan.builder import build_model_args
     from hola_titan.config import parse_config
-    from hola_titan.kernels.precompile import plan_key
+    from hola_titan.kernels.runtime.precompile import plan_key
 
     found: dict[str, list[tuple[int, int]]] = {}
     recipes = [(path, ()) for path in sorted((ROOT / "train_configs").glob("*.toml"))]
@@ -306,7 +306,8 @@ def _select_at(window: int, block: int, heads: int, *, packed: bool) -> None:
     """One launch of the selection kernels at ``window`` and ``block`` (what a recipe's step launches)."""
     import torch
 
-    from hola_titan.kernels.hola_triton_select import build_block_table, select_topw
+    from hola_titan.kernels.hola.selection import select_topw
+    from hola_titan.kernels.runtime.documents import build_block_table
 
     t = 4 * block
     cu = torch.tensor([0, block // 2, 3 * block, t], dtype=torch.int32, device="cuda") if packed else None
@@ -317,8 +318,8 @@ def _select_at(window: int, block: int, heads: int, *, packed: bool) -> None:
 
 def _record_plan(args, folder: Path) -> None:
     """Run one combination with every configuration served from the file and keep what Triton compiled: the plan
-    that hola_titan/kernels/precompile.py compiles in parallel at a run's start."""
-    from hola_titan.kernels import precompile, tuned_configs
+    that hola_titan/kernels/runtime/precompile.py compiles in parallel at a run's start."""
+    from hola_titan.kernels.runtime import precompile, tuned_configs
 
     t1 = time.time()
     size, flavour, precision, rows = args.child_combo.split("/")
@@ -327,7 +328,7 @@ def _record_plan(args, folder: Path) -> None:
         key = _tune_ours(size, flavour, precision, rows, args, folder, prefill=False)
         import torch
 
-        from hola_titan.kernels.fla_gdn import padded_head_dim
+        from hola_titan.kernels.gdn.fla_bridge import padded_head_dim
 
         heads = int(key.split("/")[2][1:])
         for window, block in recipe_selections(lambda d: padded_head_dim(d, torch.device("cuda"))).get(key, []):
@@ -386,7 +387,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from hola_titan.kernels import tuned_configs
+    from hola_titan.kernels.runtime import tuned_configs
 
     if args.check:
         return check(torch, tuned_configs)

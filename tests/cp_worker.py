@@ -31,7 +31,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from helpers import NUDGED_RUNS, nudge_weights  # noqa: E402
 from hola_titan import hola_attention  # noqa: E402
-from hola_titan.kernels.seqlens import Documents  # noqa: E402
+from hola_titan.kernels.runtime.documents import Documents  # noqa: E402
 from hola_titan.models.args import model_args, replace  # noqa: E402
 from hola_titan.models.context import BatchContext  # noqa: E402
 from hola_titan.models.model import HolaTitanLM  # noqa: E402

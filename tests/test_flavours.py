@@ -12,7 +12,7 @@ from hola_titan.models import flavours
 from hola_titan.models.args import model_args
 from hola_titan.models.context import BatchContext
 from hola_titan.models.model import HolaTitanLM
-from hola_titan.kernels.seqlens import Documents
+from hola_titan.kernels.runtime.documents import Documents
 
 
 def test_the_config_s_choices_are_the_registry_s_names():

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from hola_titan.kernels import short_conv  # noqa: E402
-from hola_titan.kernels.short_conv import short_conv_qkv  # noqa: E402
+from hola_titan.kernels.fused import short_conv  # noqa: E402
+from hola_titan.kernels.fused.short_conv import short_conv_qkv  # noqa: E402
 from hola_titan.loss import chunked_linear_cross_entropy  # noqa: E402
 from hola_titan.models.layers import ShortConvolution, document_positions  # noqa: E402
 

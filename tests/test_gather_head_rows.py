@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hola_titan.kernels.hola_stages import gather_head_rows
+from hola_titan.kernels.hola.stages import gather_head_rows
 
 
 def _index(n, slots, h, seed, empty_share=0.3):

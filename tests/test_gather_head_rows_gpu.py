@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hola_titan.kernels.hola_stages import gather_head_rows
+from hola_titan.kernels.hola.stages import gather_head_rows
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""The Gluon cache-read kernels (``hola_titan/kernels/hola_gluon_attn.py``) on a CPU: which kernels a forward and a
+"""The Gluon cache-read kernels (``hola_titan/kernels/hola/gluon_kernels.py``) on a CPU: which kernels a forward and a
 backward take and what a run reports, and the kernels compiled for sm_90a here (Gluon has no interpreter: the GPU suite
 checks their results against the reference)."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from hola_titan.kernels import hola_gluon_attn, hola_triton_attn as attn  # noqa: E402
+from hola_titan.kernels.hola import gluon_kernels, triton_kernels as attn  # noqa: E402
 
 
 @pytest.fixture
@@ -27,10 +27,10 @@ def hopper(monkeypatch):
 
 
 def test_the_gluon_backward_runs_at_d256_bf16_fresh_calls_on_sm90_only(hopper, monkeypatch):
-    if hola_gluon_attn.GLUON_MISSING:
-        pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
+    if gluon_kernels.GLUON_MISSING:
+        pytest.skip(f"this Triton has no Gluon: {gluon_kernels.GLUON_MISSING}")
     assert attn.backward_kernels(256, torch.bfloat16, hopper) == ("gluon", "warpgroup-MMA tiles on sm_90 "
-                                                                  "(hola_gluon_attn.py)")
+                                                                  "(gluon_kernels.py)")
     assert attn.backward_kernels(256, torch.float16, hopper)[0] == "gluon"
     # Every other case runs the Triton kernels, and says why.
     cases = {(128, torch.bfloat16, hopper, False): "launch table names Triton at head dim 128",
@@ -44,10 +44,10 @@ def test_the_gluon_backward_runs_at_d256_bf16_fresh_calls_on_sm90_only(hopper, m
     kernels, reason = attn.backward_kernels(256, torch.bfloat16, hopper)
     assert kernels == "triton" and "this GPU is sm_100" in reason
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(hola_gluon_attn, "GLUON_MISSING", "ImportError: no gluon")
+    monkeypatch.setattr(gluon_kernels, "GLUON_MISSING", "ImportError: no gluon")
     assert attn.backward_kernels(256, torch.bfloat16, hopper) == ("triton", "this Triton has no Gluon (ImportError: "
                                                                   "no gluon)")
-    monkeypatch.setattr(hola_gluon_attn, "GLUON_MISSING", "")
+    monkeypatch.setattr(gluon_kernels, "GLUON_MISSING", "")
     # Inputs in different dtypes, a head dim the kernels are not written for, a Triton they were not written
     # against, a ROCm build (whose GPUs report capability 9 too).
     assert attn.backward_kernels(256, None, hopper) == ("triton", "q, k and v (and the output gradient) come in "
@@ -64,12 +64,12 @@ def test_the_gluon_backward_runs_at_d256_bf16_fresh_calls_on_sm90_only(hopper, m
     assert "ROCm" in attn.backward_kernels(256, torch.bfloat16, hopper)[1]
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(hola_gluon_attn, "GLUON_MISSING", "ImportError: no gluon")
+    monkeypatch.setattr(gluon_kernels, "GLUON_MISSING", "ImportError: no gluon")
     monkeypatch.setitem(attn.BACKWARD, 256, "triton")
     assert attn.backward_kernels(256, torch.bfloat16, hopper)[0] == "triton"
     # The forward's choice, by its own table.
     assert attn.forward_kernels(256, torch.bfloat16, hopper)[0] == "triton"  # GLUON_MISSING is still patched
-    monkeypatch.setattr(hola_gluon_attn, "GLUON_MISSING", "")
+    monkeypatch.setattr(gluon_kernels, "GLUON_MISSING", "")
     assert attn.forward_kernels(256, torch.bfloat16, hopper)[0] == "gluon"
     assert attn.forward_kernels(256, torch.bfloat16, hopper, continuing=True)[0] == "triton"
     monkeypatch.setitem(attn.FORWARD, 256, "triton")
@@ -77,12 +77,12 @@ def test_the_gluon_backward_runs_at_d256_bf16_fresh_calls_on_sm90_only(hopper, m
 
 
 def test_the_paths_line_names_the_kernels_and_where_delta_comes_from(hopper, monkeypatch):
-    if hola_gluon_attn.GLUON_MISSING:
-        pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
-    assert attn.describe_cache_forward(256, torch.bfloat16, hopper) == ("Gluon kernels (hola_gluon_attn.py: "
+    if gluon_kernels.GLUON_MISSING:
+        pytest.skip(f"this Triton has no Gluon: {gluon_kernels.GLUON_MISSING}")
+    assert attn.describe_cache_forward(256, torch.bfloat16, hopper) == ("Gluon kernels (gluon_kernels.py: "
                                                                          "warpgroup-MMA tiles on sm_90)")
     line = attn.describe_cache_backward(256, torch.bfloat16, hopper, kept_output=False, deterministic=False)
-    assert line == ("Gluon kernels (hola_gluon_attn.py: warpgroup-MMA tiles on sm_90); delta over the cache's keys "
+    assert line == ("Gluon kernels (gluon_kernels.py: warpgroup-MMA tiles on sm_90); delta over the cache's keys "
                     "(output not kept)")
     # The Gluon kernels sum dq without atomic adds, kept output or not.
     line = attn.describe_cache_backward(256, torch.bfloat16, hopper, kept_output=True, deterministic=False)
@@ -98,7 +98,7 @@ def test_the_paths_line_names_the_kernels_and_where_delta_comes_from(hopper, mon
     assert "atomic" not in line
 
 
-# Constexprs of the kernels as the backward launches them (hola_triton_attn._cache_attention_bwd_gluon).
+# Constexprs of the kernels as the backward launches them (triton_kernels._cache_attention_bwd_gluon).
 _TYPES = {"sel_ptr": "*i32", "blk_start_ptr": "*i32", "blk_len_ptr": "*i32", "dest_ptr": "*i64", "SENTINEL": "i64",
           "H": "i32", "NQT": "i32", "NKT": "i32", "NCT": "i32", "W": "i32", "scale": "fp32"}
 _BF16 = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "oc_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "os_ptr", "o_ptr")
@@ -111,9 +111,9 @@ def _compile_for_hopper(name: str, types: dict | None = None, **constexprs) -> d
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not cuobjdump.exists():
         pytest.skip(f"no cuobjdump in this Triton ({cuobjdump})")
-    fn = getattr(hola_gluon_attn, name)
+    fn = getattr(gluon_kernels, name)
     names = fn.arg_names
-    config = hola_gluon_attn.FWD_CONFIG if name == "_cache_fwd_gluon_kernel" else hola_gluon_attn.CONFIG
+    config = gluon_kernels.FWD_CONFIG if name == "_cache_fwd_gluon_kernel" else gluon_kernels.CONFIG
     constexprs = dict(D=256, **config, **constexprs)
     types = {**_TYPES, **(types or {})}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "*bf16" if n in _BF16 else "*fp32")
@@ -161,8 +161,8 @@ def test_the_gluon_kernels_compile_for_hopper_on_warpgroup_mma(name, constexprs,
     spills the rest: with Triton 3.9 the loops spill nothing, the epilogues 8-104 bytes; with Triton 3.6 the dk/dv
     epilogue 128 bytes)."""
     pytest.importorskip("triton.backends.nvidia")
-    if hola_gluon_attn.GLUON_MISSING:
-        pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
+    if gluon_kernels.GLUON_MISSING:
+        pytest.skip(f"this Triton has no Gluon: {gluon_kernels.GLUON_MISSING}")
     got = _compile_for_hopper(name, **constexprs)
     assert got["mma_sync"] == 0 and got["wgmma"] >= products, got
     assert not got["serialised"], f"ptxas serialises {name}'s warpgroup MMAs (C7515): {got}"
@@ -173,8 +173,8 @@ def test_a_launch_that_leaves_the_gluon_kernels_says_so_once(hopper, monkeypatch
     """A fresh call on sm_90 whose table names the Gluon kernels but whose inputs send it to the Triton ones (here
     in mixed dtypes) logs why, once per reason; a continuing call (always the Triton kernels, as the paths lines
     say) and a CPU call log nothing."""
-    if hola_gluon_attn.GLUON_MISSING:
-        pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
+    if gluon_kernels.GLUON_MISSING:
+        pytest.skip(f"this Triton has no Gluon: {gluon_kernels.GLUON_MISSING}")
     attn._log_fallback.cache_clear()
     with caplog.at_level("WARNING", logger=attn.__name__):
         for _ in range(2):
@@ -191,8 +191,8 @@ def test_a_launch_that_leaves_the_gluon_kernels_says_so_once(hopper, monkeypatch
 def test_model_cache_kernels_triton_takes_the_triton_kernels_and_says_so(hopper):
     """``model.cache_kernels = triton`` (set by the trainer through set_cache_kernels) empties both launch tables:
     every call on the Triton kernels, with that setting as the reason; ``auto`` restores the tables."""
-    if hola_gluon_attn.GLUON_MISSING:
-        pytest.skip(f"this Triton has no Gluon: {hola_gluon_attn.GLUON_MISSING}")
+    if gluon_kernels.GLUON_MISSING:
+        pytest.skip(f"this Triton has no Gluon: {gluon_kernels.GLUON_MISSING}")
     try:
         attn.set_cache_kernels("triton")
         assert attn.forward_kernels(256, torch.bfloat16, hopper) == ("triton", "model.cache_kernels = triton")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hola_titan import HolaCache, hola_attention
-from hola_titan.kernels.hola_naive import naive_hola_attention
+from hola_titan.kernels.hola.oracle import naive_hola_attention
 
 INPUTS = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate")
 CACHE_PARAMS = ("gamma_q", "gamma_k", "sink", "gate")
@@ -698,10 +698,10 @@ def test_bare_cu_seqlens_are_checked_on_every_call_so_an_in_place_change_is_caug
 
 
 def test_documents_are_checked_once_from_their_host_copy_and_never_read_by_a_layer():
-    """A batch's Documents (hola_titan.kernels.seqlens) check their host copy when made: bad values raise naming
-    cu_seqlens; a call given them reads neither their device tensor nor their host copy again; refilling the
+    """A batch's Documents (hola_titan.kernels.runtime.documents) check their host copy when made: bad values raise
+    naming cu_seqlens; a call given them reads neither their device tensor nor their host copy again; refilling the
     caller's host tensor in place for the next batch does not change them."""
-    from hola_titan.kernels.seqlens import Documents
+    from hola_titan.kernels.runtime.documents import Documents
     args, kw = _valid_call()
     _packed(args, kw, cu=(0, 5, 12))
     del kw["cu_seqlens"]
@@ -739,8 +739,8 @@ def test_a_batch_s_block_table_is_made_once_from_its_host_copy():
     equals the table each call used to build on the device, field by field, for awkward layouts; the second
     request returns the same object; another block size is another table."""
     pytest.importorskip("triton")
-    from hola_titan.kernels.hola_triton_select import build_block_table
-    from hola_titan.kernels.seqlens import Documents
+    from hola_titan.kernels.runtime.documents import build_block_table
+    from hola_titan.kernels.runtime.documents import Documents
     for cu, block in (([0, 1, 23, 24, 60], 24), ([0, 60], 16), ([0, 16, 32, 33], 16), ([0, 5, 12], 32)):
         docs = Documents.from_host(torch.tensor(cu, dtype=torch.int32), device="cpu", seq_len=cu[-1])
         table = docs.block_table(block)
@@ -762,15 +762,15 @@ def test_fla_chunk_indices_from_the_host_copy_equal_fla_s_own():
     pytest.importorskip("fla")
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from hola_titan.kernels import fla_gdn
+    from hola_titan.kernels.runtime.documents import CHUNK, chunk_indices_from_host
     g = torch.Generator().manual_seed(0)
     cases = [[0, 1, 70, 200, 333], [0, 64, 333], [0, 333], [0, 64, 64, 128, 128], [0, 0], [0], [0, 65536]]
     cases += [[0] + sorted(torch.randint(0, 4096, (n,), generator=g).tolist()) + [4096] for n in (1, 7, 60)]
     for cu in cases:
         for dtype in (torch.int64, torch.int32):
             host = torch.tensor(cu, dtype=dtype)
-            made = fla_gdn.chunk_indices_from_host(host, torch.device("cpu"))
-            want = prepare_chunk_indices(host.clone(), fla_gdn.CHUNK)
+            made = chunk_indices_from_host(host, torch.device("cpu"))
+            want = prepare_chunk_indices(host.clone(), CHUNK)
             assert made.dtype == want.dtype and made.shape == want.shape and torch.equal(made, want), (cu, dtype)
             assert host.tolist() == cu
 
@@ -804,14 +804,14 @@ def _dhu_loop(q, k, w, do, dv, g_cum, scale, lens, dht):
 @pytest.mark.parametrize("lens", [[300], [70, 0, 1, 64, 130], [40], [0]])
 @pytest.mark.parametrize("with_dht", [False, True])
 def test_initial_state_gradient_from_the_first_chunk_s_stored_gradient(lens, with_dht):
-    """``fla_gdn.initial_state_grad`` (the initial state's gradient, formed outside fla's state-gradient kernel
+    """``fla_bridge.initial_state_grad`` (the initial state's gradient, formed outside fla's state-gradient kernel
     from the first chunk's stored ``dh``) equals the pass's own last step: packed documents of every length
     class (shorter than a chunk, one row, a whole chunk, several chunks, none), plain rows, with and without a
     final-state gradient, no rows at all. Checks the first chunk's index, its rows and its last row per sequence:
     weak decays keep the stored ``dh`` term visible after a whole chunk, and small k and w keep the carried
     gradient from growing over the q-do term."""
     pytest.importorskip("fla")
-    from hola_titan.kernels import fla_gdn
+    from hola_titan.kernels.gdn import fla_bridge
     gen = torch.Generator().manual_seed(len(lens) + 7 * with_dht)
     t, h, d = sum(lens), 2, 8
 
@@ -824,11 +824,11 @@ def test_initial_state_gradient_from_the_first_chunk_s_stored_gradient(lens, wit
     dht = randn(len(lens), h, d, d) if with_dht else None
     dh, dv2, dh0 = _dhu_loop(q, k, w, do, dv, g_cum, 0.3, lens, dht)
     if len(lens) == 1:  # plain rows: [B = 1, T, ...], dh [B, NT, ...]
-        got = fla_gdn.initial_state_grad(dh[None], q[None], w[None], do[None], dv2[None], g_cum[None], 0.3,
+        got = fla_bridge.initial_state_grad(dh[None], q[None], w[None], do[None], dv2[None], g_cum[None], 0.3,
                                          cu_seqlens=None, dht=dht)
     else:
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-        got = fla_gdn.initial_state_grad(dh[None], q[None], w[None], do[None], dv2[None], g_cum[None], 0.3,
+        got = fla_bridge.initial_state_grad(dh[None], q[None], w[None], do[None], dv2[None], g_cum[None], 0.3,
                                          cu_seqlens=cu, dht=dht)
     assert got.dtype == torch.float32
     assert_close_scaled(got, dh0, 1e-5, "initial state gradient")
@@ -922,7 +922,7 @@ def test_a_compiled_region_does_not_recompile_for_another_document_count():
     at the second: 8 s of the 340M run's start.)"""
     from torch._dynamo.testing import CompileCounter
 
-    from hola_titan.kernels.seqlens import Documents
+    from hola_titan.kernels.runtime.documents import Documents
 
     def per_batch(cu_seqlens, blk_start, blk_len):  # integers only: compiled and eager agree exactly on any CPU
         return cu_seqlens.diff().max() + (blk_start + blk_len).sum()
@@ -945,7 +945,7 @@ def test_the_sdpa_backend_compiles_without_a_graph_break_of_its_own(evict):
     token order once read sizes from the data, which broke the graph (a compiled step on an H100 failed on
     2026-12-07). On a CPU the state path is the fp32 reference, which stays out of compiled code: every break must
     come from it, and the compiled function (AOT autograd, no code generation) equals eager in every gradient."""
-    from hola_titan.kernels.hola_sdpa import hola_attention_sdpa
+    from hola_titan.kernels.hola.sdpa import hola_attention_sdpa
 
     x = make_inputs(1, 45, 2, 16, dtype=torch.float64, seed=5, requires_grad=True)
     cu = torch.tensor([0, 1, 20, 45])  # a one-token document, a ragged last block, a document of several blocks
@@ -957,7 +957,7 @@ def test_the_sdpa_backend_compiles_without_a_graph_break_of_its_own(evict):
     torch._dynamo.reset()
     explained = torch._dynamo.explain(fn)(*args)
     ours = [str(frame) for reason in explained.break_reasons for frame in reason.user_stack
-            if "hola_sdpa.py" in str(frame) or "hola_triton_select.py" in str(frame) or "hola_stages.py" in str(frame)]
+            if any(f"kernels/hola/{name}.py" in str(frame) for name in ("sdpa", "selection", "stages"))]
     assert not ours, f"graph breaks in the SDPA cache read: {ours}"
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager")
@@ -973,7 +973,7 @@ def test_the_sdpa_backend_compiles_without_a_graph_break_of_its_own(evict):
 def test_tensors_sent_in_one_copy_start_on_16_byte_boundaries():
     """to_device_aligned: every tensor comes back with its values, dtype and shape, each at a 16-byte boundary of
     one buffer whatever the sizes before it (Triton specialises pointers on that alignment)."""
-    from hola_titan.kernels.seqlens import to_device_aligned
+    from hola_titan.kernels.runtime.documents import to_device_aligned
 
     tensors = [torch.arange(3, dtype=torch.int32), torch.arange(6, dtype=torch.int64).view(2, 3),
                torch.tensor([True, False]), torch.arange(5, dtype=torch.int32) - 7]
@@ -988,7 +988,7 @@ def test_cache_kernels_refuse_a_prefix_in_another_dtype():
     """A continuing call's kernels read a key tile from the tokens or the prefix through one pointer, so both must
     hold the same element type: a mismatch is an error naming both, not a miscompiled read."""
     pytest.importorskip("triton")
-    from hola_titan.kernels.hola_triton_attn import Prefix, _check_prefix
+    from hola_titan.kernels.hola.triton_kernels import Prefix, _check_prefix
     k = v = torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16)
     ok = Prefix(k=torch.zeros(6, 2, 8, dtype=torch.bfloat16), v=torch.zeros(6, 2, 8, dtype=torch.bfloat16),
                 start=torch.zeros(1, dtype=torch.int32), length=torch.zeros(1, dtype=torch.int32))
@@ -1001,7 +1001,7 @@ def test_the_kept_output_chooses_its_own_dk_dv_launch():
     """The cache backward takes its dk/dv launch from ``dkdv_kept`` when the forward kept its output: at D 256 the
     atomic dq sums (5 products per pair then; without the kept output their delta pass makes them slower), at the
     other head dims the plain table's launch; the plain table never sums dq atomically at D 256."""
-    from hola_titan.kernels import hola_triton_attn as attn
+    from hola_titan.kernels.hola import triton_kernels as attn
     cuda = torch.device("cuda")  # _config reads only the device type: no GPU needed
     bf16 = torch.bfloat16
     assert attn._config("dkdv_kept", 256, bf16, cuda).get("DQ_ATOMIC") is True
@@ -1019,7 +1019,7 @@ def test_the_kept_output_chooses_its_own_dk_dv_launch():
 def test_float32_launches_take_their_own_tiles_where_listed():
     """float32 inputs (FMA products, no tensor cores) take ``CONFIGS_FLOAT32`` at the head dims it lists, whose tiles
     do not spill, and the bf16 table elsewhere; bf16 inputs never take the float32 table."""
-    from hola_titan.kernels import hola_triton_attn as attn
+    from hola_titan.kernels.hola import triton_kernels as attn
     cuda = torch.device("cuda")
     for kind in ("fwd", "dq", "dkdv", "dkdv_kept"):
         for d in (64, 128):

@@ -1,7 +1,7 @@
 """The ``fa4`` backend (the cache read as one FlashAttention-4 varlen call) on a CPU: its layout and its dispatch.
 
 FlashAttention-4's kernels need an sm_90 GPU (``test_kernels_fa4_gpu.py``). Here the call is replaced by
-:func:`~hola_titan.kernels.hola_fa4.varlen_attention_torch`, the same function in PyTorch, which is itself
+:func:`~hola_titan.kernels.hola.fa4.varlen_attention_torch`, the same function in PyTorch, which is itself
 checked against a query-by-query loop over the documented semantics. What is tested: that the varlen layout
 (queries in place, per-head gathered keys, ``cu_seqlens`` and ``seqused_k``) reads exactly the spec's visible
 set, forward and every gradient against the reference given the backend's own selection (packed documents,
@@ -18,12 +18,13 @@ import torch
 
 from helpers import assert_fp32_close, fresh_leaves as fresh, hola_inputs as make_inputs, token_abs_terms
 from hola_titan.config import ConfigError, parse_config, validate
-from hola_titan.kernels import hola_fa4
+from hola_titan.kernels.hola import fa4
 from hola_titan.kernels.dispatch import call_path, explain_backend, resolve_backend
-from hola_titan.kernels.hola_fa4 import (LAYOUTS, VarlenLayout, hola_attention_fa4, merge_by_lse, split_layouts,
+from hola_titan.kernels.hola.fa4 import (LAYOUTS, VarlenLayout, hola_attention_fa4, merge_by_lse, split_layouts,
                                          varlen_attention_torch, varlen_layout)
-from hola_titan.kernels.hola_reference import hola_attention_reference
-from hola_titan.kernels.hola_triton_select import build_block_table, check_selection
+from hola_titan.kernels.hola.reference import hola_attention_reference
+from hola_titan.kernels.hola.selection import check_selection
+from hola_titan.kernels.runtime.documents import build_block_table
 
 NAMES = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate")
 SHARED = ("gamma_q", "gamma_k", "sink", "gate")
@@ -214,14 +215,14 @@ def test_fa4_is_refused_naming_why_wherever_it_cannot_run(monkeypatch):
     # Never auto's choice.
     assert explain_backend("auto", CPU, head_dim=64)[0] == "reference"
     # What the package itself lacks, as the paths line and the refusal say it.
-    monkeypatch.setattr(hola_fa4, "fa4_version", lambda: None)
-    hola_fa4._import_problem.cache_clear()
-    assert "not installed (pip install 'hola-titan[fa4]')" in hola_fa4._import_problem()
-    monkeypatch.setattr(hola_fa4, "fa4_version", lambda: "4.0.0b1")
-    hola_fa4._import_problem.cache_clear()
-    assert f"4.0.0b1 is installed; the adapter is written against {hola_fa4.FA4_VERSION}" in \
-        hola_fa4._import_problem()
-    hola_fa4._import_problem.cache_clear()
+    monkeypatch.setattr(fa4, "fa4_version", lambda: None)
+    fa4._import_problem.cache_clear()
+    assert "not installed (pip install 'hola-titan[fa4]')" in fa4._import_problem()
+    monkeypatch.setattr(fa4, "fa4_version", lambda: "4.0.0b1")
+    fa4._import_problem.cache_clear()
+    assert f"4.0.0b1 is installed; the adapter is written against {fa4.FA4_VERSION}" in \
+        fa4._import_problem()
+    fa4._import_problem.cache_clear()
     # A call continuing from a cache takes the reference, and says so.
     q = torch.zeros(1, 4, 2, 16)
     path, why = call_path("fa4", "fa4", q, decoding=False, initial_cache=object())

@@ -1,4 +1,4 @@
-"""The decoding step (hola_titan/kernels/hola_step.py) against the reference backend, one token at a time.
+"""The decoding step (hola_titan/kernels/hola/decode.py) against the reference backend, one token at a time.
 
 Rows at different points of their blocks (caches of prompts of different lengths, concatenated), steps across
 several block boundaries, score ties, float32 and bfloat16, every eviction mode; and the calls it must not take.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hola_titan.kernels import hola_step
-from hola_titan.kernels.hola_cache import HolaCache
+from hola_titan.kernels.hola import decode
+from hola_titan.kernels.hola.cache import HolaCache
 from hola_titan.ops import hola_attention
 
 H, D = 2, 16
@@ -98,7 +98,7 @@ def test_calls_that_are_not_decoding_steps_take_the_general_paths(monkeypatch):
     params = _params(gen, "score")
     kw = dict(window=4, block=4, evict="score")
     _, state, cache = hola_attention(*x, *params, **kw, output_final_state=True, output_final_cache=True)
-    monkeypatch.setattr(hola_step, "decode_step", refuse)
+    monkeypatch.setattr(decode, "decode_step", refuse)
     y = _tokens(gen, 1, 1, torch.float32)
     hola_attention(*x, *params, **kw, initial_state=state, initial_cache=cache, output_final_cache=True)
     hola_attention(*y, *params, **kw, cu_seqlens=torch.tensor([0, 1]), initial_state=state, initial_cache=cache,

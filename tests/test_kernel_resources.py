@@ -45,13 +45,13 @@ def test_a_variant_takes_the_plan_kernel_s_types_by_name():
     sys.path.insert(0, str(ROOT / "scripts"))
     import kernel_resources
 
-    shipped = ROOT / "hola_titan/kernels/configs/NVIDIA_H200__fla-0.6.0__triton-3.6.0.json"
+    shipped = ROOT / "hola_titan/kernels/runtime/configs/NVIDIA_H200__fla-0.6.0__triton-3.6.0.json"
     plan = json.loads(shipped.read_text())["plans"]
     spec = kernel_resources._find_spec(shipped,
                                        "hola/d128/h2/bfloat16/packed", "_cache_fwd_kernel")
     assert plan  # the shipped file has plans
     variant = kernel_resources.variant_spec(spec, "_cache_fwd_split_kernel", {"SPLIT": 2})
-    assert variant["name"].endswith("hola_triton_attn._cache_fwd_split_kernel")
+    assert variant["name"].endswith("hola.triton_kernels._cache_fwd_split_kernel")
     assert list(variant["signature"]) == [*spec["signature"], "SPLIT"] and variant["signature"]["SPLIT"] == "constexpr"
     at = [len(spec["signature"])]  # SPLIT is the variant's last argument
     assert at in variant["constant_keys"] and variant["constant_vals"][variant["constant_keys"].index(at)] == 2
@@ -67,7 +67,7 @@ def test_a_continuing_kernel_takes_its_prefix_arguments_types_from_aliases():
     sys.path.insert(0, str(ROOT / "scripts"))
     import kernel_resources
 
-    path = ROOT / "hola_titan/kernels/configs/NVIDIA_H200__fla-0.6.0__triton-3.6.0.json"
+    path = ROOT / "hola_titan/kernels/runtime/configs/NVIDIA_H200__fla-0.6.0__triton-3.6.0.json"
     spec = kernel_resources._find_spec(path, "hola/d128/h2/bfloat16/packed", "_cache_fwd_kernel")
     aliases = {"ka_ptr": "k_ptr", "va_ptr": "v_ptr", "rka_ptr": "rk_ptr", "pre_start_ptr": "blk_start_ptr",
                "pre_len_ptr": "blk_len_ptr"}
@@ -92,7 +92,7 @@ def test_an_optional_pointer_the_plan_passed_as_none_becomes_an_argument_by_alia
     sys.path.insert(0, str(ROOT / "scripts"))
     import kernel_resources
 
-    path = ROOT / "hola_titan/kernels/configs/NVIDIA_H200__fla-0.6.0__triton-3.6.0.json"
+    path = ROOT / "hola_titan/kernels/runtime/configs/NVIDIA_H200__fla-0.6.0__triton-3.6.0.json"
     kernel = "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"
     spec = kernel_resources._find_spec(path, "hola/d256/h4/bfloat16/packed", kernel)
     assert spec["signature"]["dh0"] == "constexpr"
@@ -139,7 +139,7 @@ def test_the_head_dim_256_cache_launches_fit_an_a100(tmp_path):
     A100 block may take, so no launch raises Triton's OutOfResources there (docs/training.md, "GPUs: what runs
     where")."""
     sys.path.insert(0, str(ROOT))
-    from hola_titan.kernels.hola_triton_attn import CONFIGS
+    from hola_titan.kernels.hola.triton_kernels import CONFIGS
 
     for kind, kernel in (("fwd", "_cache_fwd_kernel"), ("dq", "_cache_bwd_dq_kernel"),
                          ("dkdv", "_cache_bwd_dkdv_kernel")):

@@ -23,20 +23,20 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels", allow_module_level=True)
 
-from hola_titan.kernels import fla_gdn  # noqa: E402
-from hola_titan.kernels.hola_fa4 import (LAYOUTS, fa4_problem, hola_attention_fa4,  # noqa: E402
+from hola_titan.kernels.gdn import fla_bridge  # noqa: E402
+from hola_titan.kernels.hola.fa4 import (LAYOUTS, fa4_problem, hola_attention_fa4,  # noqa: E402
                                          split_layouts, varlen_attention_fa4, varlen_attention_torch, varlen_layout)
-from hola_titan.kernels.hola_reference import hola_attention_reference  # noqa: E402
-from hola_titan.kernels.hola_sdpa import hola_attention_sdpa  # noqa: E402
-from hola_titan.kernels.hola_triton import hola_attention_triton  # noqa: E402
-from hola_titan.kernels.hola_triton_select import build_block_table  # noqa: E402
+from hola_titan.kernels.hola.reference import hola_attention_reference  # noqa: E402
+from hola_titan.kernels.hola.sdpa import hola_attention_sdpa  # noqa: E402
+from hola_titan.kernels.hola.triton_backend import hola_attention_triton  # noqa: E402
+from hola_titan.kernels.runtime.documents import build_block_table  # noqa: E402
 
 DEVICE = torch.device("cuda")
 _PROBLEM = fa4_problem(DEVICE, head_dim=256, dtype=torch.bfloat16)
 if _PROBLEM is not None:
     pytest.skip(f"the fa4 backend cannot run here: {_PROBLEM}", allow_module_level=True)
-if not fla_gdn.fla_available():
-    pytest.skip(f"needs fla-core=={fla_gdn.FLA_VERSION}", allow_module_level=True)
+if not fla_bridge.fla_available():
+    pytest.skip(f"needs fla-core=={fla_bridge.FLA_VERSION}", allow_module_level=True)
 
 NAMES = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate", "initial_state")
 BLOCK = 256
@@ -141,7 +141,7 @@ def test_fa4_backend_against_reference_and_sdpa(case, layout):
         return torch.randn(*shape, generator=gen, device=DEVICE)
 
     base = dict(q=randn(1, t, h, d), k=randn(1, t, h, d), v=randn(1, t, h, d),
-                g=fla_gdn.hola_decay((1, t, h), DEVICE, generator=gen), beta=torch.sigmoid(randn(1, t, h)),
+                g=fla_bridge.hola_decay((1, t, h), DEVICE, generator=gen), beta=torch.sigmoid(randn(1, t, h)),
                 gamma_q=1 + 0.3 * randn(d), gamma_k=1 + 0.3 * randn(d), sink=randn(h), gate=randn(h),
                 initial_state=0.1 * randn(n, h, d, d))
     weights = (randn(1, t, h, d), randn(n, h, d, d))
@@ -180,7 +180,7 @@ def test_the_fa4_backend_compiles_as_one_graph_and_matches_eager(layout):
     t, cu, h, d, window = CASES[1]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     base = [torch.randn(1, t, h, d, generator=gen, device=DEVICE).bfloat16() for _ in range(3)]
-    base += [fla_gdn.hola_decay((1, t, h), DEVICE, generator=gen).bfloat16(),
+    base += [fla_bridge.hola_decay((1, t, h), DEVICE, generator=gen).bfloat16(),
              torch.sigmoid(torch.randn(1, t, h, generator=gen, device=DEVICE)).bfloat16(),
              torch.ones(d, device=DEVICE), torch.ones(d, device=DEVICE), torch.zeros(h, device=DEVICE),
              torch.full((h,), -1.0, device=DEVICE)]

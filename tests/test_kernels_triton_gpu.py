@@ -26,14 +26,16 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels", allow_module_level=True)
 pytest.importorskip("triton")
 
-from hola_titan.kernels import fla_gdn, hola_triton_attn, hola_triton_select  # noqa: E402
+from hola_titan.kernels.gdn import fla_bridge  # noqa: E402
+from hola_titan.kernels.hola import triton_kernels, selection  # noqa: E402
 from helpers import Launches as _Launches  # noqa: E402
-from hola_titan.kernels.hola_reference import hola_attention_reference  # noqa: E402
-from hola_titan.kernels.hola_sdpa import hola_attention_sdpa  # noqa: E402
-from hola_titan.kernels.hola_triton import hola_attention_triton  # noqa: E402
+from hola_titan.kernels.hola.reference import hola_attention_reference  # noqa: E402
+from hola_titan.kernels.hola.sdpa import hola_attention_sdpa  # noqa: E402
+from hola_titan.kernels.hola.triton_backend import hola_attention_triton  # noqa: E402
+from hola_titan.kernels.runtime.documents import build_block_table  # noqa: E402
 
-if not fla_gdn.fla_available():
-    pytest.skip(f"needs fla-core=={fla_gdn.FLA_VERSION}", allow_module_level=True)
+if not fla_bridge.fla_available():
+    pytest.skip(f"needs fla-core=={fla_bridge.FLA_VERSION}", allow_module_level=True)
 
 DEVICE = torch.device("cuda")
 NAMES = ("q", "k", "v", "g", "beta", "gamma_q", "gamma_k", "sink", "gate", "initial_state")
@@ -43,17 +45,17 @@ BLOCK = 256
 
 @pytest.fixture(autouse=True, scope="module")
 def _shipped_fla_configs():
-    """fla's shipped launch configurations (hola_titan/kernels/tuned_configs.py), as the trainer installs them: on a
-    fresh machine fla compiles one configuration per kernel instead of autotuning for minutes at D = 256. The kernels
-    compared here are the same either way (fla's own candidates). They stay installed for the rest of the process,
-    as in a training run: uninstalling would send later GPU tests back to autotuning."""
-    from hola_titan.kernels import tuned_configs
+    """fla's shipped launch configurations (hola_titan/kernels/runtime/tuned_configs.py), as the trainer installs them:
+    on a fresh machine fla compiles one configuration per kernel instead of autotuning for minutes at D = 256. The
+    kernels compared here are the same either way (fla's own candidates). They stay installed for the rest of the
+    process, as in a training run: uninstalling would send later GPU tests back to autotuning."""
+    from hola_titan.kernels.runtime import tuned_configs
     print("fla kernel configurations:", tuned_configs.install("auto", DEVICE).describe())
 
 
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
-    monkeypatch.setattr(hola_triton_attn, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(triton_kernels, "POISON_OUTPUTS", True)
 
 
 def make_inputs(batch, seq_len, heads, dim, *, num_states, seed, dtype):
@@ -63,7 +65,8 @@ def make_inputs(batch, seq_len, heads, dim, *, num_states, seed, dtype):
         return torch.randn(*shape, generator=gen, device=DEVICE)
 
     x = dict(q=randn(batch, seq_len, heads, dim), k=randn(batch, seq_len, heads, dim),
-             v=randn(batch, seq_len, heads, dim), g=fla_gdn.hola_decay((batch, seq_len, heads), DEVICE, generator=gen),
+             v=randn(batch, seq_len, heads, dim),
+             g=fla_bridge.hola_decay((batch, seq_len, heads), DEVICE, generator=gen),
              beta=torch.sigmoid(randn(batch, seq_len, heads)), gamma_q=1 + 0.3 * randn(dim),
              gamma_k=1 + 0.3 * randn(dim), sink=randn(heads), gate=randn(heads),
              initial_state=0.1 * randn(num_states, heads, dim, dim))
@@ -134,9 +137,9 @@ def test_triton_backend_against_reference_and_sdpa(case):
     res_t, aux_t = run(hola_attention_triton, leaves(base, torch.bfloat16), weights, return_aux=True, **bk)
     sel = aux_t["sel"]
     if window:
-        hola_triton_select.check_selection(aux_t["m"].reshape(b * t, h), sel, aux_t["table"], window)
+        selection.check_selection(aux_t["m"].reshape(b * t, h), sel, aux_t["table"], window)
         _, aux_s = run(hola_attention_sdpa, leaves(base, torch.bfloat16), weights, return_aux=True, **bk)
-        hola_triton_select.check_selection(aux_s["m"].reshape(b * t, h), aux_s["sel"], aux_s["table"], window)
+        selection.check_selection(aux_s["m"].reshape(b * t, h), aux_s["sel"], aux_s["table"], window)
     res_s, _ = run(hola_attention_sdpa, leaves(base, torch.bfloat16), weights, selected=sel, **bk)
     res_r, _ = run(reference(base, sel), leaves(base), weights, **kw)
     report = {}
@@ -177,25 +180,25 @@ CANDIDATES = [("dkdv", dict(BM=16, BN=64, num_warps=8, num_stages=2)),
 def _triton_kernels(monkeypatch):
     """Pin the fresh call's forward and backward at D 256 to the Triton kernels (the default on sm_90 is Gluon's),
     for tests of Triton launch variants."""
-    monkeypatch.setitem(hola_triton_attn.FORWARD, 256, "triton")
-    monkeypatch.setitem(hola_triton_attn.BACKWARD, 256, "triton")
+    monkeypatch.setitem(triton_kernels.FORWARD, 256, "triton")
+    monkeypatch.setitem(triton_kernels.BACKWARD, 256, "triton")
 
 
 def _plain_backward(monkeypatch):
     """Pin the dk/dv configurations (with and without a kept output) to ones without DQ_ATOMIC, for tests that
     compare two runs bit for bit."""
     for table in ("dkdv", "dkdv_kept"):
-        cfg = hola_triton_attn.CONFIGS[table][256]
-        monkeypatch.setitem(hola_triton_attn.CONFIGS[table], 256, {k: v for k, v in cfg.items() if k != "DQ_ATOMIC"})
+        cfg = triton_kernels.CONFIGS[table][256]
+        monkeypatch.setitem(triton_kernels.CONFIGS[table], 256, {k: v for k, v in cfg.items() if k != "DQ_ATOMIC"})
 
 
 @pytest.mark.parametrize("kind,cfg", CANDIDATES,
                          ids=[kind + "-" + "-".join(f"{k}{v}" for k, v in c.items()) for kind, c in CANDIDATES])
 def test_launch_candidates_against_reference_and_sdpa(kind, cfg, monkeypatch):
     _triton_kernels(monkeypatch)
-    monkeypatch.setitem(hola_triton_attn.CONFIGS[kind], 256, cfg)
-    atomic = _Launches(hola_triton_attn._cache_bwd_dkdv_dq_kernel)
-    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dkdv_dq_kernel", atomic)
+    monkeypatch.setitem(triton_kernels.CONFIGS[kind], 256, cfg)
+    atomic = _Launches(triton_kernels._cache_bwd_dkdv_dq_kernel)
+    monkeypatch.setattr(triton_kernels, "_cache_bwd_dkdv_dq_kernel", atomic)
     for case in (CASES[1], CASES[4]):  # packed documents with fla's state path; rows with the reference's
         test_triton_backend_against_reference_and_sdpa(case)
     # The DQ_ATOMIC candidates ran their kernel (not routed away, e.g. by deterministic algorithms left on).
@@ -211,15 +214,15 @@ def test_kept_cache_output_against_reference_and_sdpa(dq_atomic, monkeypatch):
     import sys
     _triton_kernels(monkeypatch)
     # The kept output's own table (CONFIGS["dkdv_kept"]), with the variant set either way.
-    plain = {k: v for k, v in hola_triton_attn.CONFIGS["dkdv_kept"][256].items() if k != "DQ_ATOMIC"}
-    monkeypatch.setitem(hola_triton_attn.CONFIGS["dkdv_kept"], 256, dict(plain, DQ_ATOMIC=True) if dq_atomic else plain)
+    plain = {k: v for k, v in triton_kernels.CONFIGS["dkdv_kept"][256].items() if k != "DQ_ATOMIC"}
+    monkeypatch.setitem(triton_kernels.CONFIGS["dkdv_kept"], 256, dict(plain, DQ_ATOMIC=True) if dq_atomic else plain)
     module = sys.modules[__name__]
     monkeypatch.setattr(module, "hola_attention_triton",
                         functools.partial(module.hola_attention_triton, save_cache_output=True))
-    read = _Launches(hola_triton_attn._cache_bwd_dq_oc_kernel)
-    atomic = _Launches(hola_triton_attn._cache_bwd_dkdv_dq_kernel)
-    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dq_oc_kernel", read)
-    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dkdv_dq_kernel", atomic)
+    read = _Launches(triton_kernels._cache_bwd_dq_oc_kernel)
+    atomic = _Launches(triton_kernels._cache_bwd_dkdv_dq_kernel)
+    monkeypatch.setattr(triton_kernels, "_cache_bwd_dq_oc_kernel", read)
+    monkeypatch.setattr(triton_kernels, "_cache_bwd_dkdv_dq_kernel", atomic)
     for case in (CASES[1], CASES[4]):  # packed documents with fla's state path; rows with the reference's
         test_triton_backend_against_reference_and_sdpa(case)
     assert read.count > 0 and (atomic.count > 0) == dq_atomic, (read.count, atomic.count)
@@ -227,36 +230,36 @@ def test_kept_cache_output_against_reference_and_sdpa(dq_atomic, monkeypatch):
 
 @pytest.mark.parametrize("kept", [False, True], ids=["delta_pass", "kept_output"])
 def test_gluon_kernels_against_reference_and_sdpa(kept, monkeypatch):
-    """The Gluon forward and backward (hola_gluon_attn.py; the default at D 256 on sm_90) under the same bounds as
+    """The Gluon forward and backward (gluon_kernels.py; the default at D 256 on sm_90) under the same bounds as
     the Triton kernels: packed documents with length-1 documents, window 8 and 0, rows with the reference state
     path; with and without the kept output (stored by the forward; delta from it, one accumulator). The launch
     counts show the Gluon kernels ran and the Triton ones did not."""
     import functools
     import sys
-    from hola_titan.kernels import hola_gluon_attn
+    from hola_titan.kernels.hola import gluon_kernels
     if torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
-    monkeypatch.setitem(hola_triton_attn.BACKWARD, 256, "gluon")
+    monkeypatch.setitem(triton_kernels.BACKWARD, 256, "gluon")
     if kept:
         module = sys.modules[__name__]
         monkeypatch.setattr(module, "hola_attention_triton",
                             functools.partial(module.hola_attention_triton, save_cache_output=True))
-    monkeypatch.setitem(hola_triton_attn.FORWARD, 256, "gluon")
+    monkeypatch.setitem(triton_kernels.FORWARD, 256, "gluon")
     launches = {}
     for name in ("_cache_fwd_gluon_kernel", "_cache_bwd_dq_gluon_kernel", "_cache_bwd_dkdv_gluon_kernel"):
-        launches[name] = _Launches(getattr(hola_gluon_attn, name))
-        monkeypatch.setattr(hola_gluon_attn, name, launches[name])
-    triton_kernels = ("_cache_fwd_kernel", "_cache_fwd_oc_kernel", "_cache_bwd_dq_kernel", "_cache_bwd_dq_oc_kernel",
-                      "_cache_bwd_dkdv_kernel")
-    for name in triton_kernels:
-        launches[name] = _Launches(getattr(hola_triton_attn, name))
-        monkeypatch.setattr(hola_triton_attn, name, launches[name])
+        launches[name] = _Launches(getattr(gluon_kernels, name))
+        monkeypatch.setattr(gluon_kernels, name, launches[name])
+    triton_names = ("_cache_fwd_kernel", "_cache_fwd_oc_kernel", "_cache_bwd_dq_kernel", "_cache_bwd_dq_oc_kernel",
+                    "_cache_bwd_dkdv_kernel")
+    for name in triton_names:
+        launches[name] = _Launches(getattr(triton_kernels, name))
+        monkeypatch.setattr(triton_kernels, name, launches[name])
     for case in (CASES[0], CASES[1], CASES[2], CASES[4]):
         test_triton_backend_against_reference_and_sdpa(case)
     counts = {name: launch.count for name, launch in launches.items()}
     assert all(counts[name] > 0 for name in ("_cache_fwd_gluon_kernel", "_cache_bwd_dq_gluon_kernel",
                                              "_cache_bwd_dkdv_gluon_kernel")), counts
-    assert not any(counts[name] for name in triton_kernels), counts
+    assert not any(counts[name] for name in triton_names), counts
 
 
 def test_fla_adapter_is_bit_identical_to_fla_and_scores_match_reference():
@@ -265,13 +268,13 @@ def test_fla_adapter_is_bit_identical_to_fla_and_scores_match_reference():
     cu_t = torch.tensor([0, 1, 300, 301, 700], device=DEVICE)
     x = make_inputs(b, t, h, d, num_states=4, seed=3, dtype=torch.bfloat16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    o, m, state = fla_gdn.gdn_with_scores(*args, initial_state=x["initial_state"], cu_seqlens=cu_t,
+    o, m, state = fla_bridge.gdn_with_scores(*args, initial_state=x["initial_state"], cu_seqlens=cu_t,
                                           output_final_state=True)
     o_f, state_f = chunk_gated_delta_rule(*args, scale=d ** -0.5, initial_state=x["initial_state"],
                                           output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
     assert torch.equal(o, o_f)
     assert torch.equal(state, state_f)
-    _, m_r, _ = fla_gdn.reference_gdn_with_scores(*(a.float() for a in args), initial_state=x["initial_state"],
+    _, m_r, _ = fla_bridge.reference_gdn_with_scores(*(a.float() for a in args), initial_state=x["initial_state"],
                                                    cu_seqlens=cu_t)
     print(f"\nscore m: relative error against the fp32 reference {rel(m, m_r):.2e}")
     assert rel(m, m_r) < 2e-2, f"score error {rel(m, m_r):.2e}"
@@ -280,7 +283,7 @@ def test_fla_adapter_is_bit_identical_to_fla_and_scores_match_reference():
 @pytest.mark.parametrize("packed", [True, False], ids=["varlen", "rows"])
 @pytest.mark.parametrize("with_dht", [False, True], ids=["", "dht"])
 def test_backward_from_an_initial_state_is_fla_s_with_its_state_gradient_formed_outside(packed, with_dht):
-    """The backward from an incoming state (``fla_gdn._bwd_from_initial_state``: fla's state-gradient kernel
+    """The backward from an incoming state (``fla_bridge._bwd_from_initial_state``: fla's state-gradient kernel
     without its initial-state store, that gradient formed from the first chunk's stored ``dh``) against fla's own
     ``chunk_gated_delta_rule_bwd`` on the same saved tensors: q, k, v, g and beta gradients bit for bit, the
     initial state's within one bf16 rounding of the carried gradient. Documents of 1, 63, 1, 235 and 400 rows.
@@ -291,20 +294,20 @@ def test_backward_from_an_initial_state_is_fla_s_with_its_state_gradient_formed_
     cu = torch.tensor([0, 1, 64, 65, 300, 700], device=DEVICE) if packed else None
     n = 5 if packed else b
     x = make_inputs(b, t, h, d, num_states=n, seed=11, dtype=torch.bfloat16)
-    fla_gdn.ensure_backward_checked(d, DEVICE, num_heads=h, dtype=torch.bfloat16, packed=packed)
+    fla_bridge.ensure_backward_checked(d, DEVICE, num_heads=h, dtype=torch.bfloat16, packed=packed)
     scale = d ** -0.5
-    _, _, _, qn, _, kn, _, g_cum, a = fla_gdn._gdn_fwd_impl(x["q"], x["k"], x["v"], x["g"], x["beta"],
+    _, _, _, qn, _, kn, _, g_cum, a = fla_bridge._gdn_fwd_impl(x["q"], x["k"], x["v"], x["g"], x["beta"],
                                                             x["initial_state"], cu, None, scale, with_dht)
     gen = torch.Generator(device=DEVICE).manual_seed(12)
     do = torch.randn(b, t, h, d, generator=gen, device=DEVICE).to(torch.bfloat16)
     dht = torch.randn(n, h, d, d, generator=gen, device=DEVICE) if with_dht else None
-    ci = fla_gdn._chunk_indices(cu, None)
+    ci = fla_bridge._chunk_indices(cu, None)
     v, beta = x["v"].contiguous(), x["beta"].contiguous()
-    with torch.cuda.device(DEVICE.index or 0), fla_gdn.fla_backward_allowed(d, DEVICE):
+    with torch.cuda.device(DEVICE.index or 0), fla_bridge.fla_backward_allowed(d, DEVICE):
         want = chunk_gated_delta_rule_bwd(q=qn, k=kn, v=v, g=g_cum, beta=beta, A=a, scale=scale,
                                           initial_state=x["initial_state"], do=do, dht=dht, cu_seqlens=cu,
-                                          chunk_indices=ci, chunk_size=fla_gdn.CHUNK)[:6]
-        got = fla_gdn._bwd_from_initial_state(qn, kn, v, g_cum, beta, a, scale, x["initial_state"], do, dht, cu, ci)
+                                          chunk_indices=ci, chunk_size=fla_bridge.CHUNK)[:6]
+        got = fla_bridge._bwd_from_initial_state(qn, kn, v, g_cum, beta, a, scale, x["initial_state"], do, dht, cu, ci)
     for name, e, g in zip(("dq", "dk", "dv", "dbeta", "dg"), want[:5], got[:5]):
         assert torch.equal(g, e), f"{name} differs from fla's"
     err = rel(got[5], want[5])
@@ -323,7 +326,7 @@ def test_fla_adapter_recomputing_the_norms_gives_the_same_gradients():
     results = []
     for recompute in (False, True):
         leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
-        o, _, _ = fla_gdn.gdn_with_scores(*leaves, cu_seqlens=cu_t, recompute_norms=recompute)
+        o, _, _ = fla_bridge.gdn_with_scores(*leaves, cu_seqlens=cu_t, recompute_norms=recompute)
         results.append((o, torch.autograd.grad((o.float() * w).sum(), leaves)))
     (o_a, g_a), (o_b, g_b) = results
     assert torch.equal(o_a, o_b)
@@ -357,10 +360,10 @@ def test_hola_layer_keeps_q_k_v_once_and_no_cache_output():
 
 
 def test_fla_640_gradient_check_passes():
-    errors = fla_gdn.check_fla_backward(256, DEVICE)
-    print(f"\nfla #640 check, head dim 256, guard applies: {fla_gdn.guard_applies(DEVICE)}:",
+    errors = fla_bridge.check_fla_backward(256, DEVICE)
+    print(f"\nfla #640 check, head dim 256, guard applies: {fla_bridge.guard_applies(DEVICE)}:",
           {k: f"{e:.1e}" for k, e in errors.items()})
-    assert all(e <= fla_gdn.CHECK_TOLERANCE for e in errors.values())
+    assert all(e <= fla_bridge.CHECK_TOLERANCE for e in errors.values())
 
 
 @pytest.mark.parametrize("backend", ["triton", "sdpa"])
@@ -370,7 +373,7 @@ def test_compiled_backend_is_one_graph_and_matches_eager(backend):
     attention = {"triton": hola_attention_triton, "sdpa": hola_attention_sdpa}[backend]
     b, t, h, d = 1, 1024, 4, 256
     cu = torch.tensor([0, 1, 500, 1024], device=DEVICE)
-    fla_gdn.ensure_backward_checked(fla_gdn.padded_head_dim(d, DEVICE), DEVICE)
+    fla_bridge.ensure_backward_checked(fla_bridge.padded_head_dim(d, DEVICE), DEVICE)
     x = make_inputs(b, t, h, d, num_states=3, seed=5, dtype=torch.bfloat16)
 
     def fn(*args):
@@ -397,20 +400,20 @@ def test_cache_backward_is_deterministic(kernels, monkeypatch):
     _plain_backward(monkeypatch)
     if kernels == "gluon" and torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
-    monkeypatch.setitem(hola_triton_attn.FORWARD, 256, kernels)
-    monkeypatch.setitem(hola_triton_attn.BACKWARD, 256, kernels)
-    from hola_titan.kernels import hola_gluon_attn
-    gluon_bwd = {name: _Launches(getattr(hola_gluon_attn, name))
+    monkeypatch.setitem(triton_kernels.FORWARD, 256, kernels)
+    monkeypatch.setitem(triton_kernels.BACKWARD, 256, kernels)
+    from hola_titan.kernels.hola import gluon_kernels
+    gluon_bwd = {name: _Launches(getattr(gluon_kernels, name))
                  for name in ("_cache_bwd_dq_gluon_kernel", "_cache_bwd_dkdv_gluon_kernel")}
     for name, launch in gluon_bwd.items():
-        monkeypatch.setattr(hola_gluon_attn, name, launch)
-    from hola_titan.kernels.hola_triton_ops import cache_attn_bwd_op, cache_attn_op
+        monkeypatch.setattr(gluon_kernels, name, launch)
+    from hola_titan.kernels.hola.triton_ops import cache_attn_bwd_op, cache_attn_op
     b, t, h, d, window, block = 1, 4096, 4, 256, 64, 256
     cu = torch.tensor([0, 1, 2000, 2001, 4096], device=DEVICE)
     x = make_inputs(b, t, h, d, num_states=4, seed=9, dtype=torch.bfloat16)
-    table = hola_triton_select.build_block_table(b, t, cu, block, DEVICE)
+    table = build_block_table(b, t, cu, block, DEVICE)
     m = torch.rand(b * t, h, device=DEVICE)
-    sel, _ = hola_triton_select.select_topw(m, table, window)
+    sel, _ = selection.select_topw(m, table, window)
     o_state = torch.randn_like(x["q"])
     fwd = cache_attn_op(x["q"], x["k"], x["v"], o_state, x["gamma_q"], x["gamma_k"], x["sink"], x["gate"], sel,
                         table.blk_start, table.blk_len, block, window)
@@ -437,7 +440,7 @@ GLUON_SHAPES = [(1200, [700, 1, 499], 4, 100, 256, torch.bfloat16), (1500, [1500
 def test_gluon_kernels_equal_the_triton_kernels_at_the_op_level(shape, kept, monkeypatch):
     """Forward outputs and every gradient of the Gluon kernels against the Triton kernels on the same inputs and
     selection (outputs poisoned): relative differences of bf16 / fp16 rounding, no NaN."""
-    from hola_titan.kernels.hola_triton_ops import cache_attn_bwd_op, cache_attn_op
+    from hola_titan.kernels.hola.triton_ops import cache_attn_bwd_op, cache_attn_op
     if torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
     t, lengths, h, window, block, dtype = shape
@@ -447,16 +450,16 @@ def test_gluon_kernels_equal_the_triton_kernels_at_the_op_level(shape, kept, mon
     gq, gk = (1 + 0.3 * torch.randn(d, device=DEVICE, generator=gen) for _ in range(2))
     sink, gate = torch.randn(h, device=DEVICE, generator=gen), torch.randn(h, device=DEVICE, generator=gen)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
-    table = hola_triton_select.build_block_table(1, t, cu, block, DEVICE)
-    sel, _ = hola_triton_select.select_topw(torch.rand(t, h, device=DEVICE, generator=gen), table, window)
-    from hola_titan.kernels import hola_gluon_attn
-    launches = {name: _Launches(getattr(hola_gluon_attn, name))
+    table = build_block_table(1, t, cu, block, DEVICE)
+    sel, _ = selection.select_topw(torch.rand(t, h, device=DEVICE, generator=gen), table, window)
+    from hola_titan.kernels.hola import gluon_kernels
+    launches = {name: _Launches(getattr(gluon_kernels, name))
                 for name in ("_cache_fwd_gluon_kernel", "_cache_bwd_dq_gluon_kernel", "_cache_bwd_dkdv_gluon_kernel")}
     for name, launch in launches.items():
-        monkeypatch.setattr(hola_gluon_attn, name, launch)
+        monkeypatch.setattr(gluon_kernels, name, launch)
     outs = {}
     for kernels in ("triton", "gluon"):
-        monkeypatch.setitem(hola_triton_attn.FORWARD, d, kernels)
+        monkeypatch.setitem(triton_kernels.FORWARD, d, kernels)
         outs[kernels] = cache_attn_op(q, k, v, o_state, gq, gk, sink, gate, sel, table.blk_start, table.blk_len,
                                       block, window, kept)
     # (rq and rk come from one function in both: not compared.)
@@ -470,7 +473,7 @@ def test_gluon_kernels_equal_the_triton_kernels_at_the_op_level(shape, kept, mon
     fwd = outs["triton"]
     outs = {}
     for kernels in ("triton", "gluon"):
-        monkeypatch.setitem(hola_triton_attn.BACKWARD, d, kernels)
+        monkeypatch.setitem(triton_kernels.BACKWARD, d, kernels)
         bwd = cache_attn_bwd_op(do, q, k, v, fwd[1], fwd[2], fwd[3], gq, gk, sink, gate, sel, table.blk_start,
                                 table.blk_len, block, window, fwd[4] if kept else None)
         outs[kernels] = dict(zip(("dq", "dk", "dv", "dgamma_q", "dgamma_k", "dsink", "dgate"), bwd))
@@ -488,7 +491,7 @@ def test_a_nan_in_a_cached_key_reaches_the_output_in_both_kernel_sets(monkeypatc
     """A selected cache row holding a NaN: its rstd is NaN, and the Gluon kernels (which tell a filled slot by its
     staged rstd) must treat it as filled, as the Triton kernels do, so that the NaN reaches the block's outputs
     instead of being dropped as an empty slot."""
-    from hola_titan.kernels.hola_triton_ops import cache_attn_op
+    from hola_titan.kernels.hola.triton_ops import cache_attn_op
     if torch.cuda.get_device_capability(DEVICE)[0] != 9:
         pytest.skip("the Gluon kernels need an sm_90 GPU")
     t, h, d, window, block = 512, 2, 256, 64, 256
@@ -496,14 +499,14 @@ def test_a_nan_in_a_cached_key_reaches_the_output_in_both_kernel_sets(monkeypatc
     q, k, v, o_state = (torch.randn(1, t, h, d, device=DEVICE, generator=gen).to(torch.bfloat16) for _ in range(4))
     gq, gk = torch.ones(d, device=DEVICE), torch.ones(d, device=DEVICE)
     sink, gate = torch.zeros(h, device=DEVICE), torch.zeros(h, device=DEVICE)
-    table = hola_triton_select.build_block_table(1, t, torch.tensor([0, t], device=DEVICE), block, DEVICE)
-    sel, _ = hola_triton_select.select_topw(torch.rand(t, h, device=DEVICE, generator=gen), table, window)
+    table = build_block_table(1, t, torch.tensor([0, t], device=DEVICE), block, DEVICE)
+    sel, _ = selection.select_topw(torch.rand(t, h, device=DEVICE, generator=gen), table, window)
     token = int(sel[1, 0, 0])  # a slot of the second block's cache, head 0
     assert token >= 0
     k[0, token, 0, 0] = float("nan")
     second = slice(block, 2 * block)
     for kernels in ("triton", "gluon"):
-        monkeypatch.setitem(hola_triton_attn.FORWARD, d, kernels)
+        monkeypatch.setitem(triton_kernels.FORWARD, d, kernels)
         o = cache_attn_op(q, k, v, o_state, gq, gk, sink, gate, sel, table.blk_start, table.blk_len, block, window)[0]
         assert torch.isnan(o[0, second, 0]).all(), kernels
         assert not torch.isnan(o[0, second, 1]).any(), kernels  # the other head
@@ -583,7 +586,7 @@ def test_continuing_from_a_cache_matches_the_reference(evict):
 
 @pytest.mark.parametrize("evict", ["score", "recency"])
 def test_overlapped_backward_equals_the_layered_form(evict, monkeypatch):
-    """``overlap_backward=True`` (hola_triton_layer): the same kernels and the same sums on two streams, so the
+    """``overlap_backward=True`` (hola/triton_layer.py): the same kernels and the same sums on two streams, so the
     output, the final state and every gradient equal the layered form's bit for bit; it also compiles as one
     graph."""
     _plain_backward(monkeypatch)

@@ -1,4 +1,4 @@
-"""Compile plans and the precompile workers (``hola_titan/kernels/precompile.py``), on the CPU.
+"""Compile plans and the precompile workers (``hola_titan/kernels/runtime/precompile.py``), on the CPU.
 
 Triton cannot compile here (no GPU driver), so the compile itself is a stand-in where a test needs it to succeed;
 what is real: the plan's text form, which plan a run takes, the node-wide once-only division of the work between
@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from hola_titan.kernels import precompile  # noqa: E402
+from hola_titan.kernels.runtime import precompile  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def test_a_plan_keeps_no_machine_path_and_only_our_and_fla_kernels():
     assert list(spec["signature"]) == ["x", "n", "BK"]  # argument order: constexprs are read by position
     # The same kernel recorded on another machine (another libdevice path) is the same plan entry.
     assert precompile.sanitize(_spec("fla.ops.x.kernel", extern="/elsewhere/libdevice.10.bc")) == kept
-    assert precompile.sanitize(_spec("hola_titan.kernels.short_conv._fwd")) is not None
+    assert precompile.sanitize(_spec("hola_titan.kernels.fused.short_conv._fwd")) is not None
     assert precompile.sanitize(_spec("torch._inductor.kernel")) is None
 
 
@@ -76,7 +76,7 @@ def test_a_run_takes_its_plan_or_the_same_kind_of_another_flavour():
 def test_the_shipped_plans_hold_the_head_count_their_key_names():
     """Every shipped plan's fla kernels were compiled for the heads its key says (a 16-head plan under a 4-head key
     served the 340M run nothing: its #640 check and first step compiled on the main thread, 2026-12-02)."""
-    from hola_titan.kernels import tuned_configs
+    from hola_titan.kernels.runtime import tuned_configs
     files = sorted(tuned_configs.CONFIG_DIR.glob("*.json"))
     assert files
     for path in files:
@@ -97,7 +97,8 @@ def test_the_shipped_plans_hold_the_cache_kernels_launches():
     for, while the run compiles its own on the main thread (the float32 table changed on 2026-12-06)."""
     import torch
 
-    from hola_titan.kernels import hola_triton_attn, tuned_configs
+    from hola_titan.kernels.hola import triton_kernels
+    from hola_titan.kernels.runtime import tuned_configs
     kinds = {"_cache_fwd_kernel": "fwd", "_cache_bwd_dq_kernel": "dq", "_cache_bwd_dkdv_kernel": "dkdv"}
     dtypes = {"*fp32": torch.float32, "*bf16": torch.bfloat16, "*fp16": torch.float16}
     seen = set()
@@ -106,12 +107,12 @@ def test_the_shipped_plans_hold_the_cache_kernels_launches():
             for spec in specs:
                 data = json.loads(spec)
                 module, _, function = data["name"].rpartition(".")
-                if module != "hola_titan.kernels.hola_triton_attn" or function not in kinds:
+                if module != "hola_titan.kernels.hola.triton_kernels" or function not in kinds:
                     continue
                 names = list(data["signature"])
                 values = {names[k[0]]: v for k, v in zip(data["constant_keys"], data["constant_vals"])}
                 dtype = dtypes[data["signature"]["q_ptr"]]
-                want = hola_triton_attn._config(kinds[function], values["D"], dtype, torch.device("cuda"))
+                want = triton_kernels._config(kinds[function], values["D"], dtype, torch.device("cuda"))
                 got = dict(BM=values["BM"], BN=values["BN"], num_warps=data["options"]["num_warps"],
                            num_stages=data["options"]["num_stages"])
                 assert got == {k: want[k] for k in got}, f"{path.name}: plan {key}, {function} at D {values['D']}"
@@ -224,10 +225,35 @@ def test_a_kernel_name_resolves_through_autotuner_and_heuristics():
     from triton.runtime.jit import JITFunction
 
     fla_kernel = precompile.jit_function("fla.ops.utils.cumsum.chunk_local_cumsum_scalar_kernel")
-    ours = precompile.jit_function("hola_titan.kernels.hola_triton_attn._cache_fwd_kernel")
+    ours = precompile.jit_function("hola_titan.kernels.hola.triton_kernels._cache_fwd_kernel")
     assert isinstance(fla_kernel, JITFunction) and isinstance(ours, JITFunction)
     with pytest.raises(LookupError, match="not a Triton kernel"):
-        precompile.jit_function("hola_titan.kernels.hola_triton_attn.cache_attention_fwd")
+        precompile.jit_function("hola_titan.kernels.hola.triton_kernels.cache_attention_fwd")
+
+
+def test_every_kernel_of_the_shipped_plans_resolves_to_its_arguments():
+    """The plans name each kernel by the module that defines it: a module moved or a kernel renamed without the
+    shipped files (``scripts/tune_kernels.py`` on a GPU, or the names rewritten and keys recomputed) would leave the
+    kernel to compile at its first launch. Every name resolves here to a Triton kernel that takes the plan's
+    arguments, and every key is the one :func:`precompile.sanitize` gives the specialisation."""
+    from hola_titan.kernels.runtime.tuned_configs import CONFIG_DIR
+
+    files = sorted(CONFIG_DIR.glob("*.json"))
+    assert len(files) >= 2, files
+    arguments: dict[str, set[str]] = {}  # kernel name -> every argument a plan passes it
+    for path in files:
+        for key, specs in json.loads(path.read_text())["plans"].items():
+            for spec in specs:
+                assert precompile.sanitize(spec) == spec, (path.name, key)
+                data = json.loads(spec)
+                arguments.setdefault(data["name"], set()).update(data["signature"])
+    ours = [n for n in arguments if n.startswith("hola_titan.")]
+    assert len(ours) >= 10 and any(n.startswith("fla.") for n in arguments), sorted(arguments)
+    for name, args in sorted(arguments.items()):
+        assert args <= set(precompile.jit_function(name).arg_names), name
+    # The check can fail: a module path that no longer holds the kernel.
+    with pytest.raises(ModuleNotFoundError):
+        precompile.jit_function("hola_titan.kernels.hola_triton_attn._cache_fwd_kernel")
 
 
 def test_the_run_s_workers_report_what_they_could_not_compile(tmp_path, monkeypatch):
@@ -235,7 +261,7 @@ def test_the_run_s_workers_report_what_they_could_not_compile(tmp_path, monkeypa
     specialisation fails inside a worker; the run is told which (one line each), nothing raises, and nothing is
     marked done."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    specs = [precompile.sanitize(_spec("hola_titan.kernels.hola_triton_attn._rstd_kernel", bk=b)) for b in (16, 32)]
+    specs = [precompile.sanitize(_spec("hola_titan.kernels.hola.triton_kernels._rstd_kernel", bk=b)) for b in (16, 32)]
     job = precompile.start(specs, source="plan test", workers=2)
     result = job.wait(timeout=300)
     assert result["compiled"] == 0 and result["unfinished"] == 0
@@ -268,8 +294,8 @@ def test_workers_compile_only_kernels_whose_modules_the_main_thread_imported(tmp
     reference backend, seen on the H200)."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     fla_spec = _spec("fla.ops.utils.cumsum.chunk_local_cumsum_scalar_kernel")
-    ours = _spec("hola_titan.kernels.hola_triton_attn._rstd_kernel")
-    queue = precompile.SpecQueue([fla_spec, ours], ready_modules={"hola_titan.kernels.hola_triton_attn"})
+    ours = _spec("hola_titan.kernels.hola.triton_kernels._rstd_kernel")
+    queue = precompile.SpecQueue([fla_spec, ours], ready_modules={"hola_titan.kernels.hola.triton_kernels"})
     assert queue.take() == ours
     got = []
     waiter = threading.Thread(target=lambda: got.append(queue.take()))
@@ -292,7 +318,7 @@ def test_workers_compile_only_kernels_whose_modules_the_main_thread_imported(tmp
     while not compiled and time.time() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)
-    assert compiled == ["hola_titan.kernels.hola_triton_attn._rstd_kernel"]
+    assert compiled == ["hola_titan.kernels.hola.triton_kernels._rstd_kernel"]
     job.imports_done()
     result = job.wait(timeout=30)
     assert result["compiled"] == 2 and compiled[1] == "fla.ops.utils.cumsum.chunk_local_cumsum_scalar_kernel"
@@ -338,11 +364,12 @@ def test_the_shipped_plans_hold_every_recipe_s_selection_launches():
     records them."""
     from helpers import load_script
 
-    from hola_titan.kernels import fla_gdn, tuned_configs
-    from hola_titan.kernels.hola_triton_select import topw_launches
+    from hola_titan.kernels.gdn import fla_bridge
+    from hola_titan.kernels.runtime import tuned_configs
+    from hola_titan.kernels.hola.selection import topw_launches
 
     # The shipped tables are Hopper's, where fla's #640 workaround pads head dims below 128.
-    recipes = load_script("tune_kernels").recipe_selections(lambda d: max(d, fla_gdn.PAD_HEAD_DIM))
+    recipes = load_script("tune_kernels").recipe_selections(lambda d: max(d, fla_bridge.PAD_HEAD_DIM))
     checked = set()
     for path in sorted(tuned_configs.CONFIG_DIR.glob("*.json")):
         for key, specs in json.loads(path.read_text()).get("plans", {}).items():

@@ -738,7 +738,8 @@ def test_a_fallback_of_auto_is_explained_and_can_be_refused(monkeypatch):
     or refuses with model.require_fast_path; an explicit backend that cannot take the head dim is an error."""
     import torch
 
-    from hola_titan.kernels import dispatch, fla_gdn
+    from hola_titan.kernels import dispatch
+    from hola_titan.kernels.gdn import fla_bridge
     from hola_titan.ops import explain_backend
     from hola_titan.train import fast_path_check
 
@@ -748,7 +749,7 @@ def test_a_fallback_of_auto_is_explained_and_can_be_refused(monkeypatch):
     with pytest.raises(ValueError, match="head dim 48"):
         explain_backend("sdpa", cpu, head_dim=48)
     monkeypatch.setattr(dispatch, "gpu_kernels_available", lambda: False)
-    monkeypatch.setattr(fla_gdn, "fla_version", lambda: "0.5.0")
+    monkeypatch.setattr(fla_bridge, "fla_version", lambda: "0.5.0")
     chosen, why = explain_backend("auto", cuda, head_dim=256)
     assert chosen == "reference" and why == "auto: fla-core 0.5.0 is installed, the adapter is written against 0.6.0"
     assert "falls back to the PyTorch reference on this GPU (auto: fla-core 0.5.0" in fast_path_check(

@@ -292,8 +292,8 @@ def test_bench_hola_attention_times_both_gathers_on_the_same_slots_with_the_same
 
     import torch
 
-    from hola_titan.kernels.hola_sdpa import _select
-    from hola_titan.kernels.hola_triton_select import build_block_table
+    from hola_titan.kernels.hola.sdpa import _select
+    from hola_titan.kernels.runtime.documents import build_block_table
 
     spec = importlib.util.spec_from_file_location("bench_hola_attention", "scripts/bench_hola_attention.py")
     bench = importlib.util.module_from_spec(spec)

@@ -469,9 +469,9 @@ def test_the_paths_line_says_which_layer_backward_runs(monkeypatch, backend, fla
     from types import SimpleNamespace
 
     from hola_titan.builder import build_model_args
-    from hola_titan.kernels import hola_triton_layer
+    from hola_titan.kernels.hola import triton_layer
 
-    monkeypatch.setattr(hola_triton_layer, "padded_head_dim", lambda d, device: max(d, 512) if padded else d)
+    monkeypatch.setattr(triton_layer, "padded_head_dim", lambda d, device: max(d, 512) if padded else d)
     config = parse_config(["--model.flavour", flavour, "--model.size", "340M", *argv])
     fake = SimpleNamespace(attention_backend=backend, config=config, device=torch.device(device),
                            model_args=build_model_args(config, 8), dims=SimpleNamespace(cp=cp))

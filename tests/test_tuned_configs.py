@@ -1,4 +1,5 @@
-"""Shipped launch configurations for fla's autotuned kernels (``hola_titan/kernels/tuned_configs.py``), on the CPU.
+"""Shipped launch configurations for fla's autotuned kernels (``hola_titan/kernels/runtime/tuned_configs.py``), on the
+CPU.
 
 The tables are exercised through Triton's own ``Autotuner.run``: the kernel launch itself is replaced by a
 recorder and the benchmarking by a function that fails, so a test shows which configuration a launch would run
@@ -16,8 +17,8 @@ import pytest
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from hola_titan.kernels import tuned_configs  # noqa: E402
-from hola_titan.kernels.tuned_configs import ConfigTable, Served  # noqa: E402
+from hola_titan.kernels.runtime import tuned_configs  # noqa: E402
+from hola_titan.kernels.runtime.tuned_configs import ConfigTable, Served  # noqa: E402
 
 CONFIGS = [triton.Config({"BT": bt}, num_warps=w, num_stages=s) for bt in (32, 64) for w in (2, 4) for s in (2, 3)]
 
@@ -150,7 +151,8 @@ def test_install_off_and_on_a_cpu_tunes_as_fla_does():
 
 
 def test_the_shipped_files_are_well_formed():
-    """Every file in hola_titan/kernels/configs/ reads, names its GPU and versions, and matches its own file name."""
+    """Every file in hola_titan/kernels/runtime/configs/ reads, names its GPU and versions, and matches its own file
+    name."""
     for path in sorted(tuned_configs.CONFIG_DIR.glob("*.json")):
         data = tuned_configs.read_file(path)
         meta = data["meta"]
@@ -163,7 +165,7 @@ def test_every_kernel_a_shipped_table_or_plan_names_resolves():
     moved would silently stop being served or precompiled. Every name in every shipped file is a Triton kernel of
     the installed fla-core or of this package, defined under that very name (a re-export under an old path would
     resolve, but the table, keyed by the defining module, would no longer serve it)."""
-    from hola_titan.kernels import precompile
+    from hola_titan.kernels.runtime import precompile
 
     paths = sorted(tuned_configs.CONFIG_DIR.glob("*.json"))
     assert paths, f"no shipped tables in {tuned_configs.CONFIG_DIR}"
@@ -193,20 +195,20 @@ def test_the_trainer_records_its_choice(tmp_path):
 
 
 def test_the_fla640_verdict_is_kept_only_when_it_passed_under_this_tolerance(tmp_path):
-    from hola_titan.kernels import fla_gdn
+    from hola_titan.kernels.gdn import fla_bridge
 
     errors = {"o": 4e-3, "dq": 5e-3, "dk": 5e-3, "dv": 4e-3, "dg": 8e-3, "dbeta": 4e-3}
     path = tmp_path / "node" / "fla640.json"
-    fla_gdn.write_verdict(path, errors)
-    assert fla_gdn.read_verdict(path) == errors
+    fla_bridge.write_verdict(path, errors)
+    assert fla_bridge.read_verdict(path) == errors
     record = json.loads(path.read_text())
-    for changed in ({"tolerance": fla_gdn.CHECK_TOLERANCE * 2}, {"errors": {**errors, "dg": 0.5}},
+    for changed in ({"tolerance": fla_bridge.CHECK_TOLERANCE * 2}, {"errors": {**errors, "dg": 0.5}},
                     {"errors": {k: v for k, v in errors.items() if k != "dbeta"}}):
         path.write_text(json.dumps({**record, **changed}))
-        assert fla_gdn.read_verdict(path) is None
+        assert fla_bridge.read_verdict(path) is None
     path.write_text("{not json")
-    assert fla_gdn.read_verdict(path) is None
-    assert fla_gdn.read_verdict(tmp_path / "absent.json") is None
+    assert fla_bridge.read_verdict(path) is None
+    assert fla_bridge.read_verdict(tmp_path / "absent.json") is None
 
 
 def test_first_step_reports_every_phase(tmp_path):
@@ -692,7 +694,7 @@ def test_first_step_keeps_each_main_thread_compile_s_specialisation_for_the_plan
     pytest.importorskip("triton")
     from triton import knobs
 
-    from hola_titan.kernels import precompile
+    from hola_titan.kernels.runtime import precompile
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "first_step.py"
     spec = importlib.util.spec_from_file_location("first_step_under_test", path)

@@ -162,8 +162,8 @@ def read_shares(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     before the output norm; NaN for ``"parts"``, whose parts the layer normalises before it sums them, so the raw
     reads' ratio is not their weight there); ``o``: the op's output rebuilt from the two reads (the tests hold it
     to ``hola_attention``'s, and :func:`inspect_reads` records how far it is from the output that ran)."""
-    from hola_titan.kernels.hola_reference import (_top_w_merge, cache_read_probs, compute_dtype,
-                                                   gated_delta_chunked, l2norm, merge_read, rms_norm)
+    from hola_titan.kernels.hola.reference import _top_w_merge, cache_read_probs, compute_dtype, merge_read, rms_norm
+    from hola_titan.kernels.gdn.reference import gated_delta_chunked, l2norm
 
     if q.dim() != 4 or q.shape[0] != 1:
         raise EvalError(f"cache: read shares need one sequence [1, T, H, D], got {list(q.shape)}")

@@ -23,7 +23,7 @@ from hola_titan.eval import report
 from hola_titan.eval.loading import LoadedModel, label_of, load_model
 from hola_titan.eval.runtime import (EvalError, format_length, parse_int, parse_length, parse_list, parse_percent,
                                      resolve_device, resolve_dtype)
-from hola_titan.kernels.tuned_configs import CHOICE_HELP
+from hola_titan.kernels.runtime.tuned_configs import CHOICE_HELP
 from hola_titan.runfolder import FolderUnusableError, check_writable_folder
 
 EVALS = ("ppl", "generate", "niah", "mqar", "cache")
@@ -454,7 +454,7 @@ def install_kernel_configs(choice: str, device: torch.device):
     installed before any kernel launches: without them every kernel autotunes at its first launch of each new
     shape (the likely reason a 46M HOLA or GDN model's held-out perplexity took 115-187 s on an H100 where
     Transformer++'s took 20 s)."""
-    from hola_titan.kernels import tuned_configs
+    from hola_titan.kernels.runtime import tuned_configs
 
     if choice not in ("auto", "off") and not Path(choice).expanduser().is_file():
         raise EvalError(f"--kernel-configs {choice!r}: expected auto, off or a file written by "

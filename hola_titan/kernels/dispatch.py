@@ -6,7 +6,7 @@ Three decisions, each a function whose answer (and, where it falls back, why) th
   folder);
 - the path one call takes (:func:`call_path`): a decoding step, the reference, the Triton backend, or the SDPA
   backend (the Triton backend itself decides whether ``overlap_backward`` runs the layer as one op:
-  :func:`hola_titan.kernels.hola_triton_layer.applies`);
+  :func:`hola_titan.kernels.hola.triton_layer.applies`);
 - the fused short-convolution and cross-entropy kernels (:func:`resolve_kernels`, ``model.kernels``).
 What the kernels take (head dims, dtypes) and whether they can run here (Triton importable, fla-core present,
 Triton's interpreter) are answered here too, once per process.
@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from hola_titan.kernels import hola_triton_select as _select
+from hola_titan.kernels.hola import selection as _select
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -41,13 +41,13 @@ def interpreting() -> bool:
 def _interpreting() -> bool:
     if not triton_importable():
         return False
-    from hola_titan.kernels import hola_triton_attn
-    return type(hola_triton_attn._rstd_kernel).__name__ == "InterpretedFunction"
+    from hola_titan.kernels.hola import triton_kernels
+    return type(triton_kernels._rstd_kernel).__name__ == "InterpretedFunction"
 
 
 @functools.lru_cache(maxsize=None)
 def _gpu_kernels_available() -> bool:
-    from hola_titan.kernels.fla_gdn import fla_available
+    from hola_titan.kernels.gdn.fla_bridge import fla_available
     return triton_importable() and fla_available()
 
 
@@ -79,7 +79,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     ``"triton"`` needs a CUDA device and the Triton kernels with fla-core, or a CPU under ``TRITON_INTERPRET=1``
     (tests: the kernels run in Triton's interpreter, with the fp32 reference state path in place of fla);
     ``"sdpa"`` needs fla-core on CUDA and runs anywhere else with the reference state path; ``"fa4"`` (the cache
-    read on FlashAttention-4, :mod:`hola_titan.kernels.hola_fa4`) needs an sm_90 GPU, fla-core and the pinned
+    read on FlashAttention-4, :mod:`hola_titan.kernels.hola.fa4`) needs an sm_90 GPU, fla-core and the pinned
     flash-attn-4 (``pip install 'hola-titan[fa4]'``), and is never what ``"auto"`` picks. Raises
     ``ValueError`` naming ``backend`` when the requested one cannot run here.
     """
@@ -93,7 +93,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if on_cuda and not gpu_ready:
         raise ValueError(f"backend: {backend!r} on CUDA needs triton and fla-core; use 'reference'")
     if backend == "fa4":
-        from hola_titan.kernels.hola_fa4 import fa4_problem
+        from hola_titan.kernels.hola.fa4 import fa4_problem
         problem = fa4_problem(device)
         if problem is not None:
             raise ValueError(f"backend: 'fa4' cannot run here: {problem}; use 'triton' or 'auto'")
@@ -114,11 +114,11 @@ def explain_backend(backend: str, device: torch.device, *, head_dim: int,
     device = torch.device(device)
     chosen = resolve_backend(backend, device)
     if chosen == "fa4":
-        from hola_titan.kernels.hola_fa4 import fa4_problem
+        from hola_titan.kernels.hola.fa4 import fa4_problem
         problem = fa4_problem(device, head_dim=head_dim, dtype=dtype)
         if problem is not None:
             raise ValueError(f"backend: 'fa4': {problem}; use 'triton'")
-        return chosen, "as set: the cache read on FlashAttention-4 (hola_fa4.py)"
+        return chosen, "as set: the cache read on FlashAttention-4 (hola_titan/kernels/hola/fa4.py)"
     if chosen in ("triton", "sdpa"):
         if head_dim not in SUPPORTED_HEAD_DIMS or dtype not in SUPPORTED_DTYPES:
             problem = f"head dim {head_dim} / {dtype} is not taken by the kernels (head dims {SUPPORTED_HEAD_DIMS})"
@@ -132,7 +132,7 @@ def explain_backend(backend: str, device: torch.device, *, head_dim: int,
         return chosen, "as set"
     if device.type != "cuda":
         return chosen, "auto: no CUDA device"
-    from hola_titan.kernels.fla_gdn import FLA_VERSION, fla_version
+    from hola_titan.kernels.gdn.fla_bridge import FLA_VERSION, fla_version
     found = fla_version()
     if not triton_importable():
         return chosen, "auto: Triton does not import"
@@ -167,7 +167,7 @@ def resolve_kernels(kernels: str, device: torch.device) -> str:
 def call_path(backend: str, chosen: str, q: torch.Tensor, *, decoding: bool, initial_cache) -> tuple[str, str]:
     """``(path, why)`` of one ``hola_attention`` call: ``"decode_step"``, ``"reference"``, ``"triton"``,
     ``"sdpa"`` or ``"fa4"``. ``chosen`` is :func:`resolve_backend`'s answer for the call's device; ``decoding``:
-    the call is a single decoding step (:func:`hola_titan.kernels.hola_step.applies`)."""
+    the call is a single decoding step (:func:`hola_titan.kernels.hola.decode.applies`)."""
     if chosen != "reference" and not is_supported(q):
         if backend != "auto":
             check_supported(q, chosen)  # raises, naming what the kernels do not take
@@ -180,7 +180,7 @@ def call_path(backend: str, chosen: str, q: torch.Tensor, *, decoding: bool, ini
         return "reference", (f"{chosen} starts from an empty cache: a call continuing from a cache runs the "
                              "reference")
     if chosen == "fa4":
-        from hola_titan.kernels.hola_fa4 import fa4_problem
+        from hola_titan.kernels.hola.fa4 import fa4_problem
         problem = fa4_problem(q.device, head_dim=q.shape[-1], dtype=q.dtype)
         if problem is not None:  # an fa4 model given inputs its kernels do not take: refused, not run elsewhere
             raise ValueError(f"backend: 'fa4' cannot take these inputs: {problem}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hola_titan.kernels.seqlens import Documents
+from hola_titan.kernels.runtime.documents import Documents
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hola_titan.kernels.hola_reference import rms_norm_backward
+from hola_titan.kernels.hola.reference import rms_norm_backward
 
 
 class LocalParams:

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.seqlens import Documents
+from hola_titan.kernels.hola.cache import HolaCache
+from hola_titan.kernels.runtime.documents import Documents
 from hola_titan.models.args import ModelArgs
 from hola_titan.models.context import NO_CONTEXT, BatchContext
 from hola_titan.models.layers import (FeedForward, RMSNorm, ShortConvolution, _is_plain_linear, apply_rope,
@@ -267,8 +267,8 @@ class GatedDeltaMixer(LocalParams, nn.Module):
         continued, or nothing (every row or document starts here). The fused kernel serves the last case where it
         applies (:meth:`_fused_conv_applies`)."""
         if self._fused_conv_applies(cp, cache):
-            # One q|k|v projection and one convolution kernel each way (hola_titan/kernels/short_conv.py).
-            from hola_titan.kernels.short_conv import short_conv_qkv
+            # One q|k|v projection and one convolution kernel each way (hola_titan/kernels/fused/short_conv.py).
+            from hola_titan.kernels.fused.short_conv import short_conv_qkv
             w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
             q, k, v = short_conv_qkv(F.linear(x, w_qkv), [self.q_conv.weight, self.k_conv.weight,
                                                            self.v_conv.weight], positions=positions)
@@ -294,7 +294,7 @@ class GatedDeltaMixer(LocalParams, nn.Module):
             return False
         if self.computes_locally or any(c.computes_locally for c in (self.q_conv, self.k_conv, self.v_conv)):
             return False  # tensor parallelism computes with local shards
-        from hola_titan.kernels.short_conv import supports
+        from hola_titan.kernels.fused.short_conv import supports
         return (all(_is_plain_linear(p) for p in (self.q_proj, self.k_proj, self.v_proj))
                 and supports(self.q_proj.out_features, self.q_proj.weight.device))
 

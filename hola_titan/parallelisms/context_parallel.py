@@ -57,10 +57,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from hola_titan.kernels import seqlens
-from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.hola_reference import compute_dtype
-from hola_titan.kernels.seqlens import Documents
+from hola_titan.kernels.hola.cache import HolaCache
+from hola_titan.kernels.hola.reference import compute_dtype
+from hola_titan.kernels.runtime.documents import Documents, to_device
 from hola_titan.ops import HolaSettings, hola_attention
 
 
@@ -378,7 +377,7 @@ class _Message:
            has_cache: bool) -> _Message:
         floats = [("tails", (3, rows, k1, width)), ("state", (n, h, d, d))]
         ints = []
-        if has_cache:  # the cache's own layout (hola_titan/kernels/hola_cache.py)
+        if has_cache:  # the cache's own layout (hola_titan/kernels/hola/cache.py)
             shapes = HolaCache.shapes(num_seqs=n, num_heads=h, head_dim=d, window=window, block=block)
             floats += [(name, shapes[name]) for name in HolaCache.TENSORS if name not in HolaCache.INTEGER]
             ints += [(name, shapes[name]) for name in HolaCache.INTEGER]
@@ -470,7 +469,7 @@ class CPLayer:
                         start = layout.seq_start[n]
                         row, col = (0, start) if layout.packed else (n, 0)
                         continues[row, col:col + layout.seq_len[n]] = True
-            return seqlens.to_device(valid, device), seqlens.to_device(continues, device)
+            return to_device(valid, device), to_device(continues, device)
 
         valid, continues = cp.memo(("conv", bsz, seq_len, k1, device), masks)
         tails = torch.where(valid[None, :, :, None], tails, 0)
@@ -527,7 +526,7 @@ class CPLayer:
         # ``split``: the continuing document alone, as one row, then the documents that start in this shard as a
         # fresh packed call, which takes the fresh call's kernels (and no index maps over the other documents'
         # tokens). It was chosen when the Triton backend continued packed documents by a permutation of all the
-        # call's tokens; that copy is gone (hola_titan.kernels.hola_continue), and one continuing call for the
+        # call's tokens; that copy is gone (hola_titan.kernels.hola.continuation), and one continuing call for the
         # whole shard is a candidate to time against it. The continuing document is then not the one that crosses
         # out (that would be the shard's only document).
         initial_state = initial_cache = continuation = None
@@ -536,7 +535,7 @@ class CPLayer:
                 self._received = self._receive(q.flatten(2), tail_rows=0)
             got = self._received
             n_call = 1 if split else num_seqs  # the sequences of the call that continues
-            seqs = cp.memo(("seqs_in", device), lambda: seqlens.to_device(
+            seqs = cp.memo(("seqs_in", device), lambda: to_device(
                 torch.tensor([layout.in_seq[c] for c in self.chains_in], dtype=torch.int64), device))
             # Documents that start in this shard start from a zero state and an empty cache, as in one process.
             initial_state = q.new_zeros(n_call, h, d, d, dtype=cdt).index_copy(0, seqs, got["state"])
@@ -578,7 +577,7 @@ class CPLayer:
     def _continuation(self, *, split: bool, shape: torch.Size, device: torch.device):
         """The :class:`ContinuationLayout` of this shard's continuing call, from the host: every sequence of the call
         has seen its document's tokens before the shard (0 for documents that start here)."""
-        from hola_titan.kernels.hola_continue import ContinuationLayout
+        from hola_titan.kernels.hola.continuation import ContinuationLayout
         layout = self.layout
         if split:  # the continuing document alone, as one row
             return ContinuationLayout.from_host([layout.seq_offset[0]], None, batch=1, seq_len=layout.seq_len[0],
@@ -592,7 +591,7 @@ class CPLayer:
         states and caches of the shard's sequences from ``shift`` on."""
         cp, layout, device = self.cp, self.layout, q.device
         h, d = q.shape[2:]
-        seqs = cp.memo(("seqs_out", shift, device), lambda: seqlens.to_device(
+        seqs = cp.memo(("seqs_out", shift, device), lambda: to_device(
             torch.tensor([layout.out_seq[c] - shift for c in self.chains_out], dtype=torch.int64), device))
         tails = self._tails_out
         if tails is None:

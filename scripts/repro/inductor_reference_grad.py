@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from hola_titan.kernels.hola_reference import hola_attention_reference
+from hola_titan.kernels.hola.reference import hola_attention_reference
 
 
 def main(backend: str) -> None:

@@ -19,7 +19,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                        "TRITON_INTERPRET=1 (Triton picks the interpreter when a kernel is defined)")
 pytest.importorskip("triton")
 
-from hola_titan.kernels import cross_entropy, short_conv  # noqa: E402
+from hola_titan.kernels.fused import cross_entropy, short_conv  # noqa: E402
 from hola_titan.loss import chunked_linear_cross_entropy  # noqa: E402
 from hola_titan.models.args import model_args  # noqa: E402
 from hola_titan.models.layers import ShortConvolution, document_positions  # noqa: E402

@@ -34,11 +34,12 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 
 from hola_titan import hola_attention  # noqa: E402
-from hola_titan.kernels import hola_triton_attn, hola_triton_select  # noqa: E402
-from hola_titan.kernels.hola_reference import hola_attention_reference  # noqa: E402
-from hola_titan.kernels.hola_sdpa import hola_attention_sdpa  # noqa: E402
-from hola_titan.kernels.hola_triton import hola_attention_triton  # noqa: E402
+from hola_titan.kernels.hola import triton_kernels, selection  # noqa: E402
+from hola_titan.kernels.hola.reference import hola_attention_reference  # noqa: E402
+from hola_titan.kernels.hola.sdpa import hola_attention_sdpa  # noqa: E402
+from hola_titan.kernels.hola.triton_backend import hola_attention_triton  # noqa: E402
 from hola_titan.ops import resolve_backend  # noqa: E402
+from hola_titan.kernels.runtime.documents import build_block_table  # noqa: E402
 from helpers import Launches as _Launches, assert_fp32_close, fresh_leaves, hola_inputs, token_abs_terms  # noqa: E402
 
 
@@ -52,7 +53,7 @@ TOL_FP32 = 1e-5
 
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
-    monkeypatch.setattr(hola_triton_attn, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(triton_kernels, "POISON_OUTPUTS", True)
 
 
 make_inputs = hola_inputs
@@ -109,7 +110,7 @@ def check_backend_against_reference_given_its_selection(backend, case, seed):
     kw = dict(window=window, block=block, evict=evict, cu_seqlens=torch.tensor(cu) if cu else None)
     o, state, _, aux = backend(*[x[n] for n in NAMES], output_final_state=True, return_aux=True, **kw)
     if evict == "score" and window:
-        hola_triton_select.check_selection(aux["m"].reshape(b * t, h), aux["sel"], aux["table"], window)
+        selection.check_selection(aux["m"].reshape(b * t, h), aux["sel"], aux["table"], window)
     grads = loss_and_grads(o, state, x)
     xr, x64 = fresh(x), fresh(x, torch.float64)
     o_r, state_r, _ = reference_given(xr, aux["sel"], **kw)
@@ -143,11 +144,11 @@ def test_selection_kernel_is_the_top_w_with_the_spec_tie_order(b, t, cu, block, 
     gen = torch.Generator().manual_seed(t + window)
     m = (torch.rand(b * t, h, generator=gen) * 4).round() / 4  # many exact ties
     m[::7] = 0.0
-    table = hola_triton_select.build_block_table(b, t, torch.tensor(cu) if cu else None, block, m.device)
-    sel, final_keys = hola_triton_select.select_topw(m, table, window)
-    hola_triton_select.check_selection(m, sel, table, window)
+    table = build_block_table(b, t, torch.tensor(cu) if cu else None, block, m.device)
+    sel, final_keys = selection.select_topw(m, table, window)
+    selection.check_selection(m, sel, table, window)
     # The torch selection of the SDPA backend is the same, slot for slot (both in selection order).
-    assert torch.equal(hola_triton_select.select_topw_torch(m, table, window), sel)
+    assert torch.equal(selection.select_topw_torch(m, table, window), sel)
     # Brute force, in selection order: larger score first, then lower position.
     starts, lens = table.doc_start.tolist(), table.doc_len.tolist()
     row = 0
@@ -158,7 +159,7 @@ def test_selection_kernel_is_the_top_w_with_the_spec_tie_order(b, t, cu, block, 
                 assert sel[row, hh].tolist() == cand + [-1] * (window - len(cand))
             row += 1
         cand = sorted(range(s0, s0 + ln), key=lambda j: (-float(m[j, 0]), j))[:window]  # merged: every block
-        assert hola_triton_select.keys_to_index(final_keys[n, 0]).tolist() == cand + [-1] * (window - len(cand))
+        assert selection.keys_to_index(final_keys[n, 0]).tolist() == cand + [-1] * (window - len(cand))
 
 
 @pytest.mark.parametrize("evict", ["score", "recency"])
@@ -285,13 +286,14 @@ def test_sdpa_backend_matches_reference_given_its_selection(case):
 
 
 def test_overlapped_layer_op_matches_the_layered_form(monkeypatch):
-    """The plumbing of hola_triton_layer (overlap_backward=True: one custom-op pair for the whole layer) in the
+    """The plumbing of triton_layer (overlap_backward=True: one custom-op pair for the whole layer) in the
     interpreter, with fla's stages replaced by the fp32 reference (forward, and its autograd for the backward):
     output, final state and every gradient equal the layered backend's. Streams are GPU-only (tested there)."""
-    from hola_titan.kernels import fla_gdn, hola_triton_layer
+    from hola_titan.kernels.gdn import fla_bridge
+    from hola_titan.kernels.hola import triton_layer
 
     def fwd(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state):
-        o, m, final = fla_gdn.reference_gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
+        o, m, final = fla_bridge.reference_gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
                                                         cu_seqlens=cu_seqlens, output_final_state=True)
         final = final if output_final_state else q.new_empty(0, dtype=torch.float32)
         # Stand-ins for fla's saved tensors, fresh tensors (custom-op outputs may not alias inputs); the layer
@@ -312,7 +314,7 @@ def test_overlapped_layer_op_matches_the_layered_form(monkeypatch):
         with torch.enable_grad():
             leaves = [t.detach().clone().requires_grad_() for t in (qn, kn, v, g_cum, beta)]
             h0 = None if initial_state is None else initial_state.detach().clone().requires_grad_()
-            o, _, final = fla_gdn.reference_gdn_with_scores(*leaves, initial_state=h0, cu_seqlens=cu_seqlens,
+            o, _, final = fla_bridge.reference_gdn_with_scores(*leaves, initial_state=h0, cu_seqlens=cu_seqlens,
                                                             output_final_state=True)
             outs, grads_out = [o], [do.to(o.dtype)]
             if dht is not None:
@@ -323,9 +325,9 @@ def test_overlapped_layer_op_matches_the_layered_form(monkeypatch):
         dq, dk, dv, dg, db = (gr if gr is not None else torch.zeros_like(t) for gr, t in zip(grads[:5], leaves))
         return dq, dk, dv, dg, db, (grads[5] if h0 is not None else None)
 
-    monkeypatch.setattr(hola_triton_layer, "_gdn_fwd_impl", fwd)
-    monkeypatch.setattr(hola_triton_layer, "_gdn_bwd_impl", bwd)
-    monkeypatch.setattr(hola_triton_layer, "ensure_backward_checked", lambda *a, **k: None)
+    monkeypatch.setattr(triton_layer, "_gdn_fwd_impl", fwd)
+    monkeypatch.setattr(triton_layer, "_gdn_bwd_impl", bwd)
+    monkeypatch.setattr(triton_layer, "ensure_backward_checked", lambda *a, **k: None)
     b, t, h, d = 1, 40, 2, 16
     cu = torch.tensor([0, 3, 21, 40])
     x = make_inputs(b, t, h, d, seed=17)
@@ -334,7 +336,7 @@ def test_overlapped_layer_op_matches_the_layered_form(monkeypatch):
         kw = dict(window=5, block=8, evict=evict, cu_seqlens=cu)
         xa, xb = fresh(x), fresh(x)
         sa, sb = state.clone().requires_grad_(), state.clone().requires_grad_()
-        o_a, f_a, _, _ = hola_triton_layer.hola_layer(*[xa[n] for n in NAMES], initial_state=sa,
+        o_a, f_a, _, _ = triton_layer.hola_layer(*[xa[n] for n in NAMES], initial_state=sa,
                                                       output_final_state=True, **kw)
         o_b, f_b, _ = hola_attention_triton(*[xb[n] for n in NAMES], initial_state=sb, output_final_state=True,
                                             state_impl="reference", **kw)
@@ -414,12 +416,12 @@ def test_custom_ops_trace_without_graph_breaks():
 
 def test_cache_attn_op_registrations():
     """torch.library.opcheck: schema, fake tensor and autograd registrations of the cache-attention op."""
-    from hola_titan.kernels.hola_triton_ops import cache_attn_op
+    from hola_titan.kernels.hola.triton_ops import cache_attn_op
     b, t, h, d, block, window = 1, 20, 2, 16, 8, 3
     x = make_inputs(b, t, h, d, seed=11)
-    table = hola_triton_select.build_block_table(b, t, None, block, torch.device("cpu"))
+    table = build_block_table(b, t, None, block, torch.device("cpu"))
     m = torch.rand(b * t, h, generator=torch.Generator().manual_seed(1))
-    sel, _ = hola_triton_select.select_topw(m, table, window)
+    sel, _ = selection.select_topw(m, table, window)
     o_state = torch.randn(b, t, h, d, requires_grad=True)
     args = (x["q"], x["k"], x["v"], o_state, x["gamma_q"], x["gamma_k"], x["sink"], x["gate"], sel, table.blk_start,
             table.blk_len, block, window)
@@ -431,11 +433,11 @@ def test_cache_attn_op_registrations():
 def test_fresh_kernels_read_every_negative_slot_as_empty():
     """Without a prefix, a selection entry below -1 is an empty slot like -1 (it names a prefix row only in the
     continuing kernels): output and every gradient equal, bit for bit."""
-    from hola_titan.kernels.hola_triton_ops import cache_attn_op
+    from hola_titan.kernels.hola.triton_ops import cache_attn_op
     b, t, h, d, block, window = 1, 20, 2, 16, 8, 3
-    table = hola_triton_select.build_block_table(b, t, None, block, torch.device("cpu"))
+    table = build_block_table(b, t, None, block, torch.device("cpu"))
     m = torch.rand(b * t, h, generator=torch.Generator().manual_seed(3))
-    sel, _ = hola_triton_select.select_topw(m, table, window)
+    sel, _ = selection.select_topw(m, table, window)
     assert (sel == -1).any()
     results = []
     for empty in (-1, -2):
@@ -453,7 +455,7 @@ def test_fresh_kernels_read_every_negative_slot_as_empty():
 def test_cache_attn_pre_op_registrations():
     """The same for the op that also reads prefix rows (a call continuing from a cache): a first block of 3 prefix
     rows and 5 tokens, cache slots naming token rows, prefix rows (``-2 - a``) and nothing (``-1``)."""
-    from hola_titan.kernels.hola_triton_ops import cache_attn_pre_op
+    from hola_titan.kernels.hola.triton_ops import cache_attn_pre_op
     b, t, h, d, block, window = 1, 20, 2, 16, 8, 3
     x = make_inputs(b, t, h, d, seed=12)
     gen = torch.Generator().manual_seed(2)
@@ -474,7 +476,7 @@ def test_layers_sharing_a_batch_s_block_table_equal_calls_that_build_their_own(e
     """Two layer calls given one Documents (its block table, and the recency selection derived from it, made by
     the first call and shared by the second) equal calls given bare cu_seqlens (each building its own), output and
     every gradient bit for bit."""
-    from hola_titan.kernels.seqlens import Documents
+    from hola_titan.kernels.runtime.documents import Documents
     cu = [0, 1, 23, 24, 60]
     docs = Documents.from_host(torch.tensor(cu), device="cpu", seq_len=cu[-1])
     kw = dict(window=20, block=24, evict=evict, backend="triton")
@@ -523,8 +525,8 @@ def test_continuing_call_copies_no_token_sized_tensor():
                     self.large.append(str(func))
             return out
 
-    from hola_titan.kernels.hola_continue import continue_from_cache
-    from hola_titan.kernels.hola_stages import state_path
+    from hola_titan.kernels.hola.continuation import continue_from_cache
+    from hola_titan.kernels.hola.stages import state_path
     q, k, v, g, beta, gamma_q, gamma_k, sink, gate = (x2[n] for n in NAMES)
     o_state, m, _ = state_path(q, k, v, g, beta, initial_state=state, cu_seqlens=None, output_final_state=False)
     with Sizes() as mode:
@@ -539,8 +541,8 @@ def test_continuing_call_copies_no_token_sized_tensor():
 def test_kernel_variants_match_reference_given_their_selection(case, monkeypatch):
     """The launch candidates that the GPU sweep times: the forward with its output columns split over two programs,
     the two-pass dq and dk/dv summed by separate programs compute the same read, output and every gradient."""
-    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
-                        dict(hola_triton_attn._INTERPRET_CONFIG, SPLIT=2, TWO_PASS=True, SEPARATE=True))
+    monkeypatch.setattr(triton_kernels, "_INTERPRET_CONFIG",
+                        dict(triton_kernels._INTERPRET_CONFIG, SPLIT=2, TWO_PASS=True, SEPARATE=True))
     check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 3)
 
 
@@ -552,9 +554,9 @@ DQ_ATOMIC_CASES = [CASES[0], CASES[1], CASES[3]]
 def test_dq_summed_by_the_dkdv_programs_matches_reference_given_its_selection(case, monkeypatch):
     """The DQ_ATOMIC launch candidate (dq added into float32 rows by the dk/dv programs, after a pass that forms
     only delta, then a per-row epilogue): output and every gradient, and its kernel did run."""
-    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG", dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True))
-    launches = _Launches(hola_triton_attn._cache_bwd_dkdv_dq_kernel)
-    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dkdv_dq_kernel", launches)
+    monkeypatch.setattr(triton_kernels, "_INTERPRET_CONFIG", dict(triton_kernels._INTERPRET_CONFIG, DQ_ATOMIC=True))
+    launches = _Launches(triton_kernels._cache_bwd_dkdv_dq_kernel)
+    monkeypatch.setattr(triton_kernels, "_cache_bwd_dkdv_dq_kernel", launches)
     check_backend_against_reference_given_its_selection(hola_attention_triton, case, seed=case[1] + 5)
     assert launches.count == 1
 
@@ -562,9 +564,9 @@ def test_dq_summed_by_the_dkdv_programs_matches_reference_given_its_selection(ca
 def test_dq_atomic_is_not_used_under_deterministic_algorithms(monkeypatch):
     """Atomic adds sum dq in no fixed order, so a run that asks torch for deterministic algorithms gets the dq
     programs instead, with the same results; and the two launch choices that exclude each other are refused."""
-    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG", dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True))
-    launches = _Launches(hola_triton_attn._cache_bwd_dkdv_dq_kernel)
-    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dkdv_dq_kernel", launches)
+    monkeypatch.setattr(triton_kernels, "_INTERPRET_CONFIG", dict(triton_kernels._INTERPRET_CONFIG, DQ_ATOMIC=True))
+    launches = _Launches(triton_kernels._cache_bwd_dkdv_dq_kernel)
+    monkeypatch.setattr(triton_kernels, "_cache_bwd_dkdv_dq_kernel", launches)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -572,8 +574,8 @@ def test_dq_atomic_is_not_used_under_deterministic_algorithms(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(was)
     assert launches.count == 0
-    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
-                        dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True, SEPARATE=True))
+    monkeypatch.setattr(triton_kernels, "_INTERPRET_CONFIG",
+                        dict(triton_kernels._INTERPRET_CONFIG, DQ_ATOMIC=True, SEPARATE=True))
     with pytest.raises(ValueError, match="SEPARATE and DQ_ATOMIC"):
         check_backend_against_reference_given_its_selection(hola_attention_triton, CASES[0], seed=7)
 
@@ -591,16 +593,16 @@ def test_kept_cache_output_matches_reference_given_its_selection(case, dq_atomic
     output's own table."""
     import functools
     if dq_atomic:
-        monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
-                            dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True, SPLIT=2))
+        monkeypatch.setattr(triton_kernels, "_INTERPRET_CONFIG",
+                            dict(triton_kernels._INTERPRET_CONFIG, DQ_ATOMIC=True, SPLIT=2))
     kinds = []
-    config = hola_triton_attn._config
-    monkeypatch.setattr(hola_triton_attn, "_config", lambda kind, d, dtype, device: kinds.append((kind, dtype)) or
+    config = triton_kernels._config
+    monkeypatch.setattr(triton_kernels, "_config", lambda kind, d, dtype, device: kinds.append((kind, dtype)) or
                         config(kind, d, dtype, device))
-    keep = _Launches(hola_triton_attn._cache_fwd_oc_kernel)
-    read = _Launches(hola_triton_attn._cache_bwd_dq_oc_kernel)
-    monkeypatch.setattr(hola_triton_attn, "_cache_fwd_oc_kernel", keep)
-    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dq_oc_kernel", read)
+    keep = _Launches(triton_kernels._cache_fwd_oc_kernel)
+    read = _Launches(triton_kernels._cache_bwd_dq_oc_kernel)
+    monkeypatch.setattr(triton_kernels, "_cache_fwd_oc_kernel", keep)
+    monkeypatch.setattr(triton_kernels, "_cache_bwd_dq_oc_kernel", read)
     backend = functools.partial(hola_attention_triton, save_cache_output=True)
     check_backend_against_reference_given_its_selection(backend, case, seed=case[1] + 7)
     assert (keep.count, read.count) == (1, 1)
@@ -633,8 +635,8 @@ def test_nan_in_one_document_stays_in_it(form, monkeypatch):
     the poisoned one are shorter than a tile. Also with dq summed by the dk/dv programs and with the cache read's
     output kept (delta from it)."""
     if form == "dq_atomic":
-        monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG",
-                            dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True))
+        monkeypatch.setattr(triton_kernels, "_INTERPRET_CONFIG",
+                            dict(triton_kernels._INTERPRET_CONFIG, DQ_ATOMIC=True))
     cu = [0, 1, 23, 24, 60]
     bad = slice(1, 23)
     x = make_inputs(1, cu[-1], 2, 16, seed=21)
@@ -659,8 +661,8 @@ def test_a_batch_s_continuation_layout_gives_the_call_s_own_results(case):
     """A ContinuationLayout made once on the host (what a context-parallel batch hands every layer) gives what the
     call computes when it makes its own on the device: output, final cache and gradients, bit for bit; a layout for
     other shapes is refused."""
-    from hola_titan.kernels.hola_continue import ContinuationLayout, continue_from_cache
-    from hola_titan.kernels.hola_stages import state_path
+    from hola_titan.kernels.hola.continuation import ContinuationLayout, continue_from_cache
+    from hola_titan.kernels.hola.stages import state_path
     b, _, _, block, window, evict = case
     h, d = 2, 16
     t2, cu2, _, kw, state, cache = _continue_case(case, seed_of_prefix=lambda t1: 4)
@@ -697,10 +699,10 @@ def test_the_model_setting_reaches_the_cache_op(monkeypatch):
     it; a forward without gradients keeps nothing."""
     from hola_titan.models.args import model_args
     from hola_titan.models.model import HolaTitanLM
-    keep = _Launches(hola_triton_attn._cache_fwd_oc_kernel)
-    read = _Launches(hola_triton_attn._cache_bwd_dq_oc_kernel)
-    monkeypatch.setattr(hola_triton_attn, "_cache_fwd_oc_kernel", keep)
-    monkeypatch.setattr(hola_triton_attn, "_cache_bwd_dq_oc_kernel", read)
+    keep = _Launches(triton_kernels._cache_fwd_oc_kernel)
+    read = _Launches(triton_kernels._cache_bwd_dq_oc_kernel)
+    monkeypatch.setattr(triton_kernels, "_cache_fwd_oc_kernel", keep)
+    monkeypatch.setattr(triton_kernels, "_cache_bwd_dq_oc_kernel", read)
     args = dataclasses.replace(model_args("hola", "debug", vocab_size=61), n_layers=1, dim=32, head_dim=16,
                                mlp_hidden=32, block=8, window=4)
     tokens = torch.randint(0, 61, (1, 24), generator=torch.Generator().manual_seed(5))
@@ -730,11 +732,11 @@ def test_dq_atomic_and_the_kept_output_leave_a_continuing_call_as_it_was(monkeyp
     matches the reference as in test_triton_continues_from_a_cache_like_the_reference."""
     import functools
     import sys
-    monkeypatch.setattr(hola_triton_attn, "_INTERPRET_CONFIG", dict(hola_triton_attn._INTERPRET_CONFIG, DQ_ATOMIC=True))
-    spies = {name: _Launches(getattr(hola_triton_attn, name))
+    monkeypatch.setattr(triton_kernels, "_INTERPRET_CONFIG", dict(triton_kernels._INTERPRET_CONFIG, DQ_ATOMIC=True))
+    spies = {name: _Launches(getattr(triton_kernels, name))
              for name in ("_cache_bwd_dkdv_dq_kernel", "_cache_fwd_oc_kernel", "_cache_bwd_dq_oc_kernel")}
     for name, spy in spies.items():
-        monkeypatch.setattr(hola_triton_attn, name, spy)
+        monkeypatch.setattr(triton_kernels, name, spy)
     module = sys.modules[__name__]
     monkeypatch.setattr(module, "hola_attention_triton",
                         functools.partial(module.hola_attention_triton, save_cache_output=True))
@@ -758,12 +760,12 @@ def test_the_trainer_sets_model_cache_kernels_and_reports_it(tmp_path):
 
     try:
         first = trainer("triton")
-        assert hola_triton_attn.FORWARD == {} and hola_triton_attn.BACKWARD == {}
+        assert triton_kernels.FORWARD == {} and triton_kernels.BACKWARD == {}
         why = f"Triton kernels (the launch table names Triton at head dim {first.model_args.head_dim})"
         assert first.paths["cache_forward"] == why, first.paths["cache_forward"]
         assert first.paths["cache_backward"].startswith(why), first.paths["cache_backward"]
         trainer("auto")
-        assert hola_triton_attn.FORWARD == hola_triton_attn.DEFAULT_FORWARD
-        assert hola_triton_attn.BACKWARD == hola_triton_attn.DEFAULT_BACKWARD
+        assert triton_kernels.FORWARD == triton_kernels.DEFAULT_FORWARD
+        assert triton_kernels.BACKWARD == triton_kernels.DEFAULT_BACKWARD
     finally:
-        hola_triton_attn.set_cache_kernels("auto")
+        triton_kernels.set_cache_kernels("auto")

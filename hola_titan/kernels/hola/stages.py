@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from hola_titan.kernels import hola_triton_select as _select
-from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.hola_triton_ops import select_topw_op
-from hola_titan.kernels.hola_triton_select import BlockTable, keys_to_index
+from hola_titan.kernels.hola import selection as _select
+from hola_titan.kernels.hola.cache import HolaCache
+from hola_titan.kernels.hola.triton_ops import select_topw_op
+from hola_titan.kernels.hola.selection import keys_to_index
+from hola_titan.kernels.runtime.documents import BlockTable, build_block_table
 
 
 def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_state, impl: str = "auto",
@@ -21,16 +22,16 @@ def state_path(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final_stat
     ``impl="reference"`` forces the reference (tests of the cache path alone on a GPU). ``chunk_indices``: fla's,
     made once per batch (``Documents.chunk_indices``), or None. ``recompute_norms``: the caller keeps these very
     ``q`` and ``k`` for its own backward, so fla's op keeps them too instead of normalised copies
-    (:func:`~hola_titan.kernels.fla_gdn.gdn_with_scores`). ``scale``: the state read's factor (None: ``D^-1/2``).
+    (:func:`~hola_titan.kernels.gdn.fla_bridge.gdn_with_scores`). ``scale``: the state read's factor (None: ``D^-1/2``).
     """
     if impl == "fla" or (impl == "auto" and q.device.type == "cuda"):
-        from hola_titan.kernels.fla_gdn import gdn_with_scores
+        from hola_titan.kernels.gdn.fla_bridge import gdn_with_scores
         o_state, m, final_state = gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
                                                   cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
                                                   output_final_state=output_final_state,
                                                   recompute_norms=recompute_norms, scale=scale)
     else:
-        from hola_titan.kernels.fla_gdn import reference_gdn_with_scores
+        from hola_titan.kernels.gdn.fla_bridge import reference_gdn_with_scores
         o_state, m, final_state = reference_gdn_with_scores(q, k, v, g, beta, initial_state=initial_state,
                                                             cu_seqlens=cu_seqlens,
                                                             output_final_state=output_final_state, scale=scale)
@@ -102,7 +103,7 @@ def state_and_table(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final
     if evict == "none":
         return o_state, m, final_state, None
     bsz, seq_len = q.shape[:2]
-    table = block_table if block_table is not None else _select.build_block_table(bsz, seq_len, cu_seqlens, block,
+    table = block_table if block_table is not None else build_block_table(bsz, seq_len, cu_seqlens, block,
                                                                                   q.device)
     return o_state, m, final_state, table
 

@@ -25,8 +25,9 @@ import math
 
 import torch
 
-from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.hola_reference import compute_dtype, l2norm, merge_read, rms_norm, selection_order
+from hola_titan.kernels.hola.cache import HolaCache
+from hola_titan.kernels.hola.reference import compute_dtype, merge_read, rms_norm, selection_order
+from hola_titan.kernels.gdn.reference import l2norm
 
 
 def applies(args: tuple, *, cu_seqlens, initial_state, initial_cache, evict: str) -> bool:

@@ -9,11 +9,12 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from hola_titan.kernels import hola_triton_select as _select
-from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.hola_stages import TwoSourceRows, _cache_from_rows
-from hola_titan.kernels.hola_triton_ops import cache_attn_pre_op, select_topw_op
-from hola_titan.kernels.hola_triton_select import KEY_EMPTY, BlockTable
+from hola_titan.kernels.hola import selection as _select
+from hola_titan.kernels.hola.cache import HolaCache
+from hola_titan.kernels.hola.stages import TwoSourceRows, _cache_from_rows
+from hola_titan.kernels.hola.triton_ops import cache_attn_pre_op, select_topw_op
+from hola_titan.kernels.hola.selection import KEY_EMPTY
+from hola_titan.kernels.runtime.documents import BlockTable, block_table_of_docs
 
 # Continuing from a cache (context-parallel shards, chunked prefill).
 #
@@ -22,7 +23,7 @@ from hola_titan.kernels.hola_triton_select import KEY_EMPTY, BlockTable
 # slots last) and a C-row area whose last ``r = seen % C`` rows are the unfinished block's buffered tokens. Blocks
 # start at each sequence's first buffered row, so its first block is the unfinished one: r prefix rows, then new
 # tokens that complete it; a block's queries are its new tokens only. A selection entry names a token row, or
-# ``-2 - a`` for prefix row ``a`` (:class:`~hola_titan.kernels.hola_triton_attn.Prefix`).
+# ``-2 - a`` for prefix row ``a`` (:class:`~hola_titan.kernels.hola.triton_kernels.Prefix`).
 #
 # The selection itself runs on an index space of ``R = N W + N C + B T`` rows that orders each sequence's rows by
 # position (persistent < buffered < new), so that the row doubles as the position in the tie order, as in a fresh
@@ -111,7 +112,7 @@ class ContinuationLayout:
         order = torch.empty(num_rows, dtype=torch.int64, device=device)
         order[torch.cat([pre_row, tok_row])] = torch.arange(num_rows, device=device)
         ext_start, ext_len = area_start + c - r, r + doc_len
-        table = _select.block_table_of_docs(ext_start, ext_len, -(-total // c) + 2 * n, c)
+        table = block_table_of_docs(ext_start, ext_len, -(-total // c) + 2 * n, c)
         # The attention's blocks: a sequence's first block starts with its r buffered rows (prefix rows), the rest
         # are new tokens only; a block's length counts its new tokens, its queries.
         blk_doc = _blk_doc(table)
@@ -133,8 +134,8 @@ class ContinuationLayout:
     def from_host(cls, seen: list[int], cu_seqlens: list[int] | None, *, batch: int, seq_len: int, window: int,
                   block: int, device: torch.device | str) -> ContinuationLayout:
         """The layout made on the host from host values and sent to ``device`` in one copy
-        (:func:`~hola_titan.kernels.seqlens.to_device_aligned`)."""
-        from hola_titan.kernels.seqlens import to_device_aligned
+        (:func:`~hola_titan.kernels.runtime.documents.to_device_aligned`)."""
+        from hola_titan.kernels.runtime.documents import to_device_aligned
 
         on_host = cls.build(torch.tensor(seen, dtype=torch.int64),
                             None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int64),

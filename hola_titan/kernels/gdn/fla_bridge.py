@@ -40,14 +40,13 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hola_titan.kernels.hola_reference import gated_delta_chunked, l2norm, sequence_layout, to_rows
+from hola_titan.kernels.gdn.reference import gated_delta_chunked, l2norm, sequence_layout, to_rows
+from hola_titan.kernels.runtime.documents import CHUNK
 
 FLA_VERSION = "0.6.0"
-CHUNK = 64
 PAD_HEAD_DIM = 128
 # Relative RMS error allowed per tensor in the #640 check: fla's bf16 kernels land near 5e-3 against fp32 (this
 # project's H200 checks in docs/LOG.md: 4.0e-3 to 8.1e-3 on 2026-12-01), so 5e-2 leaves 10x for bf16 rounding at
@@ -110,7 +109,7 @@ def fla_backward_allowed(head_dim: int, device: torch.device):
     key = (torch.device(device).index or 0, head_dim)
     if key not in _CHECKED:
         raise RuntimeError(f"fla #640: no passing gradient check for head dim {head_dim} on this GPU; "
-                           "call hola_titan.kernels.fla_gdn.ensure_backward_checked before compiling")
+                           "call hola_titan.kernels.gdn.fla_bridge.ensure_backward_checked before compiling")
     import fla.ops.common.chunk_o as chunk_o
     saved = chunk_o.TRITON_ABOVE_3_7_1
     chunk_o.TRITON_ABOVE_3_7_1 = True
@@ -164,7 +163,7 @@ def verdict_path(cache_folder: str | Path, head_dim: int, device: torch.device, 
                  dtype: torch.dtype = torch.bfloat16, packed: bool = True) -> Path:
     """Where the #640 check's verdict for this GPU, head dim, the check's kernels (heads, dtype, row layout) and
     fla / Triton / torch versions is kept."""
-    from hola_titan.kernels.tuned_configs import active_tag, sanitize_gpu_name, versions
+    from hola_titan.kernels.runtime.tuned_configs import active_tag, sanitize_gpu_name, versions
 
     v = versions()
     # The configurations the kernels run with are part of what was checked (a miscompile is per configuration).
@@ -318,27 +317,6 @@ def prepare_backward(head_dim: int, device: torch.device, *, num_heads: int = 4,
 
 # ----------------------------------------------------------------------------------------------------------------
 # The adapter: custom ops over fla's stages.
-
-
-def chunk_indices_from_host(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """fla's chunk indices (``[chunks, 2]``: each chunk's sequence and its index in the sequence, in the boundaries'
-    dtype; what ``fla.ops.utils.index.prepare_chunk_indices`` returns, tested equal) of boundaries given on the
-    host (no read of a device tensor), on ``device``: made once per batch by
-    :class:`~hola_titan.kernels.seqlens.Documents` and passed to every layer."""
-    from hola_titan.kernels.seqlens import to_device
-
-    # Made with numpy from the host copy, not with fla's function: in an H200 step profile (bench_train --profile,
-    # docs/LOG.md 2026-12-04) the host spent 2.6-7.2 ms of each step's start, with the GPU idle, inside the
-    # torch.repeat_interleave of fla's CPU path (about 0.1 ms on a development machine). numpy's repeat runs on
-    # the calling thread.
-    bounds = host.numpy().astype(np.int64)
-    counts = -(-(bounds[1:] - bounds[:-1]) // CHUNK)
-    seq = np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts)
-    first = np.repeat(np.cumsum(counts) - counts, counts)
-    made = np.stack([seq, np.arange(seq.shape[0], dtype=np.int64) - first], axis=1)
-    # Sent with a pinned, non-blocking copy: a copy from pageable memory waits for the device
-    # (tests/test_step_gpu.py caught it).
-    return to_device(torch.from_numpy(made).to(host.dtype), device)
 
 
 def _chunk_indices(cu_seqlens, given):
@@ -606,10 +584,11 @@ def gdn_with_scores(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, ch
 
     ``q, k`` are pre-l2norm (fla normalises them in its kernel); ``g`` is the log-decay, ``beta`` in (0, 1).
     ``chunk_indices``: fla's chunk indices of ``cu_seqlens`` made once per batch from the host copy
-    (``Documents.chunk_indices``, :func:`chunk_indices_from_host`); None makes them here, from the device tensor.
-    ``recompute_norms``: keep the raw q and k for backward, not their normalised copies (see the module
-    docstring); only where they are kept unpadded (a padded head dim makes copies, so it would add a pass and save
-    nothing). ``scale``: the state read's factor, fla's ``scale`` (None: ``D^-1/2`` of the unpadded head dim).
+    (``Documents.chunk_indices``, :func:`~hola_titan.kernels.runtime.documents.chunk_indices_from_host`); None makes
+    them here, from the device tensor. ``recompute_norms``: keep the raw q and k for backward, not their normalised
+    copies (see the module docstring); only where they are kept unpadded (a padded head dim makes copies, so it would
+    add a pass and save nothing). ``scale``: the state read's factor, fla's ``scale`` (None: ``D^-1/2`` of the unpadded
+    head dim).
     """
     if not torch.compiler.is_compiling():
         _require_fla()

@@ -5,11 +5,11 @@ kernel at each new key (head dim, heads, flags, dtypes) compiles and times every
 fresh machine that is minutes per process and head dim before the first training step (docs/LOG.md,
 2026-12-02). This module removes that wait: ``scripts/tune_kernels.py`` runs the tuning once on a GPU, at the
 shapes of the recipes, and writes the winning configurations to
-``hola_titan/kernels/configs/<GPU>__fla-<v>__triton-<v>.json``; :func:`install` gives each of fla's autotuners a table
-that answers from that file, so a launch compiles the one configuration it will run.
+``hola_titan/kernels/runtime/configs/<GPU>__fla-<v>__triton-<v>.json``; :func:`install` gives each of fla's autotuners a
+table that answers from that file, so a launch compiles the one configuration it will run.
 
-The same file holds the compile plans of ``hola_titan/kernels/precompile.py`` (``plans``: what a step of each kind
-of run compiled), which :func:`install` hands on (``Installed.plans``).
+The same file holds the compile plans of ``hola_titan/kernels/runtime/precompile.py`` (``plans``: what a step of each
+kind of run compiled), which :func:`install` hands on (``Installed.plans``).
 
 The table is consulted where Triton's autotuner asks whether it already knows a key. The answer is one of:
 - **exact**: the file holds this kernel at this key (the configuration tuned there);
@@ -46,9 +46,9 @@ FORMAT = "hola_titan.tuned_configs/1"
 # ``V``, ``D``), tiles (``BT``, ``BK``, ``BV``, ``BC``), flags and dtypes must match exactly.
 EXTENT_KEYS = frozenset({"B", "T", "NB", "NT", "H", "HV"})
 # The choice of configurations as a script's ``--kernel-configs`` describes it (model.kernel_configs in a run).
-CHOICE_HELP = ("fla's launch configurations (hola_titan/kernels/tuned_configs.py): auto (the file shipped for this "
-               "GPU and these fla-core and Triton versions, when there is one: no minutes of autotuning on a fresh "
-               "machine), off (autotune), or the path of a file written by scripts/tune_kernels.py")
+CHOICE_HELP = ("fla's launch configurations (hola_titan/kernels/runtime/tuned_configs.py): auto (the file shipped "
+               "for this GPU and these fla-core and Triton versions, when there is one: no minutes of autotuning on a "
+               "fresh machine), off (autotune), or the path of a file written by scripts/tune_kernels.py")
 # Modules whose autotuners the table serves and the tuning script records.
 MODULE_PREFIXES = ("fla.", "hola_titan.kernels.")
 # The mark on an entry served from another GPU's table of the same architecture (Served.filled counts them).
@@ -302,7 +302,8 @@ class Installed:
     why: str
     kernels: int = 0
     served: Served = dataclasses.field(default_factory=Served)
-    # The file's compile plans (hola_titan/kernels/precompile.py): plan key -> serialised Triton specialisations.
+    # The file's compile plans (hola_titan/kernels/runtime/precompile.py): plan key -> serialised Triton
+    # specialisations.
     plans: dict = dataclasses.field(default_factory=dict, repr=False)
     # The file as read, between locate() and install() (install() drops it).
     data: dict | None = dataclasses.field(default=None, repr=False)
@@ -382,7 +383,7 @@ def locate(choice: str, device, *, node_cache: Path | None = None, job_cache: Pa
            plan_key: str | None = None) -> Installed:
     """Which configurations file ``choice`` names for ``device`` (read and checked), without importing fla or
     changing anything: the decision :func:`install` then applies. The file's plans are known from here on, so a
-    run can start compiling them (hola_titan/kernels/precompile.py) while fla imports.
+    run can start compiling them (hola_titan/kernels/runtime/precompile.py) while fla imports.
 
     ``choice``: ``auto`` (the shipped file for this GPU and these fla and Triton versions, when there is one),
     ``off`` (autotune as fla does), or the path of a file written by ``scripts/tune_kernels.py``.
@@ -392,8 +393,8 @@ def locate(choice: str, device, *, node_cache: Path | None = None, job_cache: Pa
     ``job_cache``: with ``auto``, the run folder, whose :func:`node_tuned_file` holds what the job's rank 0
     autotuned at an earlier start (:func:`adopt` gave it to every rank then): served like the node's, ahead of it, so
     a job started again on other nodes tunes nothing it tuned before and every node serves the same choices.
-    ``plan_key``: with ``auto``, the run's kind (:func:`hola_titan.kernels.precompile.plan_key`). A GPU's own table
-    leads, filled from another GPU's of its architecture where it lacks entries or plans, unless the other has a
+    ``plan_key``: with ``auto``, the run's kind (:func:`hola_titan.kernels.runtime.precompile.plan_key`). A GPU's own
+    table leads, filled from another GPU's of its architecture where it lacks entries or plans, unless the other has a
     plan for this kind and the own has none: then the other's table serves the run alone, as for a GPU without a
     table, so that the configurations served are the ones its plan compiled.
     """
@@ -476,8 +477,9 @@ def locate(choice: str, device, *, node_cache: Path | None = None, job_cache: Pa
 
 def _plan_only_in(other: dict, own: dict, plan_key: str) -> bool:
     """Whether the table ``other`` has a compile plan for the run kind ``plan_key`` (or one of another flavour at
-    the same head dim, heads, dtype and rows: :func:`~hola_titan.kernels.precompile.select`) and ``own`` has none."""
-    from hola_titan.kernels.precompile import select
+    the same head dim, heads, dtype and rows: :func:`~hola_titan.kernels.runtime.precompile.select`) and ``own`` has
+    none."""
+    from hola_titan.kernels.runtime.precompile import select
 
     return not select(own.get("plans", {}), plan_key)[0] and bool(select(other.get("plans", {}), plan_key)[0])
 

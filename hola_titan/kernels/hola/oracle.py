@@ -12,8 +12,9 @@ import math
 
 import torch
 
-from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.hola_reference import compute_dtype, l2norm, merge_read, rms_norm
+from hola_titan.kernels.hola.cache import HolaCache
+from hola_titan.kernels.hola.reference import compute_dtype, merge_read, rms_norm
+from hola_titan.kernels.gdn.reference import l2norm
 
 
 def naive_hola_attention(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int = 64, block: int = 256,

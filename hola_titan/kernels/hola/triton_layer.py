@@ -2,7 +2,7 @@
 
 Shape legend: B batch, T tokens, H heads, D head dim, N sequences, NB blocks, W window.
 
-Why. In the layered form (``hola_triton.hola_attention_triton``) autograd runs the cache-attention backward and
+Why. In the layered form (``triton_backend.hola_attention_triton``) autograd runs the cache-attention backward and
 then fla's GDN backward, one after the other on one stream. fla's recurrent stages (the recomputed forward state
 and the state-gradient pass, about a third of the GDN forward + backward at the 340M layer shape) have only
 N * H * (D / 64) programs, one or two per multiprocessor, and leave most of the chip waiting on latency, while the
@@ -12,7 +12,7 @@ paths' gradients of q, k and v. It is bit-equal to the layered form; what it sav
 ``scripts/bench_hola_attention.py`` (``hola_triton_overlap``; numbers in docs/LOG.md).
 
 Scope: evict "score" or "recency" from an empty cache, on CUDA through fla, head dims fla runs unpadded
-(D >= 128 on Hopper with Triton < 3.7.1, see ``fla_gdn``). Ask for it with
+(D >= 128 on Hopper with Triton < 3.7.1, see ``gdn/fla_bridge.py``). Ask for it with
 ``hola_attention(..., overlap_backward=True)``; the trainer does by default (``model.overlap_backward`` unset or
 true), since in 340M training on an H200 it was about 1% faster with every loss equal (docs/LOG.md, 2026-12-04).
 """
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from hola_titan.kernels import hola_triton_select as _select
-from hola_titan.kernels.fla_gdn import _gdn_bwd_impl, _gdn_fwd_impl, ensure_backward_checked, padded_head_dim
+from hola_titan.kernels.gdn.fla_bridge import _gdn_bwd_impl, _gdn_fwd_impl, ensure_backward_checked, padded_head_dim
+from hola_titan.kernels.runtime.documents import build_block_table, num_block_rows
 
 
 def layered_because(head_dim: int, device: torch.device) -> str | None:
@@ -52,15 +52,15 @@ def layer_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                                       torch.Tensor]:
     """``(o, final_state or empty, m, sel, blk_start, blk_len, then saved for backward: g_cum, a, lse, rq, rk)``.
     The backward has q and k: it remakes their l2norms rather than keeping a normalised copy of each."""
-    from hola_titan.kernels.hola_stages import select
-    from hola_titan.kernels.hola_triton_ops import _device_ctx
-    from hola_titan.kernels.hola_triton_attn import cache_attention_fwd
+    from hola_titan.kernels.hola.stages import select
+    from hola_titan.kernels.hola.triton_ops import _device_ctx
+    from hola_titan.kernels.hola.triton_kernels import cache_attention_fwd
 
     bsz, seq_len, h, _ = q.shape
     with _device_ctx(q):
         o_state, m, final_state, _, _, _, _, g_cum, a = _gdn_fwd_impl(
             q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, scale, output_final_state)
-        table = _select.build_block_table(bsz, seq_len, cu_seqlens, block, q.device)
+        table = build_block_table(bsz, seq_len, cu_seqlens, block, q.device)
         sel, _ = select(m.reshape(bsz * seq_len, h), table, window=window, evict=evict, num_heads=h)
         o, lse, rq, rk = cache_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), o_state,
                                              gamma_q.contiguous(), gamma_k.contiguous(), sink.contiguous(),
@@ -72,10 +72,10 @@ def layer_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 @layer_fwd_op.register_fake
 def _(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, initial_state, cu_seqlens, chunk_indices, scale,
       output_final_state, block, window, evict):
-    from hola_titan.kernels.fla_gdn import CHUNK
+    from hola_titan.kernels.gdn.fla_bridge import CHUNK
     bsz, seq_len, h, d = q.shape
     n = bsz if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    nb = _select.num_block_rows(bsz, seq_len, cu_seqlens, block)
+    nb = num_block_rows(bsz, seq_len, cu_seqlens, block)
     f32 = torch.float32
     final = q.new_empty(n, h, d, d, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32)
     stats = q.new_empty(bsz, seq_len, h, dtype=f32)
@@ -97,8 +97,8 @@ def layer_bwd_op(do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k:
                                        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dg, dbeta, dh0 or empty, dgamma_q, dgamma_k, dsink, dgate)``: the cache backward on a side
     stream, fla's backward on the current stream, joined before the gradients of q, k, v are summed."""
-    from hola_titan.kernels.hola_triton_ops import _device_ctx
-    from hola_titan.kernels.hola_triton_attn import cache_attention_bwd
+    from hola_titan.kernels.hola.triton_ops import _device_ctx
+    from hola_titan.kernels.hola.triton_kernels import cache_attention_bwd
 
     do = do.contiguous()
 
@@ -189,7 +189,7 @@ def hola_layer(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, b
                cu_seqlens=None, chunk_indices=None, initial_state=None, output_final_state: bool = False,
                scale: float | None = None):
     """``(o, final_state or None, m, sel)``: the layer through :func:`layer_fwd_op` (see the module docstring);
-    ``chunk_indices`` and ``scale`` as in :func:`~hola_titan.kernels.fla_gdn.gdn_with_scores`."""
+    ``chunk_indices`` and ``scale`` as in :func:`~hola_titan.kernels.gdn.fla_bridge.gdn_with_scores`."""
     d = q.shape[-1]
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int64)

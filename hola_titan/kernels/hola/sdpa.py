@@ -2,7 +2,7 @@
 
 Shape legend: B batch, T tokens, H heads, D head dim, NB blocks, C block, W window, K = W + C + sink + padding.
 
-State path and score as in the Triton backend (fla's chunk op through :mod:`hola_titan.kernels.fla_gdn`; the fp32
+State path and score as in the Triton backend (fla's chunk op through :mod:`hola_titan.kernels.gdn.fla_bridge`; the fp32
 reference stands in on a CPU). Selection by a masked ``topk`` over composite (score, position) keys, so the tie
 order is the spec's. The cache read gathers, for every block, the W selected rows and the block's own rows of
 ``kc = RMSNorm_{gamma_k}(k)`` and ``v`` into ``[NB, H, K, D]``, and runs one batched
@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hola_titan.kernels.hola_reference import merge_read, rms_norm
-from hola_titan.kernels.hola_stages import final_cache_from_selection, gather_head_rows, state_and_table
-from hola_titan.kernels.hola_triton_select import BlockTable, select_recency, select_topw_torch
+from hola_titan.kernels.hola.reference import merge_read, rms_norm
+from hola_titan.kernels.hola.stages import final_cache_from_selection, gather_head_rows, state_and_table
+from hola_titan.kernels.hola.selection import select_recency, select_topw_torch
+from hola_titan.kernels.runtime.documents import BlockTable
 
 KEY_ALIGN = 16  # pad the key dimension (W + C + 1) so SDPA's fused kernels take the mask without copies
 
@@ -128,7 +129,7 @@ def hola_attention_sdpa(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, windo
     if output_final_cache:
         final_keys = None
         if evict == "score" and selected is None and window > 0:
-            from hola_titan.kernels.hola_triton_select import score_keys
+            from hola_titan.kernels.hola.selection import score_keys
             final_keys = _final_keys(m_flat, table, window, score_keys)
         final_cache = final_cache_from_selection(q, k, v, m_flat, sel, final_keys, table, window=window, block=block,
                                                  evict=evict)
@@ -138,7 +139,7 @@ def hola_attention_sdpa(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, windo
 
 def _final_keys(m_flat, table, window, score_keys):
     """Top-W keys over the completed blocks of every sequence: ``[N, H, W]`` int64."""
-    from hola_titan.kernels.hola_triton_select import KEY_EMPTY
+    from hola_titan.kernels.hola.selection import KEY_EMPTY
     n, h = table.num_seqs, m_flat.shape[1]
     out = torch.full((n, h, window), KEY_EMPTY, dtype=torch.int64, device=m_flat.device)
     starts, lens = table.doc_start.tolist(), table.doc_len.tolist()

@@ -20,7 +20,7 @@ more keys than queries. HOLA's read is exactly that, one sequence per block:
 
 The gathered copy is ``NB * S`` rows of K and V (1.25x the tokens at W 64, C 256); the gradients of the gathered
 rows go back to their tokens through the gather's own backward (``index_add_`` in float32,
-:func:`~hola_titan.kernels.hola_stages.gather_head_rows`). The RMSNorms run in float32 and
+:func:`~hola_titan.kernels.hola.stages.gather_head_rows`). The RMSNorms run in float32 and
 are rounded to the input dtype, and ``sigmoid(gate) o_cache`` is added to the state read in the input dtype, as
 the SDPA backend does. State path and selection are the Triton backend's (fla's chunk op, the selection kernels);
 on a CPU the fp32 reference state path and the torch selection stand in (tests), with the attention given as
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hola_titan.kernels.hola_reference import merge_read, rms_norm
-from hola_titan.kernels.hola_stages import final_cache_from_selection, gather_head_rows, state_and_table
-from hola_titan.kernels.hola_triton_select import BlockTable
+from hola_titan.kernels.hola.reference import merge_read, rms_norm
+from hola_titan.kernels.hola.stages import final_cache_from_selection, gather_head_rows, state_and_table
+from hola_titan.kernels.runtime.documents import BlockTable
 
 FA4_VERSION = "4.0.0b40"
 """The flash-attn-4 release this adapter is written and tested against (its private forward and backward entry
@@ -104,7 +104,7 @@ class VarlenLayout:
 
     ``key_rows`` ``[NB * S, H]`` int64: the token row each key slot reads, per head (``num_tokens`` for slots past
     a sequence's keys: they read zeros, and their gradients, which FlashAttention-4's backward leaves unwritten, are
-    dropped by :func:`~hola_titan.kernels.hola_stages.gather_head_rows`); None when the keys are the token rows
+    dropped by :func:`~hola_titan.kernels.hola.stages.gather_head_rows`); None when the keys are the token rows
     themselves, in place.
     ``cu_q`` and ``cu_k`` ``[NB + 1]`` int32 offsets, ``used_k`` ``[NB]`` int32 keys per sequence (None: all of
     ``cu_k``'s), ``max_q`` / ``max_k`` their bounds; ``causal``: the mask aligned to the bottom right, else none.
@@ -354,10 +354,10 @@ def hola_attention_fa4(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window
     if selected is not None:
         sel = selected.to(device=device, dtype=torch.int32)
     elif device.type == "cuda":
-        from hola_titan.kernels.hola_stages import select
+        from hola_titan.kernels.hola.stages import select
         sel, final_keys = select(m_flat, table, window=window, evict=evict, num_heads=h)
     else:  # CPU tests: the selection in torch (the Triton kernels need a GPU or the interpreter)
-        from hola_titan.kernels.hola_sdpa import _select
+        from hola_titan.kernels.hola.sdpa import _select
         sel = _select(m_flat, table, window=window, evict=evict, num_heads=h)
     qc, kc, vr = read_rows(q, k, v, gamma_q, gamma_k)
     if layout == "gathered":
@@ -381,8 +381,8 @@ def hola_attention_fa4(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window
     final_cache = None
     if output_final_cache:
         if final_keys is None and evict == "score" and selected is None and window > 0:
-            from hola_titan.kernels.hola_sdpa import _final_keys
-            from hola_titan.kernels.hola_triton_select import score_keys
+            from hola_titan.kernels.hola.sdpa import _final_keys
+            from hola_titan.kernels.hola.selection import score_keys
             final_keys = _final_keys(m_flat, table, window, score_keys)
         final_cache = final_cache_from_selection(q, k, v, m_flat, sel, final_keys, table, window=window, block=block,
                                                  evict=evict)

@@ -1,7 +1,7 @@
 """The cache read on Hopper's warpgroup MMA, written in Gluon (Triton's explicit-layout language).
 
 Same function, inputs and outputs as the fresh call's Triton dq and dk/dv kernels of
-:mod:`hola_titan.kernels.hola_triton_attn` (see its docstring for the math, the fused RMSNorms and the reductions);
+:mod:`hola_titan.kernels.hola.triton_kernels` (see its docstring for the math, the fused RMSNorms and the reductions);
 what differs is how the products run. At head dim 256 Triton compiles those kernels' 32-row tiles to ``mma.sync``,
 every warp reading its operands from shared memory itself, at 255 registers with spills: about 100 TFLOP/s. Here
 every product is a ``warpgroup_mma`` over 64 x 64 tiles with both operands in shared memory:
@@ -29,8 +29,8 @@ two [64, D] float32 accumulators in registers (at D 256 the loops spill nothing,
 Plain (not warp-specialised) warpgroups: a first form, timed against the Triton kernels in
 ``scripts/bench_hola_attention.py``. Gluon has no interpreter: these kernels run on an sm_90 GPU only (the CPU suite
 compiles them for sm_90a and checks what they compile to; the GPU suite checks their results against the
-reference). Fresh calls, no prefix: :func:`~hola_titan.kernels.hola_triton_attn.forward_kernels` and
-:func:`~hola_titan.kernels.hola_triton_attn.backward_kernels` say when they run.
+reference). Fresh calls, no prefix: :func:`~hola_titan.kernels.hola.triton_kernels.forward_kernels` and
+:func:`~hola_titan.kernels.hola.triton_kernels.backward_kernels` say when they run.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Triton compiles each kernel specialisation at its first launch, one after anothe
 fresh H200, with every autotuning served from the shipped configurations, the debug-width MQAR step still spent
 about 50 s there (docs/LOG.md, 2026-12-02): compiling, mostly ``ptxas``, one kernel at a time on one core.
 
-The configurations file (``hola_titan/kernels/tuned_configs.py``) therefore also holds *plans*: per kind of run
+The configurations file (``hola_titan/kernels/runtime/tuned_configs.py``) therefore also holds *plans*: per kind of run
 (flavour, fla head dim, heads per rank, compute dtype, packed or plain rows; :func:`plan_key`) the specialisations that
 a training step and a chunked prefill of that kind compiled, in Triton's own serialised form (the
 ``specialization_data`` that ``JITFunction.preload`` takes back), recorded by ``scripts/tune_kernels.py`` with

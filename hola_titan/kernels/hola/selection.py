@@ -21,9 +21,9 @@ blocks in order, emits the running top W as the block's cache and merges the blo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
+
+from hola_titan.kernels.runtime.documents import BlockTable
 
 try:
     import triton
@@ -33,89 +33,6 @@ except ImportError:  # CPU-only installs without Triton: the reference backend n
     tl = None
 
 KEY_EMPTY = -(2 ** 63)
-
-
-@dataclass
-class BlockTable:
-    """Blocks of every sequence, as int32 tensors on the inputs' device (see the module docstring).
-
-    The table has a static number of rows (``B * ceil(T / C)``, or ``ceil(T / C) + N`` with ``cu_seqlens``, an
-    upper bound on the number of blocks), so building it needs no host synchronisation and traces under
-    ``torch.compile``; rows past the last real block have ``blk_len == 0`` and are skipped by every kernel.
-    """
-
-    blk_start: torch.Tensor  # [NB] flat index of the block's first token
-    blk_len: torch.Tensor  # [NB] tokens in the block (1 ... C; 0 for padding rows)
-    blk_doc_start: torch.Tensor  # [NB] flat index of the first token of the block's sequence
-    doc_start: torch.Tensor  # [N]
-    doc_len: torch.Tensor  # [N]
-    doc_first_blk: torch.Tensor  # [N]
-    doc_num_blk: torch.Tensor  # [N]
-    block: int
-    # Results that depend on the table alone (select_recency), kept for the other layers of a batch that share it.
-    derived: dict = field(default_factory=dict, repr=False, compare=False)
-
-    FIELDS = ("blk_start", "blk_len", "blk_doc_start", "doc_start", "doc_len", "doc_first_blk", "doc_num_blk")
-    """The tensor fields (``block`` and ``derived`` aside)."""
-
-    @property
-    def num_blocks(self) -> int:
-        return self.blk_start.shape[0]
-
-    @property
-    def num_seqs(self) -> int:
-        return self.doc_start.shape[0]
-
-
-def build_block_table(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, block: int,
-                      device: torch.device) -> BlockTable:
-    """The block table of ``batch`` rows of ``seq_len`` tokens, or of the documents of ``cu_seqlens`` (B == 1)."""
-    if cu_seqlens is None:
-        doc_start = torch.arange(batch, dtype=torch.int64, device=device) * seq_len
-        doc_len = torch.full((batch,), seq_len, dtype=torch.int64, device=device)
-    else:
-        cu = cu_seqlens.to(device=device, dtype=torch.int64)
-        doc_start, doc_len = cu[:-1], cu[1:] - cu[:-1]
-    return block_table_of_docs(doc_start, doc_len, num_block_rows(batch, seq_len, cu_seqlens, block), block)
-
-
-def block_table_from_host(host: torch.Tensor, *, block: int, device: torch.device) -> BlockTable:
-    """The table of :func:`build_block_table` for the documents of ``host`` (CPU boundaries ``[N + 1]``, one
-    packed row), computed on the host and sent to ``device`` in one copy: what a batch's
-    :class:`~hola_titan.kernels.seqlens.Documents` builds once for all its layers, instead of some thirty small
-    device operations in every layer."""
-    from hola_titan.kernels.seqlens import to_device_aligned
-
-    host = host.to(torch.int64)
-    on_host = build_block_table(1, int(host[-1]), host, block, torch.device("cpu"))
-    sent = to_device_aligned([getattr(on_host, name) for name in BlockTable.FIELDS], device)
-    return BlockTable(**dict(zip(BlockTable.FIELDS, sent)), block=block)
-
-
-def num_block_rows(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, block: int) -> int:
-    """The rows of :func:`build_block_table`'s table, from shapes alone (an upper bound on the blocks with
-    ``cu_seqlens``: every document can add one partial block)."""
-    nb_row = -(-seq_len // block)
-    return batch * nb_row if cu_seqlens is None else nb_row + cu_seqlens.shape[0] - 1
-
-
-def block_table_of_docs(doc_start: torch.Tensor, doc_len: torch.Tensor, num_rows: int, block: int) -> BlockTable:
-    """The block table of documents at flat ``doc_start`` with ``doc_len`` tokens (int64 tensors), in sequence
-    order, with ``num_rows`` rows (an upper bound on the number of blocks, known without reading the lengths)."""
-    device = doc_start.device
-    doc_num_blk = (doc_len + block - 1) // block
-    doc_end_blk = torch.cumsum(doc_num_blk, 0)
-    doc_first_blk = doc_end_blk - doc_num_blk
-    rows = torch.arange(num_rows, dtype=torch.int64, device=device)
-    blk_doc = torch.searchsorted(doc_end_blk, rows, right=True).clamp(max=doc_start.shape[0] - 1)
-    blk_in_doc = rows - doc_first_blk[blk_doc]
-    real = rows < doc_end_blk[-1]
-    blk_start = torch.where(real, doc_start[blk_doc] + blk_in_doc * block, torch.zeros_like(rows))
-    blk_len = torch.where(real, (doc_len[blk_doc] - blk_in_doc * block).clamp(0, block), torch.zeros_like(rows))
-    i32 = torch.int32
-    return BlockTable(blk_start=blk_start.to(i32), blk_len=blk_len.to(i32), blk_doc_start=doc_start[blk_doc].to(i32),
-                      doc_start=doc_start.to(i32), doc_len=doc_len.to(i32), doc_first_blk=doc_first_blk.to(i32),
-                      doc_num_blk=doc_num_blk.to(i32), block=block)
 
 
 def score_keys(m: torch.Tensor, position: torch.Tensor) -> torch.Tensor:

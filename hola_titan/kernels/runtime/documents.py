@@ -16,7 +16,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+# fla-core's chunk of the GDN state path (``fla.ops.utils.index.prepare_chunk_indices``'s chunk size): the
+# chunk indices below are made for it.
+CHUNK = 64
 
 
 def _check_list(cu: list[int], seq_len: int) -> None:
@@ -81,11 +86,8 @@ class Documents:
                  seq_len: int) -> Documents:
         """Check the int64 ``host`` values; ``on_device``: the same values already on ``device`` (None: sent)."""
         _check_list(host.tolist(), seq_len)
-        chunk_indices = None
-        if device.type == "cuda":
-            from hola_titan.kernels.fla_gdn import chunk_indices_from_host, fla_available
-            if fla_available():
-                chunk_indices = chunk_indices_from_host(host, device)
+        # On CUDA, where fla runs the state path (a run on the reference backend leaves them unread).
+        chunk_indices = chunk_indices_from_host(host, device) if device.type == "cuda" else None
         cu_seqlens = on_device if on_device is not None else to_device(host, device)
         return cls(cu_seqlens=_varying(cu_seqlens), host=host, seq_len=seq_len, chunk_indices=_varying(chunk_indices))
 
@@ -107,15 +109,14 @@ class Documents:
 
     def block_table(self, block: int):
         """The HOLA block table of these documents for blocks of ``block`` tokens
-        (:class:`~hola_titan.kernels.hola_triton_select.BlockTable`): made from the host copy and sent in one
+        (:class:`BlockTable`): made from the host copy and sent in one
         copy, once per batch (:meth:`derived`; inside a compiled region, built on the device with traceable
         operations)."""
-        from hola_titan.kernels import hola_triton_select
         device = self.cu_seqlens.device
         return self.derived(
             ("block_table", block),
-            lambda: hola_triton_select.block_table_from_host(self.host, block=block, device=device),
-            traceable=lambda: hola_triton_select.build_block_table(1, self.seq_len, self.cu_seqlens, block, device))
+            lambda: block_table_from_host(self.host, block=block, device=device),
+            traceable=lambda: build_block_table(1, self.seq_len, self.cu_seqlens, block, device))
 
 
 def _varying(value):
@@ -159,3 +160,107 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What every layer of a batch derives from its boundaries alone: fla's chunk indices and the HOLA block table.
+
+
+def chunk_indices_from_host(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """fla's chunk indices (``[chunks, 2]``: each chunk's sequence and its index in the sequence, in the boundaries'
+    dtype; what ``fla.ops.utils.index.prepare_chunk_indices`` returns, tested equal) of boundaries given on the
+    host (no read of a device tensor), on ``device``: made once per batch by
+    :class:`Documents` and passed to every layer."""
+    # Made with numpy from the host copy, not with fla's function: in an H200 step profile (bench_train --profile,
+    # docs/LOG.md 2026-12-04) the host spent 2.6-7.2 ms of each step's start, with the GPU idle, inside the
+    # torch.repeat_interleave of fla's CPU path (about 0.1 ms on a development machine). numpy's repeat runs on
+    # the calling thread.
+    bounds = host.numpy().astype(np.int64)
+    counts = -(-(bounds[1:] - bounds[:-1]) // CHUNK)
+    seq = np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    made = np.stack([seq, np.arange(seq.shape[0], dtype=np.int64) - first], axis=1)
+    # Sent with a pinned, non-blocking copy: a copy from pageable memory waits for the device
+    # (tests/test_step_gpu.py caught it).
+    return to_device(torch.from_numpy(made).to(host.dtype), device)
+
+
+@dataclass
+class BlockTable:
+    """Blocks of every sequence, as int32 tensors on the inputs' device (see the module docstring).
+
+    The table has a static number of rows (``B * ceil(T / C)``, or ``ceil(T / C) + N`` with ``cu_seqlens``, an
+    upper bound on the number of blocks), so building it needs no host synchronisation and traces under
+    ``torch.compile``; rows past the last real block have ``blk_len == 0`` and are skipped by every kernel.
+    """
+
+    blk_start: torch.Tensor  # [NB] flat index of the block's first token
+    blk_len: torch.Tensor  # [NB] tokens in the block (1 ... C; 0 for padding rows)
+    blk_doc_start: torch.Tensor  # [NB] flat index of the first token of the block's sequence
+    doc_start: torch.Tensor  # [N]
+    doc_len: torch.Tensor  # [N]
+    doc_first_blk: torch.Tensor  # [N]
+    doc_num_blk: torch.Tensor  # [N]
+    block: int
+    # Results that depend on the table alone (select_recency), kept for the other layers of a batch that share it.
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    FIELDS = ("blk_start", "blk_len", "blk_doc_start", "doc_start", "doc_len", "doc_first_blk", "doc_num_blk")
+    """The tensor fields (``block`` and ``derived`` aside)."""
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blk_start.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.doc_start.shape[0]
+
+
+def build_block_table(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, block: int,
+                      device: torch.device) -> BlockTable:
+    """The block table of ``batch`` rows of ``seq_len`` tokens, or of the documents of ``cu_seqlens`` (B == 1)."""
+    if cu_seqlens is None:
+        doc_start = torch.arange(batch, dtype=torch.int64, device=device) * seq_len
+        doc_len = torch.full((batch,), seq_len, dtype=torch.int64, device=device)
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        doc_start, doc_len = cu[:-1], cu[1:] - cu[:-1]
+    return block_table_of_docs(doc_start, doc_len, num_block_rows(batch, seq_len, cu_seqlens, block), block)
+
+
+def block_table_from_host(host: torch.Tensor, *, block: int, device: torch.device) -> BlockTable:
+    """The table of :func:`build_block_table` for the documents of ``host`` (CPU boundaries ``[N + 1]``, one
+    packed row), computed on the host and sent to ``device`` in one copy: what a batch's
+    :class:`Documents` builds once for all its layers, instead of some thirty small
+    device operations in every layer."""
+    host = host.to(torch.int64)
+    on_host = build_block_table(1, int(host[-1]), host, block, torch.device("cpu"))
+    sent = to_device_aligned([getattr(on_host, name) for name in BlockTable.FIELDS], device)
+    return BlockTable(**dict(zip(BlockTable.FIELDS, sent)), block=block)
+
+
+def num_block_rows(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, block: int) -> int:
+    """The rows of :func:`build_block_table`'s table, from shapes alone (an upper bound on the blocks with
+    ``cu_seqlens``: every document can add one partial block)."""
+    nb_row = -(-seq_len // block)
+    return batch * nb_row if cu_seqlens is None else nb_row + cu_seqlens.shape[0] - 1
+
+
+def block_table_of_docs(doc_start: torch.Tensor, doc_len: torch.Tensor, num_rows: int, block: int) -> BlockTable:
+    """The block table of documents at flat ``doc_start`` with ``doc_len`` tokens (int64 tensors), in sequence
+    order, with ``num_rows`` rows (an upper bound on the number of blocks, known without reading the lengths)."""
+    device = doc_start.device
+    doc_num_blk = (doc_len + block - 1) // block
+    doc_end_blk = torch.cumsum(doc_num_blk, 0)
+    doc_first_blk = doc_end_blk - doc_num_blk
+    rows = torch.arange(num_rows, dtype=torch.int64, device=device)
+    blk_doc = torch.searchsorted(doc_end_blk, rows, right=True).clamp(max=doc_start.shape[0] - 1)
+    blk_in_doc = rows - doc_first_blk[blk_doc]
+    real = rows < doc_end_blk[-1]
+    blk_start = torch.where(real, doc_start[blk_doc] + blk_in_doc * block, torch.zeros_like(rows))
+    blk_len = torch.where(real, (doc_len[blk_doc] - blk_in_doc * block).clamp(0, block), torch.zeros_like(rows))
+    i32 = torch.int32
+    return BlockTable(blk_start=blk_start.to(i32), blk_len=blk_len.to(i32), blk_doc_start=doc_start[blk_doc].to(i32),
+                      doc_start=doc_start.to(i32), doc_len=doc_len.to(i32), doc_first_blk=doc_first_blk.to(i32),
+                      doc_num_blk=doc_num_blk.to(i32), block=block)

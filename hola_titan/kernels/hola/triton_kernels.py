@@ -2,7 +2,7 @@
 
 Shape legend: B batch, T tokens, H heads, D head dim, NB blocks, W window, C block, E = NB * H * W cache slots.
 Token tensors are ``[B, T, H, D]`` contiguous and addressed as rows ``[B * T * H, D]`` (row = token * H + head);
-blocks and selections follow :mod:`hola_titan.kernels.hola_triton_select`.
+blocks and selections follow :mod:`hola_titan.kernels.hola.selection`.
 
 Math per query t of block b, head h (``s = D^-1/2``; ``r_x = rsqrt(mean(x^2) + eps)``):
     qc = q r_q gamma_q,  kc = k r_k gamma_k,  logit_tj = s qc_t . kc_j,  j in P_b u {b*C <= j <= t}
@@ -27,7 +27,7 @@ are per-program partial sums reduced by torch in a fixed order: the whole backwa
 under DQ_ATOMIC (see ``VARIANTS``), whose dq sums are atomic adds in no fixed order: the launch that a kept
 forward output takes at head dim 256 (``CONFIGS["dkdv_kept"]``) when these kernels run it, unless torch's
 deterministic algorithms are on. On an sm_90 GPU at head dim 256 a fresh call's forward and backward run instead on
-the Gluon kernels of :mod:`hola_titan.kernels.hola_gluon_attn` (same function, same partial sums, no atomic adds;
+the Gluon kernels of :mod:`hola_titan.kernels.hola.gluon_kernels` (same function, same partial sums, no atomic adds;
 ``FORWARD``, ``BACKWARD``).
 
 Two sources of keys (a call that continues from a cache, :class:`Prefix`): besides the token rows, a small tensor
@@ -115,7 +115,7 @@ VARIANTS["dkdv_kept"] = VARIANTS["dkdv"]
 
 
 # Which kernels run a fresh call's forward and backward, per head dim, on a GPU that has Hopper's warpgroup MMA
-# (sm_90): "gluon" (:mod:`hola_titan.kernels.hola_gluon_attn`, 64-row warpgroup-MMA tiles) or "triton" (the kernels
+# (sm_90): "gluon" (:mod:`hola_titan.kernels.hola.gluon_kernels`, 64-row warpgroup-MMA tiles) or "triton" (the kernels
 # here, with the CONFIGS launches). Timed on an H200 at D 256 (docs/LOG.md, 2026-12-03). Elsewhere
 # (other head dims and GPUs, float32, Triton's interpreter, a call continuing from a cache) the Triton kernels run;
 # :func:`forward_kernels` and :func:`backward_kernels` say which and why, and a run's ``paths`` lines report it.
@@ -186,24 +186,24 @@ def _kernels_choice(table: dict, d: int, dtype: torch.dtype | None, device: torc
         major, minor = torch.cuda.get_device_capability(device)
         return "triton", f"the Gluon kernels use sm_90's warpgroup MMA; this GPU is sm_{major}{minor}"
     try:
-        from hola_titan.kernels import hola_gluon_attn
+        from hola_titan.kernels.hola import gluon_kernels
     except Exception as exc:  # noqa: BLE001 - an experimental API that moved: the Triton kernels, and the reason
         return "triton", f"the Gluon kernels do not load with this Triton ({type(exc).__name__}: {exc})"
-    if hola_gluon_attn.GLUON_MISSING:
-        return "triton", f"this Triton has no Gluon ({hola_gluon_attn.GLUON_MISSING})"
+    if gluon_kernels.GLUON_MISSING:
+        return "triton", f"this Triton has no Gluon ({gluon_kernels.GLUON_MISSING})"
     version = ".".join(triton.__version__.split(".")[:2])
-    if version not in hola_gluon_attn.TRITON_VERSIONS:
-        return "triton", (f"the Gluon kernels are written for Triton {', '.join(hola_gluon_attn.TRITON_VERSIONS)}; "
+    if version not in gluon_kernels.TRITON_VERSIONS:
+        return "triton", (f"the Gluon kernels are written for Triton {', '.join(gluon_kernels.TRITON_VERSIONS)}; "
                           f"this is {triton.__version__}")
-    if d not in hola_gluon_attn.HEAD_DIMS:
-        return "triton", f"the Gluon kernels are written for head dims {hola_gluon_attn.HEAD_DIMS}, not {d}"
+    if d not in gluon_kernels.HEAD_DIMS:
+        return "triton", f"the Gluon kernels are written for head dims {gluon_kernels.HEAD_DIMS}, not {d}"
     if dtype is None:
         return "triton", "q, k and v (and the output gradient) come in different dtypes"
-    if str(dtype).removeprefix("torch.") not in hola_gluon_attn.DTYPES:
+    if str(dtype).removeprefix("torch.") not in gluon_kernels.DTYPES:
         return "triton", f"the Gluon kernels take bf16/fp16 inputs, not {dtype}"
     if continuing:
         return "triton", "a call continuing from a cache (prefix rows) runs the Triton kernels"
-    return "gluon", f"{GLUON_WHY} (hola_gluon_attn.py)"
+    return "gluon", f"{GLUON_WHY} (gluon_kernels.py)"
 
 
 def kept_output_sums_dq_atomically(d: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -215,7 +215,7 @@ def kept_output_sums_dq_atomically(d: int, dtype: torch.dtype, device: torch.dev
 
 def _kernels_label(kernels: str, why: str) -> str:
     """The start of a ``paths`` line for a choice of :func:`forward_kernels` / :func:`backward_kernels`."""
-    return f"Gluon kernels (hola_gluon_attn.py: {GLUON_WHY})" if kernels == "gluon" else f"Triton kernels ({why})"
+    return f"Gluon kernels (gluon_kernels.py: {GLUON_WHY})" if kernels == "gluon" else f"Triton kernels ({why})"
 
 
 def describe_cache_forward(d: int, dtype: torch.dtype, device: torch.device) -> str:
@@ -1034,7 +1034,7 @@ def cache_attention_fwd(q, k, v, o_state, gamma_q, gamma_k, sink, gate, sel, blk
     # (o_state is only read in the epilogue, in whatever dtype it comes.)
     if num_blocks and _launch_choice(FORWARD, "forward", d, _common_dtype(q, k, v), q.device,
                                      prefix is not None) == "gluon":
-        from hola_titan.kernels import hola_gluon_attn as gluon_attn
+        from hola_titan.kernels.hola import gluon_kernels as gluon_attn
         fcfg = gluon_attn.FWD_CONFIG
         nqt = triton.cdiv(block, fcfg["BM"])
         oc = _empty(*q.shape, dtype=q.dtype, device=q.device) if save_output else o
@@ -1107,9 +1107,9 @@ def _reduce_cache_partials(dest, pdk, pdv, dk, dv, num_slots: int, sentinel: int
 
 def _cache_attention_bwd_gluon(do, q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel, blk_start, blk_len, *,
                                block: int, window: int, o_cache: torch.Tensor | None):
-    """A fresh call's backward by the Gluon kernels (:mod:`hola_titan.kernels.hola_gluon_attn`): the same outputs
+    """A fresh call's backward by the Gluon kernels (:mod:`hola_titan.kernels.hola.gluon_kernels`): the same outputs
     as the Triton launches below, from the same partial sums and the same fixed-order reduction of the cache rows."""
-    from hola_titan.kernels import hola_gluon_attn as gluon_attn
+    from hola_titan.kernels.hola import gluon_kernels as gluon_attn
     h, d = q.shape[-2], q.shape[-1]
     num_blocks = blk_start.shape[0]
     num_tokens = q.numel() // (h * d)

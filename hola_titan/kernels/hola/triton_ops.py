@@ -1,8 +1,8 @@
 """The custom ops of the Triton backend: cache attention (forward, backward) and the score selection.
 
 ``hola::cache_attn`` (fake and autograd registrations; its backward is ``hola::cache_attn_bwd``) wraps
-:mod:`hola_titan.kernels.hola_triton_attn`, ``hola::select_topw`` wraps
-:func:`hola_titan.kernels.hola_triton_select.select_topw`. Custom ops, so that a compiled block neither traces
+:mod:`hola_titan.kernels.hola.triton_kernels`, ``hola::select_topw`` wraps
+:func:`hola_titan.kernels.hola.selection.select_topw`. Custom ops, so that a compiled block neither traces
 into Triton launches nor breaks its graph around them.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from hola_titan.kernels import hola_triton_select as _select
-from hola_titan.kernels.hola_triton_select import BlockTable
+from hola_titan.kernels.hola import selection as _select
+from hola_titan.kernels.runtime.documents import BlockTable
 
 
 @torch.library.custom_op("hola::cache_attn", mutates_args=())
@@ -20,10 +20,10 @@ def cache_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_state: to
                   blk_start: torch.Tensor, blk_len: torch.Tensor, block: int, window: int,
                   save_output: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                       torch.Tensor]:
-    """``(o, lse, r_q, r_k, o_cache)`` for ``[B, T, H, D]`` inputs; see :mod:`hola_triton_attn`. ``o_cache``,
-    the cache read's own output that the backward then reads instead of forming ``delta`` over the keys, only with
-    ``save_output`` (else an empty tensor)."""
-    from hola_titan.kernels.hola_triton_attn import cache_attention_fwd
+    """``(o, lse, r_q, r_k, o_cache)`` for ``[B, T, H, D]`` inputs; see :mod:`~hola_titan.kernels.hola.triton_kernels`.
+    ``o_cache``, the cache read's own output that the backward then reads instead of forming ``delta`` over the keys,
+    only with ``save_output`` (else an empty tensor)."""
+    from hola_titan.kernels.hola.triton_kernels import cache_attention_fwd
     q, k, v, o_state = (x.contiguous() for x in (q, k, v, o_state))
     with _device_ctx(q):
         out = cache_attention_fwd(q, k, v, o_state, gamma_q.contiguous(), gamma_k.contiguous(), sink.contiguous(),
@@ -49,7 +49,7 @@ def cache_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                                                      torch.Tensor]:
     """``(dq, dk, dv, dgamma_q, dgamma_k, dsink, dgate)``, parameter gradients in float32; ``o_cache`` the
     forward's saved one, if it kept it."""
-    from hola_titan.kernels.hola_triton_attn import cache_attention_bwd
+    from hola_titan.kernels.hola.triton_kernels import cache_attention_bwd
     with _device_ctx(q):
         return cache_attention_bwd(do.contiguous(), q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel,
                                    blk_start, blk_len, block=block, window=window,
@@ -96,9 +96,9 @@ def cache_attn_pre_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_state
                       pre_v: torch.Tensor, pre_start: torch.Tensor, pre_len: torch.Tensor, block: int,
                       window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``hola::cache_attn`` with key rows ahead of the tokens (a call that continues from a cache):
-    ``(o, lse, r_q, r_k, r_pre)``; see :class:`~hola_titan.kernels.hola_triton_attn.Prefix` for the prefix
+    ``(o, lse, r_q, r_k, r_pre)``; see :class:`~hola_titan.kernels.hola.triton_kernels.Prefix` for the prefix
     arguments ``pre_k``, ``pre_v`` ``[A, H, D]``, ``pre_start``, ``pre_len`` ``[NB]``."""
-    from hola_titan.kernels.hola_triton_attn import Prefix, cache_attention_fwd
+    from hola_titan.kernels.hola.triton_kernels import Prefix, cache_attention_fwd
     q, k, v, o_state, pre_k, pre_v = (x.contiguous() for x in (q, k, v, o_state, pre_k, pre_v))
     with _device_ctx(q):
         return cache_attention_fwd(q, k, v, o_state, gamma_q.contiguous(), gamma_k.contiguous(), sink.contiguous(),
@@ -124,7 +124,7 @@ def cache_attn_pre_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                                                 torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                 torch.Tensor]:
     """``(dq, dk, dv, dgamma_q, dgamma_k, dsink, dgate, dpre_k, dpre_v)``, parameter gradients in float32."""
-    from hola_titan.kernels.hola_triton_attn import Prefix, cache_attention_bwd
+    from hola_titan.kernels.hola.triton_kernels import Prefix, cache_attention_bwd
     with _device_ctx(q):
         return cache_attention_bwd(do.contiguous(), q, k, v, lse, rq, rk, gamma_q, gamma_k, sink, gate, sel,
                                    blk_start, blk_len, block=block, window=window,

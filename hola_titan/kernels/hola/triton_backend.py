@@ -3,16 +3,16 @@
 Shape legend: B batch, T tokens, H heads, D head dim, N sequences, NB blocks, W window.
 
 Pipeline (DESIGN §1):
-1. state path and score: :func:`hola_titan.kernels.fla_gdn.gdn_with_scores` (fla-core, the score from fla's own
+1. state path and score: :func:`hola_titan.kernels.gdn.fla_bridge.gdn_with_scores` (fla-core, the score from fla's own
    per-token update); on a CPU under ``TRITON_INTERPRET=1`` the fp32 reference state path stands in for fla,
    whose chunk kernels do not run in the interpreter;
-2. selection: :func:`hola_titan.kernels.hola_triton_select.select_topw` (``evict="score"``) or the recency window;
+2. selection: :func:`hola_titan.kernels.hola.selection.select_topw` (``evict="score"``) or the recency window;
 3. cache attention with the fused RMSNorms, sink and ``o_state + sigmoid(gate) o_cache`` epilogue:
-   :mod:`hola_titan.kernels.hola_triton_attn`, as the custom op ``hola::cache_attn`` (fake and autograd
+   :mod:`hola_titan.kernels.hola.triton_kernels`, as the custom op ``hola::cache_attn`` (fake and autograd
    registrations; its backward is the custom op ``hola::cache_attn_bwd``).
 Calls with an ``initial_cache`` read the cache's entries and buffered tokens as a prefix of key rows beside the new
-tokens, copying neither (:func:`hola_titan.kernels.hola_continue.continue_from_cache`). The custom ops live in
-:mod:`hola_titan.kernels.hola_triton_ops`, the stages the SDPA backend shares in :mod:`hola_titan.kernels.hola_stages`.
+tokens, copying neither (:func:`hola_titan.kernels.hola.continuation.continue_from_cache`). The custom ops live in
+:mod:`hola_titan.kernels.hola.triton_ops`, the stages the SDPA backend shares in :mod:`hola_titan.kernels.hola.stages`.
 """
 
 
@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from hola_titan.kernels.hola_cache import HolaCache
-from hola_titan.kernels.hola_continue import ContinuationLayout, continue_from_cache
-from hola_titan.kernels.hola_reference import merge_read
-from hola_titan.kernels.hola_stages import final_cache_from_selection, select, state_path
-from hola_titan.kernels.hola_triton_ops import cache_attn_op
-from hola_titan.kernels.hola_triton_select import BlockTable, build_block_table
+from hola_titan.kernels.hola.cache import HolaCache
+from hola_titan.kernels.hola.continuation import ContinuationLayout, continue_from_cache
+from hola_titan.kernels.hola.reference import merge_read
+from hola_titan.kernels.hola.stages import final_cache_from_selection, select, state_path
+from hola_titan.kernels.hola.triton_ops import cache_attn_op
+from hola_titan.kernels.runtime.documents import BlockTable, build_block_table
 
 
 def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, window: int, block: int, evict: str,
@@ -43,10 +43,10 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
     ``selected`` (``[NB, H, W]`` int32 flat token indices, ``-1`` empty) replaces the selection, for tests that
     compare reading given the same indices. With ``return_aux`` the result gains a dict with the scores ``m``
     ``[B, T, H]``, the selection ``sel`` and the block table. ``state_impl``: see :func:`state_path`.
-    ``overlap_backward``: the layer as one op whose backward overlaps the two paths (:mod:`hola_triton_layer`).
+    ``overlap_backward``: the layer as one op whose backward overlaps the two paths (:mod:`triton_layer`).
     ``save_cache_output``: a fresh call keeps the cache read's output for the backward (``hola::cache_attn``).
     A call with an ``initial_cache`` reads the cache as a prefix of key rows
-    (:func:`~hola_titan.kernels.hola_continue.continue_from_cache`), with the batch's ``continuation`` layout
+    (:func:`~hola_titan.kernels.hola.continuation.continue_from_cache`), with the batch's ``continuation`` layout
     when given. ``scale``: the state read's factor (None: ``D^-1/2``). ``mix`` as in ``hola_attention``: with
     ``"parts"`` the cache kernels add the gated read to zeros, and the state read is put beside it (the overlapped
     layer op, which fuses the sum, then does not apply).
@@ -55,11 +55,11 @@ def hola_attention_triton(q, k, v, g, beta, gamma_q, gamma_k, sink, gate, *, win
     bsz, seq_len, h, d = q.shape
     if save_cache_output and overlap_backward:
         raise ValueError("save_cache_output: not available with overlap_backward; choose one")
-    from hola_titan.kernels import hola_triton_layer
-    if mix == "sum" and hola_triton_layer.applies(
+    from hola_titan.kernels.hola import triton_layer
+    if mix == "sum" and triton_layer.applies(
             q, overlap_backward=overlap_backward, evict=evict, initial_cache=initial_cache, selected=selected,
             state_impl=state_impl, output_final_cache=output_final_cache, return_aux=return_aux):
-        o, final_state, _, _ = hola_triton_layer.hola_layer(
+        o, final_state, _, _ = triton_layer.hola_layer(
             q, k, v, g, beta, gamma_q, gamma_k, sink, gate, window=window, block=block, evict=evict,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, initial_state=initial_state,
             output_final_state=output_final_state, scale=scale)
