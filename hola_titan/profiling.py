@@ -78,8 +78,8 @@ def is_device_kernel(evt) -> bool:
 
 
 # Kinds of kernels by name, first match wins. This project's own Triton kernels are named in
-# hola_titan/kernels/*.py; fla's are the remaining Triton kernels of the GDN stages (chunk_*, l2norm, WY, solve_tril,
-# causal_conv1d, ...).
+# hola_titan/kernels/hola/ and kernels/fused/; fla's are the remaining Triton kernels of the GDN stages (chunk_*,
+# l2norm, WY, solve_tril, causal_conv1d, ...).
 _KINDS = (
     ("inductor", ("triton_poi", "triton_red", "triton_per", "triton_tem")),
     ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),

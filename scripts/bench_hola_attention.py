@@ -118,8 +118,7 @@ def main():
     from hola_titan.kernels.hola.fa4 import fa4_problem
     from hola_titan.kernels.hola.stages import state_path
     from hola_titan.kernels.hola.triton_ops import cache_attn_bwd_op, cache_attn_op, select_topw_op
-    from hola_titan.kernels.runtime.documents import build_block_table
-    from hola_titan.kernels.runtime.documents import Documents
+    from hola_titan.kernels.runtime.documents import Documents, build_block_table
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     import triton
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from hola_titan.kernels.gdn.reference import NORM_EPS, gated_delta_chunked, l2norm, sequence_layout, to_rows
 from hola_titan.kernels.hola.cache import HolaCache
 
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = NORM_EPS) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension."""
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)

@@ -103,8 +103,7 @@ def state_and_table(q, k, v, g, beta, *, initial_state, cu_seqlens, output_final
     if evict == "none":
         return o_state, m, final_state, None
     bsz, seq_len = q.shape[:2]
-    table = block_table if block_table is not None else build_block_table(bsz, seq_len, cu_seqlens, block,
-                                                                                  q.device)
+    table = block_table if block_table is not None else build_block_table(bsz, seq_len, cu_seqlens, block, q.device)
     return o_state, m, final_state, table
 
 

@@ -187,7 +187,8 @@ def chunk_indices_from_host(host: torch.Tensor, device: torch.device) -> torch.T
 
 @dataclass
 class BlockTable:
-    """Blocks of every sequence, as int32 tensors on the inputs' device (see the module docstring).
+    """Blocks of every sequence, as int32 tensors on the inputs' device (the layout is described in
+    :mod:`hola_titan.kernels.hola.selection`'s docstring).
 
     The table has a static number of rows (``B * ceil(T / C)``, or ``ceil(T / C) + N`` with ``cu_seqlens``, an
     upper bound on the number of blocks), so building it needs no host synchronisation and traces under
