@@ -231,31 +231,6 @@ def test_a_kernel_name_resolves_through_autotuner_and_heuristics():
         precompile.jit_function("hola_titan.kernels.hola.triton_kernels.cache_attention_fwd")
 
 
-def test_every_kernel_of_the_shipped_plans_resolves_to_its_arguments():
-    """The plans name each kernel by the module that defines it: a module moved or a kernel renamed without the
-    shipped files (``scripts/tune_kernels.py`` on a GPU, or the names rewritten and keys recomputed) would leave the
-    kernel to compile at its first launch. Every name resolves here to a Triton kernel that takes the plan's
-    arguments, and every key is the one :func:`precompile.sanitize` gives the specialisation."""
-    from hola_titan.kernels.runtime.tuned_configs import CONFIG_DIR
-
-    files = sorted(CONFIG_DIR.glob("*.json"))
-    assert len(files) >= 2, files
-    arguments: dict[str, set[str]] = {}  # kernel name -> every argument a plan passes it
-    for path in files:
-        for key, specs in json.loads(path.read_text())["plans"].items():
-            for spec in specs:
-                assert precompile.sanitize(spec) == spec, (path.name, key)
-                data = json.loads(spec)
-                arguments.setdefault(data["name"], set()).update(data["signature"])
-    ours = [n for n in arguments if n.startswith("hola_titan.")]
-    assert len(ours) >= 10 and any(n.startswith("fla.") for n in arguments), sorted(arguments)
-    for name, args in sorted(arguments.items()):
-        assert args <= set(precompile.jit_function(name).arg_names), name
-    # The check can fail: a module path that no longer holds the kernel.
-    with pytest.raises(ModuleNotFoundError):
-        precompile.jit_function("hola_titan.kernels.hola_triton_attn._cache_fwd_kernel")
-
-
 def test_the_run_s_workers_report_what_they_could_not_compile(tmp_path, monkeypatch):
     """The real path of a run (worker threads, Triton's ``preload``): on a CPU Triton cannot compile, so each
     specialisation fails inside a worker; the run is told which (one line each), nothing raises, and nothing is

@@ -164,7 +164,9 @@ def test_every_kernel_a_shipped_table_or_plan_names_resolves():
     """Tables and compile plans name kernels by the module that defines them (``kernel_name``): a kernel renamed or
     moved would silently stop being served or precompiled. Every name in every shipped file is a Triton kernel of
     the installed fla-core or of this package, defined under that very name (a re-export under an old path would
-    resolve, but the table, keyed by the defining module, would no longer serve it)."""
+    resolve, but the table, keyed by the defining module, would no longer serve it). A plan's specialisation names
+    only arguments its kernel takes, and its key is the one ``precompile.sanitize`` gives it (names rewritten by hand
+    after a move must have their keys recomputed)."""
     from hola_titan.kernels.runtime import precompile
 
     paths = sorted(tuned_configs.CONFIG_DIR.glob("*.json"))
@@ -172,15 +174,25 @@ def test_every_kernel_a_shipped_table_or_plan_names_resolves():
     for path in paths:
         data = tuned_configs.read_file(path)
         names = set(data["kernels"])  # fla's autotuned kernels
-        names |= {json.loads(spec)["name"] for specs in data.get("plans", {}).values() for spec in specs}
+        arguments: dict[str, set[str]] = {}  # each plan kernel -> every argument a specialisation passes it
+        for key, specs in data.get("plans", {}).items():
+            for spec in specs:
+                assert precompile.sanitize(spec) == spec, f"{path.name}: a specialisation of {key} has a stale key"
+                spec = json.loads(spec)
+                arguments.setdefault(spec["name"], set()).update(spec["signature"])
+        names |= set(arguments)
         assert any(n.startswith("hola_titan.") for n in names) and any(n.startswith("fla.") for n in names), path.name
         for name in sorted(names):
             try:
-                fn = precompile.jit_function(name).fn
+                fn = precompile.jit_function(name)
             except (ImportError, AttributeError, LookupError) as error:
                 pytest.fail(f"{path.name}: {name} does not resolve to a Triton kernel ({type(error).__name__}: "
                             f"{error})")
-            assert f"{fn.__module__}.{fn.__qualname__}" == name, f"{path.name}: {name} is defined elsewhere"
+            assert f"{fn.fn.__module__}.{fn.fn.__qualname__}" == name, f"{path.name}: {name} is defined elsewhere"
+            assert arguments.get(name, set()) <= set(fn.arg_names), f"{path.name}: {name} takes other arguments"
+    # The check can fail: a module path that no longer holds the kernel.
+    with pytest.raises(ModuleNotFoundError):
+        precompile.jit_function("hola_titan.kernels.hola_triton_attn._cache_fwd_kernel")
 
 
 def test_the_trainer_records_its_choice(tmp_path):
