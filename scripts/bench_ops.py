@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+ITEMS = ("conv_eager", "conv_compiled", "conv_fla", "conv_fused", "norm_compiled", "swiglu_compiled")
 
 
 def _args(argv):
@@ -30,10 +31,12 @@ def _args(argv):
     p.add_argument("--hidden", type=int, default=2816, help="SwiGLU hidden width")
     p.add_argument("--docs", type=int, default=64, help="documents in the packed row (random lengths)")
     p.add_argument("--rep-ms", type=int, default=100)
-    p.add_argument("--items", default="conv_eager,conv_compiled,conv_fla,conv_fused,norm_compiled,norm_fused,"
-                                      "swiglu_compiled",
-                   help="comma-separated rows")
-    return p.parse_args(argv)
+    p.add_argument("--items", default=",".join(ITEMS), help=f"comma-separated rows, of {', '.join(ITEMS)}")
+    args = p.parse_args(argv)
+    unknown = [item for item in args.items.split(",") if item not in ITEMS]
+    if unknown:
+        p.error(f"--items: unknown {', '.join(unknown)}; expected some of {', '.join(ITEMS)}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -128,12 +131,6 @@ def main(argv=None) -> int:
         return _RMSNormFunction.apply(x, w, 1e-6, torch.bfloat16)
 
     row("norm_compiled", lambda: norm_fn(x, w).backward(dy), norm_bytes, "torch.compile(_RMSNormFunction)")
-    try:
-        from hola_titan.kernels.fused_norm import rms_norm
-        row("norm_fused", lambda: rms_norm(x, w, eps=1e-6, out_dtype=torch.bfloat16).backward(dy), norm_bytes,
-            "hola_titan.kernels.fused_norm")
-    except ImportError as err:
-        rows.append(dict(item="norm_fused", error=str(err)))
 
     # SwiGLU: a, b read (fwd), a, b, dp read and da, db written (bwd), p written.
     a = torch.randn(1, n, args.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)

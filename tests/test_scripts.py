@@ -422,3 +422,16 @@ def test_predict_layouts_reads_the_committed_measurements(tmp_path):
     slow_rows = {r["layout"]: r for r in json.loads((tmp_path / "s" / "predictions.json").read_text())["rows"]}
     assert slow_rows["340M_fsdp2"]["speedup"] < 1.85 < rows["340M_fsdp2"]["speedup"]
     assert "| 340M_fsdp2 | 2 |" in result.stdout
+
+
+def test_bench_ops_takes_only_the_rows_it_has(capsys):
+    """``bench_ops.py --items``: its rows by default, any of them, and an unknown row (a typo, or a row it no longer
+    has) refused by name before any GPU work, not skipped without a word."""
+    from helpers import load_script
+
+    bench = load_script("bench_ops")
+    assert bench._args([]).items.split(",") == list(bench.ITEMS)
+    assert bench._args(["--items", "conv_fused,norm_compiled"]).items == "conv_fused,norm_compiled"
+    with pytest.raises(SystemExit):
+        bench._args(["--items", "conv_fused,norm_fused"])
+    assert "--items: unknown norm_fused; expected some of conv_eager" in capsys.readouterr().err
