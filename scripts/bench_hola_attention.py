@@ -50,7 +50,12 @@ import torch
 import torch.nn.functional as F
 
 
-def parse_args():
+# The rows --items can name (main's ``items``, in this order).
+ITEMS = ("gdn_fla", "gdn_adapter", "hola_triton", "hola_triton_overlap", "hola_triton_keep", "hola_triton_tbwd",
+         "hola_triton_keep_tbwd", "hola_triton_tall", "hola_sdpa", "hola_fa4", "hola_fa4_split", "sdpa_causal")
+
+
+def parse_args(argv=None):
     from hola_titan.kernels.runtime.tuned_configs import CHOICE_HELP
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="outputs/bench_hola_attention.json")
@@ -69,15 +74,17 @@ def parse_args():
                    help="stage rows and sweep: the cache op keeping its output for the backward (save_cache_output)")
     p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--rows", action="store_true", help="B rows of T tokens instead of one packed row")
-    p.add_argument("--items", default="gdn_fla,gdn_adapter,hola_triton,hola_triton_overlap,hola_triton_keep,"
-                                      "hola_triton_tbwd,hola_triton_keep_tbwd,hola_triton_tall,hola_sdpa,hola_fa4,hola_fa4_split,"
-                                      "sdpa_causal",
-                   help="comma-separated rows to time (default: all)")
+    p.add_argument("--items", default=",".join(ITEMS),
+                   help=f"comma-separated rows to time, of {', '.join(ITEMS)} (default: all)")
     p.add_argument("--kernel-configs", default="auto", help=CHOICE_HELP)
     p.add_argument("--profile", action="store_true",
                    help="also profile the GDN, Triton and fa4 rows (torch.profiler): GPU kernel time per "
                         "call by kernel, and the gap between the timed call and its kernels (host-bound time)")
-    return p.parse_args()
+    args = p.parse_args(argv)
+    unknown = [name for name in _names(args.items) if name not in ITEMS]
+    if unknown:
+        p.error(f"--items: unknown {', '.join(unknown)}; expected some of {', '.join(ITEMS)}")
+    return args
 
 
 def bench(fn, grad_to_none, rep_ms):
@@ -211,6 +218,7 @@ def main():
                                                                        triton_kernels.BACKWARD)), x),
                  "hola_sdpa": (hola("sdpa"), x), "hola_fa4": (hola("fa4"), x), "hola_fa4_split": (hola_fa4_split, x),
                  "sdpa_causal": (sdpa_causal, [qa, ka, va])}
+        assert tuple(items) == ITEMS, "ITEMS must list main's rows"
         wanted = set(_names(args.items))
         items = {k: val for k, val in items.items() if k in wanted}
         if args.sweep_only:

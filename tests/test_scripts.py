@@ -425,8 +425,9 @@ def test_predict_layouts_reads_the_committed_measurements(tmp_path):
 
 
 def test_bench_ops_takes_only_the_rows_it_has(capsys):
-    """``bench_ops.py --items``: its rows by default, any of them, and an unknown row (a typo, or a row it no longer
-    has) refused by name before any GPU work, not skipped without a word."""
+    """``bench_ops.py`` and ``bench_hola_attention.py --items``: their rows by default, any of them, and an unknown
+    row (a typo, or a row the script no longer has) refused by name before any GPU work, not skipped without a
+    word."""
     from helpers import load_script
 
     bench = load_script("bench_ops")
@@ -435,3 +436,8 @@ def test_bench_ops_takes_only_the_rows_it_has(capsys):
     with pytest.raises(SystemExit):
         bench._args(["--items", "conv_fused,norm_fused"])
     assert "--items: unknown norm_fused; expected some of conv_eager" in capsys.readouterr().err
+    hola = load_script("bench_hola_attention")
+    assert hola.parse_args([]).items.split(",") == list(hola.ITEMS)
+    with pytest.raises(SystemExit):
+        hola.parse_args(["--items", "hola_triton,hola_flex"])
+    assert "--items: unknown hola_flex; expected some of gdn_fla" in capsys.readouterr().err
