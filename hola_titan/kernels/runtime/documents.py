@@ -7,8 +7,13 @@ host issues the next launches (a third of a GDN layer's forward + backward when 
 docs/LOG.md). Two readers need the values: ``hola_attention``'s argument check and fla's chunk indices. A
 :class:`Documents` is made once per batch (by the trainer from the loader's host copy, or by the model from a
 bare tensor, read once) and handed to every layer through ``forward``: it carries the checked device tensor,
-its host copy and what every layer derives from it (fla's chunk indices), so no layer reads the device and
-nothing about a batch lives outside the objects that batch's forward receives.
+its host copy and what every layer derives from it (fla's chunk indices, the HOLA block table), so no layer reads
+the device and nothing about a batch lives outside the objects that batch's forward receives.
+
+What is derived lives here, beside :class:`Documents`, and is made from the host copy in one copy to the device:
+:func:`chunk_indices_from_host` for fla's chunked state path, and the block table (:class:`BlockTable`,
+:func:`block_table_from_host`, :func:`build_block_table`) that the HOLA cache read's tiers all take
+(:mod:`hola_titan.kernels.hola.selection` describes its layout). Nothing here imports the rest of the package.
 """
 
 from __future__ import annotations
