@@ -190,6 +190,48 @@ def test_model_code_never_imports_torch_distributed():
     assert _distributed_uses('"""Never touches torch.distributed."""') == []
 
 
+# Which folders of hola_titan/kernels/ each folder's modules may import (DESIGN §8): one way, from the top down.
+KERNEL_LAYERS = {"runtime": {"runtime"}, "fused": {"fused"}, "gdn": {"gdn", "runtime"},
+                 "hola": {"hola", "gdn", "runtime"}}
+
+
+def _kernel_imports(source: str) -> set[str]:
+    """The folders of ``hola_titan.kernels`` that ``source`` imports (lazy imports inside functions included):
+    ``"hola"`` for ``hola_titan.kernels.hola.stages``, ``""`` for a module at the package's top."""
+    folders = set()
+    for node in ast.walk(ast.parse(source)):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                 if isinstance(node, ast.ImportFrom) and node.module else [])
+        for name in names:
+            parts = name.split(".")
+            if parts[:2] == ["hola_titan", "kernels"] and len(parts) > 2:
+                folder = parts[2] if (REPO / "hola_titan" / "kernels" / parts[2]).is_dir() else ""
+                if folder or len(parts) == 3:
+                    folders.add(folder)
+    return folders
+
+
+def test_the_kernel_folders_import_one_way():
+    """``runtime`` imports nothing else of the package, ``fused`` nothing, ``gdn`` only ``runtime``, ``hola`` ``gdn``
+    and ``runtime``; only ``dispatch.py``, above them, may import every folder. A circle between the folders (as
+    between ``seqlens.py``, ``fla_gdn.py`` and ``hola_triton_select.py`` before the layout) fails here."""
+    kernels = REPO / "hola_titan" / "kernels"
+    assert set(KERNEL_LAYERS) == {p.name for p in kernels.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    offenders = []
+    for folder, allowed in KERNEL_LAYERS.items():
+        for path in sorted((kernels / folder).glob("*.py")):
+            wrong = _kernel_imports(path.read_text()) - allowed
+            if wrong:
+                offenders.append(f"{path.relative_to(REPO)} imports {sorted(wrong)}")
+    assert not offenders, "; ".join(offenders)
+    # The check can fail: a lazy import up the layers, a top-level module, and the package-relative form.
+    assert _kernel_imports("def f():\n    from hola_titan.kernels.hola.stages import select\n") == {"hola"}
+    assert _kernel_imports("from hola_titan.kernels import dispatch") == {""}
+    assert _kernel_imports("from hola_titan.kernels.hola import selection") == {"hola"}
+    assert _kernel_imports("import torch") == set()
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_blocks_live_in_a_module_dict_keyed_by_layer_index(flavour):
     model = _meta_model(flavour, "debug", VOCAB)
