@@ -232,6 +232,21 @@ def test_the_kernel_folders_import_one_way():
     assert _kernel_imports("import torch") == set()
 
 
+def test_every_package_folder_is_in_the_wheel():
+    """pyproject lists the packages a wheel carries (``[tool.setuptools] packages``): a folder of modules left out of
+    the list installs from a checkout (``pip install -e``) and goes missing from a wheel. Every folder of
+    ``hola_titan`` with an ``__init__.py`` is listed, every listed one exists, and the shipped kernel tables are
+    package data of the folder that holds them."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "hola_titan").rglob("__init__.py")}
+    assert "hola_titan.kernels.hola" in folders and len(folders) >= 9, folders
+    assert set(setuptools["packages"]) == folders
+    tables = sorted((REPO / "hola_titan" / "kernels" / "runtime" / "configs").glob("*.json"))
+    assert tables and setuptools["package-data"]["hola_titan.kernels.runtime"] == ["configs/*.json"]
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_blocks_live_in_a_module_dict_keyed_by_layer_index(flavour):
     model = _meta_model(flavour, "debug", VOCAB)
